@@ -1,0 +1,31 @@
+"""amped: mixed-precision training for PyTorch, in plain Python.
+
+``amped.autocast`` and ``amped.GradScaler`` are drop-ins for ``torch.autocast`` and
+``torch.amp.GradScaler``; :class:`amped.Policy` is autocast's op policy as data you can
+read and change.
+"""
+
+from amped.autocast import (
+    autocast,
+    current_policy,
+    custom_bwd,
+    custom_fwd,
+    get_autocast_dtype,
+    is_autocast_enabled,
+)
+from amped.policy import Cast, ModuleRule, Policy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Cast",
+    "ModuleRule",
+    "Policy",
+    "__version__",
+    "autocast",
+    "current_policy",
+    "custom_bwd",
+    "custom_fwd",
+    "get_autocast_dtype",
+    "is_autocast_enabled",
+]

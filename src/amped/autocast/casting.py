@@ -1,0 +1,204 @@
+"""Casting the arguments of one op call according to its :class:`~amped.policy.Cast`.
+
+Mirrors ``at::autocast::cached_cast`` and the ``WrapFunction_`` policies in torch's
+``autocast_mode.h``: only floating tensors on the region's device type are cast,
+float64 never is, and float32 leaf tensors that require grad (the weights) are cast
+once per region and reused. The cast is a plain ``Tensor.to``, so autograd records it
+and gradients flow back to the float32 originals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from amped.policy import Cast
+
+__all__ = ["WeightCache", "device_type_of", "run"]
+
+_Tensor = torch.Tensor
+_FLOAT32 = torch.float32
+_FLOAT64 = torch.float64
+
+BINARY_CROSS_ENTROPY_BANNED = (
+    "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
+    "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
+    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
+    "safe to autocast."
+)
+
+
+class WeightCache:
+    """Low-precision copies of weights, kept for the outermost autocast region.
+
+    Keyed by the source tensor's identity and the target dtype; the entry holds the
+    source too, so its id cannot be reused by another tensor while the entry lives.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        key = (id(tensor), dtype)
+        entry = self._entries.get(key)
+        if entry is not None and entry[0] is tensor:
+            return entry[1]
+        casted = tensor.to(dtype)
+        self._entries[key] = (tensor, casted)
+        return casted
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+def _on_device(t: torch.Tensor, device_type: str) -> bool:
+    if device_type == "cpu":
+        return t.is_cpu or t.is_mkldnn
+    if device_type == "cuda":
+        return t.is_cuda
+    return t.device.type == device_type
+
+
+def _eligible(t: torch.Tensor, device_type: str) -> bool:
+    return t.is_floating_point() and t.dtype is not _FLOAT64 and _on_device(t, device_type)
+
+
+def _cacheable(t: torch.Tensor) -> bool:
+    return (
+        t.dtype is _FLOAT32
+        and t.requires_grad
+        and t.is_leaf
+        and not t._is_view()
+        and not torch._C._is_cached_tensor(t)
+    )
+
+
+def _cast(
+    value: Any, dtype: torch.dtype, device_type: str, low: torch.dtype, cache: WeightCache | None
+) -> Any:
+    if isinstance(value, _Tensor):
+        if value.dtype is dtype or not _eligible(value, device_type):
+            return value
+        if cache is not None and dtype is low and _cacheable(value):
+            return cache.cast(value, dtype)
+        return value.to(dtype)
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], _Tensor):
+        return type(value)(_cast(v, dtype, device_type, low, cache) for v in value)
+    return value
+
+
+def _cast_call(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dtype: torch.dtype,
+    device_type: str,
+    low: torch.dtype,
+    cache: WeightCache | None,
+) -> Any:
+    args = tuple(_cast(a, dtype, device_type, low, cache) for a in args)
+    kwargs = {k: _cast(v, dtype, device_type, low, cache) for k, v in kwargs.items()}
+    return func(*args, **kwargs)
+
+
+def _first_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if args:
+        return args[0]
+    return kwargs.get("input", kwargs.get("self"))
+
+
+def _dtype_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+
+
+def _promote_type(values: Any, device_type: str, low: torch.dtype) -> torch.dtype:
+    # at::autocast::prioritize: float32 wins over the low dtype, float64 is ignored.
+    current = low
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for t in items:
+            if not isinstance(t, _Tensor) or not _eligible(t, device_type):
+                continue
+            if t.dtype is _FLOAT32:
+                current = _FLOAT32
+            elif t.dtype is not low:
+                raise RuntimeError("Unexpected floating ScalarType in at::autocast::prioritize")
+    return current
+
+
+def _to_low(out: Any, low: torch.dtype) -> Any:
+    if isinstance(out, _Tensor):
+        return out.to(low) if out.dtype is _FLOAT32 else out
+    if isinstance(out, tuple):
+        items = [_to_low(o, low) for o in out]
+        return type(out)(items) if type(out) is not tuple else tuple(items)
+    if isinstance(out, list):
+        return [_to_low(o, low) for o in out]
+    return out
+
+
+def run(
+    cast: Cast,
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device_type: str,
+    low: torch.dtype,
+    cache: WeightCache | None,
+) -> Any:
+    """Call ``func`` with its arguments cast as ``cast`` says, in a region of dtype ``low``."""
+    if cast is Cast.LOWER:
+        return _cast_call(func, args, kwargs, low, device_type, low, cache)
+    if cast is Cast.FP32:
+        return _cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache)
+    if cast is Cast.FP32_SET_OPT_DTYPE or cast is Cast.FP32_APPEND_DTYPE:
+        first = _first_arg(args, kwargs)
+        if (
+            isinstance(first, _Tensor)
+            and _eligible(first, device_type)
+            and not _dtype_given(args, kwargs)
+        ):
+            kwargs = {**kwargs, "dtype": _FLOAT32}
+            if cast is Cast.FP32_APPEND_DTYPE and len(args) < 2 and "p" not in kwargs:
+                kwargs["p"] = 2  # norm(x) is norm(x, p=2); the dtype overload needs p spelled out
+        return func(*args, **kwargs)
+    if cast is Cast.PROMOTE:
+        to = _promote_type((*args, *kwargs.values()), device_type, low)
+        return _cast_call(func, args, kwargs, to, device_type, low, cache)
+    if cast is Cast.FP32_LOW_OUT:
+        return _to_low(_cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache), low)
+    if cast is Cast.KEEP:
+        return func(*args, **kwargs)
+    if cast is Cast.BANNED:
+        if getattr(func, "__name__", "") == "binary_cross_entropy":
+            raise RuntimeError(BINARY_CROSS_ENTROPY_BANNED)
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)} is banned inside an autocast region by the "
+            "active policy. Run it outside the region, or move it to another category "
+            "with Policy.with_ops()."
+        )
+    raise AssertionError(f"unhandled cast {cast!r}")  # every Cast member is handled above
+
+
+def device_type_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    """The device type whose autocast rules apply to a call, as torch's dispatcher picks it.
+
+    An accelerator tensor anywhere in the arguments wins over CPU tensors (a CPU scalar
+    tensor next to CUDA tensors still dispatches to CUDA).
+    """
+    found = None
+    for value in (*args, *kwargs.values()):
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for t in items:
+            if isinstance(t, _Tensor):
+                if t.is_cpu:
+                    found = "cpu"
+                else:
+                    return t.device.type
+    return found

@@ -1,0 +1,123 @@
+"""``custom_fwd`` / ``custom_bwd``: autocast for custom ``torch.autograd.Function`` s.
+
+Same contract as ``torch.amp.custom_fwd`` / ``custom_bwd``: ``custom_fwd`` records the
+autocast state of ``forward`` on ``ctx`` (and, with ``cast_inputs``, runs ``forward``
+with autocast off on inputs cast to that dtype); ``custom_bwd`` runs ``backward`` with
+the state ``forward`` saw. amped also records the active policy, so ``backward`` runs
+under the same amped policy as ``forward``.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from amped.autocast import state
+from amped.autocast.region import autocast
+
+__all__ = ["custom_bwd", "custom_fwd"]
+
+
+def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        eligible = (
+            value.is_floating_point()
+            and value.device.type == device_type
+            and value.dtype is not torch.float64
+        )
+        return value.to(dtype) if eligible else value
+    if isinstance(value, (str, bytes)):
+        return value
+    if isinstance(value, collections.abc.Mapping):
+        return {_cast(k, device_type, dtype): _cast(v, device_type, dtype) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast(v, device_type, dtype) for v in value)
+    return value
+
+
+def _check_device_type(device_type: object) -> None:
+    if not isinstance(device_type, str):
+        raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
+
+
+def custom_fwd(
+    fwd: Callable[..., Any] | None = None,
+    *,
+    device_type: str,
+    cast_inputs: torch.dtype | None = None,
+) -> Any:
+    """Decorate the ``forward`` of a custom autograd Function for autocast.
+
+    Args:
+        device_type: the device type whose autocast state applies (``"cpu"``, ``"cuda"``).
+        cast_inputs: if given and ``forward`` runs in an enabled region, floating
+            tensors on ``device_type`` are cast to this dtype and ``forward`` runs with
+            autocast disabled. If None, ``forward``'s ops follow the current region.
+
+    Example:
+        >>> import torch, amped
+        >>> class Square(torch.autograd.Function):
+        ...     @staticmethod
+        ...     @amped.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+        ...     def forward(ctx, x):
+        ...         ctx.save_for_backward(x)
+        ...         return x * x
+        ...     @staticmethod
+        ...     @amped.custom_bwd(device_type="cpu")
+        ...     def backward(ctx, grad):
+        ...         (x,) = ctx.saved_tensors
+        ...         return 2 * x * grad
+        >>> with amped.autocast("cpu"):
+        ...     Square.apply(torch.ones(2, dtype=torch.bfloat16)).dtype
+        torch.float32
+    """
+    _check_device_type(device_type)
+    if fwd is None:
+        return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+
+    @functools.wraps(fwd)
+    def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
+        ctx = args[0]
+        ctx._dtype = torch.get_autocast_dtype(device_type)
+        ctx._amped_policy = state.current_policy(device_type)
+        enabled = torch.is_autocast_enabled(device_type)
+        if cast_inputs is None:
+            ctx._fwd_used_autocast = enabled
+            return fwd(*args, **kwargs)
+        ctx._fwd_used_autocast = False
+        if not enabled:
+            return fwd(*args, **kwargs)
+        with autocast(device_type=device_type, enabled=False):
+            return fwd(*_cast(args, device_type, cast_inputs), **_cast(kwargs, device_type, cast_inputs))
+
+    return decorate_fwd
+
+
+def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> Any:
+    """Decorate the ``backward`` of a custom autograd Function: run it with the
+    autocast state (and amped policy) that ``forward`` ran with.
+
+    Args:
+        device_type: the device type whose autocast state applies.
+    """
+    _check_device_type(device_type)
+    if bwd is None:
+        return functools.partial(custom_bwd, device_type=device_type)
+
+    @functools.wraps(bwd)
+    def decorate_bwd(*args: Any, **kwargs: Any) -> Any:
+        ctx = args[0]
+        policy = getattr(ctx, "_amped_policy", None)
+        with autocast(
+            device_type=device_type,
+            enabled=ctx._fwd_used_autocast,
+            dtype=ctx._dtype,
+            policy=policy,
+        ):
+            return bwd(*args, **kwargs)
+
+    return decorate_bwd

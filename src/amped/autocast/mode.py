@@ -1,0 +1,129 @@
+"""The engine: a TorchFunctionMode that applies the active policy op by op.
+
+Three kinds of call reach ``__torch_function__``:
+
+* a C-level binding of an op the active policy lists (``torch.mm``, ``F.linear``):
+  its arguments are cast by :func:`amped.autocast.casting.run` and the op runs with
+  torch's C++ autocast excluded, so the policy is authoritative and nothing is cast
+  twice (this is what torch's own autocast kernels do);
+* a Python function that dispatched to us through ``handle_torch_function``
+  (``F.softmax``, ``F.multi_head_attention_forward``, ``Tensor.__rpow__``): it runs with
+  the mode pushed again, one hop skipped, so every op inside it reaches the policy;
+* anything else: it runs unchanged. torch's C++ autocast stays on for it, exactly as
+  under ``torch.autocast``, so C++ composites that the policy does not name (``einsum``
+  on CPU, ``pad``, ``lstm``) cast their inner ops as torch would.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from amped.autocast import casting, transparent
+from amped.autocast.targets import callables_for
+from amped.policy import Cast, Policy
+
+__all__ = ["AutocastMode", "compiled_rules"]
+
+_FunctionType = types.FunctionType
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+for _key in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1"):
+    if hasattr(torch._C.DispatchKey, _key):
+        _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _key))
+
+_COMPILED: dict[tuple[Policy, torch.dtype], dict[Callable[..., Any], Cast]] = {}
+
+
+def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any], Cast]:
+    """The policy's rules under ``dtype``, keyed by the Python callables the mode sees."""
+    key = (policy, dtype)
+    table = _COMPILED.get(key)
+    if table is None:
+        table = {}
+        for op, cast in policy.rules_for(dtype).items():
+            for fn in callables_for(op) if isinstance(op, str) else _custom_targets(op):
+                table[fn] = cast
+        if len(_COMPILED) > 64:  # policies are few; keep the memo from growing without bound
+            _COMPILED.clear()
+        _COMPILED[key] = table
+    return table
+
+
+def _custom_targets(op: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
+    # A torch.ops packet reaches the mode as one of its overloads, and the other way round.
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return (op, *(getattr(op, name) for name in op.overloads()))
+    return (op,)
+
+
+def exclude_torch_autocast() -> Any:
+    """A guard under which torch's C++ autocast kernels do not run (one per use)."""
+    return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS)
+
+
+class AutocastMode(TorchFunctionMode):
+    """Applies the policies of the amped regions active on this thread.
+
+    One instance per thread is on the torch-function stack while any amped region is
+    open there; :mod:`amped.autocast.state` keeps its fields current.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
+        self.listed: frozenset[Callable[..., Any]] = frozenset()
+        self.override: str | None = None  # "fp32" / "low" inside a module rule
+        self.cache = casting.WeightCache()
+        self.running: set[Callable[..., Any]] = set()  # Python functions run transparently
+
+    def refresh(self) -> None:
+        """Recompute which callables any active policy lists (after a region change)."""
+        listed: set[Callable[..., Any]] = set()
+        for policy in self.policies.values():
+            for dtype in (torch.float16, torch.bfloat16):
+                listed.update(compiled_rules(policy, dtype))
+        self.listed = frozenset(listed)
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if kwargs is None:
+            kwargs = {}
+        if func in self.listed:
+            return self._apply(func, args, kwargs)
+        if type(func) is _FunctionType and func not in self.running:
+            # A Python method that calls ``super().same_name()`` (Tensor.unflatten) comes
+            # back here with itself as ``func``; that inner call then runs plainly.
+            self.running.add(func)
+            try:
+                with self:
+                    return transparent.call(func, types, args, kwargs)
+            finally:
+                self.running.discard(func)
+        if self.override is not None:
+            with exclude_torch_autocast():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _apply(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        device_type = casting.device_type_of(args, kwargs)
+        policy = self.policies.get(device_type) if device_type is not None else None
+        if policy is None or not torch.is_autocast_enabled(device_type):
+            return func(*args, **kwargs)
+        low = torch.get_autocast_dtype(device_type)
+        cast = compiled_rules(policy, low).get(func)
+        if cast is None:
+            return func(*args, **kwargs)
+        if self.override is not None and cast not in (Cast.KEEP, Cast.BANNED):
+            cast = Cast.FP32 if self.override == "fp32" else Cast.LOWER
+        cache = self.cache if torch.is_autocast_cache_enabled() else None
+        with exclude_torch_autocast():
+            return casting.run(cast, func, args, kwargs, device_type, low, cache)

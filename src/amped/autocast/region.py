@@ -1,0 +1,200 @@
+"""``amped.autocast``: the region, as context manager and decorator."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+from amped.autocast import state
+from amped.policy import TORCH_OP_TABLES, Policy
+
+__all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _resolve_policy(policy: Policy | str | None, device_type: str) -> Policy | None:
+    if device_type not in TORCH_OP_TABLES:
+        if policy is not None:
+            raise ValueError(
+                f"amped has autocast policies for device types {list(TORCH_OP_TABLES)}; on "
+                f"{device_type!r} torch's own autocast runs without one. Drop the policy "
+                f"argument there. Received: device_type={device_type!r}, policy={policy!r}"
+            )
+        return None
+    if policy is None:
+        return Policy.preset("torch", device_type)
+    if isinstance(policy, str):
+        return Policy.preset(policy, device_type)
+    if not isinstance(policy, Policy):
+        raise TypeError(
+            "policy must be an amped.Policy, a preset name ('torch', 'strict') or None. "
+            f"Received: policy={policy!r} (of type {type(policy).__name__})"
+        )
+    if policy.device_type != device_type:
+        raise ValueError(
+            f"This policy is for {policy.device_type!r} but the region is for "
+            f"{device_type!r}; build one with Policy.preset(name, {device_type!r}). "
+            f"Received: device_type={device_type!r}, policy={policy!r}"
+        )
+    return policy
+
+
+class autocast:  # noqa: N801 - torch's name, for a drop-in
+    """A region in which each op runs in the precision the policy gives it.
+
+    A drop-in for :class:`torch.autocast`: same arguments, defaults, nesting and
+    thread-local state (``torch.is_autocast_enabled()`` is true inside), and with the
+    default policy bitwise identical results. Ops the policy lists as low precision
+    (matmul, conv, linear, ...) run in ``dtype``; float32-listed ops run in float32;
+    promote-listed ops run at the widest input type; all others run on the dtypes they
+    receive. Only floating tensors on ``device_type`` are cast; float64 never is.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"`` (other types torch supports run torch's
+            own autocast with no amped policy).
+        dtype: the low dtype, ``torch.bfloat16`` or ``torch.float16``; by default
+            ``torch.get_autocast_dtype(device_type)`` (bfloat16 on CPU, float16 on CUDA).
+        enabled: False makes the region a no-op, as in torch.
+        cache_enabled: cache low-precision copies of the weights for the outermost
+            region (default: torch's current setting, normally True).
+        policy: an :class:`amped.Policy`, a preset name (``"torch"``, ``"strict"``), or
+            None for ``"torch"``.
+
+    Raises:
+        ValueError: ``device_type`` is not a string, or the policy is for another device.
+        RuntimeError: torch has no autocast for ``device_type``.
+
+    Example:
+        >>> import torch, amped
+        >>> a, b = torch.rand(8, 8), torch.rand(8, 8)
+        >>> with amped.autocast("cpu"):
+        ...     torch.mm(a, b).dtype, torch.add(a, b).dtype
+        (torch.bfloat16, torch.float32)
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+        *,
+        policy: Policy | str | None = None,
+    ) -> None:
+        if not isinstance(device_type, str):
+            raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
+        if not torch.amp.is_autocast_available(device_type):
+            raise RuntimeError(
+                f"User specified an unsupported autocast device_type '{device_type}'. "
+                "Autocast is available for device types such as 'cpu' and 'cuda' (those "
+                "torch.amp.is_autocast_available() accepts)."
+            )
+        self.device = device_type
+        self.fast_dtype = torch.get_autocast_dtype(device_type) if dtype is None else dtype
+        self._cache_enabled = (
+            torch.is_autocast_cache_enabled() if cache_enabled is None else cache_enabled
+        )
+        self.policy = _resolve_policy(policy, device_type)
+        self._enabled = enabled and self._dtype_usable()
+        self._saved: list[tuple[bool, bool, torch.dtype, bool]] = []
+
+    def _dtype_usable(self) -> bool:
+        if self.device == "cuda":
+            if torch.cuda.amp.common.amp_definitely_not_available():
+                warnings.warn(
+                    "CUDA is not available or torch_xla is imported. Disabling autocast.",
+                    stacklevel=3,
+                )
+                return False
+            if self.fast_dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+                raise RuntimeError(
+                    "Current CUDA Device does not support bfloat16. Please switch dtype to float16."
+                )
+            return True
+        if self.fast_dtype not in _SUPPORTED_DTYPES:
+            name = self.device.upper()
+            warnings.warn(
+                f"In {name} autocast, but the target dtype is not supported. Disabling "
+                f"autocast.\n{name} Autocast only supports dtypes of "
+                + ", ".join(map(str, _SUPPORTED_DTYPES))
+                + " currently.",
+                stacklevel=3,
+            )
+            return False
+        return True
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
+    def __enter__(self) -> autocast:
+        dev = self.device
+        pushed = self._enabled and self.policy is not None
+        self._saved.append(
+            (
+                pushed,
+                torch.is_autocast_cache_enabled(),
+                torch.get_autocast_dtype(dev),
+                torch.is_autocast_enabled(dev),
+            )
+        )
+        torch.set_autocast_enabled(dev, self._enabled)
+        torch.set_autocast_dtype(dev, self.fast_dtype)
+        torch.autocast_increment_nesting()
+        torch.set_autocast_cache_enabled(self._cache_enabled)
+        if pushed:
+            assert self.policy is not None
+            state.enter(dev, self.policy)
+        return self
+
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> bool:
+        dev = self.device
+        pushed, cache_enabled, dtype, enabled = self._saved.pop()
+        if pushed:
+            assert self.policy is not None
+            state.exit(dev, self.policy)
+        if torch.autocast_decrement_nesting() == 0:
+            torch.clear_autocast_cache()
+            state.clear_cache()
+        torch.set_autocast_enabled(dev, enabled)
+        torch.set_autocast_dtype(dev, dtype)
+        torch.set_autocast_cache_enabled(cache_enabled)
+        return False
+
+    def __call__(self, func: F) -> F:
+        if not callable(func):
+            raise TypeError(
+                f"autocast()(func) requires a callable, but got {type(func).__name__}. "
+                "Did you mean to use autocast as a context manager? For example:\n"
+                "    with amped.autocast(device_type=...):\n"
+                "        output = model(input)"
+            )
+
+        @functools.wraps(func)
+        def decorate_autocast(*args: Any, **kwargs: Any) -> Any:
+            with self:
+                return func(*args, **kwargs)
+
+        return decorate_autocast  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return (
+            f"amped.autocast({self.device!r}, dtype={self.fast_dtype}, enabled={self._enabled}, "
+            f"cache_enabled={self._cache_enabled}, policy={self.policy!r})"
+        )
+
+
+def is_autocast_enabled(device_type: str = "cuda") -> bool:
+    """Whether autocast (amped's or torch's) is on for ``device_type`` on this thread."""
+    return torch.is_autocast_enabled(device_type)
+
+
+def get_autocast_dtype(device_type: str) -> torch.dtype:
+    """The low dtype autocast uses for ``device_type`` on this thread."""
+    return torch.get_autocast_dtype(device_type)

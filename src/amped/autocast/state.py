@@ -1,0 +1,174 @@
+"""Per-thread state of amped's autocast regions, and the module rules' hooks.
+
+torch keeps "is autocast on, and at which dtype" in thread-local C++ state, and model
+code reads it (``torch.is_autocast_enabled()``). amped regions set that same state, so
+the engine reads it back per op: a nested ``torch.autocast(enabled=False)`` in model
+code turns amped's casting off there too. What torch has no place for lives here: the
+policy of the innermost amped region per device type, and the one
+:class:`~amped.autocast.mode.AutocastMode` this thread has on the torch-function stack.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from amped.autocast.mode import AutocastMode
+from amped.policy import ModuleRule, Policy
+
+__all__ = ["enter", "exit", "current_policy"]
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.mode: AutocastMode | None = None
+        self.depth = 0
+        self.policies: dict[str, list[Policy]] = {}
+        self.frames: list[tuple[torch.nn.Module, Any]] = []
+        self.names: dict[int, str] = {}
+
+
+_state = _ThreadState()
+
+
+def current_policy(device_type: str) -> Policy | None:
+    """The policy of the innermost enabled amped region for ``device_type`` on this thread."""
+    stack = _state.policies.get(device_type)
+    return stack[-1] if stack else None
+
+
+def enter(device_type: str, policy: Policy) -> None:
+    """Make ``policy`` active for ``device_type`` on this thread (an enabled region opens)."""
+    st = _state
+    if st.mode is None:
+        st.mode = AutocastMode()
+        st.mode.__enter__()
+    st.depth += 1
+    st.policies.setdefault(device_type, []).append(policy)
+    _publish(st)
+    if policy.module_rules:
+        _hooks.acquire()
+
+
+def exit(device_type: str, policy: Policy) -> None:
+    """Undo the matching :func:`enter`; the outermost exit drops the mode and its cache."""
+    st = _state
+    st.policies[device_type].pop()
+    st.depth -= 1
+    if policy.module_rules:
+        _hooks.release()
+    mode = st.mode
+    if mode is None:
+        return
+    if st.depth == 0:
+        st.mode = None
+        mode.cache.clear()
+        st.names = {}
+        mode.__exit__(None, None, None)
+    else:
+        _publish(st)
+
+
+def clear_cache() -> None:
+    """Drop this thread's cached low-precision weight copies."""
+    if _state.mode is not None:
+        _state.mode.cache.clear()
+
+
+def _publish(st: _ThreadState) -> None:
+    mode = st.mode
+    assert mode is not None  # called only while a region is open
+    active = {dev: stack[-1] for dev, stack in st.policies.items() if stack}
+    if active != mode.policies:
+        mode.policies = active
+        mode.refresh()
+
+
+# --- module rules --------------------------------------------------------------------
+
+
+def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule | None:
+    name = _state.names.get(id(module))
+    for policy in policies.values():
+        for rule in reversed(policy.module_rules):  # later rules take precedence
+            if rule.matches(module, name):
+                return rule
+    return None
+
+
+def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    st = _state
+    mode = st.mode
+    if mode is None:
+        return None
+    if not st.frames:  # the outermost module call of the region: name its submodules
+        st.names = {id(m): name for name, m in module.named_modules()}
+    rule = _match(module, mode.policies)
+    if rule is None:
+        st.frames.append((module, None))
+        return None
+    saved = (mode.override, {dev: torch.is_autocast_enabled(dev) for dev in mode.policies})
+    st.frames.append((module, saved))
+    if rule.precision == "skip":
+        for dev in mode.policies:
+            torch.set_autocast_enabled(dev, False)
+        return None
+    mode.override = rule.precision
+    if rule.precision == "fp32":
+        return tuple(_to_float32(a, mode.policies) for a in args)
+    return None
+
+
+def _to_float32(value: Any, device_types: dict[str, Policy]) -> Any:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dtype is not torch.float64
+        and value.device.type in device_types
+    ):
+        return value.float()
+    return value
+
+
+def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    st = _state
+    if not st.frames or st.frames[-1][0] is not module:
+        return
+    _, saved = st.frames.pop()
+    if saved is not None and st.mode is not None:
+        override, enabled = saved
+        st.mode.override = override
+        for dev, was_enabled in enabled.items():
+            torch.set_autocast_enabled(dev, was_enabled)
+
+
+class _GlobalHooks:
+    """Module hooks, installed while any region whose policy has module rules is open."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._handles: list[Any] = []
+
+    def acquire(self) -> None:
+        with self._lock:
+            self._users += 1
+            if self._users == 1:
+                self._handles = [
+                    nn_module.register_module_forward_pre_hook(_pre_hook),
+                    nn_module.register_module_forward_hook(_post_hook, always_call=True),
+                ]
+
+    def release(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for handle in self._handles:
+                    handle.remove()
+                self._handles = []
+
+
+_hooks = _GlobalHooks()

@@ -1,0 +1,68 @@
+"""Where an op named in a policy shows up at the Python level.
+
+A :class:`~torch.overrides.TorchFunctionMode` sees Python callables, not ATen ops:
+``torch.mm``, ``Tensor.mm``, ``Tensor.__matmul__``, ``torch._C._nn.linear`` (which is
+``F.linear``), ``torch._C._linalg.linalg_vecdot`` (``torch.linalg.vecdot``). This module
+maps an ATen name to every C-level callable that binds it, plus a few Python-exposed
+C++ composites that do nothing but forward to one listed op (``nll_loss_nd`` calls
+``nll_loss`` or ``nll_loss2d``), so a rule for the op applies to them too.
+
+Python-level wrappers (``F.softmax``, ``torch.norm``, ``Tensor.__rpow__``) need no entry:
+the engine runs them transparently and sees the C-level call inside.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["callables_for"]
+
+# C-level namespaces whose functions are bound to ATen ops by name.
+_NAMESPACES: tuple[Any, ...] = (
+    torch._C._VariableFunctions,
+    torch._C._nn,
+    torch._C._linalg,
+    torch._C._fft,
+    torch._C._special,
+    torch._C.TensorBase,
+)
+
+# Operator methods of Tensor implemented in C that bind an op under another name.
+_DUNDERS = {
+    "matmul": ("__matmul__",),
+    "pow": ("__pow__",),
+}
+
+# Python-exposed C++ composites that only forward to the listed op named here.
+_FORWARDERS = {
+    "nll_loss": ("nll_loss_nd",),
+    "softmax": ("special_softmax",),
+    "log_softmax": ("special_log_softmax",),
+}
+
+
+@functools.cache
+def callables_for(name: str) -> tuple[Callable[..., Any], ...]:
+    """Every C-level callable through which Python code reaches the ATen op ``name``."""
+    found: list[Callable[..., Any]] = []
+    for attr in (name, *_DUNDERS.get(name, ()), *_FORWARDERS.get(name, ())):
+        for namespace in _NAMESPACES:
+            fn = namespace.__dict__.get(attr) if isinstance(namespace, type) else None
+            if fn is None:
+                fn = getattr(namespace, attr, None)
+            if fn is not None and _is_builtin(fn) and fn not in found:
+                found.append(fn)
+    return tuple(found)
+
+
+def _is_builtin(fn: object) -> bool:
+    # Python functions are run transparently by the engine; only C bindings are targets.
+    return callable(fn) and not isinstance(fn, type) and type(fn).__name__ in {
+        "builtin_function_or_method",
+        "method_descriptor",
+        "wrapper_descriptor",
+    }

@@ -1,0 +1,72 @@
+"""Run a Python-level torch function so that the ops inside it stay visible to the mode.
+
+While a TorchFunctionMode handles a call, torch pops the mode. A composite written in
+Python (``F.multi_head_attention_forward``, ``F.softmax``, ``torch.norm``) would then run
+its inner ``linear``/``bmm``/``softmax`` unseen, and the policy would silently not apply
+inside it. So the mode pushes itself again and calls the function with one hop of
+torch-function dispatch skipped: the function's own ``has_torch_function`` check passes
+through, and everything it calls is dispatched to the mode as usual.
+
+torch >= 2.13 offers exactly that as ``torch.overrides.redispatch_function``. Older
+releases get the same effect from a copy of the function whose module-level
+``has_torch_function*`` names resolve to functions that return False.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch.overrides
+
+__all__ = ["call", "call_with_clone"]
+
+_CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+
+
+def _never(*args: Any, **kwargs: Any) -> bool:
+    return False
+
+
+_GLOBALS: dict[int, dict[str, Any]] = {}
+
+
+def _transparent_globals(module_globals: dict[str, Any]) -> dict[str, Any]:
+    key = id(module_globals)
+    found = _GLOBALS.get(key)
+    if found is None:
+        found = dict(module_globals)
+        for name in _CHECKS:
+            if name in found:
+                found[name] = _never
+        _GLOBALS[key] = found
+    return found
+
+
+@functools.cache
+def _clone(func: types.FunctionType) -> types.FunctionType:
+    clone = types.FunctionType(
+        func.__code__,
+        _transparent_globals(func.__globals__),
+        func.__name__,
+        func.__defaults__,
+        func.__closure__,
+    )
+    clone.__kwdefaults__ = func.__kwdefaults__
+    clone.__dict__.update(func.__dict__)
+    return clone
+
+
+def call_with_clone(
+    func: Callable[..., Any], types_: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The fallback for torch releases without ``redispatch_function``."""
+    if isinstance(func, types.FunctionType):
+        return _clone(func)(*args, **kwargs)
+    return func(*args, **kwargs)
+
+
+call: Callable[..., Any] = getattr(torch.overrides, "redispatch_function", call_with_clone)
+"""Call a Python torch function with its own torch-function check skipped once."""

@@ -1,0 +1,31 @@
+"""Shared fixtures: every test must leave autocast state as it found it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from amped.autocast import state as amped_state
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def _snapshot() -> tuple[object, ...]:
+    per_device = tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
+    return (
+        per_device,
+        torch.is_autocast_cache_enabled(),
+        torch._C._len_torch_function_stack(),
+        amped_state._state.depth,
+        torch.get_default_dtype(),
+    )
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_autocast_state():
+    before = _snapshot()
+    yield
+    after = _snapshot()
+    assert after == before, f"test leaked autocast state: before={before}, after={after}"

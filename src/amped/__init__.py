@@ -14,13 +14,16 @@ from amped.autocast import (
     is_autocast_enabled,
 )
 from amped.policy import Cast, ModuleRule, Policy
+from amped.scaling import GradScaler, ScaleRecord
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Cast",
+    "GradScaler",
     "ModuleRule",
     "Policy",
+    "ScaleRecord",
     "__version__",
     "autocast",
     "current_policy",

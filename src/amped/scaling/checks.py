@@ -1,0 +1,99 @@
+"""Argument checks for the scaling layer, with errors in one voice.
+
+Every message says what was wrong and what is allowed, and ends with
+``Received: name=value (of type T)``. ``TypeError`` for a wrong type, ``ValueError``
+for a wrong value; call-order errors are raised where the order is known.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+__all__ = [
+    "check_bool",
+    "check_device_type",
+    "check_int",
+    "check_real",
+    "check_scale_bound",
+    "received",
+]
+
+
+def received(name: str, value: object) -> str:
+    """The closing sentence of every argument error."""
+    return f"Received: {name}={value!r} (of type {type(value).__name__})"
+
+
+def check_real(name: str, value: object, *, low: float, high: float, rule: str) -> float:
+    """Return ``value`` as a float if it is a finite real number strictly inside (low, high).
+
+    Args:
+        name: the argument's name, as the user wrote it.
+        value: what the user passed.
+        low: exclusive lower bound.
+        high: exclusive upper bound.
+        rule: why the bounds are what they are, one sentence.
+    """
+    # bool is an int to Python; a scale of True is a bug, not a number.
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number. {rule} {received(name, value)}")
+    number = float(value)
+    if not (math.isfinite(number) and low < number < high):
+        raise ValueError(f"`{name}` is out of range. {rule} {received(name, value)}")
+    return number
+
+
+def check_int(name: str, value: object, *, minimum: int, rule: str) -> int:
+    """Return ``value`` if it is an int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an int. {rule} {received(name, value)}")
+    if value < minimum:
+        raise ValueError(f"`{name}` must be >= {minimum}. {rule} {received(name, value)}")
+    return int(value)
+
+
+def check_bool(name: str, value: object) -> bool:
+    """Return ``value`` as a bool; ints 0 and 1 pass (argparse flags often are ints)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    raise TypeError(f"`{name}` must be True or False. {received(name, value)}")
+
+
+def check_scale_bound(name: str, value: object) -> float | None:
+    """Return a ``min_scale``/``max_scale`` bound: None, or a finite float > 0."""
+    if value is None:
+        return None
+    return check_real(
+        name,
+        value,
+        low=0.0,
+        high=math.inf,
+        rule="A scale bound is None (unbounded) or a finite number > 0.",
+    )
+
+
+def check_device_type(value: object) -> str:
+    """Return the device type of a ``device`` argument: ``"cuda"``, ``"cpu"``, ...
+
+    torch takes a string; a :class:`torch.device` is accepted too. Only the type
+    matters: the scale lives on the device of the first tensor passed to ``scale()``.
+    """
+    if isinstance(value, torch.device):
+        return value.type
+    if not isinstance(value, str):
+        raise TypeError(
+            "`device` must be a device type string such as 'cuda' or 'cpu'. "
+            + received("device", value)
+        )
+    try:
+        return torch.device(value).type
+    except RuntimeError as error:
+        raise ValueError(
+            f"`device` is not a device torch knows ({error}). Use 'cuda', 'cpu' or another "
+            f"torch device type. {received('device', value)}"
+        ) from None

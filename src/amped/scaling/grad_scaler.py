@@ -1,0 +1,336 @@
+"""``amped.GradScaler``: a drop-in for ``torch.amp.GradScaler`` with pluggable strategies.
+
+Host-device syncs, per optimizer step: exactly one, in :meth:`GradScaler.step`, to
+decide whether to call ``optimizer.step()`` (none for optimizers that unscale inside
+their own step, such as torch's fused Adam). :meth:`GradScaler.scale`,
+:meth:`GradScaler.unscale_` and :meth:`GradScaler.update` never sync, whatever the
+strategy. Reading the scale (``get_scale``, ``state_dict``, pickling) syncs, as in torch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import warnings
+from collections import abc, defaultdict
+from importlib.util import find_spec
+from typing import Any, overload
+
+import torch
+
+from amped.scaling import config as cfg
+from amped.scaling.checks import check_bool, check_device_type, received
+from amped.scaling.records import History
+from amped.scaling.scaler_base import GradScalerBase, OptimizerState, OptState
+from amped.scaling.strategies import GrowthFactors, ScaleState
+from amped.scaling.unscale import PerDevice, combine_on, unscale_grads_
+
+__all__ = ["GradScaler"]
+
+
+class GradScaler(GradScalerBase):
+    """Scales the loss so small float16 gradients survive; skips steps that overflow.
+
+    A drop-in for :class:`torch.amp.GradScaler`: same arguments, defaults, methods,
+    call-order errors and ``state_dict`` keys, and with the defaults bitwise the same
+    scales and parameters. ``scale(loss)`` multiplies the loss by the scale;
+    ``step(optimizer)`` unscales the gradients, and calls ``optimizer.step()`` only if
+    none holds an inf or NaN; ``update()`` moves the scale (see
+    :mod:`amped.scaling.strategies` for the rules).
+
+    Args:
+        device: device type of the gradients: ``"cuda"`` (default), ``"cpu"``, ...
+            With ``"cuda"`` and no CUDA, warns and disables itself, as torch does.
+        init_scale: the first scale, a finite number > 0.
+        growth_factor: multiplies the scale after ``growth_interval`` clean
+            iterations; > 1.
+        backoff_factor: multiplies the scale after an iteration with inf/NaN
+            gradients; in (0, 1).
+        growth_interval: clean iterations in a row before the scale grows; >= 1.
+        enabled: if False, every method is a pass-through (``step`` just calls
+            ``optimizer.step``), so one loop serves fp32, bf16 and fp16.
+        dynamic: keyword-only. False fixes the scale at ``init_scale`` (steps with
+            inf/NaN gradients are still skipped).
+        hysteresis: keyword-only. Back off only on the ``hysteresis``-th overflow in
+            a row (DeepSpeed's and Megatron's meaning); 1, the default, is torch's rule.
+        min_scale: keyword-only. The scale never backs off below this.
+        max_scale: keyword-only. The scale never grows above this.
+        record_history: keyword-only. Keep a :class:`~amped.ScaleRecord` per update in
+            :attr:`history`, at no extra sync.
+
+    Example:
+        >>> import torch, amped
+        >>> param = torch.tensor(2.0, requires_grad=True)
+        >>> optimizer = torch.optim.SGD([param], lr=0.1)
+        >>> scaler = amped.GradScaler("cpu")
+        >>> scaler.scale(param**2 + 3).backward()
+        >>> param.grad
+        tensor(262144.)
+        >>> scaler.step(optimizer)
+        >>> scaler.update()
+        >>> param
+        tensor(1.6000, requires_grad=True)
+    """
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        *,
+        dynamic: bool = True,
+        hysteresis: int = 1,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+        record_history: bool = False,
+    ) -> None:
+        self._device = check_device_type(device)
+        self._enabled = check_bool("enabled", enabled)
+        self._init_scale = cfg.check_scale("init_scale", init_scale)
+        self._growth_factor = cfg.check_growth_factor(growth_factor)
+        self._backoff_factor = cfg.check_backoff_factor(backoff_factor)
+        self._growth_interval = cfg.check_growth_interval(growth_interval)
+        self._set_strategy(
+            cfg.StrategyConfig.checked(dynamic, hysteresis, min_scale, max_scale, self._init_scale)
+        )
+        self._init_growth_tracker = 0
+        # The scale and counters live on the device of the first tensor scale() sees,
+        # so they are made there, lazily.
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._counters: dict[str, torch.Tensor] = {}
+        self._per_optimizer_states: defaultdict[int, OptimizerState] = defaultdict(OptimizerState)
+        self._history = History() if check_bool("record_history", record_history) else None
+        self._updates = 0
+        self._last_skipped: bool | torch.Tensor = False
+        self._synced = False  # whether this iteration's step() has synced already
+        if self._device == "cuda" and self._enabled and _cuda_definitely_unavailable():
+            warnings.warn(
+                "amped.GradScaler is enabled, but CUDA is not available.  Disabling. "
+                "Pass device='cpu' to scale on the CPU.",
+                stacklevel=2,
+            )
+            self._enabled = False
+
+    @overload
+    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def scale(self, outputs: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    @overload
+    def scale(self, outputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]: ...
+
+    @overload
+    def scale(self, outputs: abc.Iterable[torch.Tensor]) -> abc.Iterable[torch.Tensor]: ...
+
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a tensor, or nested lists/tuples/iterables of tensors, by the scale.
+
+        Lists and tuples keep their type; other iterables come back as lazy ``map``
+        objects, as in torch. Returns ``outputs`` unchanged when disabled. No sync.
+
+        Raises:
+            ValueError: ``outputs`` holds something other than tensors and iterables.
+        """
+        if not self._enabled:
+            return outputs
+        if isinstance(outputs, torch.Tensor):
+            scale = self._scale if self._scale is not None else self._lazy_init(outputs.device)
+            return outputs * scale.to(device=outputs.device, non_blocking=True)
+        replicas: list[PerDevice] = []  # one, made at the first tensor met
+        return self._scale_nested(outputs, replicas)
+
+    def _scale_nested(self, value: Any, replicas: list[PerDevice]) -> Any:
+        if isinstance(value, torch.Tensor):
+            if not replicas:
+                scale = self._scale if self._scale is not None else self._lazy_init(value.device)
+                replicas.append(PerDevice(scale))
+            return value * replicas[0].get(value.device)
+        if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
+            scaled = map(lambda item: self._scale_nested(item, replicas), value)
+            return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
+        raise ValueError(
+            "outputs must be a Tensor or an iterable of Tensors (lists and tuples may "
+            f"nest). {received('outputs', value)}"
+        )
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, in place, and look for inf/NaN.
+
+        Optional: call it to clip or inspect true gradients before :meth:`step`, once
+        per optimizer per iteration. Sparse float16 gradients are coalesced, replacing
+        ``.grad``. No sync.
+
+        Raises:
+            RuntimeError: called twice for this optimizer since ``update()``, or after
+                ``step()``, or before ``scale()``.
+            ValueError: a float16 gradient ("Attempting to unscale FP16 gradients.").
+        """
+        if not self._enabled:
+            return
+        scale, _ = self._require_scale("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state.stage is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state.stage is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        # A float32 division may be inexact under some compile options; the reciprocal
+        # is taken in float64 and rounded once (torch does the same). MPS has no float64.
+        if scale.device.type == "mps":
+            inv_scale = scale.reciprocal()
+        else:
+            inv_scale = scale.double().reciprocal().float()
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state.found_inf_per_device = unscale_grads_(
+            optimizer, inv_scale, found_inf, allow_fp16=False
+        )
+        state.stage = OptState.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless :meth:`unscale_` did), then ``optimizer.step(*args, **kwargs)``
+        if no gradient holds an inf or NaN.
+
+        Returns ``optimizer.step``'s return value, or None when the step is skipped.
+        Syncs once, to decide; an optimizer with ``_step_supports_amp_scaling`` (torch's
+        fused and capturable ones) gets ``grad_scale`` and ``found_inf`` attributes and
+        decides on the device, with no sync.
+
+        Raises:
+            RuntimeError: a closure (unsupported, as in torch), ``step()`` twice since
+                ``update()``, a call before ``scale()``, or no gradients to check.
+        """
+        if not self._enabled:
+            return optimizer.step(*args, **kwargs)
+        # A closure would recompute an unscaled loss inside optimizer.step.
+        if "closure" in kwargs or (args and callable(args[0])):
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        scale, _ = self._require_scale("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state.stage is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            return self._step_in_optimizer(optimizer, state, scale, args, kwargs)
+        if state.stage is OptState.READY:
+            self.unscale_(optimizer)
+        if not state.found_inf_per_device:
+            raise RuntimeError(
+                "No inf checks were recorded for this optimizer: none of its parameters has "
+                "a gradient. Call scaler.scale(loss).backward() before scaler.step()."
+            )
+        found = combine_on(scale.device, list(state.found_inf_per_device.values()))
+        # The one host-device sync of the step (it also fetches waiting history records).
+        flag = found.item() if self._history is None else self._history.fetch(found)
+        self._synced = True
+        self._last_skipped = flag > 0
+        retval = None if self._last_skipped else optimizer.step(*args, **kwargs)
+        state.stage = OptState.STEPPED
+        return retval
+
+    def _step_in_optimizer(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: OptimizerState,
+        scale: torch.Tensor,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """torch's contract with optimizers that unscale and skip inside their step."""
+        if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            warnings.warn(
+                "GradScaler is going to stop passing itself as a keyword argument to the "
+                "passed optimizer. In the near future GradScaler registers `grad_scale: "
+                "Tensor` and `found_inf: Tensor` to the passed optimizer and let the "
+                "optimizer use them directly.",
+                FutureWarning,
+                stacklevel=3,
+            )
+            optimizer_step: Any = optimizer.step
+            retval = optimizer_step(*args, **{**kwargs, "grad_scaler": self})
+            state.stage = OptState.STEPPED
+            return retval
+        if state.stage is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        found_inf = combine_on(scale.device, list(state.found_inf_per_device.values()))
+        # Unscaled already: the optimizer must not unscale again. Otherwise multiply in a
+        # grad_scale the user may have set on the optimizer.
+        if state.stage is OptState.UNSCALED:
+            grad_scale = getattr(optimizer, "grad_scale", None)
+        else:
+            grad_scale = scale * getattr(optimizer, "grad_scale", 1)
+        optimizer.grad_scale = grad_scale  # type: ignore[attr-defined]
+        optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+        retval = optimizer.step(*args, **kwargs)
+        state.stage = OptState.STEPPED
+        del optimizer.grad_scale  # type: ignore[attr-defined]
+        del optimizer.found_inf  # type: ignore[attr-defined]
+        self._last_skipped = found_inf
+        return retval
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Move the scale by the strategy, after every optimizer's ``step()`` of the iteration.
+
+        With ``new_scale`` (a float, or a 1-element float tensor on the scaler's device
+        type without grad), the scale is set to it instead, bypassing the strategy.
+        No sync.
+
+        Raises:
+            RuntimeError: before ``scale()``, or no ``unscale_``/``step`` this iteration.
+            TypeError, ValueError: a ``new_scale`` of the wrong type or value.
+        """
+        if not self._enabled:
+            return
+        scale, tracker = self._require_scale("update")
+        found_infs = [
+            flag
+            for state in self._per_optimizer_states.values()
+            for flag in state.found_inf_per_device.values()
+        ]
+        if new_scale is None and not found_infs:
+            raise RuntimeError(
+                "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
+                "(or scaler.unscale_(optimizer)) for each optimizer before scaler.update()."
+            )
+        before = scale.clone() if self._history is not None else None
+        found = combine_on(scale.device, found_infs)
+        if new_scale is not None:
+            value = cfg.check_new_scale(new_scale, self._device)
+            if isinstance(value, float):
+                scale.fill_(value)
+            else:
+                scale.copy_(value)
+        else:
+            factors = GrowthFactors(
+                self._growth_factor, self._backoff_factor, self._growth_interval
+            )
+            self._strategy.update(ScaleState(scale, tracker, self._counters), found, factors)
+        if before is not None:
+            self._record([before, found, self._skipped_flag(scale.device), scale, tracker])
+        self._updates += 1
+        self._synced = False
+        self._per_optimizer_states = defaultdict(OptimizerState)
+
+    def _skipped_flag(self, device: torch.device) -> torch.Tensor:
+        """Nonzero if an optimizer that stepped this iteration found inf/NaN (so skipped)."""
+        return combine_on(
+            device,
+            [
+                combine_on(device, list(state.found_inf_per_device.values()))
+                for state in self._per_optimizer_states.values()
+                if state.stage is OptState.STEPPED and state.found_inf_per_device
+            ],
+        )
+
+    def _record(self, values: list[torch.Tensor]) -> None:
+        if self._history is not None:
+            streak = self._counters.get("overflow_streak", torch.zeros_like(values[-1]))
+            self._history.add(self._updates, [*values, streak], may_sync=not self._synced)
+
+
+def _cuda_definitely_unavailable() -> bool:
+    # torch's test: no CUDA and no torch_xla (whose GradScaler path reuses "cuda").
+    return not (torch.cuda.is_available() or find_spec("torch_xla"))

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 from torch import nn
 
-# Soak test: the poisoned run skips ~5% of 1000 steps of SGD on a least-squares
-# problem whose optimum is known in closed form. Both runs converge to that optimum
-# (the clean run in a few hundred steps), so each run's final full-batch loss must be
-# within 1% of the other's; the gap left by 50 skipped steps, of a loss that has
-# already converged, is far below that (measured: about 1e-4 relative).
+# Soak test: SGD on a least-squares problem with a known optimum, learning rate decayed
+# to zero. The poisoned run skips ~5% of its 1000 steps (and its scheduler skips with
+# it), so it ends on the same optimum a little less settled. Stated bound: the two
+# final losses within 1% of each other, and each within 1% of the closed-form optimum.
+# Measured over four poison seeds: gap 0.03-0.08%, excess over the optimum 0.3-0.4%
+# (the rest of minibatch noise), so the bound has a margin of about 10x and 2.5x.
 SOAK_REL_LOSS_GAP = 1e-2
 
 POISONS = ("loss_inf", "loss_nan", "grad_inf", "grad_nan")

@@ -1,11 +1,12 @@
 """Autocast layer: the engine that applies a :class:`~amped.policy.Policy` op by op."""
 
-from amped.autocast.custom import custom_bwd, custom_fwd
+from amped.autocast.custom import autocast_op, custom_bwd, custom_fwd
 from amped.autocast.region import autocast, get_autocast_dtype, is_autocast_enabled
 from amped.autocast.state import current_policy
 
 __all__ = [
     "autocast",
+    "autocast_op",
     "current_policy",
     "custom_bwd",
     "custom_fwd",

@@ -19,7 +19,7 @@ import torch
 from amped.autocast import state
 from amped.autocast.region import autocast
 
-__all__ = ["custom_bwd", "custom_fwd"]
+__all__ = ["autocast_op", "custom_bwd", "custom_fwd"]
 
 
 def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
@@ -121,3 +121,38 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> An
             return bwd(*args, **kwargs)
 
     return decorate_bwd
+
+
+def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Make a Python function an op that autocast policies can name.
+
+    autocast sees calls through torch's function-override protocol; a plain Python
+    function is invisible to it (its inner torch calls are seen one by one). Decorate
+    it, then list the decorated function in a policy to cast its inputs as a whole.
+    Every tensor argument (also inside lists and tuples) counts for the override.
+
+    Example:
+        >>> import torch, amped
+        >>> @amped.autocast_op
+        ... def scaled_dot(q, k):
+        ...     return (q * k).sum(-1) / q.shape[-1] ** 0.5
+        >>> policy = amped.Policy.preset("torch", "cpu").with_ops(lower=[scaled_dot])
+        >>> with amped.autocast("cpu", policy=policy):
+        ...     scaled_dot(torch.randn(2, 4), torch.randn(2, 4)).dtype
+        torch.bfloat16
+    """
+    if not callable(func):
+        raise TypeError(
+            f"autocast_op decorates a function. Received: {func!r} (of type {type(func).__name__})"
+        )
+
+    def tensors(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        found: list[Any] = []
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, (list, tuple)):
+                found.extend(v for v in value if isinstance(v, torch.Tensor))
+            elif isinstance(value, torch.Tensor):
+                found.append(value)
+        return tuple(found)
+
+    return torch.overrides.wrap_torch_function(tensors)(func)

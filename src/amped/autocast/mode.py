@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from amped.autocast import casting, transparent
 from amped.autocast.targets import callables_for
-from amped.policy import Cast, Policy
+from amped.policy import LOW_DTYPES, Cast, Policy
 
 __all__ = ["AutocastMode", "compiled_rules"]
 
@@ -59,7 +59,13 @@ def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any
 
 
 def _custom_targets(op: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
-    # A torch.ops packet reaches the mode as one of its overloads, and the other way round.
+    # A custom op reaches the mode as its packet (torch.ops.ns.name) or as an overload
+    # (torch.ops.ns.name.default, which is what calling a @custom_op function does).
+    opdef = getattr(op, "_opoverload", None)  # torch.library.custom_op's CustomOpDef
+    if isinstance(opdef, torch._ops.OpOverload):
+        op = opdef.overloadpacket
+    if isinstance(op, torch._ops.OpOverload):
+        op = op.overloadpacket
     if isinstance(op, torch._ops.OpOverloadPacket):
         return (op, *(getattr(op, name) for name in op.overloads()))
     return (op,)
@@ -80,6 +86,7 @@ class AutocastMode(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
+        self.tables: dict[str, dict[torch.dtype, dict[Callable[..., Any], Cast]]] = {}
         self.listed: frozenset[Callable[..., Any]] = frozenset()
         self.override: str | None = None  # "fp32" / "low" inside a module rule
         self.cache = casting.WeightCache()
@@ -87,11 +94,13 @@ class AutocastMode(TorchFunctionMode):
 
     def refresh(self) -> None:
         """Recompute which callables any active policy lists (after a region change)."""
-        listed: set[Callable[..., Any]] = set()
-        for policy in self.policies.values():
-            for dtype in (torch.float16, torch.bfloat16):
-                listed.update(compiled_rules(policy, dtype))
-        self.listed = frozenset(listed)
+        self.tables = {
+            device_type: {dtype: compiled_rules(policy, dtype) for dtype in LOW_DTYPES}
+            for device_type, policy in self.policies.items()
+        }
+        self.listed = frozenset(
+            fn for per_dtype in self.tables.values() for table in per_dtype.values() for fn in table
+        )
 
     def __torch_function__(
         self,
@@ -120,11 +129,12 @@ class AutocastMode(TorchFunctionMode):
 
     def _apply(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         device_type = casting.device_type_of(args, kwargs)
-        policy = self.policies.get(device_type) if device_type is not None else None
-        if policy is None or not torch.is_autocast_enabled(device_type):
+        tables = self.tables.get(device_type) if device_type is not None else None
+        if tables is None or not torch.is_autocast_enabled(device_type):
             return func(*args, **kwargs)
         low = torch.get_autocast_dtype(device_type)
-        cast = compiled_rules(policy, low).get(func)
+        table = tables.get(low)
+        cast = table.get(func) if table is not None else None
         if cast is None:
             return func(*args, **kwargs)
         if self.override is not None and cast not in (Cast.KEEP, Cast.BANNED):

@@ -45,6 +45,20 @@ def _resolve_policy(policy: Policy | str | None, device_type: str) -> Policy | N
     return policy
 
 
+def _check_available(device_type: str) -> None:
+    try:
+        available = torch.amp.is_autocast_available(device_type)
+        reason = ""
+    except RuntimeError as error:  # not a device type torch knows at all
+        available, reason = False, f" ({error})"
+    if not available:
+        raise RuntimeError(
+            f"User specified an unsupported autocast device_type '{device_type}'{reason}. "
+            "Autocast is available for device types such as 'cpu' and 'cuda' (those "
+            "torch.amp.is_autocast_available() accepts)."
+        )
+
+
 class autocast:  # noqa: N801 - torch's name, for a drop-in
     """A region in which each op runs in the precision the policy gives it.
 
@@ -89,12 +103,7 @@ class autocast:  # noqa: N801 - torch's name, for a drop-in
     ) -> None:
         if not isinstance(device_type, str):
             raise ValueError(f"Expected `device_type` of type `str`, got: `{type(device_type)}`")
-        if not torch.amp.is_autocast_available(device_type):
-            raise RuntimeError(
-                f"User specified an unsupported autocast device_type '{device_type}'. "
-                "Autocast is available for device types such as 'cpu' and 'cuda' (those "
-                "torch.amp.is_autocast_available() accepts)."
-            )
+        _check_available(device_type)
         self.device = device_type
         self.fast_dtype = torch.get_autocast_dtype(device_type) if dtype is None else dtype
         self._cache_enabled = (

@@ -47,7 +47,12 @@ _FORWARDERS = {
 
 @functools.cache
 def callables_for(name: str) -> tuple[Callable[..., Any], ...]:
-    """Every C-level callable through which Python code reaches the ATen op ``name``."""
+    """Every C-level callable through which Python code reaches the ATen op ``name``
+    (or, for ``"namespace::name"``, the custom op's packet and its overloads)."""
+    if "::" in name:
+        namespace, _, short = name.partition("::")
+        packet = getattr(getattr(torch.ops, namespace), short)
+        return (packet, *(getattr(packet, o) for o in packet.overloads()))
     found: list[Callable[..., Any]] = []
     for attr in (name, *_DUNDERS.get(name, ()), *_FORWARDERS.get(name, ())):
         for namespace in _NAMESPACES:

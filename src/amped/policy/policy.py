@@ -23,8 +23,10 @@ from amped.policy.ops import TORCH_OP_TABLES, Cast, torch_default_rules
 __all__ = ["LOW_DTYPES", "ModuleRule", "OpKey", "Policy", "Precision"]
 
 OpKey = str | Callable[..., Any]
-"""An op: its ATen name (``"mm"``, ``"softmax"``) or a Python callable (a user function,
-a ``torch.ops`` custom op), matched by identity."""
+"""An op: its ATen name (``"mm"``, ``"softmax"``), a custom op's qualified name
+(``"mylib::fused_gelu"``), or a Python callable (a function decorated with
+:func:`amped.autocast_op`, a ``torch.library.custom_op``, a ``torch.ops`` packet),
+matched by identity."""
 
 Precision = Literal["fp32", "low", "skip"]
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -76,7 +78,23 @@ def _known_aten_names() -> frozenset[str]:
     return frozenset(n[len("aten::") :].split(".")[0] for n in names if n.startswith("aten::"))
 
 
+def _custom_op_exists(qualified: str) -> bool:
+    namespace, _, name = qualified.partition("::")
+    try:
+        getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def _check_op(op: object) -> OpKey:
+    if isinstance(op, str) and "::" in op:
+        if not _custom_op_exists(op):
+            raise ValueError(
+                f"No custom op {op!r} is registered; define it with torch.library first, "
+                f"or pass the op object itself. Received: op={op!r} (of type str)"
+            )
+        return op
     if isinstance(op, str):
         if op not in _known_aten_names():
             raise ValueError(
@@ -163,6 +181,7 @@ class Policy:
     # --- presets ---------------------------------------------------------------
 
     @classmethod
+    @functools.cache
     def preset(cls, name: str, device_type: str = "cpu") -> Policy:
         """A named policy.
 
@@ -316,6 +335,18 @@ class Policy:
     def __hash__(self) -> int:
         return self._hash
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            _rebuild,
+            (
+                self.device_type,
+                dict(self._rules),
+                {d: dict(r) for d, r in self._dtype_rules.items()},
+                self._module_rules,
+                self.name,
+            ),
+        )
+
     def __copy__(self) -> Policy:
         return self
 
@@ -339,6 +370,16 @@ class Policy:
             lines.append("  modules:")
             lines += [f"    {rule}" for rule in self._module_rules]
         return "\n".join(lines)
+
+
+def _rebuild(
+    device_type: str,
+    rules: dict[OpKey, Cast],
+    dtype_rules: dict[torch.dtype, dict[OpKey, Cast]],
+    module_rules: tuple[ModuleRule, ...],
+    name: str,
+) -> Policy:
+    return Policy(device_type, rules, dtype_rules=dtype_rules, module_rules=module_rules, name=name)
 
 
 def _format_table(rules: Mapping[OpKey, Cast], indent: str) -> list[str]:

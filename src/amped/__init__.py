@@ -7,6 +7,7 @@ read and change.
 
 from amped.autocast import (
     autocast,
+    autocast_op,
     current_policy,
     custom_bwd,
     custom_fwd,
@@ -26,6 +27,7 @@ __all__ = [
     "ScaleRecord",
     "__version__",
     "autocast",
+    "autocast_op",
     "current_policy",
     "custom_bwd",
     "custom_fwd",

@@ -34,8 +34,13 @@ def gpt2() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_layer=4, n_embd=256, n_head=8, n_positions=128, vocab_size=1024,
-        bos_token_id=0, eos_token_id=0,
+        n_layer=4,
+        n_embd=256,
+        n_head=8,
+        n_positions=128,
+        vocab_size=1024,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     model = GPT2LMHeadModel(config).train()
     ids = torch.randint(0, 1024, (4, 64))

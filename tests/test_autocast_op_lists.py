@@ -90,7 +90,9 @@ def _run(fn, args, kwargs, region):
 
 def _assert_same(expected, actual, label):
     if isinstance(expected, Exception):
-        assert type(actual) is type(expected), f"{label}: torch raised {expected!r}, amped {actual!r}"
+        assert type(actual) is type(expected), (
+            f"{label}: torch raised {expected!r}, amped {actual!r}"
+        )
         return
     assert not isinstance(actual, Exception), f"{label}: amped raised {actual!r}"
     if isinstance(expected, torch.Tensor):

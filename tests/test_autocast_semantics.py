@@ -350,3 +350,50 @@ def test_custom_fwd_needs_device_type_as_string():
         amped.custom_fwd(device_type=0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="device_type"):
         amped.custom_bwd(device_type=None)  # type: ignore[arg-type]
+
+
+# --- Python composites -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["redispatch", "clone"])
+def test_ops_inside_python_composites_reach_the_policy(strategy, monkeypatch):
+    # F.multi_head_attention_forward is Python; its inner linear/bmm/softmax must be cast
+    # by the policy. torch >= 2.13 skips one hop of torch-function dispatch; older
+    # releases use a copy of the function whose has_torch_function checks return False.
+    from amped.autocast import transparent
+
+    if strategy == "clone":
+        monkeypatch.setattr(transparent, "call", transparent.call_with_clone)
+    elif not hasattr(torch.overrides, "redispatch_function"):
+        pytest.skip("this torch has no torch.overrides.redispatch_function")
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4)
+    x = torch.randn(5, 2, 16)
+
+    def step(region):
+        mha.zero_grad()
+        with region:
+            out = mha(x, x, x)[0]
+        out.float().sum().backward()
+        return out, [p.grad.clone() for p in mha.parameters()]
+
+    out, grads = step(amped.autocast("cpu"))
+    expected, expected_grads = step(torch.autocast("cpu"))
+    torch.testing.assert_close(out, expected, **BITWISE)
+    for g, e in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(g, e, **BITWISE)
+    policy = amped.Policy.preset("torch", "cpu").with_ops(fp32=["softmax", "bmm", "baddbmm"])
+    seen: list[torch.dtype] = []
+    monkeypatch.setattr(torch.Tensor, "softmax", _spy(torch.Tensor.softmax, seen))
+    with amped.autocast("cpu", policy=policy):
+        mha(x, x, x)
+    assert seen and all(dtype == FP32 for dtype in seen)  # bfloat16 under the default
+
+
+def _spy(method, seen):
+    def spied(self, *args, **kwargs):
+        out = method(self, *args, **kwargs)
+        seen.append(out.dtype)
+        return out
+
+    return spied

@@ -21,11 +21,13 @@ __all__ = ["WeightCache", "device_type_of", "run"]
 _Tensor = torch.Tensor
 _FLOAT32 = torch.float32
 _FLOAT64 = torch.float64
+_is_cached_tensor = getattr(torch._C, "_is_cached_tensor")  # noqa: B009 - CUDA-graph pools
 
 BINARY_CROSS_ENTROPY_BANNED = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
     "Many models use a sigmoid layer right before the binary cross entropy layer.\n"
-    "In this case, combine the two layers using torch.nn.functional.binary_cross_entropy_with_logits\n"
+    "In this case, combine the two layers using "
+    "torch.nn.functional.binary_cross_entropy_with_logits\n"
     "or torch.nn.BCEWithLogitsLoss.  binary_cross_entropy_with_logits and BCEWithLogits are\n"
     "safe to autocast."
 )
@@ -75,7 +77,7 @@ def _cacheable(t: torch.Tensor) -> bool:
         and t.requires_grad
         and t.is_leaf
         and not t._is_view()
-        and not torch._C._is_cached_tensor(t)
+        and not _is_cached_tensor(t)
     )
 
 

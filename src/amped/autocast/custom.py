@@ -33,7 +33,9 @@ def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
     if isinstance(value, (str, bytes)):
         return value
     if isinstance(value, collections.abc.Mapping):
-        return {_cast(k, device_type, dtype): _cast(v, device_type, dtype) for k, v in value.items()}
+        return {
+            _cast(k, device_type, dtype): _cast(v, device_type, dtype) for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return type(value)(_cast(v, device_type, dtype) for v in value)
     return value
@@ -92,7 +94,9 @@ def custom_fwd(
         if not enabled:
             return fwd(*args, **kwargs)
         with autocast(device_type=device_type, enabled=False):
-            return fwd(*_cast(args, device_type, cast_inputs), **_cast(kwargs, device_type, cast_inputs))
+            return fwd(
+                *_cast(args, device_type, cast_inputs), **_cast(kwargs, device_type, cast_inputs)
+            )
 
     return decorate_fwd
 

@@ -33,7 +33,9 @@ _FunctionType = types.FunctionType
 _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 for _key in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1"):
     if hasattr(torch._C.DispatchKey, _key):
-        _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, _key))
+        _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch._C.DispatchKeySet(
+            getattr(torch._C.DispatchKey, _key)
+        )
 
 TORCH_AUTOCAST_FOR_UNLISTED = True
 """Let torch's C++ autocast act inside calls the policy does not name (C++ composites such
@@ -127,9 +129,13 @@ class AutocastMode(TorchFunctionMode):
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
 
-    def _apply(self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _apply(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
         device_type = casting.device_type_of(args, kwargs)
-        tables = self.tables.get(device_type) if device_type is not None else None
+        if device_type is None:
+            return func(*args, **kwargs)
+        tables = self.tables.get(device_type)
         if tables is None or not torch.is_autocast_enabled(device_type):
             return func(*args, **kwargs)
         low = torch.get_autocast_dtype(device_type)

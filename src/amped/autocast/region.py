@@ -59,7 +59,7 @@ def _check_available(device_type: str) -> None:
         )
 
 
-class autocast:  # noqa: N801 - torch's name, for a drop-in
+class autocast:
     """A region in which each op runs in the precision the policy gives it.
 
     A drop-in for :class:`torch.autocast`: same arguments, defaults, nesting and
@@ -162,7 +162,7 @@ class autocast:  # noqa: N801 - torch's name, for a drop-in
             state.enter(dev, self.policy)
         return self
 
-    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
         dev = self.device
         pushed, cache_enabled, dtype, enabled = self._saved.pop()
         if pushed:
@@ -174,7 +174,6 @@ class autocast:  # noqa: N801 - torch's name, for a drop-in
         torch.set_autocast_enabled(dev, enabled)
         torch.set_autocast_dtype(dev, dtype)
         torch.set_autocast_cache_enabled(cache_enabled)
-        return False
 
     def __call__(self, func: F) -> F:
         if not callable(func):

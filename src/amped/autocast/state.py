@@ -11,7 +11,7 @@ policy of the innermost amped region per device type, and the one
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.nn.modules import module as nn_module
@@ -19,7 +19,7 @@ from torch.nn.modules import module as nn_module
 from amped.autocast.mode import AutocastMode
 from amped.policy import ModuleRule, Policy
 
-__all__ = ["enter", "exit", "current_policy"]
+__all__ = ["current_policy", "enter", "exit"]
 
 
 class _ThreadState(threading.local):
@@ -158,7 +158,9 @@ class _GlobalHooks:
             self._users += 1
             if self._users == 1:
                 self._handles = [
-                    nn_module.register_module_forward_pre_hook(_pre_hook),
+                    # torch annotates the hook as returning None; returning new args is
+                    # documented and supported.
+                    nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook)),
                     nn_module.register_module_forward_hook(_post_hook, always_call=True),
                 ]
 

@@ -25,9 +25,9 @@ __all__ = ["callables_for"]
 _NAMESPACES: tuple[Any, ...] = (
     torch._C._VariableFunctions,
     torch._C._nn,
-    torch._C._linalg,
-    torch._C._fft,
-    torch._C._special,
+    getattr(torch._C, "_linalg"),  # noqa: B009 - not in torch's type stubs
+    getattr(torch._C, "_fft"),  # noqa: B009
+    getattr(torch._C, "_special"),  # noqa: B009
     torch._C.TensorBase,
 )
 
@@ -66,8 +66,13 @@ def callables_for(name: str) -> tuple[Callable[..., Any], ...]:
 
 def _is_builtin(fn: object) -> bool:
     # Python functions are run transparently by the engine; only C bindings are targets.
-    return callable(fn) and not isinstance(fn, type) and type(fn).__name__ in {
-        "builtin_function_or_method",
-        "method_descriptor",
-        "wrapper_descriptor",
-    }
+    return (
+        callable(fn)
+        and not isinstance(fn, type)
+        and type(fn).__name__
+        in {
+            "builtin_function_or_method",
+            "method_descriptor",
+            "wrapper_descriptor",
+        }
+    )

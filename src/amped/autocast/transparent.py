@@ -60,7 +60,10 @@ def _clone(func: types.FunctionType) -> types.FunctionType:
 
 
 def call_with_clone(
-    func: Callable[..., Any], types_: tuple[type, ...], args: tuple[Any, ...], kwargs: dict[str, Any]
+    func: Callable[..., Any],
+    types_: tuple[type, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
 ) -> Any:
     """The fallback for torch releases without ``redispatch_function``."""
     if isinstance(func, types.FunctionType):

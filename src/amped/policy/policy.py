@@ -53,9 +53,7 @@ class ModuleRule:
 
     def matches(self, module: torch.nn.Module, qualified_name: str | None) -> bool:
         if isinstance(self.selector, str):
-            return qualified_name is not None and fnmatch.fnmatchcase(
-                qualified_name, self.selector
-            )
+            return qualified_name is not None and fnmatch.fnmatchcase(qualified_name, self.selector)
         return isinstance(module, self.selector)
 
     def __str__(self) -> str:
@@ -117,7 +115,8 @@ def _check_dtype(dtype: object) -> torch.dtype:
             "Per-dtype rules apply to autocast's low dtypes, torch.float16 or "
             f"torch.bfloat16. Received: dtype={dtype!r} (of type {type(dtype).__name__})"
         )
-    return dtype  # type: ignore[return-value]
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def _frozen(mapping: Mapping[Any, Any]) -> Mapping[Any, Any]:
@@ -192,10 +191,10 @@ class Policy:
                 exp, log, pow, norms, sums, ...). On CPU, torch leaves those in
                 bfloat16; this preset keeps them in float32.
         """
+        rules: dict[OpKey, Cast] = {op: c for op, c in torch_default_rules(device_type).items()}
         if name == "torch":
-            return cls(device_type, torch_default_rules(device_type), name="torch")
+            return cls(device_type, rules, name="torch")
         if name == "strict":
-            rules = torch_default_rules(device_type)
             fp32_kinds = (Cast.FP32, Cast.FP32_SET_OPT_DTYPE, Cast.FP32_APPEND_DTYPE)
             for op, cast in torch_default_rules("cuda").items():
                 if cast in fp32_kinds and op not in rules:
@@ -310,7 +309,7 @@ class Policy:
         return self._derive(module_rules=rules)
 
     def _derive(self, **changes: Any) -> Policy:
-        fields = dict(
+        fields: dict[str, Any] = dict(
             rules=self._rules,
             dtype_rules=self._dtype_rules,
             module_rules=self._module_rules,

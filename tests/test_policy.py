@@ -249,3 +249,36 @@ def test_bad_arguments_are_refused_with_clear_errors(cpu_policy):
         amped.Policy("tpu", {})
     with pytest.raises(ValueError, match="Unknown policy preset"):
         amped.Policy.preset("fastest", "cpu")
+
+
+# --- CUDA's categories, exercised on the CPU through a policy ------------------------------
+
+
+def test_set_opt_dtype_and_append_dtype_categories(cpu_policy):
+    # CUDA runs softmax/sum with dtype=float32 and norm with an appended float32 dtype;
+    # the same categories on CPU must give exactly those calls' results.
+    policy = cpu_policy.with_ops(
+        fp32_set_opt_dtype=["softmax", "sum", "linalg_vector_norm"], fp32_append_dtype=["norm"]
+    )
+    x = torch.randn(4, 8).to(BF16)
+    aten_norm = torch._C._VariableFunctions.norm  # torch.norm reaches it for sparse inputs
+    with amped.autocast("cpu", policy=policy):
+        soft, total, norm = torch.softmax(x, -1), x.sum(), aten_norm(x)
+        norm_dim = aten_norm(x, 2, [1], False)
+        vector_norm = torch.norm(x)  # Python: calls linalg_vector_norm
+        explicit = torch.softmax(x, -1, dtype=torch.float64)  # a given dtype is respected
+        integer_sum = torch.arange(4).sum()  # not eligible: untouched
+    torch.testing.assert_close(soft, torch.softmax(x, -1, dtype=FP32), **BITWISE)
+    torch.testing.assert_close(total, x.sum(dtype=FP32), **BITWISE)
+    torch.testing.assert_close(norm, aten_norm(x, 2, dtype=FP32), **BITWISE)
+    torch.testing.assert_close(norm_dim, aten_norm(x, 2, [1], False, dtype=FP32), **BITWISE)
+    torch.testing.assert_close(vector_norm, torch.linalg.vector_norm(x, dtype=FP32), **BITWISE)
+    assert explicit.dtype == torch.float64 and integer_sum.dtype == torch.int64
+
+
+def test_banned_op_raises_torch_error(cpu_policy):
+    p = torch.rand(4)
+    with amped.autocast("cpu", policy=cpu_policy.with_ops(banned=["binary_cross_entropy"])):
+        with pytest.raises(RuntimeError, match="unsafe to autocast"):
+            F.binary_cross_entropy(p, p)
+    F.binary_cross_entropy(p, p)  # fine outside the region

@@ -13,7 +13,9 @@ EXPECTED = {
     "GradScaler",
     "ModuleRule",
     "Policy",
+    "Recipe",
     "ScaleRecord",
+    "TrainSetup",
     "__version__",
     "autocast",
     "autocast_op",
@@ -22,6 +24,7 @@ EXPECTED = {
     "custom_fwd",
     "get_autocast_dtype",
     "is_autocast_enabled",
+    "prepare",
 }
 
 

@@ -15,6 +15,7 @@ from amped.autocast import (
     is_autocast_enabled,
 )
 from amped.policy import Cast, ModuleRule, Policy
+from amped.recipes import Recipe, TrainSetup, prepare
 from amped.scaling import GradScaler, ScaleRecord
 
 __version__ = "0.1.0"
@@ -24,7 +25,9 @@ __all__ = [
     "GradScaler",
     "ModuleRule",
     "Policy",
+    "Recipe",
     "ScaleRecord",
+    "TrainSetup",
     "__version__",
     "autocast",
     "autocast_op",
@@ -33,4 +36,5 @@ __all__ = [
     "custom_fwd",
     "get_autocast_dtype",
     "is_autocast_enabled",
+    "prepare",
 ]

@@ -1,0 +1,107 @@
+"""Named precision recipes: what each one does to the model, the optimizer and the loop.
+
+A recipe is a small immutable value. :func:`amped.prepare` reads it to build a
+:class:`~amped.recipes.setup.TrainSetup`. Canonical names say the low dtype and how
+weights are kept; aliases give the names other tools use (Apex's "O1"/"O2").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["RECIPES", "Recipe", "recipe_names", "resolve_recipe"]
+
+Weights = Literal["fp32", "low-with-masters", "low"]
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One way to train with (or without) mixed precision.
+
+    Attributes:
+        name: canonical name, e.g. ``"bf16-mixed"``.
+        dtype: the low dtype, or None for plain float32.
+        weights: ``"fp32"`` keeps float32 weights (autocast casts them per step);
+            ``"low-with-masters"`` keeps low-precision model weights and float32 master
+            copies in the optimizer (Apex O2); ``"low"`` keeps only low-precision
+            weights and optimizer state (pure bf16).
+        autocast: whether the forward pass runs in an autocast region.
+        loss_scaling: whether a dynamic GradScaler scales the loss (float16).
+        aliases: other accepted names.
+        summary: one line for help texts and reports.
+    """
+
+    name: str
+    dtype: torch.dtype | None
+    weights: Weights
+    autocast: bool
+    loss_scaling: bool
+    aliases: tuple[str, ...]
+    summary: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r
+    for r in (
+        Recipe("fp32", None, "fp32", False, False, ("O0", "float32"), "float32 throughout"),
+        Recipe(
+            "bf16-mixed",
+            torch.bfloat16,
+            "fp32",
+            True,
+            False,
+            ("bf16", "O1-bf16"),
+            "autocast to bfloat16, float32 weights",
+        ),
+        Recipe(
+            "fp16-mixed",
+            torch.float16,
+            "fp32",
+            True,
+            True,
+            ("fp16", "O1", "amp"),
+            "autocast to float16 with dynamic loss scaling, float32 weights",
+        ),
+    )
+}
+"""The recipes that exist, by canonical name. Other modules register more (O2, pure)."""
+
+
+def register(recipe: Recipe) -> Recipe:
+    """Add a recipe (used by the modules that implement the weight-changing recipes)."""
+    taken = {n for r in RECIPES.values() for n in (r.name, *r.aliases)}
+    clash = {recipe.name, *recipe.aliases} & taken
+    if clash:
+        raise ValueError(f"Recipe names already taken: {sorted(clash)}")
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def recipe_names() -> list[str]:
+    """Canonical names of all recipes, in registration order."""
+    return list(RECIPES)
+
+
+def resolve_recipe(name: str | Recipe) -> Recipe:
+    """The recipe for a canonical name or alias (case-insensitive)."""
+    if isinstance(name, Recipe):
+        return name
+    if not isinstance(name, str):
+        raise TypeError(
+            f"recipe must be a name such as 'bf16-mixed'. Received: recipe={name!r} "
+            f"(of type {type(name).__name__})"
+        )
+    wanted = name.lower()
+    for recipe in RECIPES.values():
+        if wanted == recipe.name or wanted in (a.lower() for a in recipe.aliases):
+            return recipe
+    known = ", ".join(f"{r.name} ({', '.join(r.aliases)})" for r in RECIPES.values())
+    raise ValueError(
+        f"Unknown recipe {name!r}. Recipes (aliases): {known}. Received: recipe={name!r}"
+    )

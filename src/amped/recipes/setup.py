@@ -1,0 +1,187 @@
+"""``amped.prepare``: turn a model and an optimizer into a training setup for a recipe.
+
+The setup owns what the loop needs, so one loop serves every recipe::
+
+    setup = amped.prepare(model, optimizer, recipe="bf16-mixed")
+    for x, y in batches:
+        with setup.autocast():
+            loss = loss_fn(setup.model(x), y)
+        setup.backward(loss)
+        setup.step()
+        setup.zero_grad()
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from amped.autocast import autocast
+from amped.policy import Policy
+from amped.recipes.registry import Recipe, resolve_recipe
+from amped.scaling import GradScaler
+
+__all__ = ["TrainSetup", "prepare"]
+
+
+class TrainSetup:
+    """A model, the optimizer to step, the autocast region and the scaler of one recipe.
+
+    Attributes:
+        recipe: the :class:`~amped.recipes.Recipe` in use.
+        model: the model to call (for weight-changing recipes, the converted one).
+        optimizer: the optimizer :meth:`step` steps.
+        scaler: a :class:`~amped.GradScaler`, enabled only for loss-scaling recipes.
+        device_type: where the model's parameters live.
+        policy: the autocast policy (None for torch's default).
+    """
+
+    def __init__(
+        self,
+        recipe: Recipe,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scaler: GradScaler,
+        device_type: str,
+        policy: Policy | None = None,
+        *,
+        before_step: Callable[[], None] | None = None,
+        after_step: Callable[[], None] | None = None,
+    ) -> None:
+        self.recipe = recipe
+        self.model = model
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.device_type = device_type
+        self.policy = policy
+        self._before_step = before_step
+        self._after_step = after_step
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The region to run the forward pass and the loss in."""
+        if not self.recipe.autocast:
+            return contextlib.nullcontext()
+        return autocast(self.device_type, dtype=self.recipe.dtype, policy=self.policy)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, with the loss scaled when the recipe scales it."""
+        self.scaler.scale(loss).backward()
+
+    def step(self) -> bool:
+        """Step the optimizer (unless the gradients overflowed) and update the scale.
+
+        Returns True if the optimizer stepped. Syncs with the device once when the
+        recipe scales the loss (the inf/NaN check); never otherwise.
+        """
+        if self._before_step is not None:
+            self._before_step()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+        stepped = not self.scaler.last_step_skipped
+        if stepped and self._after_step is not None:
+            self._after_step()
+        return stepped
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer and scaler state, at full precision where the recipe keeps it."""
+        return {
+            "recipe": self.recipe.name,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("recipe") != self.recipe.name:
+            raise ValueError(
+                f"This checkpoint was written by recipe {state.get('recipe')!r}, this setup "
+                f"runs {self.recipe.name!r}. Received: recipe={state.get('recipe')!r}"
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+    def __repr__(self) -> str:
+        return f"TrainSetup(recipe={self.recipe.name!r}, device_type={self.device_type!r})"
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    devices = {p.device.type for p in model.parameters()}
+    if len(devices) != 1:
+        raise ValueError(
+            "prepare() needs a model whose parameters are all on one device type. "
+            f"Received: parameters on {sorted(devices) or 'no device (no parameters)'}"
+        )
+    return devices.pop()
+
+
+def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.Optimizer:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "prepare() takes a torch.optim.Optimizer over the model's parameters. "
+            f"Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})"
+        )
+    model_params = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in model_params:
+                raise ValueError(
+                    "The optimizer holds a parameter that is not the model's; build the "
+                    "optimizer over model.parameters()."
+                )
+    return optimizer
+
+
+_BUILDERS: dict[str, Callable[..., TrainSetup]] = {}
+
+
+def register_builder(weights: str, builder: Callable[..., TrainSetup]) -> None:
+    """Let a module that implements a weight-changing recipe family build its setups."""
+    _BUILDERS[weights] = builder
+
+
+def prepare(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    recipe: str | Recipe = "bf16-mixed",
+    *,
+    policy: Policy | str | None = None,
+    scaler: GradScaler | None = None,
+) -> TrainSetup:
+    """Turn ``model`` and ``optimizer`` into a :class:`TrainSetup` for ``recipe``.
+
+    Args:
+        model: the model, on its device, in float32.
+        optimizer: a ``torch.optim`` optimizer built over ``model.parameters()``.
+        recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
+        policy: the autocast policy (an :class:`amped.Policy` or preset name).
+        scaler: a GradScaler to use instead of the recipe's default one.
+
+    Example:
+        >>> import torch, amped
+        >>> model = torch.nn.Linear(4, 2)
+        >>> setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> with setup.autocast():
+        ...     loss = setup.model(torch.randn(3, 4)).float().pow(2).mean()
+        >>> setup.backward(loss)
+        >>> setup.step()
+        True
+    """
+    chosen = resolve_recipe(recipe)
+    device_type = _device_type(model)
+    optimizer = _check_optimizer(model, optimizer)
+    if isinstance(policy, str):
+        policy = Policy.preset(policy, device_type)
+    if scaler is None:
+        scaler = GradScaler(device_type, enabled=chosen.loss_scaling)
+    builder = _BUILDERS.get(chosen.weights)
+    if builder is not None:
+        return builder(chosen, model, optimizer, scaler, device_type, policy)
+    return TrainSetup(chosen, model, optimizer, scaler, device_type, policy)

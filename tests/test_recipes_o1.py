@@ -77,7 +77,7 @@ def test_bad_input_is_refused():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="Unknown recipe 'fp8'"):
         amped.prepare(model, opt, "fp8")
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer"):
         amped.prepare(model, "sgd")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not the model's"):
         amped.prepare(model, torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))

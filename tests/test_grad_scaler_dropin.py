@@ -5,6 +5,7 @@ Also the public names of the scaling layer, written so they can join a public-AP
 
 from __future__ import annotations
 
+import doctest
 import inspect
 import math
 import warnings
@@ -234,3 +235,18 @@ def test_step_forwards_arguments(make) -> None:
 def test_device_accepts_torch_device() -> None:
     scaler = amped.GradScaler(torch.device("cpu"))
     assert scaler.is_enabled() and scaler._device == "cpu"
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        amped.scaling.grad_scaler,
+        amped.scaling.strategies,
+        amped.scaling.checkpoint,
+        amped.scaling.records,
+    ],
+    ids=lambda module: module.__name__.rsplit(".", 1)[-1],
+)
+def test_docstring_examples_run(module) -> None:
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0

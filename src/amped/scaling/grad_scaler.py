@@ -308,8 +308,11 @@ class GradScaler(GradScalerBase):
                 self._growth_factor, self._backoff_factor, self._growth_interval
             )
             self._strategy.update(ScaleState(scale, tracker, self._counters), found, factors)
-        if before is not None:
-            self._record([before, found, self._skipped_flag(scale.device), scale, tracker])
+        if before is not None and self._history is not None:
+            floats = [before, found, self._skipped_flag(scale.device), scale]
+            streak = self._counters.get("overflow_streak")  # Hysteresis's counter
+            ints = [tracker] if streak is None else [tracker, streak]
+            self._history.add(self._updates, floats, ints, may_sync=not self._synced)
         self._updates += 1
         self._synced = False
         self._per_optimizer_states = defaultdict(OptimizerState)
@@ -324,11 +327,6 @@ class GradScaler(GradScalerBase):
                 if state.stage is OptState.STEPPED and state.found_inf_per_device
             ],
         )
-
-    def _record(self, values: list[torch.Tensor]) -> None:
-        if self._history is not None:
-            streak = self._counters.get("overflow_streak", torch.zeros_like(values[-1]))
-            self._history.add(self._updates, [*values, streak], may_sync=not self._synced)
 
 
 def _cuda_definitely_unavailable() -> bool:

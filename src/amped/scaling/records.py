@@ -5,6 +5,18 @@ next ``step()`` must bring one flag to the host anyway (was there an inf or NaN?
 brings the waiting records along in the same transfer. So with ``record_history=True``
 the training loop still syncs once per step, and the history lags the device by at most
 the latest update, which reading :attr:`History.records` fetches.
+
+Example:
+    >>> import torch, amped
+    >>> param = torch.zeros(2, requires_grad=True)
+    >>> optimizer = torch.optim.SGD([param], lr=0.1)
+    >>> scaler = amped.GradScaler("cpu", record_history=True)
+    >>> scaler.scale(param.sum() * float("inf")).backward()
+    >>> scaler.step(optimizer)
+    >>> scaler.update()
+    >>> record = scaler.history[-1]
+    >>> record.step_skipped, record.scale, record.new_scale
+    (True, 65536.0, 32768.0)
 """
 
 from __future__ import annotations
@@ -51,16 +63,19 @@ class History:
         self._records: list[ScaleRecord] = []
         self._pending: list[tuple[int, torch.Tensor]] = []
 
-    def add(self, step: int, values: list[torch.Tensor], *, may_sync: bool) -> None:
-        """Queue one update's numbers, in :class:`ScaleRecord` field order after ``step``.
+    def add(
+        self, step: int, floats: list[torch.Tensor], ints: list[torch.Tensor], *, may_sync: bool
+    ) -> None:
+        """Queue one update's numbers: ``floats`` (float32: scale, found_inf, step_skipped,
+        new_scale) and ``ints`` (int32: growth_tracker, and overflow_streak if any).
 
         Launches device ops only. Fetches the queue (one sync) if it has grown past
         ``FLUSH_AT`` and ``may_sync`` says the iteration has not synced yet.
         """
         # float64 holds float32 scales and int32 counters exactly; MPS has no float64.
-        device = values[0].device
-        dtype = torch.float32 if device.type == "mps" else torch.float64
-        self._pending.append((step, torch.stack([v.to(dtype) for v in values])))
+        dtype = torch.float32 if floats[0].device.type == "mps" else torch.float64
+        values = torch.cat([torch.stack(floats).to(dtype), torch.stack(ints).to(dtype)])
+        self._pending.append((step, values))
         if may_sync and len(self._pending) >= FLUSH_AT:
             self.records()
 
@@ -80,11 +95,11 @@ class History:
         return list(self._records)
 
     def _unpack(self, flat: list[float]) -> None:
-        width = len(dataclasses.fields(ScaleRecord)) - 1
-        for index, (step, _) in enumerate(self._pending):
-            scale, found, skipped, new_scale, tracker, streak = flat[
-                index * width : (index + 1) * width
-            ]
+        offset = 0
+        for step, values in self._pending:
+            # Without hysteresis there is no streak counter: it reads as 0.
+            scale, found, skipped, new_scale, tracker, *streak = flat[offset : offset + len(values)]
+            offset += len(values)
             self._records.append(
                 ScaleRecord(
                     step=step,
@@ -93,7 +108,7 @@ class History:
                     step_skipped=skipped > 0,
                     new_scale=new_scale,
                     growth_tracker=int(tracker),
-                    overflow_streak=int(streak),
+                    overflow_streak=int(streak[0]) if streak else 0,
                 )
             )
         self._pending.clear()

@@ -140,13 +140,15 @@ class Hysteresis(ScaleStrategy):
         return _merge_counters(self.inner.counters(), {self.counter: 0})
 
     def update(self, state: ScaleState, found_inf: torch.Tensor, factors: GrowthFactors) -> None:
-        streak = state.counters[self.counter]
-        overflow = found_inf > 0
-        streak.copy_(torch.where(overflow, (streak + 1).clamp_(max=self.hysteresis), 0))
-        tolerated = overflow & (streak < self.hysteresis)
+        streak, limit = state.counters[self.counter], self.hysteresis
+        # A saturating count of overflows in a row: min(streak + 1, limit), or 0 after a
+        # clean iteration. In place, and no host reads.
+        streak.add_(1).clamp_(max=limit).masked_fill_(found_inf == 0, 0)
+        # Tolerated: an overflow (streak > 0) short of the limit-th in a row.
+        tolerated = streak.bool() & (streak != limit)
         kept = state.scale.clone()
         self.inner.update(state, found_inf, factors)
-        state.scale.copy_(torch.where(tolerated, kept, state.scale))
+        torch.where(tolerated, kept, state.scale, out=state.scale)
 
 
 @dataclasses.dataclass(frozen=True)

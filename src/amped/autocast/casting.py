@@ -87,7 +87,12 @@ def _cast(
     if isinstance(value, _Tensor):
         if value.dtype is dtype or not _eligible(value, device_type):
             return value
-        if cache is not None and dtype is low and _cacheable(value):
+        if (
+            cache is not None
+            and dtype is low
+            and _cacheable(value)
+            and torch.is_autocast_cache_enabled()
+        ):
             return cache.cast(value, dtype)
         return value.to(dtype)
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], _Tensor):

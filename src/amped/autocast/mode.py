@@ -145,6 +145,5 @@ class AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         if self.override is not None and cast not in (Cast.KEEP, Cast.BANNED):
             cast = Cast.FP32 if self.override == "fp32" else Cast.LOWER
-        cache = self.cache if torch.is_autocast_cache_enabled() else None
         with exclude_torch_autocast():
-            return casting.run(cast, func, args, kwargs, device_type, low, cache)
+            return casting.run(cast, func, args, kwargs, device_type, low, self.cache)

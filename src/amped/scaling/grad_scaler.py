@@ -161,8 +161,8 @@ class GradScaler(GradScalerBase):
         """Divide the optimizer's gradients by the scale, in place, and look for inf/NaN.
 
         Optional: call it to clip or inspect true gradients before :meth:`step`, once
-        per optimizer per iteration. Sparse float16 gradients are coalesced, replacing
-        ``.grad``. No sync.
+        per optimizer per iteration. Sparse gradients are unscaled through their
+        values. No sync.
 
         Raises:
             RuntimeError: called twice for this optimizer since ``update()``, or after
@@ -252,6 +252,9 @@ class GradScaler(GradScalerBase):
             optimizer_step: Any = optimizer.step
             retval = optimizer_step(*args, **{**kwargs, "grad_scaler": self})
             state.stage = OptState.STEPPED
+            # Such an optimizer checks its gradients through _check_inf_per_device.
+            flags = list(state.found_inf_per_device.values())
+            self._last_skipped = combine_on(scale.device, flags) if flags else False
             return retval
         if state.stage is OptState.READY:
             self._check_inf_per_device(optimizer)

@@ -128,7 +128,8 @@ def test_positional_closure_is_refused() -> None:
         scaler.step(optimizer, lambda: None)
 
 
-# torch raises AssertionError for these; amped raises RuntimeError (call order).
+# torch raises AssertionError for these; amped raises an error that is both a
+# RuntimeError (call order) and an AssertionError, so torch-era handlers still catch it.
 @pytest.mark.parametrize(
     ("call", "message"),
     [
@@ -142,11 +143,26 @@ def test_calls_before_scale(call, message) -> None:
     optimizer = torch.optim.SGD([torch.ones(1, requires_grad=True)], lr=0.1)
     with pytest.raises(RuntimeError, match=message):
         call(amped.GradScaler("cpu"), optimizer)
+    with pytest.raises(AssertionError):  # what torch raises here
+        call(torch.amp.GradScaler("cpu"), optimizer)
+    with pytest.raises(AssertionError, match=message):
+        call(amped.GradScaler("cpu"), optimizer)
+
+
+def test_state_dict_without_torch_keys_is_a_value_and_key_error() -> None:
+    with pytest.raises(KeyError):  # what torch raises here
+        torch.amp.GradScaler("cpu").load_state_dict({"scale": 1.0})
+    with pytest.raises(KeyError) as error:
+        amped.GradScaler("cpu").load_state_dict({"scale": 1.0})
+    assert isinstance(error.value, ValueError)
+    assert str(error.value).startswith("This GradScaler state_dict lacks")
 
 
 def test_update_without_any_step() -> None:
     scaler, _ = scaled_iteration(amped.GradScaler)
     with pytest.raises(RuntimeError, match="No inf checks were recorded prior to update"):
+        scaler.update()
+    with pytest.raises(AssertionError, match="No inf checks"):
         scaler.update()
 
 

@@ -13,6 +13,8 @@ import numbers
 import torch
 
 __all__ = [
+    "ScalerOrderError",
+    "ScalerStateDictError",
     "check_bool",
     "check_device_type",
     "check_int",
@@ -20,6 +22,24 @@ __all__ = [
     "check_scale_bound",
     "received",
 ]
+
+
+class ScalerOrderError(RuntimeError, AssertionError):
+    """A scaler method called out of order (before ``scale()``, ``update()`` before any
+    ``step()``, pickling mid-iteration).
+
+    A ``RuntimeError``, amped's type for call-order mistakes, and also an
+    ``AssertionError``, which is what ``torch.amp.GradScaler`` raises in these cases: code
+    written against torch that catches it keeps working.
+    """
+
+
+class ScalerStateDictError(ValueError, KeyError):
+    """A state dict that lacks torch's GradScaler keys: a ``ValueError``, and a ``KeyError``
+    as torch raises for it."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
 
 
 def received(name: str, value: object) -> str:

@@ -18,7 +18,7 @@ from typing import Any, overload
 import torch
 
 from amped.scaling import config as cfg
-from amped.scaling.checks import check_bool, check_device_type, received
+from amped.scaling.checks import ScalerOrderError, check_bool, check_device_type, received
 from amped.scaling.records import History
 from amped.scaling.scaler_base import GradScalerBase, OptimizerState, OptState
 from amped.scaling.strategies import GrowthFactors, ScaleState
@@ -218,7 +218,7 @@ class GradScaler(GradScalerBase):
         if state.stage is OptState.READY:
             self.unscale_(optimizer)
         if not state.found_inf_per_device:
-            raise RuntimeError(
+            raise ScalerOrderError(
                 "No inf checks were recorded for this optimizer: none of its parameters has "
                 "a gradient. Call scaler.scale(loss).backward() before scaler.step()."
             )
@@ -294,7 +294,7 @@ class GradScaler(GradScalerBase):
             for flag in state.found_inf_per_device.values()
         ]
         if new_scale is None and not found_infs:
-            raise RuntimeError(
+            raise ScalerOrderError(
                 "No inf checks were recorded prior to update(). Call scaler.step(optimizer) "
                 "(or scaler.unscale_(optimizer)) for each optimizer before scaler.update()."
             )

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from amped.scaling import config as cfg
-from amped.scaling.checks import check_int, received
+from amped.scaling.checks import ScalerOrderError, ScalerStateDictError, check_int, received
 from amped.scaling.records import History, ScaleRecord
 from amped.scaling.strategies import ScaleStrategy
 from amped.scaling.unscale import unscale_grads_
@@ -84,7 +84,7 @@ class GradScalerBase:
 
     def _require_scale(self, method: str) -> tuple[torch.Tensor, torch.Tensor]:
         if self._scale is None or self._growth_tracker is None:
-            raise RuntimeError(
+            raise ScalerOrderError(
                 f"{method}() was called before scale(): the scale does not exist yet. Call "
                 "scaler.scale(loss).backward() earlier in the iteration."
             )
@@ -224,7 +224,7 @@ class GradScalerBase:
             )
         missing = [key for key in TORCH_KEYS if key not in state_dict]
         if missing:
-            raise ValueError(
+            raise ScalerStateDictError(
                 f"This GradScaler state_dict lacks {missing}; expected torch's keys "
                 f"{list(TORCH_KEYS)}. Received: keys={sorted(state_dict)}"
             )
@@ -279,7 +279,7 @@ class GradScalerBase:
         state = self.__dict__.copy()
         if self._enabled:
             if len(self._per_optimizer_states) != 0:
-                raise RuntimeError(
+                raise ScalerOrderError(
                     "A GradScaler instance may only be pickled at the beginning "
                     "of an iteration, or at the end after scaler.update()."
                 )

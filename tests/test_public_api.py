@@ -22,6 +22,7 @@ EXPECTED = {
     "current_policy",
     "custom_bwd",
     "custom_fwd",
+    "doctor",
     "get_autocast_dtype",
     "is_autocast_enabled",
     "prepare",

@@ -5,6 +5,7 @@
 read and change.
 """
 
+from amped import doctor
 from amped.autocast import (
     autocast,
     autocast_op,
@@ -34,6 +35,7 @@ __all__ = [
     "current_policy",
     "custom_bwd",
     "custom_fwd",
+    "doctor",
     "get_autocast_dtype",
     "is_autocast_enabled",
     "prepare",

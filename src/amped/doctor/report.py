@@ -1,0 +1,266 @@
+"""The doctor's report: data, a plain-text summary, JSON, and an HTML page with a plot.
+
+The plot (matplotlib, from the ``cli`` extra) draws each module's dynamic range —
+the smallest non-zero and the largest |value| its ops produced — on a log2 axis
+against the limits of float16 and bfloat16, so a reader sees which layer leaves the
+representable range.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from amped.doctor.gradients import GradientCheck
+from amped.doctor.stats import limits
+from amped.policy import Policy
+
+__all__ = ["Culprit", "OpStat", "Report", "Suggestion"]
+
+
+@dataclass(frozen=True)
+class OpStat:
+    """One op call of the low-precision run, compared with the same call in float32."""
+
+    index: int
+    module: str
+    op: str
+    dtype: str
+    amax: float
+    amin: float
+    n_inf: int
+    n_nan: int
+    underflow: float | None  # fraction of float32 non-zeros that are zero/subnormal here
+    rel_error: float | None
+    sqnr_db: float | None
+
+
+@dataclass(frozen=True)
+class Culprit:
+    """The first op that produced a non-finite value."""
+
+    phase: str  # "forward" or "backward"
+    module: str
+    op: str
+    index: int
+    source: str | None
+    detail: str
+
+    def __str__(self) -> str:
+        where = f" at {self.source}" if self.source else ""
+        return f"{self.phase}: {self.op} in {self.module or '<root>'}{where} ({self.detail})"
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """A fix the doctor re-ran: a policy (pass it to autocast) and/or a loss scale."""
+
+    description: str
+    policy: Policy | None
+    loss_scale: float | None
+    verified: bool
+    sqnr_db: float  # model output against float32 with the fix
+
+    def __str__(self) -> str:
+        if not self.verified:
+            return f"not found: {self.description}"
+        return f"{self.description}: no overflow, error {self.sqnr_db:.1f} dB SQNR vs float32"
+
+
+@dataclass
+class Report:
+    """Everything :func:`amped.doctor.diagnose` found. ``healthy`` says whether all is well."""
+
+    device_type: str
+    dtype: str
+    loss_scale: float
+    policy: Policy
+    ops: list[OpStat]
+    forward_culprit: Culprit | None
+    backward_culprit: Culprit | None
+    gradients: list[GradientCheck]
+    nonfinite_grads: dict[str, int]
+    recommended_scale: float | None
+    loss_reference: float
+    loss_target: float
+    sqnr_db: float
+    suggestion: Suggestion | None = field(default=None)
+
+    @property
+    def healthy(self) -> bool:
+        from amped.doctor.diagnose import UNDERFLOW_WARN
+
+        return (
+            self.forward_culprit is None
+            and self.backward_culprit is None
+            and not any(self.nonfinite_grads.values())
+            and all(g.underflow <= UNDERFLOW_WARN and not g.overflows for g in self.gradients)
+        )
+
+    # --- data ------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = {
+            "device_type": self.device_type,
+            "dtype": self.dtype,
+            "loss_scale": self.loss_scale,
+            "policy": self.policy.name,
+            "healthy": self.healthy,
+            "loss": {"float32": self.loss_reference, self.dtype: self.loss_target},
+            "output_sqnr_db": self.sqnr_db,
+            "forward_culprit": asdict(self.forward_culprit) if self.forward_culprit else None,
+            "backward_culprit": asdict(self.backward_culprit) if self.backward_culprit else None,
+            "recommended_scale": self.recommended_scale,
+            "gradients": [asdict(g) for g in self.gradients],
+            "nonfinite_grads": self.nonfinite_grads,
+            "ops": [asdict(o) for o in self.ops],
+            "suggestion": None,
+        }
+        if self.suggestion is not None:
+            data["suggestion"] = {
+                "description": self.suggestion.description,
+                "policy": str(self.suggestion.policy) if self.suggestion.policy else None,
+                "loss_scale": self.suggestion.loss_scale,
+                "verified": self.suggestion.verified,
+                "sqnr_db": self.suggestion.sqnr_db,
+            }
+        return _finite_json(data)
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    # --- text ------------------------------------------------------------------------
+
+    def summary(self) -> str:
+        """A few lines for a terminal or a log."""
+        lines = [
+            f"amped doctor: {self.dtype} on {self.device_type}, loss scale {self.loss_scale:g}, "
+            f"policy {self.policy.name!r}",
+            f"  loss float32 {self.loss_reference:.6g}  {self.dtype} {self.loss_target:.6g}  "
+            f"output SQNR {self.sqnr_db:.1f} dB",
+        ]
+        if self.healthy:
+            lines.append("  healthy: no inf/NaN, no gradient underflow above 1%")
+        for culprit in (self.forward_culprit, self.backward_culprit):
+            if culprit is not None:
+                lines.append(f"  first non-finite value, {culprit}")
+        lossy = [g for g in self.gradients if g.underflow > 0]
+        for g in sorted(lossy, key=lambda g: -g.underflow)[:5]:
+            lines.append(
+                f"  gradient {g.name}: {g.underflow:.1%} underflow at scale {g.scale:g} "
+                f"(kept from scale {g.min_scale:g})"
+            )
+        if self.recommended_scale is not None:
+            lines.append(f"  largest safe loss scale: {self.recommended_scale:g}")
+        if self.suggestion is not None:
+            lines.append(f"  suggestion: {self.suggestion}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    # --- HTML --------------------------------------------------------------------------
+
+    def module_ranges(self) -> dict[str, tuple[float, float]]:
+        """Per module: (smallest non-zero, largest) |value| its ops produced."""
+        ranges: dict[str, tuple[float, float]] = {}
+        for op in self.ops:
+            name = op.module or "<root>"
+            lo, hi = ranges.get(name, (math.inf, 0.0))
+            ranges[name] = (min(lo, op.amin) if op.amin > 0 else lo, max(hi, op.amax))
+        return ranges
+
+    def save_html(self, path: str | Path) -> Path:
+        """Write a self-contained HTML page (summary, plot, culprits, tables) to ``path``."""
+        path = Path(path)
+        plot = _range_plot(self.module_ranges(), self.dtype)
+        rows = "".join(
+            f"<tr><td>{o.index}</td><td>{html.escape(o.module or '<root>')}</td>"
+            f"<td>{html.escape(o.op)}</td><td>{o.dtype}</td><td>{o.amax:.3g}</td>"
+            f"<td>{o.n_inf}</td><td>{o.n_nan}</td><td>{_fmt(o.underflow, '.2%')}</td>"
+            f"<td>{_fmt(o.sqnr_db, '.1f')}</td></tr>"
+            for o in self.ops
+        )
+        page = _PAGE.format(
+            title=f"amped doctor: {self.dtype} on {self.device_type}",
+            summary=html.escape(self.summary()),
+            plot=plot,
+            rows=rows,
+        )
+        path.write_text(page, encoding="utf-8")
+        return path
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None or math.isnan(value) else format(value, spec)
+
+
+def _finite_json(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _finite_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite_json(v) for v in value]
+    return value
+
+
+def _range_plot(ranges: dict[str, tuple[float, float]], dtype: str) -> str:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "<p>(install matplotlib, e.g. <code>pip install amped[cli]</code>, for the plot)</p>"
+    names = list(ranges)
+    fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.8))
+    for i, name in enumerate(names):
+        lo, hi = ranges[name]
+        lo = lo if math.isfinite(lo) and lo > 0 else hi
+        if hi > 0:
+            ax.plot([math.log2(lo), math.log2(hi)], [i, i], lw=6, solid_capstyle="butt")
+    for dt, style in ((torch.float16, "-"), (torch.bfloat16, "--")):
+        lim = limits(dt)
+        for value, label in (
+            (lim.max, "max"),
+            (lim.min_normal, "min normal"),
+            (lim.min_subnormal, "min subnormal"),
+        ):
+            ax.axvline(math.log2(value), ls=style, color="gray", lw=1)
+            ax.text(
+                math.log2(value),
+                len(names) - 0.4,
+                f"{lim.name} {label}",
+                rotation=90,
+                fontsize=7,
+                va="top",
+            )
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel("log2 |value| produced by the module's ops")
+    ax.set_title(f"dynamic range per module ({dtype} run) against float16 / bfloat16 limits")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    encoded = base64.b64encode(buffer.getvalue()).decode()
+    return f'<img alt="dynamic range per module" src="data:image/png;base64,{encoded}">'
+
+
+_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>{title}</title>
+<style>body{{font-family:sans-serif;margin:2em}} pre{{background:#f4f4f4;padding:1em}}
+table{{border-collapse:collapse;font-size:12px}}
+td,th{{border:1px solid #ccc;padding:2px 6px}}</style>
+</head><body><h1>{title}</h1><pre>{summary}</pre>{plot}
+<h2>Ops</h2><table><tr><th>#</th><th>module</th><th>op</th><th>dtype</th><th>max |x|</th>
+<th>inf</th><th>NaN</th><th>underflow</th><th>SQNR dB</th></tr>{rows}</table></body></html>
+"""

@@ -72,7 +72,10 @@ class Suggestion:
     def __str__(self) -> str:
         if not self.verified:
             return f"not found: {self.description}"
-        return f"{self.description}: no overflow, error {self.sqnr_db:.1f} dB SQNR vs float32"
+        error = (
+            "identical to float32" if self.sqnr_db == math.inf else f"{self.sqnr_db:.1f} dB SQNR"
+        )
+        return f"{self.description}: no overflow, error {error} vs float32"
 
 
 @dataclass
@@ -169,19 +172,39 @@ class Report:
 
     # --- HTML --------------------------------------------------------------------------
 
-    def module_ranges(self) -> dict[str, tuple[float, float]]:
-        """Per module: (smallest non-zero, largest) |value| its ops produced."""
-        ranges: dict[str, tuple[float, float]] = {}
+    def module_ranges(self) -> dict[str, tuple[float, float, bool]]:
+        """Per module: (smallest non-zero, largest finite |value|, any inf/NaN) of its ops."""
+        ranges: dict[str, tuple[float, float, bool]] = {}
         for op in self.ops:
             name = op.module or "<root>"
-            lo, hi = ranges.get(name, (math.inf, 0.0))
-            ranges[name] = (min(lo, op.amin) if op.amin > 0 else lo, max(hi, op.amax))
+            lo, hi, bad = ranges.get(name, (math.inf, 0.0, False))
+            lo = min(lo, op.amin) if op.amin > 0 else lo
+            ranges[name] = (lo, max(hi, op.amax), bad or bool(op.n_inf or op.n_nan))
         return ranges
+
+    def plot_png(self) -> bytes | None:
+        """The dynamic-range plot as PNG bytes (None without matplotlib)."""
+        return _range_plot(self.module_ranges(), self.dtype)
+
+    def save_plot(self, path: str | Path) -> Path:
+        """Write the dynamic-range plot to ``path`` as PNG (needs matplotlib)."""
+        png = self.plot_png()
+        if png is None:
+            raise ImportError("The plot needs matplotlib: pip install 'amped[cli]'")
+        path = Path(path)
+        path.write_bytes(png)
+        return path
 
     def save_html(self, path: str | Path) -> Path:
         """Write a self-contained HTML page (summary, plot, culprits, tables) to ``path``."""
         path = Path(path)
-        plot = _range_plot(self.module_ranges(), self.dtype)
+        png = self.plot_png()
+        plot = (
+            f'<img alt="dynamic range per module" src="data:image/png;base64,'
+            f'{base64.b64encode(png).decode()}">'
+            if png is not None
+            else "<p>(install matplotlib, e.g. <code>pip install amped[cli]</code>, for a plot)</p>"
+        )
         rows = "".join(
             f"<tr><td>{o.index}</td><td>{html.escape(o.module or '<root>')}</td>"
             f"<td>{html.escape(o.op)}</td><td>{o.dtype}</td><td>{o.amax:.3g}</td>"
@@ -213,46 +236,64 @@ def _finite_json(value: Any) -> Any:
     return value
 
 
-def _range_plot(ranges: dict[str, tuple[float, float]], dtype: str) -> str:
+def _range_plot(ranges: dict[str, tuple[float, float, bool]], dtype: str) -> bytes | None:
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "<p>(install matplotlib, e.g. <code>pip install amped[cli]</code>, for the plot)</p>"
-    names = list(ranges)
-    fig, ax = plt.subplots(figsize=(9, 0.35 * len(names) + 1.8))
+        return None
+    lim = limits(getattr(torch, dtype))
+    names = [n for n, (_, hi, bad) in ranges.items() if hi > 0 or bad]
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(names) + 2.2))
+    lows = [math.log2(lim.min_subnormal)]
+    highs = [math.log2(lim.max)]
     for i, name in enumerate(names):
-        lo, hi = ranges[name]
-        lo = lo if math.isfinite(lo) and lo > 0 else hi
-        if hi > 0:
-            ax.plot([math.log2(lo), math.log2(hi)], [i, i], lw=6, solid_capstyle="butt")
-    for dt, style in ((torch.float16, "-"), (torch.bfloat16, "--")):
-        lim = limits(dt)
-        for value, label in (
-            (lim.max, "max"),
-            (lim.min_normal, "min normal"),
-            (lim.min_subnormal, "min subnormal"),
-        ):
-            ax.axvline(math.log2(value), ls=style, color="gray", lw=1)
-            ax.text(
-                math.log2(value),
-                len(names) - 0.4,
-                f"{lim.name} {label}",
-                rotation=90,
-                fontsize=7,
-                va="top",
+        lo, hi, bad = ranges[name]
+        hi = hi if hi > 0 else lim.max
+        lo = lo if math.isfinite(lo) else hi
+        x0, x1 = math.log2(lo), math.log2(hi)
+        lows.append(x0)
+        highs.append(x1)
+        color = "tab:red" if bad or hi > lim.max else "tab:blue"
+        ax.plot([x0, x1], [i, i], lw=7, color=color, solid_capstyle="butt")
+        if bad:
+            ax.annotate(
+                "inf/NaN",
+                (math.log2(lim.max), i),
+                xytext=(4, -3),
+                textcoords="offset points",
+                color="tab:red",
+                fontsize=8,
             )
+    for value, label in (
+        (lim.max, "max"),
+        (lim.min_normal, "min normal"),
+        (lim.min_subnormal, "min subnormal"),
+    ):
+        ax.axvline(math.log2(value), color="gray", lw=1, ls="--")
+        ax.annotate(
+            f"{lim.name} {label}",
+            (math.log2(value), 1.0),
+            xycoords=("data", "axes fraction"),
+            xytext=(2, 2),
+            textcoords="offset points",
+            fontsize=8,
+            rotation=0,
+        )
+    ax.axvspan(math.log2(lim.max), max(highs) + 4, color="tab:red", alpha=0.08)
+    ax.axvspan(min(lows) - 4, math.log2(lim.min_subnormal), color="tab:orange", alpha=0.08)
+    ax.set_xlim(min(lows) - 4, max(highs) + 4)
+    ax.set_ylim(-0.7, len(names) - 0.3)
     ax.set_yticks(range(len(names)), names, fontsize=8)
-    ax.set_xlabel("log2 |value| produced by the module's ops")
-    ax.set_title(f"dynamic range per module ({dtype} run) against float16 / bfloat16 limits")
+    ax.set_xlabel("log2 |value| produced by the module's ops (red: overflow, inf or NaN)")
+    ax.set_title(f"Dynamic range per module in the {dtype} run", pad=18)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
-    encoded = base64.b64encode(buffer.getvalue()).decode()
-    return f'<img alt="dynamic range per module" src="data:image/png;base64,{encoded}">'
+    return buffer.getvalue()
 
 
 _PAGE = """<!doctype html>

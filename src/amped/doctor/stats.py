@@ -73,6 +73,8 @@ def compare(t: torch.Tensor, reference: torch.Tensor) -> Comparison | None:
     n_ref = int(ref_nonzero.sum())
     underflow = int(lost.sum()) / n_ref if n_ref else 0.0
     both = torch.isfinite(x) & torch.isfinite(r)
+    if bool((torch.isfinite(r) & ~torch.isfinite(x)).any()):  # broke where float32 did not
+        return Comparison(underflow=underflow, rel_error=math.inf, sqnr_db=-math.inf)
     signal = float((r[both] ** 2).sum())
     noise = float(((x[both] - r[both]) ** 2).sum())
     rel_error = math.sqrt(noise / signal) if signal > 0 else (0.0 if noise == 0 else math.inf)

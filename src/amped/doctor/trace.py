@@ -145,7 +145,9 @@ def user_source(stack: traceback.StackSummary | None) -> str | None:
     """The innermost frame outside torch and amped: the user's line that led to the op."""
     for frame in reversed(stack or []):
         if not frame.filename.startswith(_OWN_DIRS):
-            return f"{frame.filename}:{frame.lineno} ({frame.line or frame.name})"
+            path = os.path.relpath(frame.filename)
+            path = frame.filename if path.startswith("..") else path
+            return f"{path}:{frame.lineno} ({frame.line or frame.name})"
     return None
 
 

@@ -47,7 +47,7 @@ def amped_only(request, monkeypatch):
     """With ``True``, torch's C++ autocast never runs inside amped's region, so every cast
     in the step is amped's own (see test_autocast_op_lists)."""
     if request.param:
-        monkeypatch.setattr(mode, "TORCH_AUTOCAST_FOR_UNLISTED", False)
+        monkeypatch.setattr(mode, "TORCH_AUTOCAST_ALONGSIDE", False)
     return request.param
 
 
@@ -67,7 +67,7 @@ def test_torch_nn_model_is_bitwise_equal(name, dtype, amped_only):
         pytest.skip(
             "nn.LSTM/nn.GRU call one C++ composite (aten::lstm / aten::gru) whose inner "
             "linear/mkldnn_rnn_layer casts only torch's C++ autocast can make; amped leaves "
-            "them to it (mode.TORCH_AUTOCAST_FOR_UNLISTED), which the other id covers"
+            "them to it (mode.TORCH_AUTOCAST_ALONGSIDE), which the other id covers"
         )
     torch.manual_seed(0)
     model, run = model_zoo.TORCH_NN[name]()

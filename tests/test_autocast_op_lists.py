@@ -118,7 +118,7 @@ def amped_only(request, monkeypatch):
     """With ``True``, torch's C++ autocast never runs inside amped's region: every cast
     must then come from amped itself, so a pass shows amped reproduced torch."""
     if request.param:
-        monkeypatch.setattr(mode, "TORCH_AUTOCAST_FOR_UNLISTED", False)
+        monkeypatch.setattr(mode, "TORCH_AUTOCAST_ALONGSIDE", False)
     return request.param
 
 
@@ -135,7 +135,7 @@ def test_cpu_list_entry_matches_torch(list_name, op, args, kwargs, dtype, amped_
 def test_engine_does_the_casting_not_torch(monkeypatch):
     # Control for the test above: with torch's C++ autocast kept out, an op the policy
     # no longer lists is not cast at all, so the casts seen above are amped's.
-    monkeypatch.setattr(mode, "TORCH_AUTOCAST_FOR_UNLISTED", False)
+    monkeypatch.setattr(mode, "TORCH_AUTOCAST_ALONGSIDE", False)
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     policy = amped.Policy.preset("torch", "cpu").with_ops(keep=["mm"])
     with amped.autocast("cpu", policy=policy):

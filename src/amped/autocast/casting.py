@@ -109,8 +109,9 @@ def _cast_call(
     low: torch.dtype,
     cache: WeightCache | None,
 ) -> Any:
-    args = tuple(_cast(a, dtype, device_type, low, cache) for a in args)
-    kwargs = {k: _cast(v, dtype, device_type, low, cache) for k, v in kwargs.items()}
+    args = tuple([_cast(a, dtype, device_type, low, cache) for a in args])
+    if kwargs:
+        kwargs = {k: _cast(v, dtype, device_type, low, cache) for k, v in kwargs.items()}
     return func(*args, **kwargs)
 
 

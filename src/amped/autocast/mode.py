@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from amped.autocast import casting, transparent
 from amped.autocast.targets import callables_for
-from amped.policy import LOW_DTYPES, Cast, Policy
+from amped.policy import LOW_DTYPES, Cast, Policy, torch_default_rules
 
 __all__ = ["AutocastMode", "compiled_rules"]
 
@@ -37,26 +37,46 @@ for _key in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "Autoc
             getattr(torch._C.DispatchKey, _key)
         )
 
-TORCH_AUTOCAST_FOR_UNLISTED = True
-"""Let torch's C++ autocast act inside calls the policy does not name (C++ composites such
-as ``einsum`` on CPU or ``lstm``), as it would under ``torch.autocast``. The tests turn it
-off to show that amped's own casts alone reproduce torch on every listed op."""
+TORCH_AUTOCAST_ALONGSIDE = True
+"""Let torch's C++ autocast run alongside amped: inside calls the policy does not name
+(C++ composites such as ``aten::lstm``, whose inner casts it makes as under
+``torch.autocast``), and after amped's casts on ops whose rule is torch's own (where it
+finds nothing left to cast). The tests turn it off, so that every cast they see is
+amped's own."""
 
-_COMPILED: dict[tuple[Policy, torch.dtype], dict[Callable[..., Any], Cast]] = {}
+
+Rule = tuple[Cast, bool]
+"""An op's cast, and whether torch's C++ autocast must be kept out while it runs."""
+
+_COMPILED: dict[tuple[Policy, torch.dtype], dict[Callable[..., Any], Rule]] = {}
 
 
-def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any], Cast]:
-    """The policy's rules under ``dtype``, keyed by the Python callables the mode sees."""
+def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any], Rule]:
+    """The policy's rules under ``dtype``, keyed by the Python callables the mode sees.
+
+    Where the rule is torch's own rule for the op, torch's C++ autocast kernel may run
+    after amped's casts: it finds the inputs already in its dtype and does nothing
+    (and it keeps the op's internals from being cast again, as amped would). Only
+    where the rule differs, or the op is a Python function or custom op, must it be
+    excluded, which costs about a microsecond per call.
+    """
     key = (policy, dtype)
-    table = _COMPILED.get(key)
-    if table is None:
-        table = {}
-        for op, cast in policy.rules_for(dtype).items():
+    found = _COMPILED.get(key)
+    if found is not None:
+        return found
+    torch_rules = torch_default_rules(policy.device_type)
+    table: dict[Callable[..., Any], Rule] = {}
+    for op, cast in policy.rules_for(dtype).items():
+        if isinstance(op, str) and "::" not in op:
+            exclude = torch_rules.get(op) is not cast
+            for fn in callables_for(op):
+                table[fn] = (cast, exclude)
+        else:
             for fn in callables_for(op) if isinstance(op, str) else _custom_targets(op):
-                table[fn] = cast
-        if len(_COMPILED) > 64:  # policies are few; keep the memo from growing without bound
-            _COMPILED.clear()
-        _COMPILED[key] = table
+                table[fn] = (cast, True)
+    if len(_COMPILED) > 64:  # policies are few; keep the memo from growing without bound
+        _COMPILED.clear()
+    _COMPILED[key] = table
     return table
 
 
@@ -88,7 +108,7 @@ class AutocastMode(TorchFunctionMode):
     def __init__(self) -> None:
         super().__init__()
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
-        self.tables: dict[str, dict[torch.dtype, dict[Callable[..., Any], Cast]]] = {}
+        self.tables: dict[str, dict[torch.dtype, dict[Callable[..., Any], Rule]]] = {}
         self.listed: frozenset[Callable[..., Any]] = frozenset()
         self.override: str | None = None  # "fp32" / "low" inside a module rule
         self.cache = casting.WeightCache()
@@ -124,7 +144,7 @@ class AutocastMode(TorchFunctionMode):
                     return transparent.call(func, types, args, kwargs)
             finally:
                 self.running.discard(func)
-        if self.override is not None or not TORCH_AUTOCAST_FOR_UNLISTED:
+        if self.override is not None or not TORCH_AUTOCAST_ALONGSIDE:
             with exclude_torch_autocast():
                 return func(*args, **kwargs)
         return func(*args, **kwargs)
@@ -140,10 +160,13 @@ class AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         low = torch.get_autocast_dtype(device_type)
         table = tables.get(low)
-        cast = table.get(func) if table is not None else None
-        if cast is None:
+        rule = table.get(func) if table is not None else None
+        if rule is None:
             return func(*args, **kwargs)
+        cast, exclude = rule
         if self.override is not None and cast not in (Cast.KEEP, Cast.BANNED):
-            cast = Cast.FP32 if self.override == "fp32" else Cast.LOWER
+            cast, exclude = (Cast.FP32 if self.override == "fp32" else Cast.LOWER), True
+        if not exclude and TORCH_AUTOCAST_ALONGSIDE:
+            return casting.run(cast, func, args, kwargs, device_type, low, self.cache)
         with exclude_torch_autocast():
             return casting.run(cast, func, args, kwargs, device_type, low, self.cache)

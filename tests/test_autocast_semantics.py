@@ -364,8 +364,8 @@ def test_ops_inside_python_composites_reach_the_policy(strategy, monkeypatch):
 
     if strategy == "clone":
         monkeypatch.setattr(transparent, "call", transparent.call_with_clone)
-    elif not hasattr(torch.overrides, "redispatch_function"):
-        pytest.skip("this torch has no torch.overrides.redispatch_function")
+    elif not hasattr(torch._C, "_skip_one_hop_torch_function"):
+        pytest.skip("this torch cannot skip one hop of torch-function dispatch")
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(16, 4)
     x = torch.randn(5, 2, 16)

@@ -140,8 +140,7 @@ class AutocastMode(TorchFunctionMode):
             # back here with itself as ``func``; that inner call then runs plainly.
             self.running.add(func)
             try:
-                with self:
-                    return transparent.call(func, types, args, kwargs)
+                return transparent.run_under(self, func, types, args, kwargs)
             finally:
                 self.running.discard(func)
         if self.override is not None or not TORCH_AUTOCAST_ALONGSIDE:

@@ -7,7 +7,8 @@ inside it. So the mode pushes itself again and calls the function with one hop o
 torch-function dispatch skipped: the function's own ``has_torch_function`` check passes
 through, and everything it calls is dispatched to the mode as usual.
 
-torch >= 2.13 offers exactly that as ``torch.overrides.redispatch_function``. Older
+torch >= 2.13 offers exactly that (``torch._C._skip_one_hop_torch_function``, wrapped by
+``torch.overrides.redispatch_function``). Older
 releases get the same effect from a copy of the function whose module-level
 ``has_torch_function*`` names resolve to functions that return False.
 """
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch.overrides
 
-__all__ = ["call", "call_with_clone"]
+__all__ = ["call", "call_with_clone", "run_under"]
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
@@ -71,5 +72,25 @@ def call_with_clone(
     return func(*args, **kwargs)
 
 
-call: Callable[..., Any] = getattr(torch.overrides, "redispatch_function", call_with_clone)
-"""Call a Python torch function with its own torch-function check skipped once."""
+_skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
+call: Callable[..., Any] = _skip_one_hop if _skip_one_hop is not None else call_with_clone
+"""Call a Python torch function with its own torch-function check skipped once
+(``torch.overrides.redispatch_function`` is a thin wrapper over the C function)."""
+
+_push = torch._C._push_on_torch_function_stack
+_pop = torch._C._pop_torch_function_stack
+
+
+def run_under(
+    mode: Any,
+    func: Callable[..., Any],
+    types_: tuple[type, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """``call`` with ``mode`` pushed again, so the ops inside ``func`` reach it."""
+    _push(mode)
+    try:
+        return call(func, types_, args, kwargs)
+    finally:
+        _pop()

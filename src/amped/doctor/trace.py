@@ -202,8 +202,7 @@ class Tracer(TorchFunctionMode):
         if type(func) is types.FunctionType and func not in self._running:
             self._running.add(func)
             try:
-                with self:
-                    return transparent.call(func, types_, args, kwargs)
+                return transparent.run_under(self, func, types_, args, kwargs)
             finally:
                 self._running.discard(func)
         out = func(*args, **kwargs)

@@ -12,9 +12,10 @@ from typing import Literal
 
 import torch
 
-__all__ = ["RECIPES", "Recipe", "recipe_names", "resolve_recipe"]
+__all__ = ["RECIPES", "Compensation", "Recipe", "recipe_names", "register", "resolve_recipe"]
 
 Weights = Literal["fp32", "low-with-masters", "low"]
+Compensation = Literal["kahan", "stochastic"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,10 @@ class Recipe:
         loss_scaling: whether a dynamic GradScaler scales the loss (float16).
         aliases: other accepted names.
         summary: one line for help texts and reports.
+        compensation: for ``weights="low"``, how an update too small for the low dtype
+            survives: ``"kahan"`` keeps the rounding error in a low-precision buffer and
+            adds it back next step; ``"stochastic"`` rounds up or down at random, with
+            the probabilities that make the rounding unbiased.
     """
 
     name: str
@@ -41,6 +46,25 @@ class Recipe:
     loss_scaling: bool
     aliases: tuple[str, ...]
     summary: str
+    compensation: Compensation | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights not in ("fp32", "low-with-masters", "low"):
+            raise ValueError(
+                "Recipe weights are 'fp32', 'low-with-masters' or 'low'. "
+                f"Received: weights={self.weights!r}"
+            )
+        if self.weights != "fp32" and self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"A recipe with weights={self.weights!r} needs a low dtype, torch.float16 or "
+                f"torch.bfloat16. Received: dtype={self.dtype!r}"
+            )
+        if (self.weights == "low") != (self.compensation is not None):
+            raise ValueError(
+                "compensation ('kahan' or 'stochastic') is required for weights='low' and "
+                f"meaningless otherwise. Received: weights={self.weights!r}, "
+                f"compensation={self.compensation!r}"
+            )
 
     def __str__(self) -> str:
         return self.name
@@ -68,9 +92,47 @@ RECIPES: dict[str, Recipe] = {
             ("fp16", "O1", "amp"),
             "autocast to float16 with dynamic loss scaling, float32 weights",
         ),
+        Recipe(
+            "bf16-master",
+            torch.bfloat16,
+            "low-with-masters",
+            True,
+            False,
+            ("O2-bf16", "bf16-O2"),
+            "bfloat16 weights and gradients, float32 master weights in the optimizer",
+        ),
+        Recipe(
+            "fp16-master",
+            torch.float16,
+            "low-with-masters",
+            True,
+            True,
+            ("O2", "fp16-O2"),
+            "float16 weights and gradients, float32 master weights, dynamic loss scaling",
+        ),
+        Recipe(
+            "bf16-pure",
+            torch.bfloat16,
+            "low",
+            True,
+            False,
+            ("pure-bf16", "bf16-kahan"),
+            "bfloat16 weights, gradients and optimizer state; Kahan-compensated updates",
+            compensation="kahan",
+        ),
+        Recipe(
+            "bf16-pure-sr",
+            torch.bfloat16,
+            "low",
+            True,
+            False,
+            ("pure-bf16-sr", "bf16-stochastic"),
+            "bfloat16 weights, gradients and optimizer state; stochastically rounded updates",
+            compensation="stochastic",
+        ),
     )
 }
-"""The recipes that exist, by canonical name. Other modules register more (O2, pure)."""
+"""The recipes that exist, by canonical name; :func:`register` adds more."""
 
 
 def register(recipe: Recipe) -> Recipe:

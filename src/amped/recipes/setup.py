@@ -47,9 +47,6 @@ class TrainSetup:
         scaler: GradScaler,
         device_type: str,
         policy: Policy | None = None,
-        *,
-        before_step: Callable[[], None] | None = None,
-        after_step: Callable[[], None] | None = None,
     ) -> None:
         self.recipe = recipe
         self.model = model
@@ -57,8 +54,16 @@ class TrainSetup:
         self.scaler = scaler
         self.device_type = device_type
         self.policy = policy
-        self._before_step = before_step
-        self._after_step = after_step
+
+    # --- hooks for the weight-changing recipes (no-ops here) --------------------------
+
+    def _prepare_grads(self) -> None:
+        """Put the gradients where the optimizer reads them (O2: into the masters)."""
+
+    def _after_step(self, stepped: bool) -> None:
+        """Runs after every :meth:`step`, stepped or skipped."""
+
+    # --- the loop ----------------------------------------------------------------------
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The region to run the forward pass and the loss in."""
@@ -70,27 +75,42 @@ class TrainSetup:
         """``loss.backward()``, with the loss scaled when the recipe scales it."""
         self.scaler.scale(loss).backward()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Unscale the gradients the optimizer steps on, and clip their total norm.
+
+        Use it between :meth:`backward` and :meth:`step`: it clips the float32 master
+        gradients under O2 and the unscaled ones under fp16 recipes, which clipping
+        ``model.parameters()`` would miss. Returns the total norm before clipping.
+        No sync (``torch.nn.utils.clip_grad_norm_`` does not read it on the host).
+        """
+        self._prepare_grads()
+        self.scaler.unscale_(self.optimizer)
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
     def step(self) -> bool:
         """Step the optimizer (unless the gradients overflowed) and update the scale.
 
         Returns True if the optimizer stepped. Syncs with the device once when the
         recipe scales the loss (the inf/NaN check); never otherwise.
         """
-        if self._before_step is not None:
-            self._before_step()
+        self._prepare_grads()
         self.scaler.step(self.optimizer)
         self.scaler.update()
         stepped = not self.scaler.last_step_skipped
-        if stepped and self._after_step is not None:
-            self._after_step()
+        self._after_step(stepped)
         return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients and the optimizer's (masters' included)."""
         self.model.zero_grad(set_to_none=set_to_none)
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        """Model, optimizer and scaler state, at full precision where the recipe keeps it."""
+        """Model, optimizer and scaler state, at full precision where the recipe keeps it.
+
+        Loading it back with :meth:`load_state_dict` restores every tensor bitwise.
+        """
         return {
             "recipe": self.recipe.name,
             "model": self.model.state_dict(),
@@ -99,14 +119,30 @@ class TrainSetup:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` written by a setup of the same recipe."""
+        self._check_recipe(state)
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict in float32, at the best precision the recipe holds.
+
+        For a plain float32 model (export, evaluation, a fine-tune without amped):
+        O2 gives its float32 masters, bf16-pure its weights plus their Kahan
+        compensation; the others, the model's own weights.
+        """
+        return {
+            k: v.to(torch.float32) if v.is_floating_point() else v
+            for k, v in self.model.state_dict().items()
+        }
+
+    def _check_recipe(self, state: dict[str, Any]) -> None:
         if state.get("recipe") != self.recipe.name:
             raise ValueError(
                 f"This checkpoint was written by recipe {state.get('recipe')!r}, this setup "
                 f"runs {self.recipe.name!r}. Received: recipe={state.get('recipe')!r}"
             )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
 
     def __repr__(self) -> str:
         return f"TrainSetup(recipe={self.recipe.name!r}, device_type={self.device_type!r})"
@@ -139,6 +175,16 @@ def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.O
     return optimizer
 
 
+def _check_float32(model: torch.nn.Module, recipe: Recipe) -> None:
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype is not torch.float32:
+            raise ValueError(
+                f"Recipe {recipe.name!r} lowers a float32 model's weights itself (and keeps "
+                "float32 copies where it needs them); pass the model in float32. "
+                f"Received: parameter {name!r} of dtype {param.dtype}"
+            )
+
+
 _BUILDERS: dict[str, Callable[..., TrainSetup]] = {}
 
 
@@ -157,12 +203,26 @@ def prepare(
 ) -> TrainSetup:
     """Turn ``model`` and ``optimizer`` into a :class:`TrainSetup` for ``recipe``.
 
+    The autocast recipes (``fp32``, ``bf16-mixed``, ``fp16-mixed``) leave model and
+    optimizer as they are. The others change them in place: ``*-master`` lowers the
+    weights (except modules the policy keeps in float32; norms by default) and puts
+    float32 masters under the optimizer (``setup.optimizer`` is a
+    :class:`~amped.recipes.MasterWeightOptimizer`); ``bf16-pure*`` lowers every weight
+    and replaces SGD/Adam/AdamW by its compensated twin (``setup.optimizer``). Always
+    step ``setup.optimizer``, through :meth:`TrainSetup.step`.
+
     Args:
         model: the model, on its device, in float32.
         optimizer: a ``torch.optim`` optimizer built over ``model.parameters()``.
         recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
         policy: the autocast policy (an :class:`amped.Policy` or preset name).
         scaler: a GradScaler to use instead of the recipe's default one.
+
+    Raises:
+        ValueError: an unknown recipe, a model on several device types, an optimizer
+            over other parameters, or a weight-changing recipe on a model that is
+            not float32.
+        TypeError: an optimizer the recipe cannot use (it says which, and why).
 
     Example:
         >>> import torch, amped
@@ -181,6 +241,8 @@ def prepare(
         policy = Policy.preset(policy, device_type)
     if scaler is None:
         scaler = GradScaler(device_type, enabled=chosen.loss_scaling)
+    if chosen.weights != "fp32":
+        _check_float32(model, chosen)
     builder = _BUILDERS.get(chosen.weights)
     if builder is not None:
         return builder(chosen, model, optimizer, scaler, device_type, policy)

@@ -1,0 +1,231 @@
+"""Float32 master weights for any ``torch.optim`` optimizer (Apex "O2").
+
+The model holds low-precision weights (what the forward and backward pass use); the
+optimizer steps float32 master copies of them. Per step::
+
+    master.grad = float32(param.grad)    # grads_to_masters(); frees param.grad
+    scaler.unscale_(optimizer)           # on the float32 master gradients
+    inner.step()                         # on the masters, at full precision
+    param.copy_(master)                  # masters_to_model(): round to nearest, once
+    master.grad = None                   # the float32 gradients live only in the step
+
+Small updates accumulate in the float32 masters even when one update is below half an
+ulp of the low-precision weight, which is what plain low-precision training loses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["MasterWeightOptimizer", "check_wrappable"]
+
+# Optimizers whose step() re-evaluates the model through a closure: the closure's
+# backward fills the low-precision gradients, which the masters never see mid-step.
+_NEEDS_CLOSURE = ("LBFGS",)
+# Optimizers that shard or re-own their parameters; swapping in masters breaks them.
+_OWN_PARAMS = ("ZeroRedundancyOptimizer", "_NamedOptimizer", "PostLocalSGDOptimizer")
+
+
+def check_wrappable(optimizer: object) -> torch.optim.Optimizer:
+    """``optimizer`` if master weights can be put under it; a clear error otherwise."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "Master weights wrap a torch.optim.Optimizer. "
+            f"Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})"
+        )
+    name = type(optimizer).__name__
+    if name in _NEEDS_CLOSURE:
+        raise TypeError(
+            f"{name} cannot step float32 master weights: its step() re-evaluates the model "
+            "through a closure, whose backward pass writes low-precision gradients the "
+            "masters never receive. Use a first-order optimizer (SGD, Adam, AdamW, ...), "
+            f"or recipe='fp32'. Received: optimizer of type {name}"
+        )
+    if name in _OWN_PARAMS:
+        raise TypeError(
+            f"{name} shards or re-owns its parameters, so master copies cannot be swapped "
+            "in under it. Wrap the local optimizer it builds instead. "
+            f"Received: optimizer of type {name}"
+        )
+    if isinstance(optimizer, MasterWeightOptimizer):
+        raise TypeError(
+            "This optimizer already steps master weights; wrap the plain optimizer once. "
+            f"Received: optimizer of type {name}"
+        )
+    return optimizer
+
+
+class MasterWeightOptimizer(torch.optim.Optimizer):
+    """Steps an optimizer on float32 master copies of its low-precision parameters.
+
+    Works with any ``torch.optim`` optimizer that steps on ``param.grad`` (not LBFGS):
+    the inner optimizer's parameter groups are rewired in place to hold the masters,
+    so its algorithm, hyper-parameters, state layout and learning-rate schedulers are
+    unchanged. Float32 parameters (norms that stay in float32) are stepped as they are.
+    ``param_groups``, ``state`` and ``defaults`` are the inner optimizer's.
+
+    Args:
+        optimizer: the optimizer over the model's parameters.
+        masters: the float32 value each low-precision parameter starts from
+            (``prepare`` passes the original weights). A low-precision parameter with no
+            entry starts from a float32 copy of its current value.
+
+    Example:
+        >>> import torch, amped
+        >>> model = torch.nn.Linear(4, 2).bfloat16()
+        >>> opt = amped.recipes.MasterWeightOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> model(torch.randn(3, 4, dtype=torch.bfloat16)).float().sum().backward()
+        >>> opt.step()
+        >>> opt.param_groups[0]["params"][0].dtype, model.weight.dtype
+        (torch.float32, torch.bfloat16)
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: Mapping[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
+        self.optimizer = check_wrappable(optimizer)
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        masters = masters or {}
+        for group in optimizer.param_groups:
+            params = group["params"]
+            for i, param in enumerate(params):
+                if param.dtype not in (torch.float16, torch.bfloat16):
+                    continue
+                master = _master_for(param, masters.get(param))
+                params[i] = master  # in place: optimizers that alias the list see it too
+                if param in optimizer.state:  # state built before wrapping moves over
+                    optimizer.state[master] = optimizer.state.pop(param)
+                self._pairs.append((param, master))
+        # torch's own initialiser of the hook tables and the step profiling wrapper,
+        # without Optimizer.__init__'s param groups: those are the inner optimizer's.
+        torch.optim.Optimizer.__setstate__(self, {})
+
+    # --- the inner optimizer's data, shared ------------------------------------------
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    @property
+    def pairs(self) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """``(low-precision model parameter, float32 master)`` for every lowered parameter."""
+        return tuple(self._pairs)
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        """The tensor the optimizer steps for ``param``: its master, or itself if float32."""
+        for model_param, master in self._pairs:
+            if model_param is param:
+                return master
+        return param
+
+    # --- the step --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def grads_to_masters(self) -> None:
+        """Add each low-precision gradient, in float32, to its master's, and free it.
+
+        Call before ``scaler.unscale_``/``scaler.step`` (``TrainSetup.step`` does);
+        :meth:`step` calls it too. Adding (not assigning) keeps gradient accumulation
+        right if it runs between two backward passes. No sync.
+        """
+        for param, master in self._pairs:
+            grad = param.grad
+            if grad is None:
+                continue
+            if master.grad is None:
+                master.grad = grad.to(torch.float32)
+            else:
+                master.grad.add_(grad)
+            param.grad = None
+
+    @torch.no_grad()
+    def masters_to_model(self) -> None:
+        """Round each master to its parameter's dtype, into the parameter."""
+        for param, master in self._pairs:
+            param.copy_(master)
+
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        """Move gradients to the masters, step the inner optimizer, copy the masters back.
+
+        The float32 master gradients are freed after the step, so they exist only
+        between :meth:`grads_to_masters` and the end of the step.
+        """
+        if closure is not None:
+            raise TypeError(
+                "MasterWeightOptimizer.step() takes no closure: a closure's backward "
+                "writes low-precision gradients mid-step. Call backward before step(). "
+                f"Received: closure={closure!r} (of type {type(closure).__name__})"
+            )
+        self.grads_to_masters()
+        self.optimizer.step()
+        self.masters_to_model()
+        for _, master in self._pairs:
+            master.grad = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the masters' gradients (and the inner optimizer's float32 ones)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        for param, _ in self._pairs:
+            if param.grad is not None:
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "Add parameter groups to the inner optimizer before wrapping it in master "
+            "weights. Received: a call to add_param_group"
+        )
+
+    # --- checkpoints -----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The inner optimizer's state dict: float32 state, laid out as without masters."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"MasterWeightOptimizer({len(self._pairs)} masters, {self.optimizer!r})"
+
+
+def _master_for(param: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+    """A float32 leaf tensor to step in ``param``'s place."""
+    if start is None:
+        master = param.detach().to(torch.float32, copy=True)
+    else:
+        if start.shape != param.shape or start.dtype is not torch.float32:
+            raise ValueError(
+                "A master weight must be a float32 tensor of its parameter's shape "
+                f"{tuple(param.shape)}. Received: master of shape {tuple(start.shape)} "
+                f"and dtype {start.dtype}"
+            )
+        master = start.detach()
+    return master.requires_grad_(param.requires_grad)

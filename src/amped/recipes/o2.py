@@ -1,0 +1,96 @@
+"""The O2 recipes, ``bf16-master`` and ``fp16-master``: low-precision weights, float32 masters.
+
+The model keeps low-precision weights and gradients, except in the modules the
+policy runs in float32 (norm layers by default); the optimizer steps float32 master
+copies (:class:`~amped.recipes.master.MasterWeightOptimizer`). The forward pass runs
+under autocast with the same policy, so ops the policy lists in float32 (losses,
+softmax on CUDA) still run in float32, and weights are never re-cast per step: they
+already have the low dtype.
+
+Checkpoints hold the masters: ``state_dict()["model"]`` is a float32 state dict with
+the model's keys, which loads into a plain float32 model as it is.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from amped.policy import Policy
+from amped.recipes.master import MasterWeightOptimizer, check_wrappable
+from amped.recipes.registry import Recipe
+from amped.recipes.setup import TrainSetup
+from amped.recipes.weights import kept_in_fp32, lower_, with_norms_in_fp32
+from amped.scaling import GradScaler
+
+__all__ = ["MasterSetup", "build_master_setup"]
+
+
+class MasterSetup(TrainSetup):
+    """A :class:`~amped.recipes.TrainSetup` whose optimizer steps float32 master weights."""
+
+    optimizer: MasterWeightOptimizer
+
+    def _prepare_grads(self) -> None:
+        self.optimizer.grads_to_masters()
+
+    def _after_step(self, stepped: bool) -> None:
+        if not stepped:  # a skipped step leaves float32 gradients behind: free them now
+            for _, master in self.optimizer.pairs:
+                master.grad = None
+
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with each lowered weight replaced by its float32 master.
+
+        Tensors are live (as ``Module.state_dict`` gives them); the other floating
+        entries (float32 norms, lowered buffers) come as float32.
+        """
+        masters = {id(param): master for param, master in self.optimizer.pairs}
+        out: dict[str, torch.Tensor] = {}
+        for key, value in self.model.state_dict(keep_vars=True).items():
+            tensor = masters.get(id(value), value).detach()
+            out[key] = tensor.to(torch.float32) if tensor.is_floating_point() else tensor
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """Recipe, model (float32 masters, see :meth:`fp32_state_dict`), optimizer, scaler."""
+        state = super().state_dict()
+        state["model"] = self.fp32_state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`: masters exactly, model weights rounded from them."""
+        self._check_recipe(state)
+        model_state = state["model"]
+        self.model.load_state_dict(model_state)  # rounds into the low-precision weights
+        masters = {id(param): master for param, master in self.optimizer.pairs}
+        with torch.no_grad():
+            for key, value in self.model.state_dict(keep_vars=True).items():
+                master = masters.get(id(value))
+                if master is not None:
+                    master.copy_(model_state[key])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+def o2_policy(policy: Policy | None, model: torch.nn.Module, device_type: str) -> Policy:
+    """``policy`` (torch's by default) with the model's norm layers in float32 first."""
+    return with_norms_in_fp32(policy or Policy.preset("torch", device_type), model)
+
+
+def build_master_setup(
+    recipe: Recipe,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: GradScaler,
+    device_type: str,
+    policy: Policy | None,
+) -> MasterSetup:
+    """Lower ``model`` in place and put float32 masters under ``optimizer``."""
+    check_wrappable(optimizer)  # before the model is touched
+    assert recipe.dtype is not None  # Recipe.__post_init__ guarantees it
+    policy = o2_policy(policy, model, device_type)
+    originals = lower_(model, recipe.dtype, kept_in_fp32(model, policy))
+    wrapped = MasterWeightOptimizer(optimizer, originals)
+    return MasterSetup(recipe, model, wrapped, scaler, device_type, policy)

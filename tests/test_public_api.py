@@ -25,6 +25,7 @@ EXPECTED = {
     "doctor",
     "get_autocast_dtype",
     "is_autocast_enabled",
+    "memory_report",
     "prepare",
 }
 

@@ -1,0 +1,112 @@
+"""Checkpoints of every recipe: saved, loaded into a fresh setup and trained on, they
+continue bitwise; an O2 checkpoint loads into a plain float32 model and optimizer."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import amped
+from amped.recipes import RECIPES
+from recipes_helpers import batches, mlp, optimizer, train
+from tolerances import BITWISE
+
+
+def _roundtrip(obj):
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _tensors(setup):
+    """Everything the setup holds that training reads: model, optimizer state, masters."""
+    out = {f"model.{k}": v for k, v in setup.model.state_dict().items()}
+    for i, group in enumerate(setup.optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            out[f"stepped.{i}.{j}"] = p
+            for key, value in setup.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value):
+                    out[f"state.{i}.{j}.{key}"] = value
+    return out
+
+
+def _flat(obj, prefix=""):
+    """Nested dicts and lists as {path: leaf}."""
+    if isinstance(obj, dict):
+        return {
+            k: v for key, value in obj.items() for k, v in _flat(value, f"{prefix}{key}.").items()
+        }
+    if isinstance(obj, (list, tuple)) and not all(isinstance(v, (int, float)) for v in obj):
+        return {
+            k: v for i, value in enumerate(obj) for k, v in _flat(value, f"{prefix}{i}.").items()
+        }
+    return {prefix: obj}
+
+
+def _assert_same(a, b):
+    a, b = _flat(a), _flat(b)
+    assert a.keys() == b.keys()
+    for key in a:
+        if torch.is_tensor(a[key]):
+            assert a[key].dtype == b[key].dtype, key
+            torch.testing.assert_close(a[key], b[key], **BITWISE, msg=key)
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_round_trip_continues_bitwise(recipe, opt_name):
+    data = batches(5)
+    model = mlp()
+    setup = amped.prepare(model, optimizer(opt_name, model.parameters()), recipe)
+    train(setup, data[:3])
+    saved = _roundtrip(setup.state_dict())
+    train(setup, data[3:])
+
+    fresh_model = mlp(seed=7)
+    fresh = amped.prepare(fresh_model, optimizer(opt_name, fresh_model.parameters()), recipe)
+    fresh.load_state_dict(saved)
+    _assert_same(_roundtrip(fresh.state_dict()), saved)
+    train(fresh, data[3:])
+    _assert_same(_tensors(fresh), _tensors(setup))
+    assert fresh.scaler.state_dict() == setup.scaler.state_dict()
+
+
+def test_o2_checkpoint_keeps_float32_masters_and_loads_into_a_plain_model():
+    model = mlp()
+    setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "bf16-master")
+    train(setup, batches(3))
+    saved = _roundtrip(setup.state_dict())
+    assert {v.dtype for v in saved["model"].values()} == {torch.float32}
+
+    plain = mlp(seed=3)
+    plain.load_state_dict(saved["model"])
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    plain_opt.load_state_dict(saved["optimizer"])
+    for (param, master), plain_param in zip(
+        setup.optimizer.pairs,
+        [plain[0].weight, plain[0].bias, plain[3].weight, plain[3].bias],
+        strict=True,
+    ):
+        torch.testing.assert_close(plain_param, master, **BITWISE)
+        for key, value in setup.optimizer.state[master].items():
+            torch.testing.assert_close(plain_opt.state[plain_param][key], value, **BITWISE)
+        # The low-precision weight is the master rounded once.
+        torch.testing.assert_close(param, master.to(param.dtype), **BITWISE)
+    torch.testing.assert_close(plain[1].weight, model[1].weight, **BITWISE)
+    train(amped.prepare(plain, plain_opt, "fp32"), batches(1))  # and it trains on
+
+
+def test_a_checkpoint_of_another_recipe_is_refused():
+    model = mlp()
+    setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-master")
+    other = mlp()
+    state = amped.prepare(
+        other, torch.optim.SGD(other.parameters(), lr=0.1), "bf16-pure"
+    ).state_dict()
+    with pytest.raises(ValueError, match=r"written by recipe 'bf16-pure'.*runs 'bf16-master'"):
+        setup.load_state_dict(state)

@@ -1,0 +1,134 @@
+"""bf16-pure through amped.prepare: bfloat16 everywhere, the user's optimizer replaced by
+its compensated twin with the same hyper-parameters, and clear refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import amped
+from amped.recipes import CompensatedAdamW, CompensatedSGD
+from recipes_helpers import batches, mlp, train
+from tolerances import BITWISE
+
+
+def test_everything_is_bf16_and_the_optimizer_is_the_twin():
+    model = mlp()
+    opt = torch.optim.AdamW(
+        [
+            {"params": model[0].parameters(), "lr": 1e-3},
+            {"params": [*model[1].parameters(), *model[3].parameters()], "weight_decay": 0.0},
+        ],
+        lr=2e-3,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+    )
+    setup = amped.prepare(model, opt, "bf16-pure")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    twin = setup.optimizer
+    assert isinstance(twin, CompensatedAdamW)
+    assert [g["lr"] for g in twin.param_groups] == [1e-3, 2e-3]
+    assert [g["weight_decay"] for g in twin.param_groups] == [1e-2, 0.0]
+    assert all(g["betas"] == (0.8, 0.95) and g["eps"] == 1e-6 for g in twin.param_groups)
+    assert all(
+        g["decoupled_weight_decay"] and g["compensation"] == "kahan" for g in twin.param_groups
+    )
+    assert twin.param_groups[0]["params"][0] is model[0].weight
+    train(setup, batches(2))
+    tensors = [v for s in twin.state.values() for v in s.values() if torch.is_tensor(v)]
+    assert tensors and {t.dtype for t in tensors} == {torch.bfloat16}
+    assert {p.grad is None for p in model.parameters()} == {True}
+
+
+@pytest.mark.parametrize(
+    ("make", "recipe", "cls", "expected"),
+    [
+        (
+            lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True),
+            "bf16-pure",
+            CompensatedSGD,
+            dict(momentum=0.9, nesterov=True, compensation="kahan"),
+        ),
+        (
+            lambda p: torch.optim.Adam(p, lr=0.1, weight_decay=0.1),
+            "bf16-pure-sr",
+            CompensatedAdamW,
+            dict(decoupled_weight_decay=False, compensation="stochastic"),
+        ),
+        (
+            lambda p: torch.optim.SGD(p, lr=torch.tensor(0.1)),
+            "pure-bf16",
+            CompensatedSGD,
+            dict(lr=pytest.approx(0.1)),
+        ),
+    ],
+    ids=["sgd-nesterov", "adam-l2-sr", "tensor-lr"],
+)
+def test_twin_keeps_the_hyper_parameters(make, recipe, cls, expected):
+    model = mlp()
+    setup = amped.prepare(model, make(model.parameters()), recipe)
+    assert isinstance(setup.optimizer, cls)
+    group = setup.optimizer.param_groups[0]
+    assert {k: group[k] for k in expected} == expected
+
+
+def test_a_compensated_optimizer_is_used_as_it_is():
+    model = mlp()
+    opt = CompensatedSGD(model.parameters(), lr=0.1, compensation="stochastic", seed=4)
+    assert amped.prepare(model, opt, "bf16-pure").optimizer is opt
+
+
+def test_policy_kept_module_stays_fp32_and_steps_plainly():
+    model = mlp()
+    policy = amped.Policy.preset("torch", "cpu").with_module("3", "fp32")
+    setup = amped.prepare(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-pure", policy=policy
+    )
+    assert model[3].weight.dtype is torch.float32 and model[0].weight.dtype is torch.bfloat16
+    train(setup, batches(1))
+    assert "compensation" not in setup.optimizer.state[model[3].weight]
+    assert "compensation" in setup.optimizer.state[model[0].weight]
+
+
+def test_fp32_state_dict_adds_the_compensation():
+    model = mlp()
+    setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-3), "bf16-pure")
+    train(setup, batches(3))
+    full = setup.fp32_state_dict()
+    comp = setup.optimizer.state[model[0].weight]["compensation"]
+    assert comp.abs().max() > 0
+    torch.testing.assert_close(full["0.weight"], model[0].weight.float() + comp.float(), **BITWISE)
+    plain = mlp(seed=1)
+    plain.load_state_dict(full)  # a plain float32 model takes it as it is
+
+
+def test_bad_input_is_refused():
+    model = mlp()
+    with pytest.raises(TypeError, match=r"SGD, Adam and AdamW; RMSprop has none.*bf16-master"):
+        amped.prepare(model, torch.optim.RMSprop(model.parameters()), "bf16-pure")
+    assert model[0].weight.dtype is torch.float32  # refused before anything changed
+    with pytest.raises(ValueError, match=r"no amsgrad mode\. Received: amsgrad=True"):
+        amped.prepare(model, torch.optim.AdamW(model.parameters(), amsgrad=True), "bf16-pure")
+    stepped = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 32)).sum().backward()
+    stepped.step()
+    with pytest.raises(ValueError, match=r"has stepped already.*before the\s+first step"):
+        amped.prepare(model, stepped, "bf16-pure")
+    with pytest.warns(UserWarning, match=r"needs no loss scaling.*Received: scaler=GradScaler"):
+        amped.prepare(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            "bf16-pure",
+            scaler=amped.GradScaler("cpu"),
+        )
+
+
+def test_recipes_are_validated():
+    with pytest.raises(ValueError, match=r"needs a low dtype.*Received: dtype=None"):
+        amped.Recipe("x", None, "low", True, False, (), "", compensation="kahan")
+    with pytest.raises(ValueError, match=r"compensation .* is required for weights='low'"):
+        amped.Recipe("x", torch.bfloat16, "low", True, False, (), "")
+    with pytest.raises(ValueError, match=r"Received: weights='half'"):
+        amped.Recipe("x", torch.bfloat16, "half", True, False, (), "")  # type: ignore[arg-type]
+    assert amped.recipes.resolve_recipe("O2").name == "fp16-master"
+    assert amped.recipes.resolve_recipe("bf16-kahan").name == "bf16-pure"

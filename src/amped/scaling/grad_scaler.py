@@ -5,6 +5,8 @@ decide whether to call ``optimizer.step()`` (none for optimizers that unscale in
 their own step, such as torch's fused Adam). :meth:`GradScaler.scale`,
 :meth:`GradScaler.unscale_` and :meth:`GradScaler.update` never sync, whatever the
 strategy. Reading the scale (``get_scale``, ``state_dict``, pickling) syncs, as in torch.
+Under torch.distributed, ranks that hold different gradients agree on each step with
+one collective (see :mod:`amped.scaling.distributed`), which adds no host sync.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from amped.scaling import config as cfg
 from amped.scaling.checks import ScalerOrderError, check_bool, check_device_type, received
+from amped.scaling.distributed import check_process_group
 from amped.scaling.records import History
 from amped.scaling.scaler_base import GradScalerBase, OptimizerState, OptState
 from amped.scaling.strategies import GrowthFactors, ScaleState
@@ -56,6 +59,11 @@ class GradScaler(GradScalerBase):
         max_scale: keyword-only. The scale never grows above this.
         record_history: keyword-only. Keep a :class:`~amped.ScaleRecord` per update in
             :attr:`history`, at no extra sync.
+        process_group: keyword-only. The ranks that must agree on skipping a step:
+            None (default) finds them from DTensor gradients (FSDP2's ``fully_shard``)
+            and needs none for plain ones (one process, DDP); a ``ProcessGroup`` is
+            always used, with one all-reduce per step. See
+            :mod:`amped.scaling.distributed`. Not pickled (it belongs to one process).
 
     Example:
         >>> import torch, amped
@@ -85,6 +93,7 @@ class GradScaler(GradScalerBase):
         min_scale: float | None = None,
         max_scale: float | None = None,
         record_history: bool = False,
+        process_group: Any = None,
     ) -> None:
         self._device = check_device_type(device)
         self._enabled = check_bool("enabled", enabled)
@@ -103,6 +112,7 @@ class GradScaler(GradScalerBase):
         self._counters: dict[str, torch.Tensor] = {}
         self._per_optimizer_states: defaultdict[int, OptimizerState] = defaultdict(OptimizerState)
         self._history = History() if check_bool("record_history", record_history) else None
+        self._process_group = check_process_group(process_group)
         self._updates = 0
         self._last_skipped: bool | torch.Tensor = False
         self._synced = False  # whether this iteration's step() has synced already
@@ -162,7 +172,8 @@ class GradScaler(GradScalerBase):
 
         Optional: call it to clip or inspect true gradients before :meth:`step`, once
         per optimizer per iteration. Sparse gradients are unscaled through their
-        values. No sync.
+        values, DTensor ones through their local shards. No sync; the ranks' collective
+        agreement, when there is one, happens here.
 
         Raises:
             RuntimeError: called twice for this optimizer since ``update()``, or after
@@ -189,6 +200,7 @@ class GradScaler(GradScalerBase):
         state.found_inf_per_device = unscale_grads_(
             optimizer, inv_scale, found_inf, allow_fp16=False
         )
+        self._agree_across_ranks(optimizer, state, scale.device)
         state.stage = OptState.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:

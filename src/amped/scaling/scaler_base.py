@@ -17,9 +17,10 @@ import torch
 
 from amped.scaling import config as cfg
 from amped.scaling.checks import ScalerOrderError, ScalerStateDictError, check_int, received
+from amped.scaling.distributed import agree_found_inf_, agreement_groups
 from amped.scaling.records import History, ScaleRecord
 from amped.scaling.strategies import ScaleStrategy
-from amped.scaling.unscale import unscale_grads_
+from amped.scaling.unscale import combine_on, unscale_grads_
 
 __all__ = ["AMPED_KEY", "TORCH_KEYS", "GradScalerBase", "OptState", "OptimizerState"]
 
@@ -62,6 +63,7 @@ class GradScalerBase:
     _counters: dict[str, torch.Tensor]
     _per_optimizer_states: defaultdict[int, OptimizerState]
     _history: History | None
+    _process_group: Any
     _updates: int
     _last_skipped: bool | torch.Tensor
 
@@ -176,7 +178,24 @@ class GradScalerBase:
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         state = self._per_optimizer_states[id(optimizer)]
         state.found_inf_per_device = unscale_grads_(optimizer, unit, found_inf, allow_fp16=True)
+        self._agree_across_ranks(optimizer, state, scale.device)
         return state.found_inf_per_device
+
+    def _agree_across_ranks(
+        self, optimizer: torch.optim.Optimizer, state: OptimizerState, device: torch.device
+    ) -> None:
+        """Replace this rank's inf/NaN flags by the flag all the ranks agree on (one
+        all-reduce per group, usually one), so that they skip alike. No sync."""
+        params = (p for group in optimizer.param_groups for p in group["params"])
+        groups = agreement_groups(self._process_group, params)
+        if not groups:
+            return
+        # Every rank must join the collective, even one with no gradients (whose step()
+        # then raises its own error rather than leaving the others waiting).
+        found = combine_on(device, list(state.found_inf_per_device.values()))
+        agree_found_inf_(found, groups)
+        if state.found_inf_per_device:
+            state.found_inf_per_device = {device: found}
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
         return self._per_optimizer_states[id(optimizer)].found_inf_per_device
@@ -290,10 +309,13 @@ class GradScalerBase:
             state["_init_counters"] = self._counter_values()
             state["_scale"] = state["_growth_tracker"] = None
             state["_counters"] = {}
+        # A process group belongs to one process; the copy detects its ranks again.
+        state["_process_group"] = None
         state["_last_skipped"] = self.last_step_skipped
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_process_group", None)  # pickled before process_group existed
         self.__dict__.update(state)
 
 

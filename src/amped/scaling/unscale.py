@@ -3,12 +3,16 @@
 Gradients are grouped by device and dtype and each group goes through one
 ``torch._amp_foreach_non_finite_check_and_unscale_`` call, which multiplies them by
 the inverse scale and sets ``found_inf`` to 1.0 if any element is inf or NaN. Nothing
-here reads a tensor's value on the host.
+here reads a tensor's value on the host. DTensor gradients (FSDP2, tensor parallel)
+are checked through their local shards; :mod:`amped.scaling.distributed` makes the
+ranks agree.
 """
 
 from __future__ import annotations
 
 import torch
+
+from amped.scaling.distributed import dtensor_type
 
 __all__ = ["FP16_GRADS_MESSAGE", "PerDevice", "combine_on", "unscale_grads_"]
 
@@ -41,17 +45,21 @@ class PerDevice:
 def group_grads(
     optimizer: torch.optim.Optimizer, *, allow_fp16: bool
 ) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
-    """The optimizer's gradients (values of sparse ones) by (device, dtype).
+    """The optimizer's gradients (values of sparse ones, local shards of DTensors) by
+    (device, dtype).
 
     Raises:
         ValueError: a float16 gradient, unless ``allow_fp16``.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    dtensor = dtensor_type()
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
             if grad is None:
                 continue
+            if dtensor is not None and isinstance(grad, dtensor):
+                grad = grad.to_local()  # a view: unscaling it unscales the DTensor
             if not allow_fp16 and grad.dtype == torch.float16:
                 raise ValueError(FP16_GRADS_MESSAGE)
             if grad.is_sparse:

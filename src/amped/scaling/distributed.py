@@ -1,0 +1,148 @@
+"""Agreement across ranks: every rank skips the same steps and moves the scale alike.
+
+Each rank unscales the gradients it holds and flags inf/NaN in them. When ranks hold
+different gradients, one rank can flag an overflow that the others do not see; if it
+alone skipped the step, the replicas would diverge silently. So the flag of the step
+is all-reduced with ``MAX`` before anything reads it: one collective per optimizer step,
+on the device, on top of the scaler's one host sync (with NCCL the collective is queued
+on the stream and the sync that follows waits for it; gloo's runs on the host).
+
+Which process group the flag is reduced over (``GradScaler(process_group=...)``)::
+
+    None (default): detect.
+        gradients are DTensors (FSDP2's fully_shard, tensor parallel):
+            the group of each mesh dimension the gradients are not replicated over
+            (one group for FSDP2, and for HSDP's shard dimension)
+        plain tensors (one process, DDP): no collective. DDP all-reduces the
+            gradients themselves, and an inf or NaN on any rank survives that sum,
+            so every rank already sees it (torch.amp.GradScaler adds none either).
+    a ProcessGroup (e.g. torch.distributed.group.WORLD): always that group, once.
+        For sharding the scaler cannot see (ZeRO-style optimizers, pipeline stages),
+        or gradients changed after DDP's all-reduce.
+
+DTensor gradients are unscaled through their local shards. (Recent torch also reduces
+the flag inside DTensor's dispatch of the check, once per dtype group of gradients;
+checking the shards leaves one collective per step, and no reliance on that handler.)
+
+Example:
+    >>> import amped
+    >>> from amped.scaling.distributed import agreement_groups
+    >>> scaler = amped.GradScaler("cpu")  # process_group=None: detect
+    >>> agreement_groups(None, [])  # one process: nothing to agree with
+    []
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from amped.scaling.checks import received
+
+__all__ = [
+    "agree_found_inf_",
+    "agreement_groups",
+    "check_process_group",
+    "check_scaler_agreement",
+    "dtensor_type",
+]
+
+
+def dtensor_type() -> Any:
+    """DTensor's class if its module is loaded, else None (no tensor can be one then).
+
+    Looked up, never imported: importing ``torch.distributed.tensor`` takes a second.
+    Its home was ``torch.distributed._tensor`` before torch 2.5.
+    """
+    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
+        dtensor = getattr(sys.modules.get(name), "DTensor", None)
+        if dtensor is not None:
+            return dtensor
+    return None
+
+
+def check_process_group(value: object) -> Any:
+    """``GradScaler(process_group=...)``: None (detect) or a ``ProcessGroup``."""
+    if value is None:
+        return None
+    if not dist.is_available() or not isinstance(value, dist.ProcessGroup):
+        raise TypeError(
+            "`process_group` must be None (agree across the ranks that shard the "
+            "gradients, found from DTensor gradients) or a torch.distributed.ProcessGroup "
+            f"such as torch.distributed.group.WORLD. {received('process_group', value)}"
+        )
+    return value
+
+
+def agreement_groups(process_group: Any, params: Iterable[torch.Tensor]) -> list[Any]:
+    """The process groups to reduce the found-inf flag over, in the same order on every rank.
+
+    Args:
+        process_group: the scaler's setting (see the module docstring).
+        params: the optimizer's parameters (their gradients are read, not changed).
+    """
+    if process_group is not None:
+        return [process_group]
+    dtensor = dtensor_type()
+    if dtensor is None or not dist.is_available() or not dist.is_initialized():
+        return []
+    groups: list[Any] = []
+    for param in params:
+        grad = param.grad
+        if not isinstance(grad, dtensor):
+            continue
+        mesh = grad.device_mesh
+        for dim, placement in enumerate(grad.placements):
+            if placement.is_replicate():
+                continue
+            group = mesh.get_group(dim)
+            # Placements are global metadata, so every rank lists the same groups in
+            # the same (parameter) order, as collectives need.
+            if not any(group is seen for seen in groups):
+                groups.append(group)
+    return groups
+
+
+def agree_found_inf_(found_inf: torch.Tensor, groups: list[Any]) -> torch.Tensor:
+    """All-reduce ``found_inf`` (0-d float32, > 0 on overflow) with ``MAX`` over each group.
+
+    In place. ``MAX`` rather than the ``SUM`` of torch's ShardedGradScaler: the agreed
+    flag stays within the values one rank can produce, whatever the world size. No
+    host sync of its own.
+    """
+    for group in groups:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
+    return found_inf
+
+
+def check_scaler_agreement(scaler: Any, process_group: Any = None) -> dict[str, Any]:
+    """Check that every rank's scaler holds the same state; return this rank's state dict.
+
+    Call it where every rank calls it, e.g. before rank 0 saves a checkpoint, to catch
+    replicas that skipped different steps. Collective (``all_gather_object``) and a host
+    sync; meant for checkpoints, not every step.
+
+    Args:
+        scaler: an :class:`amped.GradScaler` (or torch's), after ``update()``.
+        process_group: the ranks to compare (default: all).
+
+    Raises:
+        RuntimeError: some rank's scaler state differs from rank 0's (it names them).
+    """
+    state = scaler.state_dict()
+    world = dist.get_world_size(process_group)
+    states: list[Any] = [None] * world
+    dist.all_gather_object(states, state, group=process_group)
+    differ = [rank for rank, other in enumerate(states) if other != states[0]]
+    if differ:
+        raise RuntimeError(
+            "The GradScaler state differs across ranks: they skipped different steps, so "
+            "their parameters have diverged. Pass the process group that shards the "
+            "gradients as GradScaler(process_group=...). "
+            f"Received: state on rank 0={states[0]!r}, differing ranks={differ}"
+        )
+    return state

@@ -20,3 +20,16 @@ SR_SIGMAS = 6.0
 # above fp32 is far outside that noise. Measured: 89% (SGD) and 84% (AdamW) above.
 CONVERGED_REL = 0.02
 NAIVE_WORSE = 1.25
+
+# Distributed (tests/test_distributed.py): 2 processes against 1 on the same global
+# batch. The runs differ only in where the batch's sums split: DDP and FSDP2 average
+# two half-batch gradients, one process sums the whole batch. Under autocast each
+# weight-gradient matmul rounds its result to the low dtype once per half, so the
+# gradients differ by about one unit roundoff u of that dtype (2**-8 bfloat16, 2**-11
+# float16), relative, at every step; over 8 steps the losses stay within 2u, and the
+# parameters within 8u (one u per step) of their tensor's largest entry. The fp32
+# recipe differs by reordered float32 sums only, many roundings compounding: 16u
+# (u = 2**-24) for both. Measured, worst recipe per dtype: losses 0.6u bf16, 0.5u fp16,
+# 1.9u fp32; parameters 2.6u bf16, 1.2u fp16, 2.6u fp32.
+DISTRIBUTED_LOSS_UNITS = {"low": 2, "fp32": 16}
+DISTRIBUTED_PARAM_UNITS = {"low": 8, "fp32": 16}

@@ -43,7 +43,7 @@ DDP_RECIPES = (
     "bf16-pure",
     "bf16-pure-sr",
 )
-FSDP_RECIPES = ("bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
+FSDP_RECIPES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-master", "fp16-master")
 CKPT_STEPS, CKPT_EVERY = 12, 4
 
 

@@ -108,7 +108,7 @@ def test_policy_kept_module_stays_fp32():
     )
     train(setup, batches(1))
     assert seen == {
-        "0": (torch.float32, torch.bfloat16),  # autocast casts the input at the op
+        "0": (torch.bfloat16, torch.bfloat16),  # the lowered model casts its inputs
         "1": (torch.float32, torch.float32),  # the norm: float32 by default
         "3": (torch.float32, torch.float32),  # kept by the user's policy
     }

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
 
 import amped
 from amped.recipes import CompensatedAdamW, CompensatedSGD
+from amped.recipes.weights import cast_inputs
 from recipes_helpers import batches, mlp, train
 from tolerances import BITWISE
 
@@ -100,6 +102,39 @@ def test_fp32_state_dict_adds_the_compensation():
     torch.testing.assert_close(full["0.weight"], model[0].weight.float() + comp.float(), **BITWISE)
     plain = mlp(seed=1)
     plain.load_state_dict(full)  # a plain float32 model takes it as it is
+
+
+@pytest.mark.parametrize("recipe", ["bf16-pure", "bf16-master"])
+def test_float32_inputs_meet_no_low_weight_outside_autocast_lists(recipe):
+    # nn.TransformerEncoderLayer adds its float32 input to a bfloat16 attention output
+    # and feeds the sum to layer_norm, which CPU autocast does not list: the lowered
+    # model must cast its inputs, or layer_norm sees float32 input, bfloat16 weight.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    setup = amped.prepare(model, torch.optim.AdamW(model.parameters()), recipe)
+    with setup.autocast():
+        loss = setup.model(torch.randn(2, 5, 16)).float().pow(2).mean()
+    setup.backward(loss)
+    assert setup.step()
+
+
+def test_cast_inputs_reaches_nested_and_keyword_arguments():
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, pair, *, extra, ids):
+            seen.extend([pair[0].dtype, pair[1]["x"].dtype, extra.dtype, ids.dtype])
+            return pair[0]
+
+    probe = Probe()
+    cast_inputs(probe, torch.bfloat16)
+    probe(
+        (torch.ones(1), {"x": torch.ones(1)}),
+        extra=torch.ones(1, dtype=torch.float64),
+        ids=torch.ones(1, dtype=torch.long),
+    )
+    assert seen == [torch.bfloat16, torch.bfloat16, torch.float64, torch.long]
 
 
 def test_bad_input_is_refused():

@@ -200,7 +200,7 @@ class CompensatedSGD(_CompensatedOptimizer):
         self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict
     ) -> None:
         if group["weight_decay"] != 0:
-            grad.add_(param.to(torch.float32), alpha=group["weight_decay"])
+            grad.add_(param, alpha=group["weight_decay"])
         momentum = group["momentum"]
         if momentum != 0:
             buf = state.get("momentum_buffer")
@@ -274,9 +274,8 @@ class CompensatedAdamW(_CompensatedOptimizer):
         state["step"] += 1
         step, lr, wd = state["step"], group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
-        weight = param.to(torch.float32)
         if wd != 0 and not group["decoupled_weight_decay"]:
-            grad.add_(weight, alpha=wd)
+            grad.add_(param, alpha=wd)
         exp_avg = state["exp_avg"].to(torch.float32, copy=True).lerp_(grad, 1 - beta1)
         exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True).mul_(beta2)
         exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
@@ -289,5 +288,5 @@ class CompensatedAdamW(_CompensatedOptimizer):
         if wd != 0 and group["decoupled_weight_decay"]:
             # AdamW's param *= 1 - lr * wd, as an update: lr * wd (1e-5 typically) is far
             # below half a bfloat16 ulp, so it must go through the compensated add too.
-            update.add_(weight, alpha=-lr * wd)
+            update.add_(param, alpha=-lr * wd)
         self._apply_update(param, update, state, group)

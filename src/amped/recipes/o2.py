@@ -21,7 +21,7 @@ from amped.policy import Policy
 from amped.recipes.master import MasterWeightOptimizer, check_wrappable
 from amped.recipes.registry import Recipe
 from amped.recipes.setup import TrainSetup
-from amped.recipes.weights import kept_in_fp32, lower_, with_norms_in_fp32
+from amped.recipes.weights import lower_model_, with_norms_in_fp32
 from amped.scaling import GradScaler
 
 __all__ = ["MasterSetup", "build_master_setup"]
@@ -91,6 +91,6 @@ def build_master_setup(
     check_wrappable(optimizer)  # before the model is touched
     assert recipe.dtype is not None  # Recipe.__post_init__ guarantees it
     policy = o2_policy(policy, model, device_type)
-    originals = lower_(model, recipe.dtype, kept_in_fp32(model, policy))
+    originals = lower_model_(model, recipe.dtype, policy)
     wrapped = MasterWeightOptimizer(optimizer, originals)
     return MasterSetup(recipe, model, wrapped, scaler, device_type, policy)

@@ -20,7 +20,7 @@ from amped.policy import Policy
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
 from amped.recipes.registry import Compensation, Recipe
 from amped.recipes.setup import TrainSetup
-from amped.recipes.weights import kept_in_fp32, lower_
+from amped.recipes.weights import lower_model_
 from amped.scaling import GradScaler
 
 __all__ = ["PureSetup", "build_pure_setup", "compensated_twin"]
@@ -134,5 +134,5 @@ def build_pure_setup(
             UserWarning,
             stacklevel=3,
         )
-    lower_(model, recipe.dtype, kept_in_fp32(model, policy))
+    lower_model_(model, recipe.dtype, policy)
     return PureSetup(recipe, model, twin, scaler, device_type, policy)

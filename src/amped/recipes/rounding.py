@@ -35,15 +35,16 @@ def kahan_add_(param: torch.Tensor, update: torch.Tensor, compensation: torch.Te
         update: the float32 update (consumed: it may be overwritten).
         compensation: what earlier roundings lost, in ``param``'s dtype; updated in place.
     """
-    # The update plus what earlier steps failed to add.
+    # The update plus what earlier steps failed to add: two small numbers, summed
+    # before they meet the weight, so neither is lost against it.
     wanted = update.add_(compensation)
-    before = param.to(torch.float32, copy=True)
-    # One rounding: the in-place add computes in float32 and rounds the sum once.
-    param.add_(wanted)
-    # What this rounding lost. param - before is exact in float32 (two bfloat16 values
-    # less than 2**16 apart in magnitude differ by at most 24 significant bits), so
-    # the loss is exact until it is stored in the low-precision buffer.
-    compensation.copy_(wanted.sub_(param.to(torch.float32).sub_(before)))
+    # The new weight in float32: exact but for bits below 2**-24 of the weight, where
+    # the compensation (2**-9 of half an ulp, once stored) cannot see them anyway.
+    total = param.to(torch.float32, copy=True).add_(wanted)
+    param.copy_(total)  # rounds once, to nearest
+    # What that rounding lost: exact in float32, since the rounded weight lies within
+    # half an ulp of the total (Sterbenz). Stored in the low dtype, it keeps 8 bits.
+    compensation.copy_(total.sub_(param))
 
 
 @torch.no_grad()
@@ -56,7 +57,8 @@ def stochastic_round_(
     truncates them: a value a fraction ``f`` of the way from one bfloat16 to the next
     (in magnitude) rounds away from zero with probability ``f``, so the rounding is
     unbiased. Integer arithmetic on the bit pattern works for negative values too,
-    since the sign bit sits apart from the magnitude bits. inf and NaN pass through.
+    since the sign bit sits apart from the magnitude bits, and keeps infinities (their
+    low 16 bits are zero and the carry never reaches them). NaN passes through.
 
     Args:
         target: a bfloat16 tensor of ``value``'s shape.
@@ -75,5 +77,6 @@ def stochastic_round_(
         0, _LOW_BITS, value.shape, dtype=torch.int32, device=value.device, generator=generator
     )
     rounded = noise.add_(bits).bitwise_and_(_HIGH_MASK).view(torch.float32)
-    # Low 16 bits are zero now, so this copy into bfloat16 is exact.
-    target.copy_(torch.where(value.isfinite(), rounded, value))
+    # A NaN's payload could carry into the sign bit and come out a number: keep NaNs.
+    # Elsewhere the low 16 bits are zero now, so the copy into bfloat16 is exact.
+    target.copy_(torch.where(value.isnan(), value, rounded))

@@ -1,5 +1,9 @@
 """Which of a model's weights go to low precision under a recipe, and lowering them.
 
+A lowered model also casts its float32 tensor inputs to the low dtype on each call
+(:func:`cast_inputs`, as Apex O2 does), so that ops autocast does not list (layer_norm
+on CPU, a residual add) never meet a float32 input and a low-precision weight.
+
 The autocast policy already says which submodules run in float32 (its module rules);
 the weight-changing recipes read the same rules, so a module the policy keeps in
 float32 also keeps float32 weights. A rule on a module covers its submodules unless
@@ -12,11 +16,21 @@ user's rules, so a user rule on the same module wins.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from amped.policy import ModuleRule, Policy
 
-__all__ = ["kept_in_fp32", "lower_", "norm_classes", "with_norms_in_fp32"]
+__all__ = [
+    "cast_inputs",
+    "kept_in_fp32",
+    "lower_",
+    "lower_model_",
+    "norm_classes",
+    "with_norms_in_fp32",
+]
 
 # torch's normalisation layers that hold weights or running statistics. Their
 # reductions (mean, variance) lose most in low precision, which is why Apex O2
@@ -111,4 +125,41 @@ def lower_(
             for key, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.dtype is torch.float32:
                     setattr(module, key, buf.to(dtype))
+    return originals
+
+
+def cast_inputs(model: torch.nn.Module, dtype: torch.dtype) -> RemovableHandle:
+    """Cast float32 tensors among ``model``'s call arguments (nested in lists, tuples and
+    dicts too) to ``dtype``, on every call. Returns the hook's handle."""
+
+    def hook(
+        module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, Any]:
+        return _cast(args, dtype), _cast(kwargs, dtype)
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.dtype is torch.float32 else value
+    if isinstance(value, list):
+        return [_cast(v, dtype) for v in value]
+    if isinstance(value, tuple):
+        cast = [_cast(v, dtype) for v in value]
+        return type(value)(*cast) if hasattr(value, "_fields") else tuple(cast)
+    if isinstance(value, dict):
+        return {k: _cast(v, dtype) for k, v in value.items()}
+    return value
+
+
+def lower_model_(
+    model: torch.nn.Module, dtype: torch.dtype, policy: Policy | None
+) -> dict[torch.Tensor, torch.Tensor]:
+    """Lower every module ``policy`` does not keep in float32, and cast the model's inputs
+    (unless the policy keeps the whole model in float32). Returns :func:`lower_`'s originals."""
+    keep = kept_in_fp32(model, policy)
+    originals = lower_(model, dtype, keep)
+    if "" not in keep:
+        cast_inputs(model, dtype)
     return originals

@@ -1,0 +1,157 @@
+"""Memory and step time of the weight-changing recipes against torch.autocast (O1), CPU bf16.
+
+Two models: a 4-layer ``nn.TransformerEncoder`` (d=256, 4 heads, feed-forward 1024)
+and a tiny GPT-2 (transformers ``GPT2Config``: 4 layers, d=256, 4 heads, 2048-token
+vocabulary), batch 4 x sequence 32, AdamW.
+
+1. **Bytes per parameter** (``amped.memory_report`` after one step) for fp32,
+   bf16-mixed (torch.amp's O1 layout), bf16-master, bf16-pure and bf16-pure-sr.
+2. **Train-step time** (forward, backward, optimizer step, zero_grad) of bf16-master
+   and bf16-pure relative to a plain torch loop under ``torch.autocast("cpu",
+   bfloat16)`` with float32 weights and ``torch.optim.AdamW``. Each variant has its
+   own copy of the model (same initial weights). The variants run side by side in one
+   process, interleaved one step at a time (the order rotating every repeat); the
+   printed ratio is the median over repeats of ``time(variant) / time(O1)``.
+   amped's own bf16-mixed (O1 through ``amped.autocast``) is timed too, to separate
+   the cost of amped's Python autocast from what the recipes change.
+
+Usage: python benchmarks/recipes.py [--repeats 10] [--warmup 2] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn as nn
+
+import amped
+
+BATCH, SEQ = 4, 32
+MEMORY_RECIPES = ("fp32", "bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
+TIMED = ("amped bf16-mixed", "bf16-master", "bf16-pure")
+
+Loss = Callable[[nn.Module], torch.Tensor]
+
+
+def encoder() -> tuple[nn.Module, Loss]:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(256, 4, dim_feedforward=1024, batch_first=True)
+    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+    x = torch.randn(BATCH, SEQ, 256, generator=torch.Generator().manual_seed(1))
+    return model, lambda m: m(x).float().pow(2).mean()
+
+
+def gpt2() -> tuple[nn.Module, Loss]:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=4,
+        n_embd=256,
+        n_head=4,
+        n_positions=64,
+        vocab_size=2048,
+        bos_token_id=0,
+        eos_token_id=0,
+        attn_implementation="sdpa",
+    )
+    ids = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    return GPT2LMHeadModel(config), lambda m: m(input_ids=ids, labels=ids).loss
+
+
+MODELS = {"TransformerEncoder d=256 x4": encoder, "GPT-2 tiny d=256 x4": gpt2}
+
+
+class TorchO1:
+    """The baseline: float32 weights and AdamW, forward under torch.autocast."""
+
+    def __init__(self, model: nn.Module, loss: Loss) -> None:
+        self.model, self.loss = model, loss
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def step(self) -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = self.loss(self.model)
+        loss.backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+class Recipe:
+    """One amped recipe through amped.prepare and the setup's loop."""
+
+    def __init__(self, model: nn.Module, loss: Loss, recipe: str) -> None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        self.setup = amped.prepare(model, optimizer, recipe)
+        self.loss = loss
+
+    def step(self) -> None:
+        with self.setup.autocast():
+            loss = self.loss(self.setup.model)
+        self.setup.backward(loss)
+        self.setup.step()
+        self.setup.zero_grad()
+
+
+def memory_rows(make: Callable[[], tuple[nn.Module, Loss]]) -> dict[str, float]:
+    rows = {}
+    for recipe in MEMORY_RECIPES:
+        model, loss = make()
+        side = Recipe(model, loss, recipe)
+        side.step()  # AdamW builds its state at the first step
+        rows[recipe] = amped.memory_report(model, side.setup.optimizer).bytes_per_param
+    return rows
+
+
+def timed(step: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    step()
+    return time.perf_counter() - start
+
+
+def time_ratios(make: Callable[[], tuple[nn.Module, Loss]], repeats: int, warmup: int):
+    sides: dict[str, TorchO1 | Recipe] = {"torch O1": TorchO1(*make())}
+    for name in TIMED:
+        recipe = name.removeprefix("amped ")
+        sides[name] = Recipe(*make(), recipe)
+    names = list(sides)
+    for _ in range(warmup):
+        for name in names:
+            sides[name].step()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(repeats):
+        order = names[r % len(names) :] + names[: r % len(names)]
+        for name in order:
+            times[name].append(timed(sides[name].step))
+    base = times["torch O1"]
+    ratios = {
+        name: statistics.median(t / b for t, b in zip(times[name], base, strict=True))
+        for name in TIMED
+    }
+    return statistics.median(base), ratios
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} threads, batch {BATCH} x seq {SEQ}, AdamW")
+    for label, make in MODELS.items():
+        print(f"\n{label}")
+        for recipe, per_param in memory_rows(make).items():
+            print(f"  bytes/param {recipe:<14} {per_param:6.2f}")
+        base, ratios = time_ratios(make, args.repeats, args.warmup)
+        print(f"  step time torch O1 (median)  {base * 1e3:8.1f} ms")
+        for name, ratio in ratios.items():
+            print(f"  ratio {name}/torch O1 = {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""``amped compare`` from parsed arguments to exit code: check, run, report, print.
+
+Every argument is checked before any training starts (recipes, device, factory spec,
+report folder), so a mistake costs a second, not a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+from rich.console import Console
+
+from amped.cli.compare import Comparison, baseline_first, run_comparison
+from amped.cli.environment import default_device, describe, resolve_device
+from amped.cli.errors import EXIT_INTERRUPTED, EXIT_OK, RunError, UsageError
+from amped.cli.factory import DEFAULT_FACTORY, load_factory
+from amped.cli.progress import LineProgress, RichProgress
+from amped.cli.report import write_report
+from amped.cli.results import dumps, to_dict
+from amped.cli.run import CompareConfig
+from amped.cli.table import print_summary
+from amped.recipes import RECIPES, Recipe, resolve_recipe
+
+__all__ = ["parse_recipes", "resolve_out", "run_compare"]
+
+
+def parse_recipes(text: str) -> tuple[Recipe, ...]:
+    """``--recipes``: comma-separated names or aliases, or ``all``; duplicates dropped."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise UsageError(f"--recipes names no recipe. Received: --recipes {text!r}")
+    if [n.lower() for n in names] == ["all"]:
+        return tuple(RECIPES.values())
+    chosen: list[Recipe] = []
+    for name in names:
+        try:
+            recipe = resolve_recipe(name)
+        except ValueError as error:
+            raise UsageError(f"{error}. Received: --recipes {text!r}") from None
+        if recipe not in chosen:
+            chosen.append(recipe)
+    return tuple(chosen)
+
+
+def resolve_out(path: str) -> Path:
+    """The report folder, created now so a bad ``--out`` fails before any training."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(
+            f"--out must be a folder, but {path!r} is a file. Received: --out {path!r}"
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UsageError(
+            f"Cannot create the report folder ({error.strerror}). Received: --out {path!r}"
+        ) from None
+    return out
+
+
+def _config(args: argparse.Namespace) -> CompareConfig:
+    recipes = parse_recipes(args.recipes)
+    device = resolve_device(args.device or default_device())
+    factory = load_factory(args.model or DEFAULT_FACTORY)
+    factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
+    return CompareConfig(
+        factory=factory,
+        recipes=recipes,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        device=device,
+        seed=args.seed,
+        max_time=args.max_time or None,
+    )
+
+
+def _observer(args: argparse.Namespace, config: CompareConfig) -> RichProgress | LineProgress:
+    stderr = Console(stderr=True)
+    if args.no_progress or not stderr.is_terminal:
+        return LineProgress()
+    names = [r.name for r in baseline_first(config.recipes)]
+    return RichProgress(names, config.steps, stderr)
+
+
+def run_compare(args: argparse.Namespace, command: list[str]) -> int:
+    """Run ``amped compare``; returns the exit code (raises UsageError / RunError)."""
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        return _compare(args, command)
+    finally:
+        torch.set_num_threads(threads)  # main() may be called in process, e.g. by tests
+
+
+def _compare(args: argparse.Namespace, command: list[str]) -> int:
+    config = _config(args)
+    out = resolve_out(args.out)
+    observer = _observer(args, config)
+    with observer:
+        comparison = run_comparison(config, observer)
+    results = to_dict(comparison, describe(config.device), command)
+    try:
+        paths = write_report(results, out)
+    except OSError as error:
+        raise RunError(f"Could not write the report into {str(out)!r}: {error}") from None
+    if args.json:
+        sys.stdout.write(dumps(results))
+        sys.stdout.flush()
+    else:
+        print_summary(results, paths)
+    return _exit_code(comparison, args.traceback)
+
+
+def _exit_code(comparison: Comparison, show_tracebacks: bool) -> int:
+    failed = [r for r in comparison.runs if r.status == "failed"]
+    for run in failed:
+        if show_tracebacks and run.error_traceback:
+            print(run.error_traceback, file=sys.stderr)
+    if comparison.partial:
+        print("amped: interrupted: partial results written", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    if failed:
+        listed = "; ".join(f"{r.recipe.name} ({r.error})" for r in failed)
+        hint = "" if show_tracebacks else " (rerun with --traceback for details)"
+        raise RunError(f"{len(failed)} recipe(s) failed: {listed}{hint}")
+    return EXIT_OK

@@ -1,0 +1,138 @@
+"""The ``amped`` command line: ``amped compare`` (also ``python -m amped compare``).
+
+Exit codes: 0 success; 1 a failed run (a recipe raised, the report could not be
+written, the CLI extra is missing); 2 bad arguments or a task that breaks the factory
+contract; 130 interrupted (Ctrl-C), after writing the partial results.
+User mistakes are reported in one line on stderr, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+from collections.abc import Sequence
+from typing import NoReturn
+
+from amped.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, RunError, UsageError
+from amped.recipes import recipe_names
+
+__all__ = ["main"]
+
+DEFAULT_STEPS = 200
+DEFAULT_MAX_TIME = 150.0
+DEFAULT_OUT = "amped-report"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as one-line UsageErrors."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected seconds (0 for no limit), got {text!r}"
+        ) from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds (0 for no limit), got {text!r}")
+    return value
+
+
+def _parser() -> _Parser:
+    parser = _Parser(prog="amped", description="Mixed-precision training for PyTorch.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    compare = commands.add_parser(
+        "compare",
+        help="measure what mixed precision buys a model",
+        description=(
+            "Train one task once per precision recipe (fp32 first) and compare speed, "
+            "memory and loss; print a table and write report.html and results.json."
+        ),
+    )
+    add = compare.add_argument
+    add("--model", default=None, metavar="MODULE:FACTORY",
+        help="task factory returning (model, batches, loss_fn); a module or path/to/file.py "
+        "(default: the built-in tiny GPT on Python's own source)")  # fmt: skip
+    add(
+        "--recipes",
+        default="all",
+        help=f"comma-separated recipes or aliases (default: all: {', '.join(recipe_names())})",
+    )
+    add(
+        "--steps",
+        type=_positive_int,
+        default=DEFAULT_STEPS,
+        help=f"train steps per recipe (default: {DEFAULT_STEPS})",
+    )
+    add("--batch-size", type=_positive_int, default=None, help="passed to the factory")
+    add("--device", default=None, help="cpu, cuda or cuda:N (default: cuda if available)")
+    add("--seed", type=int, default=0, help="seed for weights and data (default: 0)")
+    add("--out", default=DEFAULT_OUT, help=f"report folder (default: {DEFAULT_OUT}/)")
+    add("--max-time", type=_seconds, default=DEFAULT_MAX_TIME, metavar="SECONDS",
+        help="fit the comparison's training into about SECONDS: time a few steps of each "
+        "recipe, then train all for as many steps as fit, at most --steps "
+        f"(default: {DEFAULT_MAX_TIME:g}; 0: no limit)")  # fmt: skip
+    add("--threads", type=_positive_int, default=None,
+        help="CPU threads for torch (default: torch's own choice)")  # fmt: skip
+    add("--json", action="store_true", help="print only the results JSON on stdout")
+    add("--no-progress", action="store_true", help="no progress bars (a line per recipe)")
+    add("--traceback", action="store_true", help="print the traceback of failed recipes")
+    return parser
+
+
+def _say_error(message: str) -> None:
+    line = " ".join(str(message).split())
+    print(f"amped: error: {line}", file=sys.stderr, flush=True)
+
+
+def _check_extra() -> None:
+    missing = []
+    for name in ("rich", "matplotlib"):
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise RunError(
+            f"amped compare needs the optional 'cli' dependencies ({', '.join(missing)} "
+            "missing). Install them with: pip install 'amped[cli]'"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``amped`` command line with ``argv`` (default: ``sys.argv[1:]``)."""
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    try:
+        args = _parser().parse_args(arguments)
+        if args.command != "compare":
+            raise UsageError("name a command: amped compare (see amped --help)")
+        _check_extra()
+        from amped.cli.command import run_compare  # needs the extra: imported after the check
+
+        return run_compare(args, ["amped", *arguments])
+    except UsageError as error:
+        _say_error(str(error))
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        _say_error("interrupted")
+        return EXIT_INTERRUPTED
+    except RunError as error:
+        if "--traceback" in arguments and error.__cause__ is not None:
+            traceback.print_exception(error.__cause__)
+        _say_error(str(error))
+        return EXIT_FAILED

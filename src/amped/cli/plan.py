@@ -1,0 +1,86 @@
+"""Fit a comparison into its time budget: time a few steps of each recipe, then fix
+one step count for all of them.
+
+Every recipe trains the same number of steps, so loss curves, final losses and
+held-out metrics compare like with like. With a budget (``--max-time``), each recipe
+first runs :data:`TIMING_STEPS` steps that are not kept (the first is warm-up, so the
+estimate is the mean of the others), and then::
+
+    steps = clamp(floor((max_time - time spent timing) / sum of step estimates),
+                  MIN_STEPS, requested steps)
+
+On hardware without native low-precision units (most CPUs) the low-precision recipes
+are several times slower than fp32, and set the step count; the results say so.
+The estimate is a plan, not a hard stop: a machine that slows down mid-run overruns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
+
+__all__ = ["MIN_STEPS", "TIMING_STEPS", "Plan", "make_plan"]
+
+TIMING_STEPS = 3
+MIN_STEPS = 3
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The step count a budget allows, and what it was derived from."""
+
+    steps: int
+    requested: int
+    max_time: float
+    timing_s: float
+    step_s: dict[str, float]  # estimated seconds per step, by recipe
+
+    @property
+    def shortened(self) -> bool:
+        return self.steps < self.requested
+
+    def note(self) -> str:
+        if not self.shortened:
+            return f"{self.steps} steps per recipe fit --max-time {self.max_time:g} s"
+        slowest = max(self.step_s, key=self.step_s.__getitem__)
+        return (
+            f"{self.steps} of {self.requested} steps per recipe, to fit --max-time "
+            f"{self.max_time:g} s; the slowest recipe here, {slowest}, takes "
+            f"{self.step_s[slowest]:.2f} s a step"
+        )
+
+
+def _estimate(step_times: list[float]) -> float:
+    timed = step_times[1:] or step_times
+    return sum(timed) / len(timed)
+
+
+def make_plan(config: CompareConfig, runs: list[RecipeRun], observer: Observer) -> Plan | None:
+    """Time every recipe and set ``steps_planned`` on ``runs``; None without a budget.
+
+    A recipe that fails while being timed is marked failed in ``runs`` and not run again.
+    """
+    if not config.max_time or config.steps <= TIMING_STEPS:
+        return None  # nothing to fit, or timing would cost as much as the run
+    observer.planning(runs)
+    began = time.monotonic()
+    estimates: dict[str, float] = {}
+    for run in runs:
+        probe = RecipeRun(run.recipe, TIMING_STEPS, TIMING_STEPS)
+        run_recipe(config, probe, Observer(), evaluate=False)
+        if probe.status == "failed":
+            run.status, run.error = probe.status, probe.error
+            run.error_traceback = probe.error_traceback
+        elif probe.step_times:
+            estimates[run.recipe.name] = _estimate(probe.step_times)
+    timing = time.monotonic() - began
+    per_round = sum(estimates.values())
+    fit = int((config.max_time - timing) / per_round) if per_round > 0 else config.steps
+    steps = max(MIN_STEPS, min(config.steps, fit))
+    for run in runs:
+        run.steps_planned = steps
+    plan = Plan(steps, config.steps, config.max_time, timing, estimates)
+    observer.planned(runs, plan.note())
+    return plan

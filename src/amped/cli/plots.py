@@ -1,0 +1,175 @@
+"""The report's plots, drawn from the ``results.json`` document as PNG bytes.
+
+matplotlib's object API only (``Figure``, no ``pyplot``): no global state, no GUI
+backend, safe in a headless process. Each recipe keeps one colour in every plot.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+from matplotlib.figure import Figure
+
+__all__ = ["PLOTS", "render_all"]
+
+_PALETTE = ("#222222", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
+            "#e377c2", "#17becf", "#bcbd22")  # fmt: skip
+_DPI = 110
+_STATE_PARTS = (
+    ("params_bytes", "parameters"),
+    ("grads_bytes", "gradients"),
+    ("optimizer_state_bytes", "optimizer state"),
+    ("masters_bytes", "master copies"),
+)
+
+
+def _colours(results: dict[str, Any]) -> dict[str, str]:
+    return {r["name"]: _PALETTE[i % len(_PALETTE)] for i, r in enumerate(results["recipes"])}
+
+
+def _png(figure: Figure) -> bytes:
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=_DPI)
+    return buffer.getvalue()
+
+
+def _smooth(values: list[float | None], weight: float = 0.8) -> list[float]:
+    """Exponential moving average, debiased as TensorBoard does; gaps (None) carry over."""
+    out, average, count = [], 0.0, 0
+    for value in values:
+        if value is not None and math.isfinite(value):
+            count += 1
+            average = weight * average + (1 - weight) * value
+        out.append(average / (1 - weight**count) if count else math.nan)
+    return out
+
+
+def loss_curves(results: dict[str, Any]) -> bytes | None:
+    """Train loss per step for every recipe (raw faint, smoothed bold), and each
+    recipe's smoothed difference to fp32's loss on the same batches."""
+    runs = [r for r in results["recipes"] if r["losses"]]
+    if not runs:
+        return None
+    colours = _colours(results)
+    base = next((r for r in runs if r["name"] == results["baseline"]), None)
+    figure = Figure(figsize=(8, 6.4 if base else 4.2))
+    axes, gap = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2)) if base else (
+        figure.add_subplot(), None)  # fmt: skip
+    if gap is not None and base is not None:
+        _loss_gap(gap, runs, base, colours)
+    for run in runs:
+        steps = range(1, len(run["losses"]) + 1)
+        raw = [math.nan if v is None else v for v in run["losses"]]
+        axes.plot(steps, raw, color=colours[run["name"]], alpha=0.18, linewidth=0.8)
+        axes.plot(steps, _smooth(run["losses"]), color=colours[run["name"]], label=run["name"])
+    common = results.get("common_step")
+    if common and any(len(r["losses"]) > common for r in runs):
+        axes.axvline(common, color="#888888", linestyle=":", linewidth=1)
+    axes.set(ylabel="train loss", title="Train loss (same batches for every recipe)")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small", ncol=2)
+    (gap if gap is not None else axes).set_xlabel("step")
+    return _png(figure)
+
+
+def _loss_gap(axes: Any, runs: list[dict[str, Any]], base: dict[str, Any], colours: Any) -> None:
+    """Smoothed ``loss - fp32 loss`` per step: the curves above overlap when it is small."""
+    reference = base["losses"]
+    for run in runs:
+        if run is base:
+            continue
+        pairs = zip(run["losses"], reference, strict=False)
+        diff = [None if a is None or b is None else a - b for a, b in pairs]
+        axes.plot(range(1, len(diff) + 1), _smooth(diff), color=colours[run["name"]])
+    axes.axhline(0.0, color=colours[base["name"]], linewidth=1)
+    axes.set(ylabel="loss − fp32 loss")
+    axes.grid(alpha=0.3)
+
+
+def loss_scale(results: dict[str, Any]) -> bytes | None:
+    """The loss scale at every step of the recipes that scale the loss (log2 axis)."""
+    runs = [r for r in results["recipes"] if r["loss_scales"]]
+    if not runs:
+        return None
+    colours = _colours(results)
+    figure = Figure(figsize=(8, 3.4))
+    axes = figure.add_subplot()
+    for run in runs:
+        scales = run["loss_scales"]
+        axes.step(range(1, len(scales) + 1), scales, where="post", color=colours[run["name"]],
+                  label=f"{run['name']} ({run['skipped_steps']} skipped)")  # fmt: skip
+    axes.set_yscale("log", base=2)
+    axes.set(xlabel="step", ylabel="loss scale", title="Dynamic loss scale")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize="small")
+    return _png(figure)
+
+
+def throughput(results: dict[str, Any]) -> bytes | None:
+    """Samples per second per recipe, labelled with the ratio to fp32."""
+    runs = [r for r in results["recipes"] if r["samples_per_s"]]
+    if not runs:
+        return None
+    colours = _colours(results)
+    figure = Figure(figsize=(8, 0.5 * len(runs) + 1.3))
+    axes = figure.add_subplot()
+    names = [r["name"] for r in runs][::-1]
+    speeds = [r["samples_per_s"] for r in runs][::-1]
+    bars = axes.barh(names, speeds, color=[colours[n] for n in names])
+    for bar, run in zip(bars, runs[::-1], strict=True):
+        if run["slow_on_this_hardware"]:
+            bar.set_hatch("//")
+        ratio = run["throughput_vs_baseline"]
+        label = f" {run['samples_per_s']:,.0f}" + (f"  ({ratio:.2f}× fp32)" if ratio else "")
+        axes.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center",
+                  fontsize="small")  # fmt: skip
+    axes.set_xlim(0, max(speeds) * 1.35)
+    axes.set(
+        xlabel="samples / s (median step)", title="Throughput (hatched: slow on this hardware)"
+    )
+    axes.grid(axis="x", alpha=0.3)
+    return _png(figure)
+
+
+def memory(results: dict[str, Any]) -> bytes | None:
+    """Training-state bytes per parameter by kind, and each recipe's peak memory."""
+    runs = [r for r in results["recipes"] if r["memory"]]
+    if not runs:
+        return None
+    figure = Figure(figsize=(8, 0.5 * len(runs) + 1.6))
+    state, peak = figure.subplots(1, 2, sharey=True)
+    names = [r["name"] for r in runs][::-1]
+    left = [0.0] * len(runs)
+    for (key, label), shade in zip(_STATE_PARTS, ("#4c72b0", "#55a868", "#c44e52", "#8172b2"),
+                                   strict=True):  # fmt: skip
+        per_param = [r["memory"][key] / max(r["memory"]["param_count"], 1) for r in runs][::-1]
+        state.barh(names, per_param, left=left, color=shade, label=label)
+        left = [a + b for a, b in zip(left, per_param, strict=True)]
+    state.set(xlabel="bytes per parameter", title="Training state")
+    state.legend(fontsize="x-small", loc="lower right")
+    colours = _colours(results)
+    peaks = [(r["memory"]["peak_bytes"] or 0) / 2**20 for r in runs][::-1]
+    peak.barh(names, peaks, color=[colours[n] for n in names])
+    kind = runs[0]["memory"]["peak_kind"]
+    peak.set(
+        xlabel="MiB", title="Peak allocator" if kind == "cuda_allocator_peak" else "Peak RSS growth"
+    )
+    for axes in (state, peak):
+        axes.grid(axis="x", alpha=0.3)
+    return _png(figure)
+
+
+PLOTS = (
+    ("loss", "Loss curves", loss_curves),
+    ("loss_scale", "Loss scale", loss_scale),
+    ("throughput", "Throughput", throughput),
+    ("memory", "Memory", memory),
+)
+
+
+def render_all(results: dict[str, Any]) -> dict[str, bytes | None]:
+    """Every plot by key; None where the results hold nothing to draw."""
+    return {key: draw(results) for key, _, draw in PLOTS}

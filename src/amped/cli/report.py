@@ -1,0 +1,134 @@
+"""The report folder: ``results.json`` and one self-contained ``report.html``.
+
+The HTML file carries everything inline (CSS, and the plots as base64 PNG ``data:``
+URIs), so it can be mailed or attached to a ticket as one file; it loads nothing and
+runs no script. Both files are written atomically.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+from typing import Any
+
+from amped.cli import plots, summary
+from amped.cli.results import dumps, write_atomic
+
+__all__ = ["render_html", "write_report"]
+
+_CSS = """
+body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1d1d1f;
+       max-width: 1100px; margin: 2rem auto; padding: 0 1.2rem; background: #fff; }
+h1 { font-size: 1.6rem; margin-bottom: .2rem; } h2 { margin-top: 2.2rem; font-size: 1.2rem; }
+.sub { color: #666; margin-top: 0; }
+.banner { background: #fff3cd; border: 1px solid #e0c36c; padding: .6rem 1rem; border-radius: 6px; }
+ul.findings li { margin: .25rem 0; }
+table { border-collapse: collapse; font-size: 13px; width: 100%; }
+th, td { padding: .35rem .55rem; border-bottom: 1px solid #e3e3e3; text-align: right;
+         white-space: nowrap; }
+th:first-child, td:first-child, td.notes, th.notes { text-align: left; }
+th { background: #f5f5f7; font-weight: 600; }
+tr.slow td { background: #fbf6ea; } tr.failed td { background: #fdecec; }
+.foot { color: #555; font-size: 12.5px; } .foot li { margin: .1rem 0; }
+figure { margin: 1.2rem 0; } figure img { max-width: 100%; border: 1px solid #eee; }
+figcaption { color: #666; font-size: 13px; }
+dl.env { display: grid; grid-template-columns: max-content 1fr; gap: .2rem 1.2rem;
+         font-size: 13.5px; }
+dl.env dt { color: #666; } dl.env dd { margin: 0; font-family: ui-monospace, monospace; }
+code { font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 13px; }
+"""
+
+
+def _e(value: object) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _table(results: dict[str, Any]) -> str:
+    keys = [key for key, _ in summary.COLUMNS]
+    head = "".join(
+        f'<th class="{key}">{_e(h)}</th>'
+        for key, h in zip(keys, summary.headers(results), strict=True)
+    )
+    body = []
+    for recipe, row in zip(results["recipes"], summary.rows(results), strict=True):
+        css = "failed" if recipe["status"] == "failed" else ""
+        css = css or ("slow" if recipe["slow_on_this_hardware"] else "")
+        cells = "".join(f'<td class="{k}">{_e(row[k])}</td>' for k in keys)
+        body.append(f'<tr class="{css}" title="{_e(recipe["summary"])}">{cells}</tr>')
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+
+
+def _figures(results: dict[str, Any]) -> str:
+    images = plots.render_all(results)
+    parts = []
+    for key, title, _ in plots.PLOTS:
+        png = images[key]
+        if png is None:
+            parts.append(f"<p class='foot'>{_e(title)}: nothing to plot in this comparison.</p>")
+            continue
+        data = base64.b64encode(png).decode("ascii")
+        parts.append(
+            f'<figure id="plot-{key}"><img alt="{_e(title)}" '
+            f'src="data:image/png;base64,{data}"><figcaption>{_e(title)}</figcaption></figure>'
+        )
+    return "\n".join(parts)
+
+
+def _environment(results: dict[str, Any]) -> str:
+    env = dict(results["environment"])
+    gpu = env.pop("gpu", None)
+    native = env.pop("native_low_precision", None) or {}
+    if gpu:
+        env.update({f"gpu {k}": v for k, v in gpu.items()})
+    env.update(
+        {f"native {k}": {True: "yes", False: "no", None: "unknown"}[v] for k, v in native.items()}
+    )
+    config = results["config"]
+    env.update({f"config {k}": v for k, v in config.items()})
+    env["command"] = " ".join(results["command"])
+    items = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in env.items())
+    return f'<dl class="env">{items}</dl>'
+
+
+def render_html(results: dict[str, Any]) -> str:
+    """The whole report page for ``results``."""
+    task = results["task"] or {}
+    name = task.get("name", results["config"]["task"])
+    banner = ""
+    if results["partial"]:
+        banner = (
+            '<p class="banner"><strong>Partial results.</strong> The comparison was '
+            "interrupted; recipes that did not finish are marked.</p>"
+        )
+    findings = "".join(f"<li>{_e(line)}</li>" for line in summary.findings(results))
+    notes = "".join(f"<li>{_e(line)}</li>" for line in summary.footnotes(results))
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>amped compare: {_e(name)}</title><style>{_CSS}</style></head>
+<body>
+<h1>What mixed precision buys {_e(name)}</h1>
+<p class="sub">{_e(task.get("description", ""))} · {_e(results["config"]["device"])} ·
+{_e(results["created"])} · {results["wall_s"]:.0f} s</p>
+{banner}
+<ul class="findings">{findings}</ul>
+<h2>Comparison</h2>
+{_table(results)}
+<ul class="foot">{notes}</ul>
+<h2>Plots</h2>
+{_figures(results)}
+<h2>Environment</h2>
+{_environment(results)}
+<p class="foot">Every number is in <code>results.json</code> beside this file
+(schema <code>{_e(results["schema"])}</code>).</p>
+</body></html>
+"""
+
+
+def write_report(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
+    """Write ``results.json`` first (cheap, most needed), then ``report.html``, into ``out``."""
+    json_path, html_path = out / "results.json", out / "report.html"
+    write_atomic(json_path, dumps(results))
+    write_atomic(html_path, render_html(results))
+    return json_path, html_path

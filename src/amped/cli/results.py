@@ -1,0 +1,180 @@
+"""A comparison as data: the ``results.json`` document (schema in :mod:`amped.cli.schema`).
+
+Derived figures are computed here, once, so the console table, the HTML report and
+any program reading ``results.json`` agree:
+
+- ``throughput_vs_baseline``: samples/s over the fp32 run's samples/s.
+- ``slow_on_this_hardware``: a median step at least :data:`SLOW_RATIO` times the fp32
+  one. Low precision is slower than float32 where the hardware has no native units for
+  it (CPUs without AVX512-BF16/AMX, and fp16 on any CPU).
+- ``common_step``: the most steps every recipe with losses got through (all of them,
+  unless one was interrupted or ran out of data); the train loss there
+  (``train_loss_at_common_step``, mean of the :data:`LOSS_WINDOW` steps up to it)
+  compares recipes on the same batches.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from amped.cli.compare import BASELINE, Comparison
+from amped.cli.plan import Plan
+from amped.cli.run import RecipeRun
+
+__all__ = ["LOSS_WINDOW", "SCHEMA_ID", "SLOW_RATIO", "dumps", "to_dict", "write_atomic"]
+
+SCHEMA_ID = "amped.compare/1"
+SLOW_RATIO = 1.5
+LOSS_WINDOW = 10
+
+
+def _finite(value: float | None) -> float | None:
+    """JSON has no NaN or infinity: a non-finite number is written as null."""
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
+
+
+def _window_mean(losses: list[float], end: int) -> float | None:
+    window = [v for v in losses[max(end - LOSS_WINDOW, 0) : end] if math.isfinite(v)]
+    return sum(window) / len(window) if window else None
+
+
+def to_dict(
+    comparison: Comparison, environment: dict[str, Any], command: list[str]
+) -> dict[str, Any]:
+    """``comparison`` as the ``results.json`` document."""
+    config = comparison.config
+    baseline = next(
+        (r for r in comparison.runs if r.recipe.name == BASELINE and r.step_times), None
+    )
+    done = [len(r.losses) for r in comparison.runs if r.losses]
+    common = min(done) if done else None
+    return {
+        "schema": SCHEMA_ID,
+        "partial": comparison.partial,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "wall_s": round(comparison.wall_s, 3),
+        "config": {
+            "task": config.factory.spec,
+            "recipes": [r.recipe.name for r in comparison.runs],
+            "steps": config.steps,
+            "batch_size": config.batch_size,
+            "device": str(config.device),
+            "seed": config.seed,
+            "max_time_s": config.max_time,
+        },
+        "environment": environment,
+        "task": comparison.task,
+        "plan": _plan(comparison.plan),
+        "baseline": baseline.recipe.name if baseline else None,
+        "common_step": common,
+        "recipes": [_recipe(run, baseline, common) for run in comparison.runs],
+    }
+
+
+def _recipe(run: RecipeRun, baseline: RecipeRun | None, common: int | None) -> dict[str, Any]:
+    recipe = run.recipe
+    speed = run.samples_per_s()
+    base_speed = baseline.samples_per_s() if baseline else None
+    step = _median(run.step_times)
+    base_step = _median(baseline.step_times) if baseline else None
+    slowdown = step / base_step if step and base_step else None
+    slow = slowdown is not None and slowdown >= SLOW_RATIO
+    return {
+        "name": recipe.name,
+        "summary": recipe.summary,
+        "dtype": str(recipe.dtype).removeprefix("torch.") if recipe.dtype else None,
+        "weights": recipe.weights,
+        "loss_scaling": recipe.loss_scaling,
+        "status": run.status,
+        "stop_reason": run.stop_reason,
+        "error": run.error,
+        "steps_requested": run.steps_requested,
+        "steps_planned": run.steps_planned,
+        "steps_done": len(run.losses),
+        "wall_s": round(run.wall_s, 3),
+        "step_time_s": step,
+        "samples_per_s": speed,
+        "throughput_vs_baseline": speed / base_speed if speed and base_speed else None,
+        "slow_on_this_hardware": slow,
+        "memory": _memory(run),
+        "losses": [_finite(v) for v in run.losses],
+        "final_train_loss": _finite(_window_mean(run.losses, len(run.losses))),
+        "train_loss_at_common_step": _finite(_window_mean(run.losses, common or 0)),
+        "eval": {k: _finite(v) for k, v in run.evaluation.items()} if run.evaluation else None,
+        "loss_scales": list(run.loss_scales) if recipe.loss_scaling else None,
+        "skipped_steps": run.skipped_steps,
+        "final_loss_scale": run.final_loss_scale,
+        "notes": _notes(run, slowdown if slow else None),
+    }
+
+
+def _plan(plan: Plan | None) -> dict[str, Any] | None:
+    if plan is None:
+        return None
+    return {
+        "steps": plan.steps,
+        "shortened": plan.shortened,
+        "max_time_s": plan.max_time,
+        "timing_s": round(plan.timing_s, 3),
+        "step_s": plan.step_s,
+        "note": plan.note(),
+    }
+
+
+def _memory(run: RecipeRun) -> dict[str, Any] | None:
+    state = run.state
+    if state is None:
+        return None
+    return {
+        "param_count": state.param_count,
+        "params_bytes": state.params,
+        "grads_bytes": state.grads,
+        "optimizer_state_bytes": state.optimizer_state,
+        "masters_bytes": state.masters,
+        "state_bytes": state.total,
+        "bytes_per_param": state.per_param,
+        "source": state.source,
+        "peak_bytes": run.peak_memory_bytes,
+        "peak_kind": run.peak_memory_kind,
+    }
+
+
+def _notes(run: RecipeRun, slowdown: float | None) -> list[str]:
+    notes = []
+    if slowdown is not None:
+        notes.append(f"slow on this hardware: {slowdown:.1f}x the fp32 step time")
+    if run.stop_reason:
+        notes.append(f"{run.stop_reason} after {len(run.losses)} of {run.steps_planned} steps")
+    if run.error:
+        notes.append(f"failed: {run.error}")
+    if run.status == "not_run":
+        notes.append("not run (the comparison was interrupted)")
+    return notes
+
+
+def dumps(data: dict[str, Any]) -> str:
+    """``data`` as JSON text (strict: no NaN or infinity)."""
+    return json.dumps(data, indent=2, allow_nan=False) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically (a temporary file, then a rename), so an
+    interrupted write never leaves a torn file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # created with the umask's mode
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

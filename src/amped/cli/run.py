@@ -1,0 +1,216 @@
+"""One recipe's run: build the task, prepare it for the recipe, train, measure, evaluate.
+
+A step's time covers forward, backward, optimizer step and fetching the loss (one
+device sync), not producing the batch. Memory is measured on the first step (training
+state, exactly) and throughout (peak); see :mod:`amped.cli.memory`.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import amped
+from amped.cli import interrupt
+from amped.cli.environment import synchronize
+from amped.cli.errors import UsageError
+from amped.cli.factory import TaskFactory
+from amped.cli.memory import PeakMemory, StateBytes, grad_bytes, state_bytes
+from amped.cli.task import Task, call_model, check_loss, count_samples, to_device
+from amped.recipes import Recipe
+
+__all__ = ["CompareConfig", "Observer", "RecipeRun", "describe_task", "run_recipe"]
+
+
+@dataclass(frozen=True)
+class CompareConfig:
+    """What to compare, and how long (``max_time``: seconds of training, or None)."""
+
+    factory: TaskFactory
+    recipes: tuple[Recipe, ...]
+    steps: int
+    batch_size: int | None
+    device: torch.device
+    seed: int
+    max_time: float | None
+
+
+@dataclass
+class RecipeRun:
+    """One recipe's run. ``status``: not_run, running, complete, stopped, interrupted, failed."""
+
+    recipe: Recipe
+    steps_requested: int
+    steps_planned: int
+    status: str = "not_run"
+    stop_reason: str | None = None
+    error: str | None = None
+    error_traceback: str | None = None
+    losses: list[float] = field(default_factory=list)
+    loss_scales: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
+    samples: int = 0
+    skipped_steps: int = 0
+    final_loss_scale: float | None = None
+    wall_s: float = 0.0
+    state: StateBytes | None = None
+    peak_memory_bytes: int | None = None
+    peak_memory_kind: str | None = None
+    evaluation: dict[str, float] | None = None
+    task: dict[str, Any] | None = None
+
+    def samples_per_s(self) -> float | None:
+        """Throughput: mean samples per step over the median step time (robust to warm-up)."""
+        if not self.step_times:
+            return None
+        times = sorted(self.step_times)
+        median = times[len(times) // 2]
+        return self.samples / len(self.step_times) / median if median > 0 else None
+
+
+class Observer:
+    """Hooks the progress display implements; each is a no-op here."""
+
+    def planning(self, runs: list[RecipeRun]) -> None:
+        """Called before the short timing runs that fit the comparison to its budget."""
+
+    def planned(self, runs: list[RecipeRun], note: str) -> None:
+        """Called when the steps per recipe are fixed (``runs[i].steps_planned``)."""
+
+    def recipe_started(self, run: RecipeRun) -> None:
+        """Called before a recipe's first step."""
+
+    def step_done(self, run: RecipeRun) -> None:
+        """Called after each step; the step's figures are the last in the run's lists."""
+
+    def recipe_finished(self, run: RecipeRun) -> None:
+        """Called when a recipe completes, stops, fails or is interrupted."""
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def run_recipe(
+    config: CompareConfig, run: RecipeRun, observer: Observer, *, evaluate: bool = True
+) -> None:
+    """Train ``run.recipe`` for ``run.steps_planned`` steps, filling in ``run``.
+
+    A recipe that raises is recorded as failed (the error in one line, and its
+    traceback). KeyboardInterrupt marks it interrupted and propagates, as does
+    UsageError (the task breaks its contract).
+    """
+    run.status = "running"
+    observer.recipe_started(run)
+    began = time.monotonic()
+    try:
+        _train(config, run, observer, evaluate)
+    except KeyboardInterrupt:
+        run.status, run.stop_reason = "interrupted", "interrupted"
+        raise
+    except UsageError as error:
+        run.status, run.error = "failed", str(error)
+        raise
+    except Exception as error:
+        run.status, run.error = "failed", _one_line(error)
+        run.error_traceback = traceback.format_exc()
+    finally:
+        run.wall_s = time.monotonic() - began
+        observer.recipe_finished(run)
+
+
+def _train(config: CompareConfig, run: RecipeRun, observer: Observer, evaluate: bool) -> None:
+    task = config.factory.build(
+        batch_size=config.batch_size, seed=config.seed, device=config.device
+    )
+    run.task = describe_task(task, config.factory.spec)
+    model = task.model.to(config.device)
+    setup = amped.prepare(model, task.optimizer(model), run.recipe)
+    peak = PeakMemory(config.device)
+    peak.start()
+    batches = iter(task.batches)
+    for _ in range(run.steps_planned):
+        batch = next(batches, None)
+        if batch is None:
+            run.status, run.stop_reason = "stopped", "data ran out"
+            break
+        inputs, targets = to_device(batch, config.device)
+        _train_step(setup, task, inputs, targets, run, peak, config)
+        observer.step_done(run)
+        interrupt.check()
+    else:
+        run.status = "complete"
+    run.peak_memory_bytes, run.peak_memory_kind = peak.peak_bytes(), peak.kind
+    run.final_loss_scale = setup.scaler.get_scale() if run.recipe.loss_scaling else None
+    if evaluate:
+        run.evaluation = _evaluate(setup, task, config.device)
+
+
+def _train_step(
+    setup: amped.TrainSetup,
+    task: Task,
+    inputs: Any,
+    targets: Any,
+    run: RecipeRun,
+    peak: PeakMemory,
+    config: CompareConfig,
+) -> None:
+    first = not run.step_times
+    began = time.perf_counter()
+    with setup.autocast():
+        outputs = call_model(setup.model, inputs)
+        loss = check_loss(task.loss_fn(outputs, targets), config.factory.spec)
+    peak.sample()
+    scale = setup.scaler.get_scale() if run.recipe.loss_scaling else None
+    setup.backward(loss)
+    peak.sample()
+    grads = grad_bytes(setup.model) if first else 0
+    stepped = setup.step()
+    peak.sample()
+    if first:
+        run.state = state_bytes(setup.model, setup.optimizer, grads)
+    setup.zero_grad()
+    value = float(loss.item())
+    synchronize(config.device)
+    run.step_times.append(time.perf_counter() - began)
+    run.losses.append(value)
+    run.samples += count_samples(inputs) or 0
+    run.skipped_steps += not stepped
+    if scale is not None:
+        run.loss_scales.append(scale)
+
+
+def _evaluate(setup: amped.TrainSetup, task: Task, device: torch.device) -> dict[str, float] | None:
+    """The task's held-out metrics for the trained model, under the recipe's autocast."""
+    if task.evaluate is None:
+        return None
+    model = setup.model
+    was_training = model.training
+
+    def predict(inputs: Any) -> Any:
+        with torch.no_grad(), setup.autocast():
+            return call_model(model, to_device(inputs, device))
+
+    model.eval()
+    try:
+        metrics = task.evaluate(predict)
+    finally:
+        model.train(was_training)
+    return {k: float(metrics[k]) for k in ("loss", "accuracy") if k in metrics}
+
+
+def describe_task(task: Task, spec: str) -> dict[str, Any]:
+    """The task as recorded in ``results.json``."""
+    return {
+        "name": task.name,
+        "description": task.description,
+        "factory": spec,
+        "model": type(task.model).__name__,
+        "parameters": sum(p.numel() for p in task.model.parameters()),
+        "details": task.details,
+    }

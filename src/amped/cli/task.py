@@ -1,0 +1,176 @@
+"""What ``amped compare`` trains: a model, its batches and its loss, checked against the contract.
+
+The factory contract (``--model module:factory``)::
+
+    def factory(batch_size=..., seed=..., device=...):   # declare any of the three
+        ...
+        return model, batches, loss_fn                     # or an amped.cli.Task
+
+- ``model``: a ``torch.nn.Module`` with floating-point parameters, in float32. The CLI
+  moves it to ``--device``.
+- ``batches``: an iterable of ``(inputs, targets)`` pairs; ``inputs`` is a tensor, a
+  tuple of tensors (``model(*inputs)``) or a dict of them (``model(**inputs)``). The
+  first dimension of the first input tensor counts the samples. It may be infinite;
+  a finite one ends the recipe's run early.
+- ``loss_fn(outputs, targets)``: returns a scalar tensor.
+
+The factory is called once per recipe, after ``torch.manual_seed(seed)``, so each
+recipe starts from the same weights and sees the same batches if the factory is
+deterministic given ``seed``. A :class:`Task` adds an optimizer factory (default
+``AdamW(lr=1e-3)``), an ``evaluate`` function for held-out metrics, a name and details.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from amped.cli.errors import UsageError
+
+__all__ = ["Task", "as_task", "call_model", "check_loss", "count_samples", "to_device"]
+
+DEFAULT_LEARNING_RATE = 1e-3
+_CONTRACT = "(model, batches, loss_fn) or an amped.cli.Task"
+
+
+@dataclass
+class Task:
+    """A model to train, its data and loss, and optional extras.
+
+    Attributes:
+        model: the float32 model.
+        batches: an iterable of ``(inputs, targets)``.
+        loss_fn: ``loss_fn(outputs, targets) -> scalar tensor``.
+        make_optimizer: builds the optimizer over a model (default AdamW, lr 1e-3).
+        evaluate: ``evaluate(predict) -> {"loss": ..., "accuracy": ...}`` on held-out
+            data, where ``predict(inputs)`` runs the trained model under the recipe's
+            autocast, in eval mode and without gradients. Either key may be left out.
+        name: a short name for reports (default: the factory's, e.g. ``"tasks:build"``).
+        description: one line for reports.
+        details: anything JSON-serialisable worth recording in ``results.json``.
+    """
+
+    model: torch.nn.Module
+    batches: Iterable[Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    make_optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer] | None = None
+    evaluate: Callable[[Callable[[Any], Any]], dict[str, float]] | None = None
+    name: str = ""
+    description: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        if self.make_optimizer is None:
+            return torch.optim.AdamW(model.parameters(), lr=DEFAULT_LEARNING_RATE)
+        return self.make_optimizer(model)
+
+
+def as_task(obj: object, source: str) -> Task:
+    """``obj`` (a factory's return value) as a checked :class:`Task`; UsageError if it is not."""
+    if isinstance(obj, Task):
+        task = obj
+    elif isinstance(obj, tuple | list) and len(obj) == 3:
+        task = Task(*obj)
+    else:
+        raise UsageError(
+            f"The factory {source} must return {_CONTRACT}. "
+            f"Received: {_describe(obj)} (of type {type(obj).__name__})"
+        )
+    _check_model(task.model, source)
+    if isinstance(task.batches, torch.Tensor) or not isinstance(task.batches, Iterable):
+        raise UsageError(
+            f"The factory {source} must return an iterable of (inputs, targets) batches "
+            f"as its second item. Received: batches of type {type(task.batches).__name__}"
+        )
+    if not callable(task.loss_fn):
+        raise UsageError(
+            f"The factory {source} must return a callable loss_fn(outputs, targets) as its "
+            f"third item. Received: loss_fn of type {type(task.loss_fn).__name__}"
+        )
+    task.batches = _peek_checked(task.batches, source)
+    return task
+
+
+def _describe(obj: object) -> str:
+    if isinstance(obj, tuple | list):
+        return f"a {type(obj).__name__} of {len(obj)} items"
+    return repr(obj)[:80]
+
+
+def _check_model(model: object, source: str) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(
+            f"The factory {source} must return a torch.nn.Module as its first item. "
+            f"Received: model of type {type(model).__name__}"
+        )
+    if not any(p.is_floating_point() for p in model.parameters()):
+        raise UsageError(
+            f"The model from {source} has no floating-point parameters to train. "
+            f"Received: model of type {type(model).__name__}"
+        )
+
+
+def _peek_checked(batches: Iterable[Any], source: str) -> Iterable[Any]:
+    """The batches, with the first one checked to be an ``(inputs, targets)`` pair."""
+    iterator = iter(batches)
+    first = next(iterator, None)
+    if first is None:
+        raise UsageError(f"The batches from {source} are empty. Received: no batches")
+    if not (isinstance(first, tuple | list) and len(first) == 2):
+        raise UsageError(
+            f"Each batch from {source} must be an (inputs, targets) pair. "
+            f"Received: a batch of type {type(first).__name__}"
+        )
+    if count_samples(first[0]) is None:
+        raise UsageError(
+            f"The inputs of each batch from {source} must be a tensor, a tuple of tensors "
+            f"or a dict of tensors. Received: inputs of type {type(first[0]).__name__}"
+        )
+    return itertools.chain([first], iterator)
+
+
+def count_samples(inputs: Any) -> int | None:
+    """The first dimension of the first tensor in ``inputs`` (None if there is none)."""
+    if isinstance(inputs, torch.Tensor):
+        return int(inputs.shape[0]) if inputs.dim() else 1
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    if isinstance(values, Iterable) and not isinstance(values, str | bytes):
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                return count_samples(value)
+    return None
+
+
+def to_device(data: Any, device: torch.device) -> Any:
+    """Tensors in ``data`` (nested tuples, lists, dicts) moved to ``device``."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    if isinstance(data, Mapping):
+        return {k: to_device(v, device) for k, v in data.items()}
+    if isinstance(data, tuple | list):
+        return type(data)(to_device(v, device) for v in data)
+    return data
+
+
+def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """``model(inputs)``, ``model(*inputs)`` or ``model(**inputs)`` by the inputs' type."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, tuple | list):
+        return model(*inputs)
+    return model(inputs)
+
+
+def check_loss(loss: object, source: str) -> torch.Tensor:
+    """``loss`` if it is a scalar tensor; UsageError naming the contract otherwise."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else None
+        raise UsageError(
+            f"loss_fn from {source} must return a scalar tensor. "
+            f"Received: {type(loss).__name__}" + (f" of shape {shape}" if shape else "")
+        )
+    return loss

@@ -1,0 +1,108 @@
+"""Task factories for the CLI tests: one that keeps the contract, and ones that break it."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from amped.cli import Task
+
+
+def _batches(batch_size: int, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        x = torch.randn(batch_size, 8, generator=generator)
+        yield x, (x.sum(dim=1) > 0).long()
+
+
+def good(batch_size: int = 16, seed: int = 0):
+    return (
+        nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 2)),
+        _batches(batch_size, seed),
+        F.cross_entropy,
+    )
+
+
+def with_task(seed: int = 0):
+    """A Task with held-out metrics, an optimizer and a name."""
+    model, batches, loss_fn = good(seed=seed)
+    held_out = list(itertools.islice(_batches(32, seed + 1), 2))
+
+    def evaluate(predict):
+        correct = sum(int((predict(x).argmax(-1) == y).sum()) for x, y in held_out)
+        return {"accuracy": correct / 64}
+
+    return Task(
+        model,
+        batches,
+        loss_fn,
+        make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+        evaluate=evaluate,
+        name="tiny-classifier",
+    )
+
+
+def finite(seed: int = 0):
+    """Five batches only."""
+    model, batches, loss_fn = good(seed=seed)
+    return model, list(itertools.islice(batches, 5)), loss_fn
+
+
+def no_batch_size(seed: int = 0):
+    return good(seed=seed)
+
+
+def returns_tensor():
+    return torch.zeros(3)
+
+
+def returns_pair():
+    model, batches, _ = good()
+    return model, batches
+
+
+def returns_no_module():
+    _, batches, loss_fn = good()
+    return "model", batches, loss_fn
+
+
+def batches_not_pairs():
+    model, _, loss_fn = good()
+    return model, [torch.zeros(4, 8)], loss_fn
+
+
+def loss_not_scalar():
+    model, batches, _ = good()
+    return model, batches, lambda out, y: F.cross_entropy(out, y, reduction="none")
+
+
+class Exploding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 2)
+
+    def forward(self, x):
+        raise RuntimeError("this model cannot run\nsecond line")
+
+
+def raises_in_forward():
+    _, batches, loss_fn = good()
+    return Exploding(), batches, loss_fn
+
+
+class Float32Only(nn.Linear):
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("this model refuses autocast")
+        return super().forward(x)
+
+
+def fails_in_low_precision():
+    _, batches, loss_fn = good()
+    return Float32Only(8, 2), batches, loss_fn
+
+
+NOT_CALLABLE = 3

@@ -1,5 +1,7 @@
 """Start real process groups for the distributed tests: loopback only, bounded in time.
 
+(And a group of one rank in this process, for the tests that need one but no peer.)
+
 Each rank is a subprocess running ``tests/dist_worker.py`` with torchrun's environment
 (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``) and
 ``GLOO_SOCKET_IFNAME=lo``, so neither the rendezvous nor gloo's own connections leave
@@ -9,6 +11,7 @@ and every wait has a deadline after which every rank still alive is killed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -16,7 +19,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import torch.distributed as dist
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "dist_worker.py"
@@ -25,6 +31,25 @@ LOOPBACK = "127.0.0.1"
 # the launcher kills what is left after LAUNCH_DEADLINE_S.
 COLLECTIVE_TIMEOUT_S = 30
 LAUNCH_DEADLINE_S = 180
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[object]:
+    """A gloo process group of this process alone, over an in-memory store (no socket
+    is connected); destroyed on exit. Yields the group."""
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already running in this process")
+    previous = os.environ.get("GLOO_SOCKET_IFNAME")
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+        if previous is None:
+            del os.environ["GLOO_SOCKET_IFNAME"]
+        else:
+            os.environ["GLOO_SOCKET_IFNAME"] = previous
 
 
 def free_port() -> int:

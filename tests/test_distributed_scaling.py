@@ -7,7 +7,6 @@ path of the agreement but cannot disagree; ``test_distributed.py`` runs 2 proces
 from __future__ import annotations
 
 import math
-import os
 import pickle
 
 import pytest
@@ -17,23 +16,13 @@ import torch.distributed as dist
 import amped
 from amped.scaling.checks import ScalerOrderError
 from amped.scaling.distributed import agreement_groups, check_scaler_agreement
+from dist_launch import one_rank_group
 
 
 @pytest.fixture
 def world_of_one():
-    if dist.is_initialized():
-        pytest.skip("a process group is already running in this process")
-    previous = os.environ.get("GLOO_SOCKET_IFNAME")
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-        if previous is None:
-            del os.environ["GLOO_SOCKET_IFNAME"]
-        else:
-            os.environ["GLOO_SOCKET_IFNAME"] = previous
+    with one_rank_group() as group:
+        yield group
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from amped.autocast import autocast
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.scaling import GradScaler
+from amped.scaling.distributed import dtensor_type
 
 __all__ = ["TrainSetup", "prepare"]
 
@@ -176,7 +177,19 @@ def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.O
 
 
 def _check_float32(model: torch.nn.Module, recipe: Recipe) -> None:
+    dtensor = dtensor_type()
     for name, param in model.named_parameters():
+        if dtensor is not None and isinstance(param, dtensor):
+            # Lowering a DTensor changes its metadata, not FSDP2's float32 local shards.
+            raise ValueError(
+                f"Recipe {recipe.name!r} lowers the model's weights, but its parameters are "
+                "DTensors (sharded by fully_shard, or tensor parallel); lowering one leaves "
+                "the float32 shards FSDP2 keeps. For master weights under FSDP2, pass mp_policy="
+                "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32) to "
+                "fully_shard (the float32 shards are the masters) and use a '-mixed' "
+                "recipe; see the README's 'Distributed' section. "
+                f"Received: parameter {name!r} of type {type(param).__name__}"
+            )
         if param.is_floating_point() and param.dtype is not torch.float32:
             raise ValueError(
                 f"Recipe {recipe.name!r} lowers a float32 model's weights itself (and keeps "

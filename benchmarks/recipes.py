@@ -97,13 +97,15 @@ class Recipe:
         self.setup.zero_grad()
 
 
-def memory_rows(make: Callable[[], tuple[nn.Module, Loss]]) -> dict[str, float]:
+def memory_rows(make: Callable[[], tuple[nn.Module, Loss]]) -> dict[str, tuple[float, float]]:
+    """Bytes per parameter between steps, and at the step's peak, per recipe."""
     rows = {}
     for recipe in MEMORY_RECIPES:
         model, loss = make()
         side = Recipe(model, loss, recipe)
         side.step()  # AdamW builds its state at the first step
-        rows[recipe] = amped.memory_report(model, side.setup.optimizer).bytes_per_param
+        report = amped.memory_report(model, side.setup.optimizer)
+        rows[recipe] = (report.bytes_per_param, report.per_param(report.peak))
     return rows
 
 
@@ -145,8 +147,10 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, batch {BATCH} x seq {SEQ}, AdamW")
     for label, make in MODELS.items():
         print(f"\n{label}")
-        for recipe, per_param in memory_rows(make).items():
-            print(f"  bytes/param {recipe:<14} {per_param:6.2f}")
+        print("  bytes/param, AdamW        between steps   in the step")
+        for recipe, (total, peak) in memory_rows(make).items():
+            print(f"  {recipe:<24} {total:14.2f} {peak:13.2f}")
+        print("  (torch O1 = bf16-mixed, plus a bf16 copy of each weight during the forward)")
         base, ratios = time_ratios(make, args.repeats, args.warmup)
         print(f"  step time torch O1 (median)  {base * 1e3:8.1f} ms")
         for name, ratio in ratios.items():

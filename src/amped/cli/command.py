@@ -62,10 +62,15 @@ def resolve_out(path: str) -> Path:
 
 
 def _config(args: argparse.Namespace) -> CompareConfig:
+    """Check every argument, and build the task once (which also checks its contract)."""
     recipes = parse_recipes(args.recipes)
     device = resolve_device(args.device or default_device())
     factory = load_factory(args.model or DEFAULT_FACTORY)
-    factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
+    task = factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    elif task.threads is not None and device.type == "cpu":
+        torch.set_num_threads(task.threads)
     return CompareConfig(
         factory=factory,
         recipes=recipes,
@@ -88,8 +93,6 @@ def _observer(args: argparse.Namespace, config: CompareConfig) -> RichProgress |
 def run_compare(args: argparse.Namespace, command: list[str]) -> int:
     """Run ``amped compare``; returns the exit code (raises UsageError / RunError)."""
     threads = torch.get_num_threads()
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     try:
         return _compare(args, command)
     finally:

@@ -179,6 +179,10 @@ def build(batch_size: int = 16, seed: int = 0, device: torch.device | str = "cpu
         ),
         evaluate=_evaluator(corpus.held_out, batch_size, device),
         name="tiny-gpt-stdlib",
+        # Matmuls this small gain little from intra-op threads, and on a busy machine
+        # they lose a lot: each op's OpenMP barrier waits for a preempted thread. On
+        # 2 shared cores a step took 40 ms with 1 thread and 0.1-3 s with 2.
+        threads=1,
         description=(
             f"character-level GPT (d={D_MODEL}, {N_LAYERS} layers, context {SEQ_LEN}) "
             f"on {len(corpus.files)} Python standard-library source files"

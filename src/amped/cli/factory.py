@@ -58,7 +58,7 @@ class TaskFactory:
         task.name = task.name or self.label
         return task
 
-    def check(self, *, batch_size: int | None, seed: int, device: torch.device) -> None:
+    def check(self, *, batch_size: int | None, seed: int, device: torch.device) -> Task:
         """Build the task once and run one forward pass and loss on its first batch
         (float32, no gradients), so a broken contract is reported before any training."""
         try:
@@ -67,6 +67,7 @@ class TaskFactory:
             inputs, targets = to_device(next(iter(task.batches)), device)
             with torch.no_grad():
                 check_loss(task.loss_fn(call_model(model, inputs), targets), self.spec)
+            return task
         except (UsageError, KeyboardInterrupt):
             raise
         except Exception as error:

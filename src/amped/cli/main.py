@@ -20,7 +20,7 @@ from amped.recipes import recipe_names
 __all__ = ["main"]
 
 DEFAULT_STEPS = 200
-DEFAULT_MAX_TIME = 150.0
+DEFAULT_MAX_TIME = 120.0
 DEFAULT_OUT = "amped-report"
 
 
@@ -88,7 +88,8 @@ def _parser() -> _Parser:
         "recipe, then train all for as many steps as fit, at most --steps "
         f"(default: {DEFAULT_MAX_TIME:g}; 0: no limit)")  # fmt: skip
     add("--threads", type=_positive_int, default=None,
-        help="CPU threads for torch (default: torch's own choice)")  # fmt: skip
+        help="CPU threads for torch (default: the task's choice, else torch's; "
+        "the built-in task uses 1)")  # fmt: skip
     add("--json", action="store_true", help="print only the results JSON on stdout")
     add("--no-progress", action="store_true", help="no progress bars (a line per recipe)")
     add("--traceback", action="store_true", help="print the traceback of failed recipes")

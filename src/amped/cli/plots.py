@@ -36,14 +36,15 @@ def _png(figure: Figure) -> bytes:
     return buffer.getvalue()
 
 
-def _smooth(values: list[float | None], weight: float = 0.8) -> list[float]:
-    """Exponential moving average, debiased as TensorBoard does; gaps (None) carry over."""
-    out, average, count = [], 0.0, 0
-    for value in values:
-        if value is not None and math.isfinite(value):
-            count += 1
-            average = weight * average + (1 - weight) * value
-        out.append(average / (1 - weight**count) if count else math.nan)
+def _smooth(values: list[float | None]) -> list[float]:
+    """Centred moving average over about 5% of the run (no lag, unlike an EMA); the
+    window shrinks at the ends, and gaps (None, non-finite) are skipped."""
+    half = len(values) // 40
+    finite = [v if v is not None and math.isfinite(v) else None for v in values]
+    out = []
+    for i in range(len(finite)):
+        window = [v for v in finite[max(i - half, 0) : i + half + 1] if v is not None]
+        out.append(sum(window) / len(window) if window else math.nan)
     return out
 
 
@@ -63,7 +64,8 @@ def loss_curves(results: dict[str, Any]) -> bytes | None:
     for run in runs:
         steps = range(1, len(run["losses"]) + 1)
         raw = [math.nan if v is None else v for v in run["losses"]]
-        axes.plot(steps, raw, color=colours[run["name"]], alpha=0.18, linewidth=0.8)
+        if len(raw) >= 40:  # shorter runs are drawn unsmoothed: no faint copy needed
+            axes.plot(steps, raw, color=colours[run["name"]], alpha=0.18, linewidth=0.8)
         axes.plot(steps, _smooth(run["losses"]), color=colours[run["name"]], label=run["name"])
     common = results.get("common_step")
     if common and any(len(r["losses"]) > common for r in runs):

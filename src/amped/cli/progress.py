@@ -78,7 +78,7 @@ class RichProgress(Observer):
 
     def planning(self, runs: list[RecipeRun]) -> None:
         for task in self._ids.values():
-            self._progress.update(task, state="timing a few steps to fit --max-time")
+            self._progress.update(task, state="timing a few steps")
 
     def planned(self, runs: list[RecipeRun], note: str) -> None:
         self._progress.console.print(f"[dim]{note}[/dim]", highlight=False)

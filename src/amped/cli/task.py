@@ -52,6 +52,8 @@ class Task:
         name: a short name for reports (default: the factory's, e.g. ``"tasks:build"``).
         description: one line for reports.
         details: anything JSON-serialisable worth recording in ``results.json``.
+        threads: CPU threads the task runs best with (``torch.set_num_threads``);
+            ``--threads`` overrides it. None: torch's default.
     """
 
     model: torch.nn.Module
@@ -62,6 +64,7 @@ class Task:
     name: str = ""
     description: str = ""
     details: dict[str, Any] = field(default_factory=dict)
+    threads: int | None = None
 
     def optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
         if self.make_optimizer is None:

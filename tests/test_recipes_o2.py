@@ -3,6 +3,8 @@ policy decides which modules keep float32 weights, and bad input is refused clea
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -189,6 +191,18 @@ def test_wrapper_alone_works_with_schedulers_hooks_and_earlier_state():
     assert calls == ["pre"]
     assert inner.param_groups[0]["lr"] == 0.5
     assert model.weight.dtype is torch.bfloat16 and model.weight.grad is None
+
+
+def test_wrapper_deep_copies_with_its_masters():
+    model = mlp()
+    setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "bf16-master")
+    train(setup, batches(1))
+    twin = copy.deepcopy(setup.optimizer)
+    masters = [m for _, m in twin.pairs]
+    assert twin.param_groups[0]["params"][0] is masters[0]
+    assert masters[0] is not setup.optimizer.pairs[0][1]
+    torch.testing.assert_close(masters[0], setup.optimizer.pairs[0][1], **BITWISE)
+    assert set(twin.state) == set(twin.optimizer.state)
 
 
 def test_bad_input_is_refused():

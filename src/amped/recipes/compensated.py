@@ -225,6 +225,8 @@ class CompensatedAdamW(_CompensatedOptimizer):
             Adam's L2 term (add ``weight_decay * param`` to the gradient).
         compensation: ``"kahan"`` (a compensation buffer per weight, in its dtype) or
             ``"stochastic"`` (stochastic rounding of weights and both moments; no buffer).
+            Under both, the second moment is stochastically rounded when ``1 - betas[1]``
+            is below 2**-6 (see ``_store``): round-to-nearest would freeze its decay.
         seed: seeds the stochastic rounding's random stream.
 
     The step count is a Python int in the state (torch keeps a float32 tensor, which

@@ -212,6 +212,15 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch's Optimizer pickles defaults, state and param groups only; here those
+        # are the inner optimizer's, which travels whole, with the pairs.
+        return {"optimizer": self.optimizer, "_pairs": self._pairs}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        torch.optim.Optimizer.__setstate__(self, {})
+
     def __repr__(self) -> str:
         return f"MasterWeightOptimizer({len(self._pairs)} masters, {self.optimizer!r})"
 

@@ -27,7 +27,7 @@ ul.findings li { margin: .25rem 0; }
 table { border-collapse: collapse; font-size: 13px; width: 100%; }
 th, td { padding: .35rem .55rem; border-bottom: 1px solid #e3e3e3; text-align: right;
          white-space: nowrap; }
-th:first-child, td:first-child, td.notes, th.notes { text-align: left; }
+th:first-child, td:first-child, td.flags, th.flags { text-align: left; }
 th { background: #f5f5f7; font-weight: 600; }
 tr.slow td { background: #fbf6ea; } tr.failed td { background: #fdecec; }
 .foot { color: #555; font-size: 12.5px; } .foot li { margin: .1rem 0; }

@@ -1,4 +1,4 @@
-"""The ``amped`` command line: ``amped compare`` (also ``python -m amped compare``).
+"""The ``amped`` command line: ``amped compare`` and ``amped doctor`` (also ``python -m amped``).
 
 Exit codes: 0 success; 1 a failed run (a recipe raised, the report could not be
 written, the CLI extra is missing); 2 bad arguments or a task that breaks the factory
@@ -93,6 +93,9 @@ def _parser() -> _Parser:
     add("--json", action="store_true", help="print only the results JSON on stdout")
     add("--no-progress", action="store_true", help="no progress bars (a line per recipe)")
     add("--traceback", action="store_true", help="print the traceback of failed recipes")
+    from amped.cli.doctor_args import add_doctor_parser
+
+    add_doctor_parser(commands)
     return parser
 
 
@@ -120,9 +123,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(arguments)
-        if args.command != "compare":
-            raise UsageError("name a command: amped compare (see amped --help)")
+        if args.command not in ("compare", "doctor"):
+            raise UsageError("name a command: amped compare or amped doctor (see amped --help)")
         _check_extra()
+        if args.command == "doctor":
+            from amped.cli.doctor import run_doctor  # needs the extra: imported after the check
+
+            return run_doctor(args)
         from amped.cli.command import run_compare  # needs the extra: imported after the check
 
         return run_compare(args, ["amped", *arguments])

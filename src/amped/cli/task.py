@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from amped.cli.errors import UsageError
+from amped.doctor.runs import call_model  # one rule for calling a model with inputs
 
 __all__ = ["Task", "as_task", "call_model", "check_loss", "count_samples", "to_device"]
 
@@ -157,15 +158,6 @@ def to_device(data: Any, device: torch.device) -> Any:
     if isinstance(data, tuple | list):
         return type(data)(to_device(v, device) for v in data)
     return data
-
-
-def call_model(model: torch.nn.Module, inputs: Any) -> Any:
-    """``model(inputs)``, ``model(*inputs)`` or ``model(**inputs)`` by the inputs' type."""
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, tuple | list):
-        return model(*inputs)
-    return model(inputs)
 
 
 def check_loss(loss: object, source: str) -> torch.Tensor:

@@ -136,13 +136,7 @@ class AutocastMode(TorchFunctionMode):
         if func in self.listed:
             return self._apply(func, args, kwargs)
         if type(func) is _FunctionType and func not in self.running:
-            # A Python method that calls ``super().same_name()`` (Tensor.unflatten) comes
-            # back here with itself as ``func``; that inner call then runs plainly.
-            self.running.add(func)
-            try:
-                return transparent.run_under(self, func, types, args, kwargs)
-            finally:
-                self.running.discard(func)
+            return transparent.run_transparently(self, self.running, func, types, args, kwargs)
         if self.override is not None or not TORCH_AUTOCAST_ALONGSIDE:
             with exclude_torch_autocast():
                 return func(*args, **kwargs)

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.overrides
 
-__all__ = ["call", "call_with_clone", "run_under"]
+__all__ = ["call", "call_with_clone", "run_transparently", "run_under"]
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
@@ -94,3 +94,23 @@ def run_under(
         return call(func, types_, args, kwargs)
     finally:
         _pop()
+
+
+def run_transparently(
+    mode: Any,
+    running: set[Callable[..., Any]],
+    func: Callable[..., Any],
+    types_: tuple[type, ...],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    """:func:`run_under`, remembering ``func`` in ``running`` while it runs.
+
+    A Python method that calls ``super().same_name()`` (``Tensor.unflatten``) comes back
+    to the mode with itself as ``func``; the mode then runs that inner call plainly.
+    """
+    running.add(func)
+    try:
+        return run_under(mode, func, types_, args, kwargs)
+    finally:
+        running.discard(func)

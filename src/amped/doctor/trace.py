@@ -200,11 +200,7 @@ class Tracer(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         if type(func) is types.FunctionType and func not in self._running:
-            self._running.add(func)
-            try:
-                return transparent.run_under(self, func, types_, args, kwargs)
-            finally:
-                self._running.discard(func)
+            return transparent.run_transparently(self, self._running, func, types_, args, kwargs)
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name not in _NOT_COMPUTE and not name.endswith("_"):

@@ -22,45 +22,46 @@ autocast_test_lists = pytest.importorskip("torch.testing._internal.autocast_test
 LOW_DTYPES = [torch.bfloat16, torch.float16]
 
 
-def _cpu_cases() -> list[tuple[str, str, tuple, dict]]:
-    lists = autocast_test_lists.AutocastCPUTestLists(torch.device("cpu"))
+CPU_LISTS = (
+    "torch_expect_builtin_promote",
+    "methods_expect_builtin_promote",
+    "torch_16",
+    "torch_fp32",
+    "nn_16",
+    "nn_fp32",
+    "torch_need_autocast_promote",
+)
+CUDA_LISTS = (
+    "torch_fp16",
+    "torch_fp32",
+    "torch_need_autocast_promote",
+    "nn_fp16",
+    "nn_fp32",
+    "linalg_fp16",
+    "methods_fp16",
+    "methods_fp32",
+    "torch_expect_builtin_promote",
+    "methods_expect_builtin_promote",
+)
+
+
+def _cases(lists: object, names: tuple[str, ...]) -> list[tuple[str, str, tuple, dict]]:
+    """(list name, op, args, kwargs) for every entry of torch's named test lists."""
     cases = []
-    for list_name in (
-        "torch_expect_builtin_promote",
-        "methods_expect_builtin_promote",
-        "torch_16",
-        "torch_fp32",
-        "nn_16",
-        "nn_fp32",
-        "torch_need_autocast_promote",
-    ):
+    for list_name in names:
         for entry in getattr(lists, list_name):
             op, args = entry[0], entry[1]
             kwargs = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
             cases.append((list_name, op, args, kwargs))
     return cases
+
+
+def _cpu_cases() -> list[tuple[str, str, tuple, dict]]:
+    return _cases(autocast_test_lists.AutocastCPUTestLists(torch.device("cpu")), CPU_LISTS)
 
 
 def _cuda_cases() -> list[tuple[str, str, tuple, dict]]:
-    lists = autocast_test_lists.AutocastTestLists(torch.device("cuda"))
-    cases = []
-    for list_name in (
-        "torch_fp16",
-        "torch_fp32",
-        "torch_need_autocast_promote",
-        "nn_fp16",
-        "nn_fp32",
-        "linalg_fp16",
-        "methods_fp16",
-        "methods_fp32",
-        "torch_expect_builtin_promote",
-        "methods_expect_builtin_promote",
-    ):
-        for entry in getattr(lists, list_name):
-            op, args = entry[0], entry[1]
-            kwargs = entry[2] if len(entry) > 2 and isinstance(entry[2], dict) else {}
-            cases.append((list_name, op, args, kwargs))
-    return cases
+    return _cases(autocast_test_lists.AutocastTestLists(torch.device("cuda")), CUDA_LISTS)
 
 
 def _variants(list_name: str, op: str, args: tuple) -> list[tuple[str, object, tuple]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amped.recipes.rounding import kahan_add_, stochastic_round_
+from amped.recipes.rounding import draw_noise_, kahan_add_, rounded_with_noise_, stochastic_round_
 from tolerances import BITWISE, SR_SIGMAS
 
 BF16_ULP_AT_1 = 2.0**-7
@@ -80,3 +80,80 @@ def test_stochastic_rounding_refuses_other_dtypes():
         ValueError, match=r"implemented for bfloat16.*Received: dtype=torch.float16"
     ):
         stochastic_round_(torch.empty(2, dtype=torch.float16), torch.zeros(2), None)
+
+
+# Bit patterns where the integer rounding could go wrong: NaNs whose high half carries
+# into the sign bit (0x7FFFFFFF, CUDA's default NaN; 0xFFFFFFFF) or whose payload lies
+# in the low half alone (0x7F800001, 0x7F80FFFF: truncated, they would read infinity),
+# the default NaNs, infinities, the largest finite values (rounding up reaches
+# infinity), zeros, subnormals and values whose low half is all ones.
+EDGE_BITS = [
+    0x7FFFFFFF,
+    0xFFFFFFFF,
+    0x7FC00000,
+    0xFFC00000,
+    0x7F800000,
+    0xFF800000,
+    0x7F800001,
+    0xFF800001,
+    0x7F80FFFF,
+    0xFF80FFFF,
+    0x7FBFFFFF,
+    0x7F7FFFFF,
+    0xFF7FFFFF,
+    0x00000000,
+    0x80000000,
+    0x00000001,
+    0x8000FFFF,
+    0x3F80FFFF,
+    0xBF808000,
+]
+
+
+def _float32(bits):
+    signed = [b - (1 << 32) if b >= 1 << 31 else b for b in bits]
+    return torch.tensor(signed, dtype=torch.int32).view(torch.float32)
+
+
+def test_stochastic_rounding_of_edge_bit_patterns_for_every_noise():
+    """Every noise value in [0, 2**16) for each pattern: a NaN stays a NaN, and any other
+    value becomes high half + carry of (bits + noise), the unsigned sum truncated: one of
+    its two bfloat16 neighbours, with its sign, infinities staying themselves."""
+    noise = torch.arange(1 << 16, dtype=torch.int32)
+    for bits in EDGE_BITS:
+        value = _float32([bits]).expand(1 << 16).clone()
+        rounded = rounded_with_noise_(value.clone(), noise.clone())
+        out = torch.empty(1 << 16, dtype=torch.bfloat16)
+        out.copy_(rounded)
+        if value[0].isnan():
+            assert rounded.isnan().all() and out.isnan().all(), hex(bits)
+            continue
+        truncated = (bits + noise.long()) & 0xFFFF0000  # as unsigned: never wraps here
+        expected = _float32(truncated.tolist())
+        assert torch.equal(rounded, expected), hex(bits)
+        assert torch.equal(out.float(), expected), hex(bits)
+        assert (expected.signbit() == value.signbit()).all(), hex(bits)
+        if value[0].isinf():
+            assert torch.equal(out.float(), value), hex(bits)
+
+
+def test_stochastic_round_keeps_nans_and_leaves_its_input_alone():
+    value = _float32(EDGE_BITS)
+    before = value.clone()
+    out = torch.empty(len(EDGE_BITS), dtype=torch.bfloat16)
+    for seed in range(20):
+        stochastic_round_(out, value, torch.Generator().manual_seed(seed))
+        assert torch.equal(out.isnan(), value.isnan())
+        finite = ~value.isnan()
+        assert (out.float()[finite].signbit() == value[finite].signbit()).all()
+    assert torch.equal(value.view(torch.int32), before.view(torch.int32))
+
+
+def test_draw_noise_is_randint():
+    """The optimizers draw into work tensors; the stream must be randint's."""
+    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    for shape in [(5, 7), (0,), (), (1000,)]:
+        expected = torch.randint(0, 1 << 16, shape, dtype=torch.int32, generator=a)
+        got = draw_noise_(torch.empty(shape, dtype=torch.int32), b)
+        assert torch.equal(got, expected)
+        assert torch.equal(a.get_state(), b.get_state())

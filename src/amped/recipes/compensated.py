@@ -1,30 +1,53 @@
 """SGD and AdamW for low-precision weights and state, with compensated updates (bf16-pure).
 
 Each optimizer follows torch's algorithm (``torch.optim.SGD``, ``torch.optim.AdamW``
-and ``torch.optim.Adam``'s L2 form) with two changes: the arithmetic of one parameter
-tensor runs in float32, and the update reaches the low-precision weight through
+and ``torch.optim.Adam``'s L2 form) with two changes: the arithmetic runs in float32,
+and the update reaches the low-precision weight through
 :func:`~amped.recipes.rounding.kahan_add_` or
 :func:`~amped.recipes.rounding.stochastic_round_`, so updates smaller than half a
 bfloat16 ulp are not lost. The state (momentum, moments, compensation) has the
 parameter's dtype: with bfloat16 weights, every tensor of the optimizer is bfloat16.
 Float32 parameters are updated plainly.
+
+How a step runs. A group's parameters are taken in chunks of one device and dtype, in
+parameter order, of at most ``_CHUNK_NUMEL`` elements (or one larger tensor). A
+chunk's gradients, weights and state are copied into flat float32 work tensors
+(:class:`_Chunk`), each stage of the algorithm is one op over the whole chunk, and the
+results are copied back. Per-op dispatch costs microseconds, which for small tensors
+is most of the step, and the chunk stays in the cache between ops. Every element
+meets the same float32 ops with the same operands as when each tensor is stepped on
+its own, so the results are bitwise those of the per-tensor algorithm; stochastic
+rounding draws its random integers one call per tensor and write, in parameter
+order, as the per-tensor algorithm does, so the random stream is the same too.
+
+The transient memory is bounded by the chunk, not the model: 4 bytes per element for
+each float32 work tensor (three for SGD, four for AdamW) and each int32 noise tensor
+(one per stochastically rounded write: up to two for SGD, three for AdamW), times
+``max(_CHUNK_NUMEL, largest tensor)``; 7 MiB with AdamW's stochastic rounding. The
+step never synchronizes with the device.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
 from amped.recipes.registry import Compensation
-from amped.recipes.rounding import kahan_add_, stochastic_round_
+from amped.recipes.rounding import draw_noise_, require_bfloat16, rounded_with_noise_
 
 __all__ = ["CompensatedAdamW", "CompensatedSGD"]
 
 _COMPENSATIONS = ("kahan", "stochastic")
 _SLOW_DECAY = 2.0**-6  # 1 - decay below this: four bfloat16 ulps or fewer per step
+_LOW_DTYPES = (torch.bfloat16, torch.float16)
+# Elements per chunk: 2**18 keeps AdamW's work tensors (28 bytes an element at most)
+# at 7 MiB, inside the last-level cache of a server CPU; larger chunks measured no
+# faster on the development machine, smaller ones pay more dispatch.
+_CHUNK_NUMEL = 1 << 18
+_GRAD, _WEIGHT = 0, 1  # the float32 work rows every chunk has (see _Chunk)
 
 
 def _check(name: str, value: float, low: float = 0.0, high: float | None = None) -> float:
@@ -38,8 +61,59 @@ def _check(name: str, value: float, low: float = 0.0, high: float | None = None)
     return float(value)
 
 
+def _partition(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Chunks of one device and dtype, each in parameter order, of at most
+    ``_CHUNK_NUMEL`` elements unless a single tensor is larger."""
+    same: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+    for param in params:
+        key = (param.device, param.dtype)
+        chunks = same.setdefault(key, [[]])
+        if chunks[-1] and sizes[key] + param.numel() > _CHUNK_NUMEL:
+            chunks.append([])
+            sizes[key] = 0
+        chunks[-1].append(param)
+        sizes[key] = sizes.get(key, 0) + param.numel()
+    return [chunk for chunks in same.values() for chunk in chunks]
+
+
+class _Chunk:
+    """Parameters of one device and dtype, stepped together through flat work tensors.
+
+    ``floats`` are float32 rows and ``noise`` int32 rows, each flat over the chunk's
+    elements, parameter after parameter; ``views`` cuts each float32 row into one
+    tensor per parameter, in its shape, for the copies in and out.
+    """
+
+    def __init__(
+        self, params: list[torch.Tensor], floats: torch.Tensor, noise: torch.Tensor
+    ) -> None:
+        self.params = params
+        self.dtype = params[0].dtype
+        self.device = params[0].device
+        self._sizes = [param.numel() for param in params]
+        numel = sum(self._sizes)
+        self.floats = floats[:, :numel].unbind(0)
+        self.noise = noise[:, :numel].unbind(0)
+        self.views = [self.cut(row) for row in self.floats]
+
+    def cut(self, row: torch.Tensor) -> list[torch.Tensor]:
+        """``row`` as one tensor per parameter, in its shape."""
+        return [
+            part.view(p.shape) for part, p in zip(row.split(self._sizes), self.params, strict=True)
+        ]
+
+    def parts(self, row: torch.Tensor) -> Sequence[torch.Tensor]:
+        """``row`` as one flat tensor per parameter."""
+        return row.split(self._sizes)
+
+
 class _CompensatedOptimizer(torch.optim.Optimizer):
-    """What both optimizers share: writing updates and state, the random stream."""
+    """What both optimizers share: the chunked step, writing updates and state, the
+    random stream."""
+
+    _WORK_FLOATS = 4  # float32 rows a chunk needs
+    _WORK_NOISE = 3  # int32 rows: one per write that may round stochastically
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], seed: int) -> None:
         if defaults["compensation"] not in _COMPENSATIONS:
@@ -57,21 +131,40 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             self._generator.manual_seed(self.seed)
         return self._generator
 
-    def _apply_update(
-        self, param: torch.Tensor, update: torch.Tensor, state: dict[str, Any], group: dict
-    ) -> None:
-        """``param += update`` (float32 ``update``, consumed), compensated if ``param`` is low."""
-        if param.dtype not in (torch.bfloat16, torch.float16):
-            param.add_(update)
-        elif group["compensation"] == "kahan":
-            if "compensation" not in state:
-                state["compensation"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            kahan_add_(param, update, state["compensation"])
-        else:
-            stochastic_round_(param, update.add_(param), self._rng(param.device))
+    def _stochastic(self, chunk: _Chunk, group: dict, decay: float | None) -> bool:
+        """Whether a write rounds stochastically: the update (``decay=None``) under
+        stochastic compensation, or a running average (see ``_store``)."""
+        if chunk.dtype is not torch.bfloat16:
+            return False
+        return group["compensation"] == "stochastic" or (
+            decay is not None and 1 - decay < _SLOW_DECAY
+        )
 
-    def _store(self, buffer: torch.Tensor, value: torch.Tensor, group: dict, decay: float) -> None:
-        """Write a float32 running average (``buffer * decay + ...``) into its buffer.
+    def _draw(self, chunk: _Chunk, stochastic: list[bool]) -> list[torch.Tensor | None]:
+        """Noise for each write of the step that rounds stochastically, else None.
+
+        The per-tensor algorithm draws one ``randint`` per tensor and write, tensor by
+        tensor; drawn here in that order, the stream and each draw are unchanged.
+        """
+        rows = iter(chunk.noise)
+        noise = [next(rows) if flag else None for flag in stochastic]
+        drawn = [chunk.parts(row) for row in noise if row is not None]
+        if drawn:
+            generator = self._rng(chunk.device)
+            for parts in zip(*drawn, strict=True):
+                for part in parts:
+                    draw_noise_(part, generator)
+        return noise
+
+    def _store(
+        self,
+        chunk: _Chunk,
+        buffers: list[torch.Tensor],
+        row: int,
+        noise: torch.Tensor | None,
+    ) -> None:
+        """Write float32 running averages (``buffer * decay + ...``, work row ``row``)
+        into their buffers; ``noise``, if any, rounds them stochastically.
 
         A bfloat16 ulp is 2**-8 to 2**-7 of the value, so an average whose per-step
         change ``1 - decay`` is below ~4 ulps (AdamW's second moment, ``1 - 0.999``)
@@ -79,13 +172,44 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         stays too large and shrinks the steps. Measured on the test task: AdamW with
         round-to-nearest moments ended 3000 steps at twice fp32's loss; with the second
         moment stochastically rounded it matched fp32. So such averages are rounded
-        stochastically (unbiased) even under Kahan compensation.
+        stochastically (unbiased) even under Kahan compensation (``_stochastic``). The
+        row's NaNs may be made canonical; its numbers are kept.
         """
-        stochastic = group["compensation"] == "stochastic" or 1 - decay < _SLOW_DECAY
-        if buffer.dtype is torch.bfloat16 and stochastic:
-            stochastic_round_(buffer, value, self._rng(buffer.device))
+        if noise is None:
+            torch._foreach_copy_(buffers, chunk.views[row])
         else:
-            buffer.copy_(value)
+            torch._foreach_copy_(buffers, chunk.cut(rounded_with_noise_(chunk.floats[row], noise)))
+
+    def _apply_update(
+        self, chunk: _Chunk, update: int, spare: int, noise: torch.Tensor | None
+    ) -> None:
+        """``param += update`` (work row ``update``), compensated if the chunk is low.
+
+        Row ``_WEIGHT`` holds the weights in float32; rows ``update``, ``_WEIGHT`` and
+        ``spare`` are consumed.
+        """
+        params, weight = chunk.params, chunk.floats[_WEIGHT]
+        if chunk.dtype not in _LOW_DTYPES:
+            torch._foreach_add_(params, chunk.views[update])
+        elif noise is not None:
+            value = chunk.floats[update].add_(weight)
+            torch._foreach_copy_(params, chunk.cut(rounded_with_noise_(value, noise)))
+        else:  # kahan_add_ on the chunk: see its comments
+            compensations = []
+            for param in params:
+                state = self.state[param]
+                if "compensation" not in state:
+                    state["compensation"] = torch.zeros_like(
+                        param, memory_format=torch.preserve_format
+                    )
+                compensations.append(state["compensation"])
+            scratch, scratches = chunk.floats[spare], chunk.views[spare]
+            torch._foreach_copy_(scratches, compensations)
+            weight.add_(chunk.floats[update].add_(scratch))
+            torch._foreach_copy_(params, chunk.views[_WEIGHT])  # rounds once, to nearest
+            torch._foreach_copy_(scratches, params)
+            weight.sub_(scratch)
+            torch._foreach_copy_(compensations, chunk.views[_WEIGHT])
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -125,25 +249,47 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        plan = []
         for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.grad.is_sparse:
-                    raise RuntimeError(
-                        f"{type(self).__name__} does not support sparse gradients. "
-                        f"Received: a sparse gradient for a parameter of shape "
-                        f"{tuple(param.shape)}"
-                    )
-                grad = param.grad.to(torch.float32, copy=True)
-                if group["maximize"]:
-                    grad.neg_()
-                self._step_one(param, grad, self.state[param], group)
+            params = [p for p in group["params"] if p.grad is not None]
+            for param in params:  # refuse before anything is written
+                self._refuse(param, group)
+            plan += [(group, chunk) for chunk in _partition(params)]
+        sizes: dict[torch.device, int] = {}
+        for _, params in plan:
+            device = params[0].device
+            sizes[device] = max(sizes.get(device, 0), sum(p.numel() for p in params))
+        floats = {
+            device: torch.empty((self._WORK_FLOATS, size), dtype=torch.float32, device=device)
+            for device, size in sizes.items()
+        }
+        noise = {
+            device: torch.empty((self._WORK_NOISE, size), dtype=torch.int32, device=device)
+            for device, size in sizes.items()
+        }
+        for group, params in plan:
+            device = params[0].device
+            self._step_chunk(_Chunk(params, floats[device], noise[device]), group)
         return loss
 
-    def _step_one(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict
-    ) -> None:
+    def _refuse(self, param: torch.Tensor, group: dict) -> None:
+        if param.grad is not None and param.grad.is_sparse:
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients. "
+                f"Received: a sparse gradient for a parameter of shape {tuple(param.shape)}"
+            )
+        if group["compensation"] == "stochastic" and param.dtype in _LOW_DTYPES:
+            require_bfloat16(param.dtype)
+
+    def _load(self, chunk: _Chunk, group: dict) -> None:
+        """The gradients (negated to maximize) and the weights, in float32."""
+        grads = [p.grad for p in chunk.params if p.grad is not None]  # all: see step()
+        torch._foreach_copy_(chunk.views[_GRAD], grads)
+        if group["maximize"]:
+            chunk.floats[_GRAD].neg_()
+        torch._foreach_copy_(chunk.views[_WEIGHT], chunk.params)
+
+    def _step_chunk(self, chunk: _Chunk, group: dict) -> None:
         raise NotImplementedError
 
 
@@ -196,23 +342,54 @@ class CompensatedSGD(_CompensatedOptimizer):
         )
         super().__init__(params, defaults, seed)
 
-    def _step_one(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict
-    ) -> None:
-        if group["weight_decay"] != 0:
-            grad.add_(param, alpha=group["weight_decay"])
+    _WORK_FLOATS = 3  # gradient, weight, velocity
+    _WORK_NOISE = 2  # momentum, weight
+    _VELOCITY = 2
+
+    def _step_chunk(self, chunk: _Chunk, group: dict) -> None:
         momentum = group["momentum"]
+        noise_velocity, noise_weight = self._draw(
+            chunk,
+            [
+                momentum != 0 and self._stochastic(chunk, group, momentum),
+                self._stochastic(chunk, group, None),
+            ],
+        )
+        self._load(chunk, group)
+        grad, weight, velocity = chunk.floats
+        if group["weight_decay"] != 0:
+            grad.add_(weight, alpha=group["weight_decay"])
         if momentum != 0:
-            buf = state.get("momentum_buffer")
-            if buf is None:  # torch's first step: the buffer starts as the gradient
-                buf = state["momentum_buffer"] = torch.empty_like(param)
-                velocity = grad.clone()
-            else:
-                velocity = buf.to(torch.float32, copy=True).mul_(momentum)
-                velocity.add_(grad, alpha=1 - group["dampening"])
-            self._store(buf, velocity, group, momentum)
-            grad = grad.add_(velocity, alpha=momentum) if group["nesterov"] else velocity
-        self._apply_update(param, grad.mul_(-group["lr"]), state, group)
+            self._momentum(chunk, group, noise_velocity)
+            if group["nesterov"]:
+                velocity = grad.add_(velocity, alpha=momentum)
+            torch.mul(velocity, -group["lr"], out=grad)
+        else:
+            grad.mul_(-group["lr"])
+        self._apply_update(chunk, _GRAD, self._VELOCITY, noise_weight)
+
+    def _momentum(self, chunk: _Chunk, group: dict, noise: torch.Tensor | None) -> None:
+        """velocity = momentum * buffer + (1 - dampening) * grad, stored in the buffers."""
+        grad, _, velocity = chunk.floats
+        states = [self.state[param] for param in chunk.params]
+        fresh = ["momentum_buffer" not in state for state in states]
+        for param, state, new in zip(chunk.params, states, fresh, strict=True):
+            if new:
+                state["momentum_buffer"] = torch.empty_like(param)
+        buffers = [state["momentum_buffer"] for state in states]
+        views = chunk.views[self._VELOCITY]
+        if all(fresh):  # torch's first step: the buffer starts as the gradient
+            velocity.copy_(grad)
+        else:
+            torch._foreach_copy_(
+                [v for v, new in zip(views, fresh, strict=True) if not new],
+                [b for b, new in zip(buffers, fresh, strict=True) if not new],
+            )
+            velocity.mul_(group["momentum"]).add_(grad, alpha=1 - group["dampening"])
+            for view, grad_view, new in zip(views, chunk.views[_GRAD], fresh, strict=True):
+                if new:  # a parameter that had no gradient before
+                    view.copy_(grad_view)
+        self._store(chunk, buffers, self._VELOCITY, noise)
 
 
 class CompensatedAdamW(_CompensatedOptimizer):
@@ -266,29 +443,47 @@ class CompensatedAdamW(_CompensatedOptimizer):
         )
         super().__init__(params, defaults, seed)
 
-    def _step_one(
-        self, param: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict
-    ) -> None:
-        if not state:
-            state["step"] = 0
-            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-        state["step"] += 1
-        step, lr, wd = state["step"], group["lr"], group["weight_decay"]
+    _EXP_AVG, _EXP_AVG_SQ = 2, 3
+
+    def _step_chunk(self, chunk: _Chunk, group: dict) -> None:
+        states = [self.state[param] for param in chunk.params]
+        for param, state in zip(chunk.params, states, strict=True):
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["step"] += 1
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
+        noise_avg, noise_avg_sq, noise_weight = self._draw(
+            chunk,
+            [self._stochastic(chunk, group, d) for d in (beta1, beta2, None)],
+        )
+        self._load(chunk, group)
+        grad, weight, exp_avg, exp_avg_sq = chunk.floats
         if wd != 0 and not group["decoupled_weight_decay"]:
-            grad.add_(param, alpha=wd)
-        exp_avg = state["exp_avg"].to(torch.float32, copy=True).lerp_(grad, 1 - beta1)
-        exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True).mul_(beta2)
-        exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
-        self._store(state["exp_avg"], exp_avg, group, beta1)
-        self._store(state["exp_avg_sq"], exp_avg_sq, group, beta2)
-        # torch's bias corrections, in Python floats (double precision).
-        step_size = lr / (1 - beta1**step)
-        denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2**step)).add_(group["eps"])
-        update = exp_avg.div_(denom).mul_(-step_size)
+            grad.add_(weight, alpha=wd)
+        torch._foreach_copy_(chunk.views[self._EXP_AVG], [s["exp_avg"] for s in states])
+        exp_avg.lerp_(grad, 1 - beta1)
+        torch._foreach_copy_(chunk.views[self._EXP_AVG_SQ], [s["exp_avg_sq"] for s in states])
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        self._store(chunk, [s["exp_avg"] for s in states], self._EXP_AVG, noise_avg)
+        self._store(chunk, [s["exp_avg_sq"] for s in states], self._EXP_AVG_SQ, noise_avg_sq)
+        # torch's bias corrections, in Python floats (double precision), per tensor:
+        # a parameter that had no gradient at some steps has a smaller step count.
+        steps = [state["step"] for state in states]
+        denom = exp_avg_sq.sqrt_()
+        if len(set(steps)) == 1:
+            denom.div_(math.sqrt(1 - beta2 ** steps[0])).add_(eps)
+            update = exp_avg.div_(denom).mul_(-lr / (1 - beta1 ** steps[0]))
+        else:
+            for view, step in zip(chunk.views[self._EXP_AVG_SQ], steps, strict=True):
+                view.div_(math.sqrt(1 - beta2**step))
+            update = exp_avg.div_(denom.add_(eps))
+            for view, step in zip(chunk.views[self._EXP_AVG], steps, strict=True):
+                view.mul_(-lr / (1 - beta1**step))
         if wd != 0 and group["decoupled_weight_decay"]:
             # AdamW's param *= 1 - lr * wd, as an update: lr * wd (1e-5 typically) is far
             # below half a bfloat16 ulp, so it must go through the compensated add too.
-            update.add_(param, alpha=-lr * wd)
-        self._apply_update(param, update, state, group)
+            update.add_(weight, alpha=-lr * wd)
+        self._apply_update(chunk, self._EXP_AVG, _GRAD, noise_weight)

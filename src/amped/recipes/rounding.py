@@ -13,7 +13,10 @@ small learning rate, plain bfloat16 training stops learning. Two remedies:
   memory, but noisy.
 
 All arithmetic here is in float32, one tensor at a time, so the transient float32
-copies are bounded by the largest tensor, not the model.
+copies are bounded by the largest tensor, not the model. The optimizers of
+:mod:`amped.recipes.compensated` do the same arithmetic on chunks of parameters at
+once, with the two steps of :func:`stochastic_round_` below it (:func:`draw_noise_`,
+:func:`rounded_with_noise_`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ __all__ = ["kahan_add_", "stochastic_round_"]
 
 _LOW_BITS = 1 << 16  # bfloat16 is the top 16 bits of a float32
 _HIGH_MASK = -_LOW_BITS  # 0xFFFF0000 as an int32: clears the low 16 bits
+_NAN, _INF = float("nan"), float("inf")
 
 
 @torch.no_grad()
@@ -58,25 +62,65 @@ def stochastic_round_(
     (in magnitude) rounds away from zero with probability ``f``, so the rounding is
     unbiased. Integer arithmetic on the bit pattern works for negative values too,
     since the sign bit sits apart from the magnitude bits, and keeps infinities (their
-    low 16 bits are zero and the carry never reaches them). NaN passes through.
+    low 16 bits are zero and the carry never reaches them). A NaN stays a NaN (its
+    sign and payload are not kept).
+
+    The random integers are those of ``torch.randint(0, 2**16, value.shape,
+    dtype=torch.int32, generator=generator)``, one draw per call.
 
     Args:
         target: a bfloat16 tensor of ``value``'s shape.
         value: float32 values (left unchanged).
         generator: the random stream (a seeded one makes training reproducible).
     """
-    if target.dtype is not torch.bfloat16:
+    require_bfloat16(target.dtype)
+    noise = torch.empty(value.shape, dtype=torch.int32, device=value.device)
+    target.copy_(rounded_with_noise_(value.clone(), draw_noise_(noise, generator)))
+
+
+def require_bfloat16(dtype: torch.dtype) -> None:
+    """Refuse stochastic rounding into anything but bfloat16."""
+    if dtype is not torch.bfloat16:
         raise ValueError(
             "Stochastic rounding is implemented for bfloat16, whose bits are the top half "
             "of a float32's; use Kahan compensation for other dtypes. "
-            f"Received: dtype={target.dtype}"
+            f"Received: dtype={dtype}"
         )
-    value = value.contiguous()
-    bits = value.view(torch.int32)
-    noise = torch.randint(
-        0, _LOW_BITS, value.shape, dtype=torch.int32, device=value.device, generator=generator
-    )
-    rounded = noise.add_(bits).bitwise_and_(_HIGH_MASK).view(torch.float32)
-    # A NaN's payload could carry into the sign bit and come out a number: keep NaNs.
-    # Elsewhere the low 16 bits are zero now, so the copy into bfloat16 is exact.
-    target.copy_(torch.where(value.isnan(), value, rounded))
+
+
+def draw_noise_(noise: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """Fill int32 ``noise`` with uniform integers in [0, 2**16), in place.
+
+    The same draws as ``torch.randint(0, 2**16, noise.shape, dtype=torch.int32)`` from
+    ``generator``, which is how randint fills the tensor it returns.
+    """
+    return noise.random_(0, _LOW_BITS, generator=generator)
+
+
+def rounded_with_noise_(value: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """:func:`stochastic_round_`'s rounding, with the random integers drawn already.
+
+    Args:
+        value: float32 values; NaNs among them are replaced by the default NaN in place
+            (0x7FC00000), all other values are left unchanged.
+        noise: int32 noise from :func:`draw_noise_` of ``value``'s shape (consumed).
+
+    Returns:
+        ``noise``'s memory as float32: the rounded values, each a bfloat16 exactly, so
+        that copying them into bfloat16 does not round again.
+    """
+    # Why NaNs are replaced first. On the bit pattern v (as an unsigned 32-bit number)
+    # the rounding computes (v + n) & 0xFFFF0000 with n < 2**16: the high half of v,
+    # plus one when the low half carries. Every non-NaN float32 has a high half of at
+    # most 0x7F80 in magnitude (infinity, whose low half is 0, so it cannot carry), so
+    # the carry can reach the exponent (rounding up to the next power of two, or past
+    # the largest bfloat16 to infinity: the right neighbour) but never the sign bit:
+    # the result is one of v's two bfloat16 neighbours. A NaN can go wrong two ways: a
+    # high half of 0x7FFF or 0xFFFF (0x7FFFFFFF is CUDA's default NaN) carries into
+    # the sign bit and comes out as -0.0 or 0.0, and a NaN whose payload lies in the
+    # low half alone (0x7F800001) truncates to infinity. The default NaN 0x7FC00000
+    # has a NaN high half and a zero low half, so it neither carries nor truncates to
+    # anything but itself. nan_to_num costs one pass; isnan plus where cost two, and
+    # allocate. The infinities are passed through as themselves.
+    value.nan_to_num_(nan=_NAN, posinf=_INF, neginf=-_INF)
+    return noise.add_(value.view(torch.int32)).bitwise_and_(_HIGH_MASK).view(torch.float32)

@@ -1,0 +1,273 @@
+"""CompensatedSGD and CompensatedAdamW against a frozen per-tensor reference, bitwise.
+
+The optimizers step their parameters in chunks, through flat float32 work tensors
+(see amped.recipes.compensated). The reference below is the algorithm they replaced
+(amped 752a332), written plainly: one parameter at a time, its gradient, state and
+weight copied to float32, stochastic rounding with one randint per write and NaNs
+kept by isnan + where. Parameters, every state tensor, the step counts and the random
+stream must come out bitwise equal, step after step: same hyper-parameters, same
+grouping, both compensations, float32 parameters among bfloat16 ones, a parameter
+without a gradient and one whose gradient arrives late.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from amped.recipes import CompensatedAdamW, CompensatedSGD, compensated
+
+STEPS = 4
+SLOW_DECAY = 2.0**-6
+
+
+def _ref_stochastic_round(target, value, generator):
+    value = value.contiguous()
+    noise = torch.randint(
+        0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator
+    )
+    rounded = noise.add_(value.view(torch.int32)).bitwise_and_(-(1 << 16)).view(torch.float32)
+    target.copy_(torch.where(value.isnan(), value, rounded))
+
+
+def _ref_kahan_add(param, update, compensation):
+    wanted = update.add_(compensation)
+    total = param.to(torch.float32, copy=True).add_(wanted)
+    param.copy_(total)
+    compensation.copy_(total.sub_(param))
+
+
+class Reference:
+    """The per-tensor CompensatedSGD / CompensatedAdamW, on the groups of a twin."""
+
+    def __init__(self, kind, groups, seed):
+        self.kind, self.groups, self.seed = kind, groups, seed
+        self.state = {}
+        self.generator = None
+
+    def rng(self):
+        if self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.seed)
+        return self.generator
+
+    def store(self, buffer, value, group, decay):
+        stochastic = group["compensation"] == "stochastic" or 1 - decay < SLOW_DECAY
+        if buffer.dtype is torch.bfloat16 and stochastic:
+            _ref_stochastic_round(buffer, value, self.rng())
+        else:
+            buffer.copy_(value)
+
+    def apply(self, param, update, state, group):
+        if param.dtype not in (torch.bfloat16, torch.float16):
+            param.add_(update)
+        elif group["compensation"] == "kahan":
+            if "compensation" not in state:
+                state["compensation"] = torch.zeros_like(param)
+            _ref_kahan_add(param, update, state["compensation"])
+        else:
+            _ref_stochastic_round(param, update.add_(param), self.rng())
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                grad = param.grad.to(torch.float32, copy=True)
+                if group["maximize"]:
+                    grad.neg_()
+                state = self.state.setdefault(param, {})
+                if self.kind is CompensatedSGD:
+                    self.sgd(param, grad, state, group)
+                else:
+                    self.adam(param, grad, state, group)
+
+    def sgd(self, param, grad, state, group):
+        if group["weight_decay"] != 0:
+            grad.add_(param, alpha=group["weight_decay"])
+        momentum = group["momentum"]
+        if momentum != 0:
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = torch.empty_like(param)
+                velocity = grad.clone()
+            else:
+                velocity = buf.to(torch.float32, copy=True).mul_(momentum)
+                velocity.add_(grad, alpha=1 - group["dampening"])
+            self.store(buf, velocity, group, momentum)
+            grad = grad.add_(velocity, alpha=momentum) if group["nesterov"] else velocity
+        self.apply(param, grad.mul_(-group["lr"]), state, group)
+
+    def adam(self, param, grad, state, group):
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+        state["step"] += 1
+        step, lr, wd = state["step"], group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        if wd != 0 and not group["decoupled_weight_decay"]:
+            grad.add_(param, alpha=wd)
+        exp_avg = state["exp_avg"].to(torch.float32, copy=True).lerp_(grad, 1 - beta1)
+        exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True).mul_(beta2)
+        exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
+        self.store(state["exp_avg"], exp_avg, group, beta1)
+        self.store(state["exp_avg_sq"], exp_avg_sq, group, beta2)
+        step_size = lr / (1 - beta1**step)
+        denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2**step)).add_(group["eps"])
+        update = exp_avg.div_(denom).mul_(-step_size)
+        if wd != 0 and group["decoupled_weight_decay"]:
+            update.add_(param, alpha=-lr * wd)
+        self.apply(param, update, state, group)
+
+
+SGD_CONFIGS = {
+    "plain": dict(lr=0.1),
+    "momentum-wd": dict(lr=0.1, momentum=0.9, weight_decay=0.01),
+    "nesterov": dict(lr=0.1, momentum=0.9, nesterov=True),
+    "dampening-maximize": dict(lr=0.1, momentum=0.5, dampening=0.3, maximize=True),
+    "slow-momentum": dict(lr=0.1, momentum=0.995),  # stochastically rounded buffer
+}
+ADAM_CONFIGS = {
+    "adamw": dict(lr=1e-2, weight_decay=0.1),
+    "adam-l2": dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=False),
+    "adamw-maximize-slow-betas": dict(lr=1e-2, betas=(0.99, 0.999), maximize=True),
+    "no-decay": dict(lr=3e-3, weight_decay=0.0, eps=1e-6),
+}
+CONFIGS = {f"sgd-{k}": (CompensatedSGD, v) for k, v in SGD_CONFIGS.items()} | {
+    k: (CompensatedAdamW, v) for k, v in ADAM_CONFIGS.items()
+}
+
+
+def _params(low=torch.bfloat16):
+    """Two groups of parameters: odd sizes (vector tails), a transposed and a
+    channels-last one, float32 ones among them, a scalar, an empty one, one that never
+    gets a gradient and one that gets it from the third step on."""
+    g = torch.Generator().manual_seed(0)
+
+    def make(*shape, dtype=low):
+        return (torch.randn(shape, generator=g) * 2).to(dtype)
+
+    first = [
+        make(7, 5),
+        make(5, 7).t(),
+        make(6, dtype=torch.float32),
+        make(33),
+        make(),
+        make(3, 4, 2, 2).contiguous(memory_format=torch.channels_last),
+        make(4),  # never a gradient
+        make(9),  # a gradient from the third step on
+        make(0, 3),
+    ]
+    second = [make(10), make(3, dtype=torch.float32), make(40)]
+    return [[p.requires_grad_(True) for p in group] for group in (first, second)]
+
+
+def _grads(params, step, g):
+    for group in params:
+        for i, p in enumerate(group):
+            never, late = group is params[0] and i == 6, group is params[0] and i == 7
+            if never or (late and step < 2):
+                p.grad = None
+            else:
+                p.grad = (torch.randn(p.shape, generator=g) * 0.5).to(p.dtype)
+
+
+def _twins(kind, config, compensation, low=torch.bfloat16, seed=7):
+    ours = _params(low)
+    theirs = [[p.detach().clone().requires_grad_(True) for p in group] for group in ours]
+    groups = [{"params": ours[0]}, {"params": ours[1], "lr": config["lr"] / 2}]
+    opt = kind(groups, **config, compensation=compensation, seed=seed)
+    ref_groups = [{**g, "params": t} for g, t in zip(opt.param_groups, theirs, strict=True)]
+    return ours, opt, theirs, Reference(kind, ref_groups, seed)
+
+
+def _assert_bitwise(ours, opt, theirs, ref):
+    for group, ref_group in zip(ours, theirs, strict=True):
+        for p, q in zip(group, ref_group, strict=True):
+            assert p.dtype == q.dtype and p.stride() == q.stride()
+            assert torch.equal(p, q)
+            state, ref_state = opt.state.get(p, {}), ref.state.get(q, {})
+            assert state.keys() == ref_state.keys()
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    assert value.dtype == ref_state[key].dtype, key
+                    assert torch.equal(value, ref_state[key]), key
+                else:
+                    assert value == ref_state[key], key
+    if ref.generator is None:
+        assert opt._generator is None
+    else:
+        assert torch.equal(opt._generator.get_state(), ref.generator.get_state())
+
+
+def _run_both(kind, config, compensation, low=torch.bfloat16):
+    ours, opt, theirs, ref = _twins(kind, config, compensation, low)
+    for step in range(STEPS):
+        _grads(ours, step, torch.Generator().manual_seed(100 + step))
+        _grads(theirs, step, torch.Generator().manual_seed(100 + step))
+        opt.step()
+        ref.step()
+        _assert_bitwise(ours, opt, theirs, ref)
+
+
+@pytest.fixture(params=["chunk-default", "chunk-16"])
+def chunk_numel(request, monkeypatch):
+    """The default chunk holds all these parameters at once; 16 elements splits them
+    into many chunks, and tensors larger than a chunk go alone."""
+    if request.param == "chunk-16":
+        monkeypatch.setattr(compensated, "_CHUNK_NUMEL", 16)
+    return request.param
+
+
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+@pytest.mark.parametrize("name", CONFIGS)
+def test_bitwise_equal_to_the_per_tensor_reference(name, compensation, chunk_numel):
+    kind, config = CONFIGS[name]
+    _run_both(kind, config, compensation)
+
+
+@pytest.mark.parametrize("name", ["sgd-momentum-wd", "sgd-slow-momentum", "adamw", "adam-l2"])
+def test_float16_under_kahan_is_bitwise_equal_to_the_reference(name, chunk_numel):
+    kind, config = CONFIGS[name]
+    _run_both(kind, config, "kahan", low=torch.float16)
+
+
+def test_stochastic_float16_is_refused_before_anything_is_written():
+    bf16 = torch.ones(3, dtype=torch.bfloat16, requires_grad=True)
+    fp16 = torch.ones(3, dtype=torch.float16, requires_grad=True)
+    bf16.grad, fp16.grad = torch.ones_like(bf16), torch.ones_like(fp16)
+    opt = CompensatedAdamW([bf16, fp16], compensation="stochastic")
+    with pytest.raises(ValueError, match=r"implemented for bfloat16.*dtype=torch.float16"):
+        opt.step()
+    assert (bf16 == 1).all() and not opt.state and opt._generator is None
+
+
+def test_step_allocates_only_its_bounded_work_tensors(monkeypatch):
+    """The transient memory of a step is the chunk's work tensors (module docstring):
+    28 bytes per element of max(_CHUNK_NUMEL, largest tensor) at most, for AdamW with
+    stochastic rounding (four float32 rows, three int32 noise rows)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Allocations(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func._schema.name in ("aten::empty", "aten::empty_strided"):
+                self.nbytes += out.nbytes
+            return out
+
+    monkeypatch.setattr(compensated, "_CHUNK_NUMEL", 64)
+    params = [torch.randn(n).bfloat16().requires_grad_(True) for n in (40, 30, 100, 7)]
+    opt = CompensatedAdamW(params, compensation="stochastic")
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # builds the state
+    with Allocations() as allocations:
+        opt.step()
+    assert 0 < allocations.nbytes <= 28 * 100

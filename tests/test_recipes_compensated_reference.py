@@ -213,24 +213,25 @@ def _run_both(kind, config, compensation, low=torch.bfloat16):
         _assert_bitwise(ours, opt, theirs, ref)
 
 
-@pytest.fixture(params=["chunk-default", "chunk-16"])
-def chunk_numel(request, monkeypatch):
-    """The default chunk holds all these parameters at once; 16 elements splits them
-    into many chunks, and tensors larger than a chunk go alone."""
-    if request.param == "chunk-16":
-        monkeypatch.setattr(compensated, "_CHUNK_NUMEL", 16)
+@pytest.fixture(params=["chunk-default", "chunk-small"])
+def chunk_bytes(request, monkeypatch):
+    """The default chunk holds all these parameters at once; 448 bytes (16 elements of
+    AdamW, 22 of SGD) splits them into many chunks, and tensors larger than a chunk go
+    alone."""
+    if request.param == "chunk-small":
+        monkeypatch.setattr(compensated, "_CHUNK_BYTES", 448)
     return request.param
 
 
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_bitwise_equal_to_the_per_tensor_reference(name, compensation, chunk_numel):
+def test_bitwise_equal_to_the_per_tensor_reference(name, compensation, chunk_bytes):
     kind, config = CONFIGS[name]
     _run_both(kind, config, compensation)
 
 
 @pytest.mark.parametrize("name", ["sgd-momentum-wd", "sgd-slow-momentum", "adamw", "adam-l2"])
-def test_float16_under_kahan_is_bitwise_equal_to_the_reference(name, chunk_numel):
+def test_float16_under_kahan_is_bitwise_equal_to_the_reference(name, chunk_bytes):
     kind, config = CONFIGS[name]
     _run_both(kind, config, "kahan", low=torch.float16)
 
@@ -246,28 +247,48 @@ def test_stochastic_float16_is_refused_before_anything_is_written():
 
 
 def test_step_allocates_only_its_bounded_work_tensors(monkeypatch):
-    """The transient memory of a step is the chunk's work tensors (module docstring):
-    28 bytes per element of max(_CHUNK_NUMEL, largest tensor) at most, for AdamW with
-    stochastic rounding (four float32 rows, three int32 noise rows)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Allocations(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.nbytes = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func._schema.name in ("aten::empty", "aten::empty_strided"):
-                self.nbytes += out.nbytes
-            return out
-
-    monkeypatch.setattr(compensated, "_CHUNK_NUMEL", 64)
-    params = [torch.randn(n).bfloat16().requires_grad_(True) for n in (40, 30, 100, 7)]
+    """The transient memory of a step is its chunks' work tensors (module docstring):
+    28 bytes per element for AdamW (four float32 rows, three int32 noise rows), for the
+    largest chunk: at most _CHUNK_BYTES, or the largest tensor if larger."""
+    monkeypatch.setattr(compensated, "_CHUNK_BYTES", 28 * 64)
+    params = [torch.randn(n).bfloat16().requires_grad_(True) for n in (40, 30, 7, 50)]
     opt = CompensatedAdamW(params, compensation="stochastic")
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()  # builds the state
-    with Allocations() as allocations:
-        opt.step()
-    assert 0 < allocations.nbytes <= 28 * 100
+    # Chunks of at most 64 elements: (40,), (30, 7), (50,); the work memory fits the
+    # largest.
+    assert _allocated_bytes(opt.step) == 28 * 50
+    big = torch.randn(100).bfloat16().requires_grad_(True)
+    big.grad = torch.randn_like(big)
+    opt.add_param_group({"params": [big]})
+    opt.step()
+    assert _allocated_bytes(opt.step) == 28 * 100  # alone in its chunk
+
+
+def _allocated_bytes(fn):
+    """Bytes of the new storages the ops called by ``fn`` return (scalars aside)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class Allocations(TorchDispatchMode):
+        nbytes = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {
+                t.untyped_storage().data_ptr()
+                for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)
+            }
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.numel() > 1:
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in seen:
+                        seen.add(storage.data_ptr())
+                        Allocations.nbytes += storage.nbytes()
+            return out
+
+    with Allocations():
+        fn()
+    return Allocations.nbytes

@@ -19,7 +19,10 @@ import torch
 
 from amped.recipes import CompensatedAdamW, CompensatedSGD, compensated
 
-STEPS = 4
+STEPS = 3  # the third brings the late gradient: chunks of fresh and stepped state
+# On CUDA too, where there is one: the chunks run torch's elementwise kernels over a
+# flat buffer, which must not depend on where an element sits in it.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SLOW_DECAY = 2.0**-6
 
 
@@ -47,15 +50,15 @@ class Reference:
         self.state = {}
         self.generator = None
 
-    def rng(self):
+    def rng(self, device):
         if self.generator is None:
-            self.generator = torch.Generator().manual_seed(self.seed)
+            self.generator = torch.Generator(device).manual_seed(self.seed)
         return self.generator
 
     def store(self, buffer, value, group, decay):
         stochastic = group["compensation"] == "stochastic" or 1 - decay < SLOW_DECAY
         if buffer.dtype is torch.bfloat16 and stochastic:
-            _ref_stochastic_round(buffer, value, self.rng())
+            _ref_stochastic_round(buffer, value, self.rng(buffer.device))
         else:
             buffer.copy_(value)
 
@@ -67,7 +70,7 @@ class Reference:
                 state["compensation"] = torch.zeros_like(param)
             _ref_kahan_add(param, update, state["compensation"])
         else:
-            _ref_stochastic_round(param, update.add_(param), self.rng())
+            _ref_stochastic_round(param, update.add_(param), self.rng(param.device))
 
     @torch.no_grad()
     def step(self):
@@ -141,14 +144,14 @@ CONFIGS = {f"sgd-{k}": (CompensatedSGD, v) for k, v in SGD_CONFIGS.items()} | {
 }
 
 
-def _params(low=torch.bfloat16):
+def _params(low, device):
     """Two groups of parameters: odd sizes (vector tails), a transposed and a
     channels-last one, float32 ones among them, a scalar, an empty one, one that never
     gets a gradient and one that gets it from the third step on."""
     g = torch.Generator().manual_seed(0)
 
     def make(*shape, dtype=low):
-        return (torch.randn(shape, generator=g) * 2).to(dtype)
+        return (torch.randn(shape, generator=g) * 2).to(device, dtype)
 
     first = [
         make(7, 5),
@@ -172,11 +175,11 @@ def _grads(params, step, g):
             if never or (late and step < 2):
                 p.grad = None
             else:
-                p.grad = (torch.randn(p.shape, generator=g) * 0.5).to(p.dtype)
+                p.grad = (torch.randn(p.shape, generator=g) * 0.5).to(p.device, p.dtype)
 
 
-def _twins(kind, config, compensation, low=torch.bfloat16, seed=7):
-    ours = _params(low)
+def _twins(kind, config, compensation, low, device, seed=7):
+    ours = _params(low, device)
     theirs = [[p.detach().clone().requires_grad_(True) for p in group] for group in ours]
     groups = [{"params": ours[0]}, {"params": ours[1], "lr": config["lr"] / 2}]
     opt = kind(groups, **config, compensation=compensation, seed=seed)
@@ -203,8 +206,8 @@ def _assert_bitwise(ours, opt, theirs, ref):
         assert torch.equal(opt._generator.get_state(), ref.generator.get_state())
 
 
-def _run_both(kind, config, compensation, low=torch.bfloat16):
-    ours, opt, theirs, ref = _twins(kind, config, compensation, low)
+def _run_both(kind, config, compensation, low=torch.bfloat16, device="cpu"):
+    ours, opt, theirs, ref = _twins(kind, config, compensation, low, device)
     for step in range(STEPS):
         _grads(ours, step, torch.Generator().manual_seed(100 + step))
         _grads(theirs, step, torch.Generator().manual_seed(100 + step))
@@ -223,11 +226,12 @@ def chunk_bytes(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
 @pytest.mark.parametrize("name", CONFIGS)
-def test_bitwise_equal_to_the_per_tensor_reference(name, compensation, chunk_bytes):
+def test_bitwise_equal_to_the_per_tensor_reference(name, compensation, chunk_bytes, device):
     kind, config = CONFIGS[name]
-    _run_both(kind, config, compensation)
+    _run_both(kind, config, compensation, device=device)
 
 
 @pytest.mark.parametrize("name", ["sgd-momentum-wd", "sgd-slow-momentum", "adamw", "adam-l2"])

@@ -11,11 +11,11 @@ Float32 parameters are updated plainly.
 
 How a step runs. A group's parameters are taken in chunks of one device and dtype, in
 parameter order, whose work tensors take at most ``_CHUNK_BYTES`` (a larger tensor
-makes a chunk of its own). A chunk's gradients, weights and state are copied into flat
-float32 work tensors (:class:`_Chunk`), each stage of the algorithm runs as one op
-over the whole chunk, and the results are copied back. That saves the per-tensor
-dispatch (microseconds an op: most of the step for small tensors) and the per-tensor
-float32 temporaries, which the allocator hands back to the system and faults in
+makes a chunk of its own). A chunk's gradients, weights and state are copied into
+flat float32 work tensors (:class:`~amped.recipes.chunks.Chunk`), each stage of the
+algorithm runs as one op over the whole chunk, and the results are copied back. That
+saves the per-tensor dispatch (microseconds an op: most of the step for small tensors)
+and the per-tensor float32 temporaries, which the allocator hands back to the system and faults in
 again. Every element meets the same float32 ops with the same operands as when each
 tensor is stepped on its own, so the results are bitwise those of the per-tensor
 algorithm (``tests/test_recipes_compensated_reference.py`` holds them to it), and
@@ -34,11 +34,12 @@ synchronizes with the device.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
+from amped.recipes.chunks import Chunk, allocate, partition
 from amped.recipes.registry import Compensation
 from amped.recipes.rounding import draw_noise_, require_bfloat16, rounded_with_noise_
 
@@ -54,7 +55,7 @@ _LOW_DTYPES = (torch.bfloat16, torch.float16)
 # 2**17 to 2**19, 4% and 23% slower at 2**20 and 2**22; SGD similar (2**19 7% faster,
 # 2**20 20% slower).
 _CHUNK_BYTES = 8 << 20
-_GRAD, _WEIGHT = 0, 1  # the float32 work rows every chunk has (see _Chunk)
+_GRAD, _WEIGHT = 0, 1  # the float32 work rows every chunk has (see Chunk)
 
 
 def _check(name: str, value: float, low: float = 0.0, high: float | None = None) -> float:
@@ -66,70 +67,6 @@ def _check(name: str, value: float, low: float = 0.0, high: float | None = None)
         bound = f"in [{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be {bound}. Received: {name}={value!r}")
     return float(value)
-
-
-class _Chunk:
-    """Parameters of one device and dtype, stepped together through flat work tensors.
-
-    ``floats`` are float32 rows and ``noise`` int32 rows, each flat over the chunk's
-    elements, parameter after parameter; ``views`` cuts each float32 row into one
-    tensor per parameter, in its shape, for the copies in and out.
-    """
-
-    def __init__(
-        self, params: list[torch.Tensor], floats: torch.Tensor, noise: torch.Tensor
-    ) -> None:
-        self.params = params
-        self.dtype = params[0].dtype
-        self.device = params[0].device
-        self._sizes = [param.numel() for param in params]
-        numel = sum(self._sizes)
-        self.floats = floats[:, :numel].unbind(0)
-        self.noise = noise[:, :numel].unbind(0)
-        self.views = [self.cut(row) for row in self.floats]
-
-    def cut(self, row: torch.Tensor) -> list[torch.Tensor]:
-        """``row`` as one tensor per parameter, in its shape."""
-        parts = row.split(self._sizes)
-        return [part.view(p.shape) for part, p in zip(parts, self.params, strict=True)]
-
-    def parts(self, row: torch.Tensor) -> Sequence[torch.Tensor]:
-        """``row`` as one flat tensor per parameter."""
-        return row.split(self._sizes)
-
-
-def _partition(params: list[torch.Tensor], most: int) -> list[list[torch.Tensor]]:
-    """Chunks of one device and dtype, each in parameter order, of at most ``most``
-    elements unless a single tensor is larger."""
-    same: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-    sizes: dict[tuple[torch.device, torch.dtype], int] = {}
-    for param in params:
-        key = (param.device, param.dtype)
-        chunks = same.setdefault(key, [[]])
-        if chunks[-1] and sizes[key] + param.numel() > most:
-            chunks.append([])
-            sizes[key] = 0
-        chunks[-1].append(param)
-        sizes[key] = sizes.get(key, 0) + param.numel()
-    return [chunk for chunks in same.values() for chunk in chunks]
-
-
-def _chunks(
-    plan: list[tuple[dict, list[torch.Tensor]]], floats: int, noise: int
-) -> list[tuple[dict, _Chunk]]:
-    """``plan``'s chunks, on work memory allocated once per device, for the largest."""
-    sizes: dict[torch.device, int] = {}
-    for _, params in plan:
-        device = params[0].device
-        sizes[device] = max(sizes.get(device, 0), sum(p.numel() for p in params))
-    work = {
-        device: (
-            torch.empty((floats, size), dtype=torch.float32, device=device),
-            torch.empty((noise, size), dtype=torch.int32, device=device),
-        )
-        for device, size in sizes.items()
-    }
-    return [(group, _Chunk(params, *work[params[0].device])) for group, params in plan]
 
 
 class _CompensatedOptimizer(torch.optim.Optimizer):
@@ -155,7 +92,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             self._generator.manual_seed(self.seed)
         return self._generator
 
-    def _stochastic(self, chunk: _Chunk, group: dict, decay: float | None) -> bool:
+    def _stochastic(self, chunk: Chunk, group: dict, decay: float | None) -> bool:
         """Whether a write rounds stochastically: the update (``decay=None``) under
         stochastic compensation, or a running average (see ``_store``)."""
         if chunk.dtype is not torch.bfloat16:
@@ -164,7 +101,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             decay is not None and 1 - decay < _SLOW_DECAY
         )
 
-    def _draw(self, chunk: _Chunk, stochastic: list[bool]) -> list[torch.Tensor | None]:
+    def _draw(self, chunk: Chunk, stochastic: list[bool]) -> list[torch.Tensor | None]:
         """Noise for each write of the step that rounds stochastically, else None.
 
         The per-tensor algorithm draws one ``randint`` per tensor and write, tensor by
@@ -182,7 +119,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
 
     def _store(
         self,
-        chunk: _Chunk,
+        chunk: Chunk,
         buffers: list[torch.Tensor],
         row: int,
         noise: torch.Tensor | None,
@@ -205,7 +142,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             torch._foreach_copy_(buffers, chunk.cut(rounded_with_noise_(chunk.floats[row], noise)))
 
     def _apply_update(
-        self, chunk: _Chunk, update: int, spare: int, noise: torch.Tensor | None
+        self, chunk: Chunk, update: int, spare: int, noise: torch.Tensor | None
     ) -> None:
         """``param += update`` (work row ``update``), compensated if the chunk is low.
 
@@ -280,8 +217,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             for param in params:  # refuse before anything is written
                 self._refuse(param, group)
-            plan += [(group, chunk) for chunk in _partition(params, most)]
-        for group, chunk in _chunks(plan, self._WORK_FLOATS, self._WORK_NOISE):
+            plan += [(group, chunk) for chunk in partition(params, most)]
+        for group, chunk in allocate(plan, self._WORK_FLOATS, self._WORK_NOISE):
             self._step_chunk(chunk, group)
         return loss
 
@@ -294,7 +231,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         if group["compensation"] == "stochastic" and param.dtype in _LOW_DTYPES:
             require_bfloat16(param.dtype)
 
-    def _load(self, chunk: _Chunk, group: dict) -> None:
+    def _load(self, chunk: Chunk, group: dict) -> None:
         """The gradients (negated to maximize) and the weights, in float32."""
         grads = [p.grad for p in chunk.params if p.grad is not None]  # all: see step()
         torch._foreach_copy_(chunk.views[_GRAD], grads)
@@ -302,7 +239,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             chunk.floats[_GRAD].neg_()
         torch._foreach_copy_(chunk.views[_WEIGHT], chunk.params)
 
-    def _step_chunk(self, chunk: _Chunk, group: dict) -> None:
+    def _step_chunk(self, chunk: Chunk, group: dict) -> None:
         raise NotImplementedError
 
 
@@ -359,7 +296,7 @@ class CompensatedSGD(_CompensatedOptimizer):
         )
         super().__init__(params, defaults, seed)
 
-    def _step_chunk(self, chunk: _Chunk, group: dict) -> None:
+    def _step_chunk(self, chunk: Chunk, group: dict) -> None:
         momentum = group["momentum"]
         noise_velocity, noise_weight = self._draw(
             chunk,
@@ -381,7 +318,7 @@ class CompensatedSGD(_CompensatedOptimizer):
             grad.mul_(-group["lr"])
         self._apply_update(chunk, _GRAD, self._VELOCITY, noise_weight)
 
-    def _momentum(self, chunk: _Chunk, group: dict, noise: torch.Tensor | None) -> None:
+    def _momentum(self, chunk: Chunk, group: dict, noise: torch.Tensor | None) -> None:
         """velocity = momentum * buffer + (1 - dampening) * grad, stored in the buffers."""
         grad, _, velocity = chunk.floats
         states = [self.state[param] for param in chunk.params]
@@ -459,7 +396,7 @@ class CompensatedAdamW(_CompensatedOptimizer):
         )
         super().__init__(params, defaults, seed)
 
-    def _step_chunk(self, chunk: _Chunk, group: dict) -> None:
+    def _step_chunk(self, chunk: Chunk, group: dict) -> None:
         states = [self.state[param] for param in chunk.params]
         for param, state in zip(chunk.params, states, strict=True):
             if not state:

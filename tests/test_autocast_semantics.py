@@ -1,5 +1,9 @@
 """Region semantics that must match torch.autocast: state, nesting, threads, caching,
-what is cast and what is not, errors, and custom autograd Functions."""
+what is cast and what is not, errors, and custom autograd Functions.
+
+Every test runs twice: as a user gets it (the default policy's casts left to torch's
+C++ autocast, see amped.autocast.state) and through amped's engine, forced on with
+``engine_always``, so each property holds for the engine itself too."""
 
 from __future__ import annotations
 
@@ -16,6 +20,16 @@ from amped.autocast import state
 from tolerances import BITWISE
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+@pytest.fixture(autouse=True, params=["default", "engine"])
+def path(request):
+    """The region's path: the default, or amped's engine forced on (this thread)."""
+    if request.param == "engine":
+        with state.engine_always():
+            yield request.param
+    else:
+        yield request.param
 
 
 def mats(n=4, dtype=FP32):
@@ -175,9 +189,10 @@ def test_weight_cache_matches_torch_bitwise(cache_enabled):
 
 
 def test_cache_holds_weights_only_for_the_outermost_region():
+    """amped's own cache (the engine's; on the default path torch's caches)."""
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(4, 4)
-    with amped.autocast("cpu"):
+    with state.engine_always(), amped.autocast("cpu"):
         F.linear(x, w)
         mode = state._state.mode
         assert mode is not None and len(mode.cache) == 1
@@ -187,7 +202,7 @@ def test_cache_holds_weights_only_for_the_outermost_region():
         F.linear(x, w.detach())  # not a leaf that requires grad: never cached
         assert len(mode.cache) == 1
     assert len(mode.cache) == 0
-    with amped.autocast("cpu", cache_enabled=False):
+    with state.engine_always(), amped.autocast("cpu", cache_enabled=False):
         F.linear(x, w)
         assert len(state._state.mode.cache) == 0
 

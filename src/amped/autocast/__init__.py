@@ -2,7 +2,7 @@
 
 from amped.autocast.custom import autocast_op, custom_bwd, custom_fwd
 from amped.autocast.region import autocast, get_autocast_dtype, is_autocast_enabled
-from amped.autocast.state import current_policy
+from amped.autocast.state import current_policy, engine_always
 
 __all__ = [
     "autocast",
@@ -10,6 +10,7 @@ __all__ = [
     "current_policy",
     "custom_bwd",
     "custom_fwd",
+    "engine_always",
     "get_autocast_dtype",
     "is_autocast_enabled",
 ]

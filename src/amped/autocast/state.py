@@ -6,26 +6,39 @@ the engine reads it back per op: a nested ``torch.autocast(enabled=False)`` in m
 code turns amped's casting off there too. What torch has no place for lives here: the
 policy of the innermost amped region per device type, and the one
 :class:`~amped.autocast.mode.AutocastMode` this thread has on the torch-function stack.
+
+The mode is on the stack only while some open region's policy needs it. A policy with
+exactly torch's op rules and no module rules (the default) does not: torch's C++
+autocast, which the region switches on, applies those very rules, so the region costs
+what ``torch.autocast`` costs and gives its results by construction. The engine runs
+for such a policy too when :data:`~amped.autocast.mode.TORCH_AUTOCAST_ALONGSIDE` is
+off (the tests, checking amped's own casts) or inside :func:`engine_always`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
 from torch.nn.modules import module as nn_module
 
+from amped.autocast import mode as engine
 from amped.autocast.mode import AutocastMode
-from amped.policy import ModuleRule, Policy
+from amped.policy import LOW_DTYPES, ModuleRule, Policy, torch_default_rules
 
-__all__ = ["current_policy", "enter", "exit"]
+__all__ = ["current_policy", "engine_always", "enter", "exit", "needs_engine"]
 
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.mode: AutocastMode | None = None
         self.depth = 0
+        self.engine_depth = 0  # open regions whose policy needs the mode (see needs_engine)
+        self.engine_always = 0
+        self.engine_flags: list[bool] = []
         self.policies: dict[str, list[Policy]] = {}
         self.frames: list[tuple[torch.nn.Module, Any]] = []
         self.names: dict[int, str] = {}
@@ -40,30 +53,75 @@ def current_policy(device_type: str) -> Policy | None:
     return stack[-1] if stack else None
 
 
+_TORCH_EQUAL: dict[Policy, bool] = {}
+
+
+def needs_engine(policy: Policy) -> bool:
+    """Whether ``policy`` needs amped's mode, or torch's C++ autocast applies it as is.
+
+    It does not when its rules are torch's own for its device type, under every low
+    dtype, and it has no module rules; unless the engine is asked for everywhere
+    (:data:`~amped.autocast.mode.TORCH_AUTOCAST_ALONGSIDE` off, or
+    :func:`engine_always`).
+    """
+    if not engine.TORCH_AUTOCAST_ALONGSIDE or _state.engine_always or policy.module_rules:
+        return True
+    equal = _TORCH_EQUAL.get(policy)
+    if equal is None:
+        torch_rules = torch_default_rules(policy.device_type)
+        equal = all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
+        if len(_TORCH_EQUAL) > 64:  # policies are few; keep the memo bounded
+            _TORCH_EQUAL.clear()
+        _TORCH_EQUAL[policy] = equal
+    return not equal
+
+
+@contextlib.contextmanager
+def engine_always() -> Iterator[None]:
+    """Regions opened inside run amped's mode even for torch's own rules.
+
+    For code that must see every op after amped's casts, from a mode below it (the
+    doctor's tracer), whatever the policy.
+    """
+    _state.engine_always += 1
+    try:
+        yield
+    finally:
+        _state.engine_always -= 1
+
+
 def enter(device_type: str, policy: Policy) -> None:
     """Make ``policy`` active for ``device_type`` on this thread (an enabled region opens)."""
     st = _state
-    if st.mode is None:
-        st.mode = AutocastMode()
-        st.mode.__enter__()
+    engine_needed = needs_engine(policy)
+    st.engine_flags.append(engine_needed)
+    if engine_needed:
+        if st.mode is None:
+            st.mode = AutocastMode()
+            st.mode.__enter__()
+        st.engine_depth += 1
     st.depth += 1
     st.policies.setdefault(device_type, []).append(policy)
-    _publish(st)
+    if st.mode is not None:
+        _publish(st)
     if policy.module_rules:
         _hooks.acquire()
 
 
 def exit(device_type: str, policy: Policy) -> None:
-    """Undo the matching :func:`enter`; the outermost exit drops the mode and its cache."""
+    """Undo the matching :func:`enter`; the last region that needs the mode drops it
+    and its cache."""
     st = _state
     st.policies[device_type].pop()
     st.depth -= 1
     if policy.module_rules:
         _hooks.release()
+    if st.engine_flags.pop():
+        st.engine_depth -= 1
     mode = st.mode
     if mode is None:
         return
-    if st.depth == 0:
+    if st.engine_depth == 0:
         st.mode = None
         mode.cache.clear()
         st.names = {}

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from amped.autocast import autocast
+from amped.autocast import autocast, engine_always
 from amped.doctor.trace import OpCall, Tracer, _first_float_tensor
 from amped.policy import Policy
 
@@ -72,7 +72,10 @@ def run_step(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        with tracer, region:
+        # The tracer sits below amped's mode and must see each op after its casts, so
+        # the mode runs even for torch's own rules (which torch's C++ autocast would
+        # otherwise apply, below the tracer).
+        with tracer, engine_always(), region:
             output = call_model(private, inputs)
             loss = _check_loss(loss_fn(output))
         order: list[tuple[int, bool]] = []

@@ -2,8 +2,11 @@
 
 CPU, bfloat16, forward + backward + optimizer step, the two measured side by side in
 one process and interleaved (torch, amped, amped, torch, ...), median of the per-pair
-ratios. Also prints how many calls the engine intercepts per step and the
-microseconds each adds on average.
+ratios. With the default policy amped leaves the casts to torch's C++ autocast (the
+rules are torch's own), so "amped" should cost what torch does; "amped engine" forces
+amped's Python engine on the same policy (``amped.autocast.engine_always``): what any
+policy that changes a rule costs. Also prints how many calls the engine intercepts per
+step and the microseconds each adds on average.
 
     python benchmarks/autocast_overhead.py [--repeats 30] [--models encoder,gpt2,cnn]
 """
@@ -11,6 +14,7 @@ microseconds each adds on average.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -20,7 +24,23 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
+from amped.autocast import engine_always
 from amped.autocast.mode import AutocastMode
+
+SIDES = ("torch", "amped", "amped engine")
+
+
+@contextlib.contextmanager
+def amped_engine():
+    """amped.autocast with the default policy, through amped's Python engine."""
+    with engine_always(), amped.autocast("cpu"):
+        yield
+
+
+def region(side: str) -> contextlib.AbstractContextManager:
+    if side == "torch":
+        return torch.autocast("cpu")
+    return amped.autocast("cpu") if side == "amped" else amped_engine()
 
 
 def encoder() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
@@ -82,7 +102,7 @@ def count_intercepted(model, run) -> int:
 
     AutocastMode.__torch_function__ = counting  # type: ignore[method-assign]
     try:
-        with amped.autocast("cpu"):
+        with amped_engine():
             run(model)
     finally:
         AutocastMode.__torch_function__ = original  # type: ignore[method-assign]
@@ -93,25 +113,28 @@ def measure(name: str, repeats: int) -> None:
     torch.manual_seed(0)
     model, run = MODELS[name]()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
-    regions = {"torch": lambda: torch.autocast("cpu"), "amped": lambda: amped.autocast("cpu")}
-    for _ in range(3):  # warm-up both paths
-        for make in regions.values():
-            step_time(model, run, opt, make())
-    times: dict[str, list[float]] = {"torch": [], "amped": []}
+    for _ in range(3):  # warm-up every path
+        for side in SIDES:
+            step_time(model, run, opt, region(side))
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
     for i in range(repeats):
-        order = ("torch", "amped") if i % 2 == 0 else ("amped", "torch")
+        order = SIDES[i % len(SIDES) :] + SIDES[: i % len(SIDES)]
         for side in order:
-            times[side].append(step_time(model, run, opt, regions[side]()))
-    ratios = [a / t for a, t in zip(times["amped"], times["torch"], strict=True)]
-    ratio = statistics.median(ratios)
-    t_torch, t_amped = statistics.median(times["torch"]), statistics.median(times["amped"])
+            times[side].append(step_time(model, run, opt, region(side)))
+
+    def ratio(side: str) -> float:
+        pairs = zip(times[side], times["torch"], strict=True)
+        return statistics.median(a / t for a, t in pairs)
+
+    medians = {side: statistics.median(times[side]) * 1e3 for side in SIDES}
     calls = count_intercepted(model, run)
-    diffs = [a - t for a, t in zip(times["amped"], times["torch"], strict=True)]
+    diffs = [a - t for a, t in zip(times["amped engine"], times["torch"], strict=True)]
     per_call = statistics.median(diffs) / calls * 1e6  # noisy: the step is ~1000x longer
     print(
-        f"{name:8s} torch {t_torch * 1e3:8.2f} ms  amped {t_amped * 1e3:8.2f} ms  "
-        f"ratio amped/torch = {ratio:.3f}  (intercepted calls/step {calls}, "
-        f"{per_call:+.2f} us each)"
+        f"{name:8s} torch {medians['torch']:8.2f} ms  amped {medians['amped']:8.2f} ms  "
+        f"engine {medians['amped engine']:8.2f} ms  ratio amped/torch = "
+        f"{ratio('amped'):.3f}, engine/torch = {ratio('amped engine'):.3f}  "
+        f"(engine: intercepted calls/step {calls}, {per_call:+.2f} us each)"
     )
 
 
@@ -126,18 +149,16 @@ def per_call_overhead(repeats: int) -> None:
     }
     n = 2000
     for label, call in kinds.items():
-        samples: dict[str, list[float]] = {"torch": [], "amped": []}
+        samples: dict[str, list[float]] = {side: [] for side in SIDES}
         for i in range(repeats):
-            order = ("torch", "amped") if i % 2 == 0 else ("amped", "torch")
-            for side in order:
-                region = torch.autocast("cpu") if side == "torch" else amped.autocast("cpu")
-                with region:
+            for side in SIDES[i % len(SIDES) :] + SIDES[: i % len(SIDES)]:
+                with region(side):
                     start = time.perf_counter()
                     for _ in range(n):
                         call()
                     samples[side].append((time.perf_counter() - start) / n * 1e6)
-        t, a_ = statistics.median(samples["torch"]), statistics.median(samples["amped"])
-        print(f"  {label:30s} torch {t:6.2f} us  amped {a_:6.2f} us  added {a_ - t:+6.2f} us")
+        t, a_, e = (statistics.median(samples[side]) for side in SIDES)
+        print(f"  {label:30s} torch {t:6.2f} us  amped {a_ - t:+6.2f} us  engine {e - t:+6.2f} us")
 
 
 def main() -> None:

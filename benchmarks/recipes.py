@@ -12,8 +12,10 @@ vocabulary), batch 4 x sequence 32, AdamW.
    own copy of the model (same initial weights). The variants run side by side in one
    process, interleaved one step at a time (the order rotating every repeat); the
    printed ratio is the median over repeats of ``time(variant) / time(O1)``.
-   amped's own bf16-mixed (O1 through ``amped.autocast``) is timed too, to separate
-   the cost of amped's Python autocast from what the recipes change.
+   amped's own bf16-mixed (O1 through ``amped.prepare``) is timed too: with torch's
+   rules its autocast is torch's C++ one, so it shows what the setup itself costs.
+   The O2 recipes keep norms in float32 by a module rule, which runs amped's Python
+   engine in their forward.
 3. **The most skipping the casts can save.** Interleaved with the steps, the work
    torch O1 does per step and O2 does not is timed on its own: each float32 weight
    cast to bfloat16 (the forward's casts) and each bfloat16 weight gradient cast back

@@ -18,7 +18,7 @@ def _snapshot() -> tuple[object, ...]:
         per_device,
         torch.is_autocast_cache_enabled(),
         torch._C._len_torch_function_stack(),
-        amped_state._state.depth,
+        len(amped_state._state.regions),
         torch.get_default_dtype(),
     )
 

@@ -35,10 +35,8 @@ __all__ = ["current_policy", "engine_always", "enter", "exit", "needs_engine"]
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.mode: AutocastMode | None = None
-        self.depth = 0
-        self.engine_depth = 0  # open regions whose policy needs the mode (see needs_engine)
+        self.regions: list[bool] = []  # per open region: does its policy need the mode?
         self.engine_always = 0
-        self.engine_flags: list[bool] = []
         self.policies: dict[str, list[Policy]] = {}
         self.frames: list[tuple[torch.nn.Module, Any]] = []
         self.names: dict[int, str] = {}
@@ -94,13 +92,10 @@ def enter(device_type: str, policy: Policy) -> None:
     """Make ``policy`` active for ``device_type`` on this thread (an enabled region opens)."""
     st = _state
     engine_needed = needs_engine(policy)
-    st.engine_flags.append(engine_needed)
-    if engine_needed:
-        if st.mode is None:
-            st.mode = AutocastMode()
-            st.mode.__enter__()
-        st.engine_depth += 1
-    st.depth += 1
+    st.regions.append(engine_needed)
+    if engine_needed and st.mode is None:
+        st.mode = AutocastMode()
+        st.mode.__enter__()
     st.policies.setdefault(device_type, []).append(policy)
     if st.mode is not None:
         _publish(st)
@@ -113,15 +108,13 @@ def exit(device_type: str, policy: Policy) -> None:
     and its cache."""
     st = _state
     st.policies[device_type].pop()
-    st.depth -= 1
+    st.regions.pop()
     if policy.module_rules:
         _hooks.release()
-    if st.engine_flags.pop():
-        st.engine_depth -= 1
     mode = st.mode
     if mode is None:
         return
-    if st.engine_depth == 0:
+    if not any(st.regions):
         st.mode = None
         mode.cache.clear()
         st.names = {}

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import amped
+import amped.scaling.distributed as scaling_distributed
 from amped.scaling import load_checkpoint, save_checkpoint
-from amped.scaling.distributed import check_scaler_agreement
+from amped.scaling.distributed import check_scaler_agreement, gather_objects, references
 from dist_models import (
     global_batch,
     local_rows,
@@ -229,6 +230,41 @@ def _train_with_checkpoints(rank: int, path: Path, slow: bool) -> dict[str, Any]
     return record
 
 
+# --- 4. gathering objects, and scalers that disagree ----------------------------------
+
+GATHERS = 100
+
+
+def gathered(rank: int, options: Options) -> dict[str, Any]:
+    """gather_objects GATHERS times, rank 1's payload longer each time, recording whether
+    gloo's worker had let go of the tensors when each returned (it still held them on
+    about 1 return of the collective in 4, measured here); then check_scaler_agreement
+    on scalers that differ."""
+    original = scaling_distributed.wait_until_released
+    waits: list[dict[str, bool]] = []
+
+    def observed(tensors: list[torch.Tensor], counts: list[int], deadline_s: float = 5.0) -> bool:
+        def back() -> bool:
+            return all(references(t) == n for t, n in zip(tensors, counts, strict=True))
+
+        released = original(tensors, counts, deadline_s)
+        waits.append({"released": released, "back": back()})
+        return released
+
+    scaling_distributed.wait_until_released = observed
+    try:
+        objects = [gather_objects({"rank": rank, "pad": "x" * (i * rank)}) for i in range(GATHERS)]
+    finally:
+        scaling_distributed.wait_until_released = original
+    scaler = amped.GradScaler("cpu", init_scale=2.0 ** (10 + rank))
+    try:
+        check_scaler_agreement(scaler)
+        disagreement = None
+    except RuntimeError as error:
+        disagreement = str(error)
+    return {"objects": objects, "waits": waits, "disagreement": disagreement}
+
+
 @dataclasses.dataclass(frozen=True)
 class Options:
     """The worker's command line: results directory, ``--slow``, ``--resume DIR``."""
@@ -246,4 +282,5 @@ SCENARIOS: dict[str, Callable[[int, Options], dict[str, Any]]] = {
     **{f"fsdp_{r}": lambda rank, options, r=r: equivalence_fsdp(rank, r) for r in FSDP_RECIPES},
     "checkpointed": checkpointed,
     "resumed": resumed,
+    "gathered": gathered,
 }

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import pickle
+import threading
+import time
 
 import pytest
 import torch
@@ -15,7 +17,13 @@ import torch.distributed as dist
 
 import amped
 from amped.scaling.checks import ScalerOrderError
-from amped.scaling.distributed import agreement_groups, check_scaler_agreement
+from amped.scaling.distributed import (
+    agreement_groups,
+    check_scaler_agreement,
+    gather_objects,
+    references,
+    wait_until_released,
+)
 from dist_launch import one_rank_group
 
 
@@ -137,6 +145,51 @@ def test_check_scaler_agreement_returns_the_state(world_of_one):
     scaler = amped.GradScaler("cpu", init_scale=8.0)
     train(model, scaler, torch.optim.SGD(model.parameters(), lr=0.1), inf_at=0)
     assert check_scaler_agreement(scaler) == scaler.state_dict()
+
+
+@pytest.mark.parametrize(
+    "obj", [{"scale": 8.0, "_growth_tracker": 3}, [], "x" * 10_000, (None, math.inf)]
+)
+def test_gather_objects_returns_each_rank_s_object(world_of_one, obj):
+    assert gather_objects(obj) == [obj]
+    assert gather_objects(obj, world_of_one) == [obj]
+
+
+def test_references_count_the_python_object_and_what_c_plus_plus_holds():
+    tensor = torch.zeros(3, requires_grad=True)
+    assert references(tensor) == 1  # the Python object alone
+    graph = tensor * tensor  # autograd saves `tensor` for the backward
+    assert references(tensor) > 1
+    del graph
+    assert references(tensor) == 1
+
+
+def test_wait_until_released_waits_for_another_thread_to_let_go():
+    tensor = torch.zeros(3, requires_grad=True)
+    counts = [references(tensor)]
+    holder = {"graph": tensor * tensor}
+    released_at: list[float] = []
+
+    def let_go():
+        time.sleep(0.05)
+        released_at.append(time.monotonic())
+        holder.clear()
+
+    thread = threading.Thread(target=let_go)
+    thread.start()
+    assert wait_until_released([tensor], counts)
+    returned_at = time.monotonic()
+    thread.join()
+    assert references(tensor) == counts[0] and returned_at >= released_at[0]
+
+
+def test_wait_until_released_gives_up_at_the_deadline():
+    tensor = torch.zeros(3, requires_grad=True)
+    counts = [references(tensor)]
+    graph = tensor * tensor
+    assert not wait_until_released([tensor], counts, deadline_s=0.01)
+    del graph
+    assert wait_until_released([tensor], counts, deadline_s=0.0)
 
 
 def test_pickling_leaves_the_process_group_behind(world_of_one):

@@ -34,7 +34,9 @@ Example:
 
 from __future__ import annotations
 
+import pickle
 import sys
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -49,7 +51,15 @@ __all__ = [
     "check_process_group",
     "check_scaler_agreement",
     "dtensor_type",
+    "gather_objects",
+    "references",
+    "wait_until_released",
 ]
+
+# How long gather_objects waits for gloo's worker threads to drop the tensors of a
+# finished collective. They do so microseconds after it completes unless descheduled;
+# the bound only matters for a process group that is already broken.
+RELEASE_DEADLINE_S = 5.0
 
 
 def dtensor_type() -> Any:
@@ -123,8 +133,8 @@ def check_scaler_agreement(scaler: Any, process_group: Any = None) -> dict[str, 
     """Check that every rank's scaler holds the same state; return this rank's state dict.
 
     Call it where every rank calls it, e.g. before rank 0 saves a checkpoint, to catch
-    replicas that skipped different steps. Collective (``all_gather_object``) and a host
-    sync; meant for checkpoints, not every step.
+    replicas that skipped different steps. Collective (:func:`gather_objects`) and a host
+    sync; meant for checkpoints, not every step. Safe to exit right after it.
 
     Args:
         scaler: an :class:`amped.GradScaler` (or torch's), after ``update()``.
@@ -134,9 +144,7 @@ def check_scaler_agreement(scaler: Any, process_group: Any = None) -> dict[str, 
         RuntimeError: some rank's scaler state differs from rank 0's (it names them).
     """
     state = scaler.state_dict()
-    world = dist.get_world_size(process_group)
-    states: list[Any] = [None] * world
-    dist.all_gather_object(states, state, group=process_group)
+    states = gather_objects(state, process_group)
     differ = [rank for rank, other in enumerate(states) if other != states[0]]
     if differ:
         raise RuntimeError(
@@ -146,3 +154,72 @@ def check_scaler_agreement(scaler: Any, process_group: Any = None) -> dict[str, 
             f"Received: state on rank 0={states[0]!r}, differing ranks={differ}"
         )
     return state
+
+
+def gather_objects(obj: Any, process_group: Any = None) -> list[Any]:
+    """Every rank's ``obj``, in rank order: ``dist.all_gather_object``, safe at exit.
+
+    gloo runs a collective on a worker thread, which drops its references to the
+    collective's tensors just after the caller sees it finish. A tensor made in Python
+    whose last reference a C++ thread drops takes the GIL to free its Python object, and
+    a thread that takes the GIL while the interpreter shuts down aborts the process
+    ("terminate called without an active exception", pytorch#190489). With
+    ``all_gather_object`` the tensors are torch's, so a rank that gathers and then
+    exits can abort after its work is done (seen here on 1 run in 10 of
+    ``examples/ddp_train.py``, 2 ranks on 2 cores). This gather owns its tensors and
+    returns only once the worker has let go of them (:func:`wait_until_released`).
+
+    Two all-gathers (lengths, then pickled bytes padded to the longest), on the device
+    the group's backend communicates on. The objects must be picklable; unpickling
+    runs code, so gather only from ranks of your own job, as ``all_gather_object``.
+    """
+    group: Any = dist.group.WORLD if process_group is None else process_group
+    # The rule of all_gather_object: the CPU if the group has a CPU backend (or none
+    # yet), else its one device type (its current device, e.g. NCCL's GPU).
+    kinds = [device.type for device in group._device_types]
+    device = torch.device("cpu" if not kinds or "cpu" in kinds else kinds[0])
+    world = dist.get_world_size(group)
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    lengths = [torch.empty_like(length) for _ in range(world)]
+    first = [length, *lengths]
+    first_counts = [references(tensor) for tensor in first]
+    dist.all_gather(lengths, length, group=group)
+    sizes = [int(size.item()) for size in lengths]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload.to(device)
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    second = [padded, *gathered]
+    second_counts = [references(tensor) for tensor in second]
+    dist.all_gather(gathered, padded, group=group)
+    objects = [
+        pickle.loads(bytes(data[:size].tolist()))
+        for data, size in zip(gathered, sizes, strict=True)
+    ]
+    if device.type == "cpu":  # gloo's worker threads; see above
+        wait_until_released(first + second, first_counts + second_counts)
+    return objects
+
+
+def references(tensor: torch.Tensor) -> int:
+    """How many references hold ``tensor`` (its Python object counts as one; autograd,
+    a pending collective or a C++ container add theirs): ``Tensor._use_count()``."""
+    return int(tensor._use_count())  # type: ignore[attr-defined]  # private, torch>=2.3
+
+
+def wait_until_released(
+    tensors: list[torch.Tensor], counts: list[int], deadline_s: float = RELEASE_DEADLINE_S
+) -> bool:
+    """Wait until each tensor's :func:`references` are back down to its entry in ``counts``
+    (taken before handing the tensors to a collective).
+
+    Polls with short sleeps, which release the GIL, so that a worker thread waiting for
+    it can finish. Returns True once every count is back, False if ``deadline_s``
+    passed first (a worker stuck in a broken process group).
+    """
+    deadline = time.monotonic() + deadline_s
+    while any(references(t) > count for t, count in zip(tensors, counts, strict=True)):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(1e-4)
+    return True

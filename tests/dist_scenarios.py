@@ -243,7 +243,11 @@ def gathered(rank: int, options: Options) -> dict[str, Any]:
     original = scaling_distributed.wait_until_released
     waits: list[dict[str, bool]] = []
 
-    def observed(tensors: list[torch.Tensor], counts: list[int], deadline_s: float = 5.0) -> bool:
+    def observed(
+        tensors: list[torch.Tensor],
+        counts: list[int],
+        deadline_s: float = scaling_distributed.RELEASE_DEADLINE_S,
+    ) -> bool:
         def back() -> bool:
             return all(references(t) == n for t, n in zip(tensors, counts, strict=True))
 

@@ -4,7 +4,7 @@ CPU, bfloat16, forward + backward + optimizer step, the two measured side by sid
 one process and interleaved (torch, amped, amped, torch, ...), median of the per-pair
 ratios. With the default policy amped leaves the casts to torch's C++ autocast (the
 rules are torch's own), so "amped" should cost what torch does; "amped engine" forces
-amped's Python engine on the same policy (``amped.autocast.engine_always``): what any
+amped's Python engine on the same policy (``amped.autocast_mode.engine_always``): what any
 policy that changes a rule costs. Also prints how many calls the engine intercepts per
 step and the microseconds each adds on average.
 
@@ -24,8 +24,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.autocast import engine_always
-from amped.autocast.mode import AutocastMode
+from amped.autocast_mode import engine_always
+from amped.autocast_mode.mode import AutocastMode
 
 SIDES = ("torch", "amped", "amped engine")
 

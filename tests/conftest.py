@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amped.autocast import state as amped_state
+from amped.autocast_mode import state as amped_state
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

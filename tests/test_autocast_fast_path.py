@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 
 import amped
-from amped.autocast import mode, state
-from amped.autocast.mode import AutocastMode
+from amped.autocast_mode import mode, state
+from amped.autocast_mode.mode import AutocastMode
 from tolerances import BITWISE
 
 CHANGED = amped.Policy.preset("torch", "cpu").with_ops(fp32=["mm"])

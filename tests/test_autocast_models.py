@@ -8,7 +8,7 @@ import torch
 
 import amped
 import model_zoo
-from amped.autocast import mode
+from amped.autocast_mode import mode
 from tolerances import BITWISE
 
 pytest.importorskip("transformers")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import amped
-from amped.autocast import mode
+from amped.autocast_mode import mode
 from tolerances import BITWISE
 
 autocast_test_lists = pytest.importorskip("torch.testing._internal.autocast_test_lists")

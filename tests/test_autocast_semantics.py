@@ -2,7 +2,7 @@
 what is cast and what is not, errors, and custom autograd Functions.
 
 Every test runs twice: as a user gets it (the default policy's casts left to torch's
-C++ autocast, see amped.autocast.state) and through amped's engine, forced on with
+C++ autocast, see amped.autocast_mode.state) and through amped's engine, forced on with
 ``engine_always``, so each property holds for the engine itself too."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.autocast import state
+from amped.autocast_mode import state
 from tolerances import BITWISE
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -375,7 +375,7 @@ def test_ops_inside_python_composites_reach_the_policy(strategy, monkeypatch):
     # F.multi_head_attention_forward is Python; its inner linear/bmm/softmax must be cast
     # by the policy. torch >= 2.13 skips one hop of torch-function dispatch; older
     # releases use a copy of the function whose has_torch_function checks return False.
-    from amped.autocast import transparent
+    from amped.autocast_mode import transparent
 
     if strategy == "clone":
         monkeypatch.setattr(transparent, "call", transparent.call_with_clone)

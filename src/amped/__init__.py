@@ -6,7 +6,7 @@ read and change.
 """
 
 from amped import doctor
-from amped.autocast import (
+from amped.autocast_mode import (
     autocast,
     autocast_op,
     current_policy,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from amped.autocast import autocast, engine_always
+from amped.autocast_mode import autocast, engine_always
 from amped.doctor.trace import OpCall, Tracer, _first_float_tensor
 from amped.policy import Policy
 

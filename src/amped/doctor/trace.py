@@ -20,7 +20,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.overrides import TorchFunctionMode
 
-from amped.autocast import transparent
+from amped.autocast_mode import transparent
 
 __all__ = ["OpCall", "Tracer"]
 

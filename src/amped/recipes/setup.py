@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from amped.autocast import autocast
+from amped.autocast_mode import autocast
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.scaling import GradScaler

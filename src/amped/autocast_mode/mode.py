@@ -3,7 +3,7 @@
 Three kinds of call reach ``__torch_function__``:
 
 * a C-level binding of an op the active policy lists (``torch.mm``, ``F.linear``):
-  its arguments are cast by :func:`amped.autocast.casting.run` and the op runs with
+  its arguments are cast by :func:`amped.autocast_mode.casting.run` and the op runs with
   torch's C++ autocast excluded, so the policy is authoritative and nothing is cast
   twice (this is what torch's own autocast kernels do);
 * a Python function that dispatched to us through ``handle_torch_function``
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from amped.autocast import casting, transparent
-from amped.autocast.targets import callables_for
+from amped.autocast_mode import casting, transparent
+from amped.autocast_mode.targets import callables_for
 from amped.policy import LOW_DTYPES, Cast, Policy, torch_default_rules
 
 __all__ = ["AutocastMode", "compiled_rules"]
@@ -102,7 +102,7 @@ class AutocastMode(TorchFunctionMode):
     """Applies the policies of the amped regions active on this thread.
 
     One instance per thread is on the torch-function stack while any amped region is
-    open there; :mod:`amped.autocast.state` keeps its fields current.
+    open there; :mod:`amped.autocast_mode.state` keeps its fields current.
     """
 
     def __init__(self) -> None:

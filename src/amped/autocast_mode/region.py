@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from amped.autocast import state
+from amped.autocast_mode import state
 from amped.policy import TORCH_OP_TABLES, Policy
 
 __all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]

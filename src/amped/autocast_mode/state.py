@@ -5,13 +5,13 @@ code reads it (``torch.is_autocast_enabled()``). amped regions set that same sta
 the engine reads it back per op: a nested ``torch.autocast(enabled=False)`` in model
 code turns amped's casting off there too. What torch has no place for lives here: the
 policy of the innermost amped region per device type, and the one
-:class:`~amped.autocast.mode.AutocastMode` this thread has on the torch-function stack.
+:class:`~amped.autocast_mode.mode.AutocastMode` this thread has on the torch-function stack.
 
 The mode is on the stack only while some open region's policy needs it. A policy with
 exactly torch's op rules and no module rules (the default) does not: torch's C++
 autocast, which the region switches on, applies those very rules, so the region costs
 what ``torch.autocast`` costs and gives its results by construction. The engine runs
-for such a policy too when :data:`~amped.autocast.mode.TORCH_AUTOCAST_ALONGSIDE` is
+for such a policy too when :data:`~amped.autocast_mode.mode.TORCH_AUTOCAST_ALONGSIDE` is
 off (the tests, checking amped's own casts) or inside :func:`engine_always`.
 """
 
@@ -25,8 +25,8 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
-from amped.autocast import mode as engine
-from amped.autocast.mode import AutocastMode
+from amped.autocast_mode import mode as engine
+from amped.autocast_mode.mode import AutocastMode
 from amped.policy import LOW_DTYPES, ModuleRule, Policy, torch_default_rules
 
 __all__ = ["current_policy", "engine_always", "enter", "exit", "needs_engine"]
@@ -59,7 +59,7 @@ def needs_engine(policy: Policy) -> bool:
 
     It does not when its rules are torch's own for its device type, under every low
     dtype, and it has no module rules; unless the engine is asked for everywhere
-    (:data:`~amped.autocast.mode.TORCH_AUTOCAST_ALONGSIDE` off, or
+    (:data:`~amped.autocast_mode.mode.TORCH_AUTOCAST_ALONGSIDE` off, or
     :func:`engine_always`).
     """
     if not engine.TORCH_AUTOCAST_ALONGSIDE or _state.engine_always or policy.module_rules:

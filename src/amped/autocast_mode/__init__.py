@@ -1,8 +1,8 @@
 """Autocast layer: the engine that applies a :class:`~amped.policy.Policy` op by op."""
 
-from amped.autocast.custom import autocast_op, custom_bwd, custom_fwd
-from amped.autocast.region import autocast, get_autocast_dtype, is_autocast_enabled
-from amped.autocast.state import current_policy, engine_always
+from amped.autocast_mode.custom import autocast_op, custom_bwd, custom_fwd
+from amped.autocast_mode.region import autocast, get_autocast_dtype, is_autocast_enabled
+from amped.autocast_mode.state import current_policy, engine_always
 
 __all__ = [
     "autocast",

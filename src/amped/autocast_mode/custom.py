@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from amped.autocast import state
-from amped.autocast.region import autocast
+from amped.autocast_mode import state
+from amped.autocast_mode.region import autocast
 
 __all__ = ["autocast_op", "custom_bwd", "custom_fwd"]
 

@@ -30,7 +30,17 @@ FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"
 
 
 def _json_run(capsys, tmp_path, *args: str) -> dict:
-    code = main(["compare", "--out", str(tmp_path), "--json", "--no-progress", *args])
+    # In process: the own-process peak-memory probe is tested in test_cli_timing.py.
+    base = [
+        "compare",
+        "--out",
+        str(tmp_path),
+        "--json",
+        "--no-progress",
+        "--peak-memory",
+        "in-process",
+    ]
+    code = main([*base, *args])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     results = json.loads(captured.out)

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path("/usr/bin/chromium")
 # One thread keeps the subprocesses fast and their timings sane on a busy 2-core machine.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-SMALL = ("--batch-size", "8", "--threads", "1", "--max-time", "0")
+SMALL = ("--batch-size", "8", "--threads", "1", "--max-time", "0", "--peak-memory", "in-process")
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,8 @@ FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"
 
 
 def _compare(capsys, tmp_path, *args: str) -> tuple[int, str]:
-    code = main(["compare", "--out", str(tmp_path / "out"), "--max-time", "0", *args])
+    out = str(tmp_path / "out")
+    code = main(["compare", "--out", out, "--max-time", "0", "--peak-memory", "in-process", *args])
     err = capsys.readouterr().err
     return code, err
 

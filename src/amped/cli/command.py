@@ -14,6 +14,7 @@ import torch
 from rich.console import Console
 
 from amped.cli.compare import Comparison, baseline_first, run_comparison
+from amped.cli.dtypes import recipe_for_dtype
 from amped.cli.environment import default_device, describe, resolve_device
 from amped.cli.errors import EXIT_INTERRUPTED, EXIT_OK, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
@@ -28,7 +29,11 @@ __all__ = ["parse_recipes", "resolve_out", "run_compare"]
 
 
 def parse_recipes(text: str) -> tuple[Recipe, ...]:
-    """``--recipes``: comma-separated names or aliases, or ``all``; duplicates dropped."""
+    """``--recipes``: comma-separated names or aliases, or ``all``; duplicates dropped.
+
+    A dtype name as torch spells it (``bfloat16``, ``float16``, ``float32``) or its short
+    alias stands for that dtype's mixed recipe (``fp32`` for float32).
+    """
     names = [n.strip() for n in text.split(",") if n.strip()]
     if not names:
         raise UsageError(f"--recipes names no recipe. Received: --recipes {text!r}")
@@ -37,7 +42,7 @@ def parse_recipes(text: str) -> tuple[Recipe, ...]:
     chosen: list[Recipe] = []
     for name in names:
         try:
-            recipe = resolve_recipe(name)
+            recipe = resolve_recipe(recipe_for_dtype(name) or name)
         except ValueError as error:
             raise UsageError(f"{error}. Received: --recipes {text!r}") from None
         if recipe not in chosen:
@@ -67,10 +72,12 @@ def _config(args: argparse.Namespace) -> CompareConfig:
     device = resolve_device(args.device or default_device())
     factory = load_factory(args.model or DEFAULT_FACTORY)
     task = factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
+    threads, source = torch.get_num_threads(), "torch's default"
     if args.threads is not None:
-        torch.set_num_threads(args.threads)
+        threads, source = args.threads, "--threads"
     elif task.threads is not None and device.type == "cpu":
-        torch.set_num_threads(task.threads)
+        threads, source = task.threads, "the task's choice"
+    torch.set_num_threads(threads)  # once, before any recipe: the same for every one
     return CompareConfig(
         factory=factory,
         recipes=recipes,
@@ -79,6 +86,9 @@ def _config(args: argparse.Namespace) -> CompareConfig:
         device=device,
         seed=args.seed,
         max_time=args.max_time or None,
+        isolate_memory=args.peak_memory == "own-process",
+        threads=threads,
+        threads_source=source,
     )
 
 

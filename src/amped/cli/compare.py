@@ -4,7 +4,9 @@ Every recipe starts from the same weights and sees the same batches (the factory
 called afresh after ``torch.manual_seed(seed)``), and all train the same number of
 steps (:mod:`amped.cli.plan` fits it to the time budget), so the loss at any step and
 the held-out metrics are comparable across recipes. Recipes run one after another, so
-only one model is in memory at a time; on a busy machine, absolute timings drift.
+only one model is in memory at a time; on a busy machine, absolute timings drift,
+which the recorded CPU load (:mod:`amped.cli.timing`) lets the report say. On a CPU,
+each recipe's peak memory comes from a process of its own (:mod:`amped.cli.probe`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from amped.cli import interrupt
 from amped.cli.interrupt import graceful_interrupts
 from amped.cli.plan import Plan, make_plan
+from amped.cli.probe import PROBE_KIND, ProbeResult, probe_recipe
 from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
+from amped.cli.timing import CpuLoad
 from amped.recipes import Recipe
 
 __all__ = ["BASELINE", "Comparison", "baseline_first", "run_comparison"]
@@ -33,6 +39,7 @@ class Comparison:
     plan: Plan | None = None
     partial: bool = False
     wall_s: float = 0.0
+    machine: dict[str, Any] | None = None  # the CPU load while it ran (amped.cli.timing)
 
     @property
     def task(self) -> dict[str, Any] | None:
@@ -57,14 +64,42 @@ def run_comparison(config: CompareConfig, observer: Observer | None = None) -> C
     runs = [RecipeRun(r, config.steps, config.steps) for r in baseline_first(config.recipes)]
     comparison = Comparison(config, runs)
     start = time.monotonic()
+    load = CpuLoad(config.threads or torch.get_num_threads()).start()
     try:
         with graceful_interrupts():
-            comparison.plan = make_plan(config, runs, observer)
+            probes = _probe_all(config, runs, observer)
+            timed = {name: p.step_times for name, p in probes.items() if p.step_times}
+            comparison.plan = make_plan(
+                config, runs, observer, timed, time.monotonic() - start if probes else 0.0
+            )
             for run in runs:
                 if run.status == "not_run":
                     run_recipe(config, run, observer)
+                    _own_process_peak(run, probes.get(run.recipe.name))
                 interrupt.check()
     except KeyboardInterrupt:
         comparison.partial = True
     comparison.wall_s = time.monotonic() - start
+    comparison.machine = load.stop()
     return comparison
+
+
+def _probe_all(
+    config: CompareConfig, runs: list[RecipeRun], observer: Observer
+) -> dict[str, ProbeResult]:
+    """Each recipe's peak memory (and a few step times) from a process of its own."""
+    if not config.isolate_memory or config.device.type != "cpu":
+        return {}
+    threads = config.threads or torch.get_num_threads()
+    probes = {}
+    for run in runs:
+        observer.probing(run)
+        probes[run.recipe.name] = probe_recipe(config, run, threads)
+        interrupt.check()
+    return probes
+
+
+def _own_process_peak(run: RecipeRun, probe: ProbeResult | None) -> None:
+    """Replace the in-process peak by the own-process one where the probe measured it."""
+    if probe is not None and probe.peak_bytes is not None:
+        run.peak_memory_bytes, run.peak_memory_kind = probe.peak_bytes, PROBE_KIND

@@ -4,6 +4,10 @@ The task comes from the same factory contract as ``amped compare`` (``--model
 module:factory``); the doctor checks one training step on its first batch. It prints
 a table (the ops with the widest range, inf/NaN or underflow, the culprits and the
 verified fix) and writes ``doctor.html`` and ``doctor.json`` into ``--out``.
+
+Like a linter, it exits 0 when the step is free of inf/NaN or the doctor found a fix
+and verified it by re-running, and :data:`~amped.cli.errors.EXIT_UNFIXED` (3) when it
+found a non-finite value and no verified fix, so a script or CI job can gate on it.
 """
 
 from __future__ import annotations
@@ -12,24 +16,27 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
 from amped.cli.command import resolve_out
+from amped.cli.dtypes import parse_low_dtype
 from amped.cli.environment import default_device, resolve_device
-from amped.cli.errors import EXIT_OK, RunError, UsageError
+from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
 from amped.cli.task import to_device
 from amped.doctor import Report, diagnose
 
-__all__ = ["run_doctor"]
+__all__ = ["doctor_table", "run_doctor", "unfixed_nonfinite"]
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_PIPE_WIDTH = 160  # stdout is a file or a pipe: wide enough that nothing wraps
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # the table's dtype column
 
 
 def run_doctor(args: argparse.Namespace) -> int:
     """Run ``amped doctor``; returns the exit code (raises UsageError / RunError)."""
+    dtype = parse_low_dtype(args.dtype)
     if args.loss_scale is not None and not args.loss_scale > 0:
         raise UsageError(f"--loss-scale must be > 0. Received: --loss-scale {args.loss_scale}")
     device = resolve_device(args.device or default_device())
@@ -44,7 +51,7 @@ def run_doctor(args: argparse.Namespace) -> int:
             inputs,
             lambda output: task.loss_fn(output, targets),
             device_type=device.type,
-            dtype=_DTYPES[args.dtype],
+            dtype=dtype,
             policy=args.policy,
             loss_scale=args.loss_scale,
             seed=args.seed,
@@ -59,26 +66,58 @@ def run_doctor(args: argparse.Namespace) -> int:
         sys.stdout.write(report.to_json() + "\n")
     else:
         _print(report, html)
+    if unfixed_nonfinite(report):
+        print(
+            "amped doctor: non-finite values (inf/NaN) and no verified fix: exit status "
+            f"{EXIT_UNFIXED}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_UNFIXED
     return EXIT_OK
 
 
-def _print(report: Report, html: Path) -> None:
-    console = Console()
+def unfixed_nonfinite(report: Report) -> bool:
+    """Whether the step produced inf/NaN and the doctor has no verified fix for it."""
+    nonfinite = (
+        report.forward_culprit is not None
+        or report.backward_culprit is not None
+        or any(report.nonfinite_grads.values())
+        or any(op.n_inf or op.n_nan for op in report.ops)
+    )
+    fixed = report.suggestion is not None and report.suggestion.verified
+    return nonfinite and not fixed
+
+
+def doctor_table(report: Report, rows: int = 12) -> Table:
+    """The ``rows`` ops with the most inf/NaN, then underflow, then range, in run order.
+
+    Sized for 80 columns: short dtype names, no cell wraps (a long module name is
+    cut with an ellipsis on a narrow terminal; ``doctor.json`` has it whole).
+    """
+    where = f"{report.dtype} on {report.device_type}"
     table = Table(
-        title=f"amped doctor: {report.dtype} on {report.device_type}, policy {report.policy.name!r}"
+        title=f"amped doctor: {where}, policy {report.policy.name!r}",
+        title_justify="left",
+        box=box.SIMPLE_HEAD,
+        header_style="bold",
     )
     for column in ("module", "op", "dtype", "max |x|", "inf", "NaN", "underflow", "SQNR dB"):
-        if column in ("module", "op"):
-            table.add_column(column, overflow="fold")
-        else:
-            table.add_column(column, justify="right", no_wrap=True)
+        left = column in ("module", "op")
+        table.add_column(
+            column,
+            justify="left" if left else "right",
+            no_wrap=True,
+            overflow="ellipsis" if left else "fold",
+            ratio=2 if column == "module" else (1 if left else None),
+        )
     worst = sorted(report.ops, key=lambda o: (-(o.n_inf + o.n_nan), -(o.underflow or 0.0), -o.amax))
-    for op in sorted(worst[:12], key=lambda o: o.index):
+    for op in sorted(worst[:rows], key=lambda o: o.index):
         bad = op.n_inf or op.n_nan
         table.add_row(
             op.module or "<root>",
             op.op,
-            op.dtype,
+            _SHORT.get(op.dtype, op.dtype),
             f"{op.amax:.3g}",
             str(op.n_inf),
             str(op.n_nan),
@@ -86,6 +125,13 @@ def _print(report: Report, html: Path) -> None:
             "" if op.sqnr_db is None else f"{op.sqnr_db:.1f}",
             style="red" if bad else None,
         )
-    console.print(table)
-    console.print(report.summary())
-    console.print(f"report: {html}")
+    return table
+
+
+def _print(report: Report, html: Path) -> None:
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=_PIPE_WIDTH)
+    console.print(doctor_table(report))
+    console.print(report.summary(), markup=False, highlight=False)
+    console.print(f"report: {html}", markup=False, highlight=False)

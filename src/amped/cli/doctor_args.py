@@ -20,7 +20,8 @@ def add_doctor_parser(commands: argparse._SubParsersAction) -> None:
     add = doctor.add_argument
     add("--model", default=None, metavar="MODULE:FACTORY",
         help="task factory, as for amped compare (default: the built-in tiny GPT)")  # fmt: skip
-    add("--dtype", default="fp16", choices=["fp16", "bf16"], help="low dtype (default: fp16)")
+    add("--dtype", default="float16", metavar="DTYPE",
+        help="low dtype: float16 (fp16, half) or bfloat16 (bf16) (default: float16)")  # fmt: skip
     add("--policy", default="torch", choices=["torch", "strict"], help="policy preset")
     add("--loss-scale", type=float, default=None,
         help="loss scale to check (default: 65536 for fp16, 1 for bf16)")  # fmt: skip
@@ -30,3 +31,8 @@ def add_doctor_parser(commands: argparse._SubParsersAction) -> None:
     add("--out", default="amped-doctor", help="report folder (default: amped-doctor/)")
     add("--json", action="store_true", help="print only the report JSON on stdout")
     add("--traceback", action="store_true", help="print the traceback of a failure")
+    doctor.epilog = (
+        "exit status: 0 no non-finite value, or one the doctor fixed (the fix is verified "
+        "by a re-run); 3 a non-finite value (inf/NaN) it could not fix; 1 the doctor failed; "
+        "2 bad arguments"
+    )

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "RunError", "UsageError"]
+__all__ = [
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_UNFIXED",
+    "EXIT_USAGE",
+    "RunError",
+    "UsageError",
+]
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # RunError
 EXIT_USAGE = 2  # UsageError
+EXIT_UNFIXED = 3  # amped doctor: a non-finite value it found no verified fix for (like a linter)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
 
 

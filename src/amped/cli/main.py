@@ -2,7 +2,8 @@
 
 Exit codes: 0 success; 1 a failed run (a recipe raised, the report could not be
 written, the CLI extra is missing); 2 bad arguments or a task that breaks the factory
-contract; 130 interrupted (Ctrl-C), after writing the partial results.
+contract; 3 (``amped doctor``) a non-finite value the doctor could not fix; 130
+interrupted (Ctrl-C), after writing the partial results.
 User mistakes are reported in one line on stderr, without a traceback.
 """
 
@@ -14,10 +15,17 @@ import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
-from amped.cli.errors import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_USAGE, RunError, UsageError
+from amped.cli.errors import (
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_USAGE,
+    RunError,
+    UsageError,
+)
 from amped.recipes import recipe_names
 
-__all__ = ["main"]
+__all__ = ["main", "version_line"]
 
 DEFAULT_STEPS = 200
 DEFAULT_MAX_TIME = 120.0
@@ -55,6 +63,7 @@ def _seconds(text: str) -> float:
 
 def _parser() -> _Parser:
     parser = _Parser(prog="amped", description="Mixed-precision training for PyTorch.")
+    parser.add_argument("--version", action="store_true", help="print amped's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     compare = commands.add_parser(
         "compare",
@@ -88,8 +97,12 @@ def _parser() -> _Parser:
         "recipe, then train all for as many steps as fit, at most --steps "
         f"(default: {DEFAULT_MAX_TIME:g}; 0: no limit)")  # fmt: skip
     add("--threads", type=_positive_int, default=None,
-        help="CPU threads for torch (default: the task's choice, else torch's; "
-        "the built-in task uses 1)")  # fmt: skip
+        help="CPU threads for torch, the same for every recipe (default: the task's "
+        "choice, else torch's; the built-in task uses 1)")  # fmt: skip
+    add("--peak-memory", choices=["own-process", "in-process"], default="own-process",
+        help="on a CPU, measure each recipe's peak memory in a process of its own (default; "
+        "a few seconds per recipe, and its ordering follows the state each recipe holds) "
+        "or in this process (quicker, but noise at small sizes)")  # fmt: skip
     add("--json", action="store_true", help="print only the results JSON on stdout")
     add("--no-progress", action="store_true", help="no progress bars (a line per recipe)")
     add("--traceback", action="store_true", help="print the traceback of failed recipes")
@@ -104,7 +117,16 @@ def _say_error(message: str) -> None:
     print(f"amped: error: {line}", file=sys.stderr, flush=True)
 
 
-def _check_extra() -> None:
+def version_line() -> str:
+    """``amped --version``: amped's version, and torch's (the one thing it depends on)."""
+    import torch
+
+    import amped
+
+    return f"amped {amped.__version__} (torch {torch.__version__}, Python {sys.version.split()[0]})"
+
+
+def _check_extra(command: str) -> None:
     missing = []
     for name in ("rich", "matplotlib"):
         try:
@@ -113,7 +135,7 @@ def _check_extra() -> None:
             missing.append(name)
     if missing:
         raise RunError(
-            f"amped compare needs the optional 'cli' dependencies ({', '.join(missing)} "
+            f"amped {command} needs the optional 'cli' dependencies ({', '.join(missing)} "
             "missing). Install them with: pip install 'amped[cli]'"
         )
 
@@ -123,9 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     arguments = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parser().parse_args(arguments)
+        if args.version:
+            print(version_line())
+            return EXIT_OK
         if args.command not in ("compare", "doctor"):
             raise UsageError("name a command: amped compare or amped doctor (see amped --help)")
-        _check_extra()
+        _check_extra(args.command)
         if args.command == "doctor":
             from amped.cli.doctor import run_doctor  # needs the extra: imported after the check
 

@@ -57,17 +57,29 @@ def _estimate(step_times: list[float]) -> float:
     return sum(timed) / len(timed)
 
 
-def make_plan(config: CompareConfig, runs: list[RecipeRun], observer: Observer) -> Plan | None:
+def make_plan(
+    config: CompareConfig,
+    runs: list[RecipeRun],
+    observer: Observer,
+    timed: dict[str, list[float]] | None = None,
+    timed_s: float = 0.0,
+) -> Plan | None:
     """Time every recipe and set ``steps_planned`` on ``runs``; None without a budget.
 
-    A recipe that fails while being timed is marked failed in ``runs`` and not run again.
+    ``timed`` holds step times already measured (by the memory probes, which took
+    ``timed_s`` seconds); only the recipes missing from it are timed here. A recipe
+    that fails while being timed is marked failed in ``runs`` and not run again.
     """
     if not config.max_time or config.steps <= TIMING_STEPS:
         return None  # nothing to fit, or timing would cost as much as the run
     observer.planning(runs)
-    began = time.monotonic()
+    began = time.monotonic() - timed_s
     estimates: dict[str, float] = {}
     for run in runs:
+        known = (timed or {}).get(run.recipe.name)
+        if known:
+            estimates[run.recipe.name] = _estimate(known)
+            continue
         probe = RecipeRun(run.recipe, TIMING_STEPS, TIMING_STEPS)
         run_recipe(config, probe, Observer(), evaluate=False)
         if probe.status == "failed":

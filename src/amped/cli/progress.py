@@ -80,6 +80,9 @@ class RichProgress(Observer):
         for task in self._ids.values():
             self._progress.update(task, state="timing a few steps")
 
+    def probing(self, run: RecipeRun) -> None:
+        self._progress.update(self._ids[run.recipe.name], state="peak memory, own process")
+
     def planned(self, runs: list[RecipeRun], note: str) -> None:
         self._progress.console.print(f"[dim]{note}[/dim]", highlight=False)
         for run in runs:
@@ -123,6 +126,9 @@ class LineProgress(Observer):
 
     def planning(self, runs: list[RecipeRun]) -> None:
         self._say("timing a few steps of each recipe to fit --max-time")
+
+    def probing(self, run: RecipeRun) -> None:
+        self._say(f"{run.recipe.name}: measuring peak memory in a process of its own")
 
     def planned(self, runs: list[RecipeRun], note: str) -> None:
         self._say(note)

@@ -3,7 +3,11 @@
 Derived figures are computed here, once, so the console table, the HTML report and
 any program reading ``results.json`` agree:
 
-- ``throughput_vs_baseline``: samples/s over the fp32 run's samples/s.
+- ``timing``: the step times' median, quartiles and extremes over the timed steps
+  (warm-up left out; :mod:`amped.cli.timing`); ``samples_per_s`` is the batch over the
+  median, ``samples_per_s_iqr`` the batch over the quartiles.
+- ``throughput_vs_baseline``: samples/s over the fp32 run's samples/s, and
+  ``throughput_vs_baseline_range`` the range the two interquartile ranges allow.
 - ``slow_on_this_hardware``: a median step at least :data:`SLOW_RATIO` times the fp32
   one. Low precision is slower than float32 where the hardware has no native units for
   it (CPUs without AVX512-BF16/AMX, and fp16 on any CPU).
@@ -25,6 +29,7 @@ from typing import Any
 from amped.cli.compare import BASELINE, Comparison
 from amped.cli.plan import Plan
 from amped.cli.run import RecipeRun
+from amped.cli.timing import StepStats, ratio_range, step_stats
 
 __all__ = ["LOSS_WINDOW", "SCHEMA_ID", "SLOW_RATIO", "dumps", "to_dict", "write_atomic"]
 
@@ -36,10 +41,6 @@ LOSS_WINDOW = 10
 def _finite(value: float | None) -> float | None:
     """JSON has no NaN or infinity: a non-finite number is written as null."""
     return value if value is not None and math.isfinite(value) else None
-
-
-def _median(values: list[float]) -> float | None:
-    return sorted(values)[len(values) // 2] if values else None
 
 
 def _window_mean(losses: list[float], end: int) -> float | None:
@@ -57,6 +58,7 @@ def to_dict(
     )
     done = [len(r.losses) for r in comparison.runs if r.losses]
     common = min(done) if done else None
+    base_stats = step_stats(baseline.step_times) if baseline else None
     return {
         "schema": SCHEMA_ID,
         "partial": comparison.partial,
@@ -71,24 +73,44 @@ def to_dict(
             "device": str(config.device),
             "seed": config.seed,
             "max_time_s": config.max_time,
+            "threads": config.threads,
+            "threads_source": config.threads_source,
+            "peak_memory": "own-process" if config.isolate_memory else "in-process",
         },
         "environment": environment,
+        "machine": comparison.machine,
         "task": comparison.task,
         "plan": _plan(comparison.plan),
         "baseline": baseline.recipe.name if baseline else None,
         "common_step": common,
-        "recipes": [_recipe(run, baseline, common) for run in comparison.runs],
+        "identical_losses": identical_losses(comparison.runs),
+        "recipes": [_recipe(run, baseline, base_stats, common) for run in comparison.runs],
     }
 
 
-def _recipe(run: RecipeRun, baseline: RecipeRun | None, common: int | None) -> dict[str, Any]:
+def identical_losses(runs: list[RecipeRun]) -> list[list[str]]:
+    """Groups of recipes whose train losses are equal at every step (their curves coincide)."""
+    groups: dict[tuple[float, ...], list[str]] = {}
+    for run in runs:
+        if run.losses:
+            groups.setdefault(tuple(run.losses), []).append(run.recipe.name)
+    return [names for names in groups.values() if len(names) > 1]
+
+
+def _recipe(
+    run: RecipeRun, baseline: RecipeRun | None, base: StepStats | None, common: int | None
+) -> dict[str, Any]:
     recipe = run.recipe
-    speed = run.samples_per_s()
-    base_speed = baseline.samples_per_s() if baseline else None
-    step = _median(run.step_times)
-    base_step = _median(baseline.step_times) if baseline else None
-    slowdown = step / base_step if step and base_step else None
+    stats = step_stats(run.step_times)
+    per_step = run.samples / len(run.step_times) if run.step_times else 0
+    speed = per_step / stats.median if stats and stats.median > 0 and per_step else None
+    base_speed = None
+    if base is not None and baseline is not None and base.median > 0:
+        base_speed = baseline.samples / len(baseline.step_times) / base.median
+    slowdown = stats.median / base.median if stats and base and base.median > 0 else None
     slow = slowdown is not None and slowdown >= SLOW_RATIO
+    timing = stats.as_dict() if stats else None
+    ratios = ratio_range(timing, base.as_dict()) if timing and base else None
     return {
         "name": recipe.name,
         "summary": recipe.summary,
@@ -102,9 +124,14 @@ def _recipe(run: RecipeRun, baseline: RecipeRun | None, common: int | None) -> d
         "steps_planned": run.steps_planned,
         "steps_done": len(run.losses),
         "wall_s": round(run.wall_s, 3),
-        "step_time_s": step,
+        "step_time_s": stats.median if stats else None,
         "samples_per_s": speed,
         "throughput_vs_baseline": speed / base_speed if speed and base_speed else None,
+        "timing": timing,
+        "samples_per_s_iqr": [per_step / stats.q3, per_step / stats.q1]
+        if speed and stats and stats.q1 > 0
+        else None,
+        "throughput_vs_baseline_range": list(ratios) if ratios and speed else None,
         "slow_on_this_hardware": slow,
         "memory": _memory(run),
         "losses": [_finite(v) for v in run.losses],

@@ -37,6 +37,9 @@ class CompareConfig:
     device: torch.device
     seed: int
     max_time: float | None
+    isolate_memory: bool = False  # measure each recipe's peak in its own process (CPU)
+    threads: int | None = None  # torch threads, the same for every recipe
+    threads_source: str | None = None  # who chose them: --threads, the task, torch
 
 
 @dataclass
@@ -77,6 +80,9 @@ class Observer:
 
     def planning(self, runs: list[RecipeRun]) -> None:
         """Called before the short timing runs that fit the comparison to its budget."""
+
+    def probing(self, run: RecipeRun) -> None:
+        """Called before a recipe's memory probe, in a process of its own."""
 
     def planned(self, runs: list[RecipeRun], note: str) -> None:
         """Called when the steps per recipe are fixed (``runs[i].steps_planned``)."""

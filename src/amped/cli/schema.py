@@ -22,12 +22,18 @@ _INT = {"type": "integer", "minimum": 0}
 _INT_OR_NULL = {"type": ["integer", "null"], "minimum": 0}
 _STR = {"type": "string"}
 _STR_OR_NULL = {"type": ["string", "null"]}
+_PAIR_OR_NULL = {"type": ["array", "null"], "items": _NUM}
 
 
-def _object(properties: dict[str, Any], nullable: bool = False, **extra: Any) -> dict[str, Any]:
+def _object(
+    properties: dict[str, Any],
+    nullable: bool = False,
+    optional: tuple[str, ...] = (),
+    **extra: Any,
+) -> dict[str, Any]:
     return {
         "type": ["object", "null"] if nullable else "object",
-        "required": sorted(properties),
+        "required": sorted(set(properties) - set(optional)),
         "properties": properties,
         **extra,
     }
@@ -46,7 +52,13 @@ _MEMORY = _object(
         "peak_bytes": {"type": ["integer", "null"]},
         "peak_kind": {
             "type": ["string", "null"],
-            "enum": ["cuda_allocator_peak", "rss_growth", "process_peak_rss", None],
+            "enum": [
+                "cuda_allocator_peak",
+                "own_process_peak_rss",
+                "rss_growth",
+                "process_peak_rss",
+                None,
+            ],
         },
     },
     nullable=True,
@@ -70,6 +82,20 @@ _RECIPE = _object(
         "step_time_s": _NUM_OR_NULL,
         "samples_per_s": _NUM_OR_NULL,
         "throughput_vs_baseline": _NUM_OR_NULL,
+        "timing": _object(
+            {
+                "repeats": _INT,
+                "median_s": _NUM,
+                "q1_s": _NUM,
+                "q3_s": _NUM,
+                "min_s": _NUM,
+                "max_s": _NUM,
+            },
+            nullable=True,
+            additionalProperties=False,
+        ),
+        "samples_per_s_iqr": _PAIR_OR_NULL,
+        "throughput_vs_baseline_range": _PAIR_OR_NULL,
         "slow_on_this_hardware": {"type": "boolean"},
         "memory": _MEMORY,
         "losses": {"type": "array", "items": _NUM_OR_NULL},
@@ -81,6 +107,19 @@ _RECIPE = _object(
         "final_loss_scale": _NUM_OR_NULL,
         "notes": {"type": "array", "items": _STR},
     },
+    optional=("timing", "samples_per_s_iqr", "throughput_vs_baseline_range"),
+    additionalProperties=False,
+)
+
+_MACHINE = _object(
+    {
+        "cores": _INT,
+        "threads": _INT,
+        "other_processes_cores": _NUM_OR_NULL,
+        "load_average_1min": _NUM_OR_NULL,
+        "busy": {"type": "boolean"},
+    },
+    nullable=True,
     additionalProperties=False,
 )
 
@@ -103,7 +142,11 @@ SCHEMA: dict[str, Any] = {
                     "device": _STR,
                     "seed": {"type": "integer"},
                     "max_time_s": _NUM_OR_NULL,
+                    "threads": _INT_OR_NULL,
+                    "threads_source": _STR_OR_NULL,
+                    "peak_memory": {"type": "string", "enum": ["own-process", "in-process"]},
                 },
+                optional=("threads", "threads_source", "peak_memory"),
                 additionalProperties=False,
             ),
             "environment": _object(
@@ -127,8 +170,11 @@ SCHEMA: dict[str, Any] = {
             ),
             "baseline": _STR_OR_NULL,
             "common_step": _INT_OR_NULL,
+            "machine": _MACHINE,
+            "identical_losses": {"type": "array", "items": {"type": "array", "items": _STR}},
             "recipes": {"type": "array", "items": _RECIPE},
         },
+        optional=("machine", "identical_losses"),
         additionalProperties=False,
     ),
 }

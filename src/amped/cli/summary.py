@@ -1,4 +1,5 @@
-"""What a reader sees first: the comparison table's cells and the findings, as text.
+"""What a reader sees first: the comparison table's cells and footnotes, as text (the
+findings are in :mod:`amped.cli.findings`).
 
 Works on the ``results.json`` document alone, so the console table and the HTML report
 show the same figures, and a report can be rebuilt from a saved ``results.json``.
@@ -8,15 +9,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from amped.cli.findings import findings
 from amped.cli.results import LOSS_WINDOW
 
-__all__ = ["COLUMNS", "findings", "footnotes", "format_bytes", "headers", "rows"]
+__all__ = ["COLUMNS", "GROUPS", "findings", "footnotes", "format_bytes", "headers", "rows"]
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("recipe", "recipe"),
     ("steps", "steps"),
     ("speed", "samples/s"),
+    ("speed_iqr", "IQR"),
     ("ratio", "×fp32"),
+    ("ratio_range", "range"),
     ("state", "B/param"),
     ("peak", "peak mem"),
     ("train", "loss@{common}"),
@@ -27,6 +31,12 @@ COLUMNS: tuple[tuple[str, str], ...] = (
     ("flags", "notes"),
 )
 """(key, header) of each table column; ``{common}`` is the common step."""
+
+GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Speed and memory", ("recipe", "speed", "speed_iqr", "ratio", "ratio_range", "state", "peak")),
+    ("Loss", ("recipe", "steps", "train", "eval_loss", "eval_acc", "skipped", "scale", "flags")),
+)
+"""The console shows the columns as two tables, each readable at 80 columns."""
 
 DASH = "—"
 
@@ -43,6 +53,10 @@ def format_bytes(count: float | None) -> str:
 
 def _number(value: float | None, spec: str) -> str:
     return DASH if value is None else format(value, spec)
+
+
+def _range(pair: list[float] | None, spec: str) -> str:
+    return DASH if not pair else f"{format(pair[0], spec)}–{format(pair[1], spec)}"
 
 
 def headers(results: dict[str, Any]) -> list[str]:
@@ -67,7 +81,9 @@ def _row(recipe: dict[str, Any]) -> dict[str, str]:
         "recipe": recipe["name"],
         "steps": steps,
         "speed": _number(recipe["samples_per_s"], ",.0f"),
+        "speed_iqr": _range(recipe.get("samples_per_s_iqr"), ",.0f"),
         "ratio": _number(recipe["throughput_vs_baseline"], ".2f"),
+        "ratio_range": _range(recipe.get("throughput_vs_baseline_range"), ".2f"),
         "state": _number(memory.get("bytes_per_param"), ".1f"),
         "peak": format_bytes(memory.get("peak_bytes")),
         "train": _number(recipe["train_loss_at_common_step"], ".3f"),
@@ -95,6 +111,8 @@ _PEAK = {
     "rss_growth": "peak mem: growth of the process's resident memory during the recipe "
     "(sampled after each forward, backward and step; approximate)",
     "process_peak_rss": "peak mem: the process's peak resident memory so far",
+    "own_process_peak_rss": "peak mem: each recipe run for a few steps in a process of its "
+    "own: its peak resident memory less its size before amped.prepare (the kernel's peak)",
 }
 
 
@@ -103,8 +121,19 @@ def footnotes(results: dict[str, Any]) -> list[str]:
     kinds = {(r["memory"] or {}).get("peak_kind") for r in results["recipes"]}
     plan = results.get("plan")
     lines = [f"steps: {plan['note']}"] if plan and plan["shortened"] else []
+    timing = next((r["timing"] for r in results["recipes"] if r.get("timing")), None)
+    repeats = f"{timing['repeats']} timed steps" if timing else "the timed steps"
+    config = results["config"]
     lines += [
-        "samples/s: batch size over the median step time; ×fp32: that over fp32's",
+        f"samples/s: batch size over the median step time of {repeats} (the first is "
+        "warm-up, left out); IQR: the same at the step times' quartiles",
+        "×fp32: that over fp32's; range: what the two IQRs allow",
+    ]
+    if config.get("threads"):
+        lines.append(
+            f"threads: {config['threads']} for every recipe ({config.get('threads_source')})"
+        )
+    lines += [
         "B/param: bytes of parameters, gradients, optimizer state and master copies per "
         "model parameter (exact)",
         *(text for kind, text in _PEAK.items() if kind in kinds),
@@ -119,78 +148,4 @@ def footnotes(results: dict[str, Any]) -> list[str]:
     lines.append("skips, scale: skipped steps and final loss scale of loss-scaling recipes")
     for recipe in results["recipes"]:
         lines += [f"{recipe['name']}: {note}" for note in recipe["notes"]]
-    return lines
-
-
-def findings(results: dict[str, Any]) -> list[str]:
-    """A few sentences that answer "what does mixed precision buy this model?"."""
-    ran = [r for r in results["recipes"] if r["samples_per_s"]]
-    if not ran:
-        return ["No recipe completed a step."]
-    lines = [_speed_finding(results, ran)] if len(ran) > 1 else []
-    plan = results.get("plan")
-    if plan and plan["shortened"]:
-        lines.append(f"Steps: {plan['note']}.")
-    sized = [r for r in ran if r["memory"]]
-    if len(sized) > 1:
-        least = min(sized, key=lambda r: r["memory"]["bytes_per_param"])
-        base = next((r for r in sized if r["name"] == results["baseline"]), None)
-        ref = f" (fp32: {base['memory']['bytes_per_param']:.1f})" if base else ""
-        ref = "" if least is base else ref
-        lines.append(
-            f"Least training state: {least['name']}, "
-            f"{least['memory']['bytes_per_param']:.1f} bytes/param{ref}."
-        )
-    lines += _loss_findings(results, ran)
-    if results["partial"]:
-        lines.append("Partial results: the comparison was interrupted.")
-    lines += [f"{r['name']} failed: {r['error']}" for r in results["recipes"] if r["error"]]
-    return lines
-
-
-def _speed_finding(results: dict[str, Any], ran: list[dict[str, Any]]) -> str:
-    fastest = max(ran, key=lambda r: r["samples_per_s"])
-    ratio = fastest["throughput_vs_baseline"]
-    if fastest["name"] != results["baseline"] and ratio:
-        return f"Fastest: {fastest['name']}, {ratio:.2f}× fp32's throughput."
-    env = results["environment"]
-    native = env.get("native_low_precision") or {}
-    text = f"No recipe beats fp32's throughput on this {env['device']}"
-    if env["device"] == "cpu" and native.get("bfloat16") is False:
-        capability = env.get("cpu_capability") or "this CPU"
-        text += (
-            f" ({env['cpu']}, {capability}): it has no native bfloat16 or float16 matmul, "
-            "so low precision is emulated; CPUs with AVX512-BF16/AMX and GPUs speed it up"
-        )
-    return text + "."
-
-
-def _loss_findings(results: dict[str, Any], ran: list[dict[str, Any]]) -> list[str]:
-    base = next((r for r in ran if r["name"] == results["baseline"]), None)
-    if base is None or base["train_loss_at_common_step"] is None:
-        return []
-    ref = base["train_loss_at_common_step"]
-    close: list[str] = []
-    off: list[str] = []
-    for r in ran:
-        loss = r["train_loss_at_common_step"]
-        if r is base or loss is None:
-            continue
-        change = (loss - ref) / abs(ref)
-        text = "±0.0%" if abs(change) < 0.0005 else f"{change:+.1%}"
-        (close if abs(change) <= 0.01 else off).append(f"{r['name']} ({text})")
-    lines = []
-    step = results["common_step"]
-    if close:
-        lines.append(f"Within 1% of fp32's train loss at step {step}: {', '.join(close)}.")
-    if off:
-        lines.append(f"Further from fp32's train loss at step {step}: {', '.join(off)}.")
-    scaled = [r for r in ran if r["loss_scaling"]]
-    for r in scaled:
-        if r["final_loss_scale"] is None:
-            continue
-        lines.append(
-            f"{r['name']}: {r['skipped_steps']} skipped step(s), "
-            f"final loss scale {r['final_loss_scale']:g}."
-        )
     return lines

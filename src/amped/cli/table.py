@@ -1,4 +1,9 @@
-"""The comparison as a rich table on the terminal, with the findings and footnotes."""
+"""The comparison on the terminal: warnings, two tables, footnotes, findings.
+
+The columns come as two tables (speed and memory; loss), so each stays readable at
+80 columns; when stdout is a file or a pipe, rich lays them out for 80 columns too
+(or ``$COLUMNS``). No cell wraps.
+"""
 
 from __future__ import annotations
 
@@ -7,53 +12,64 @@ from typing import Any
 
 from rich import box
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from amped.cli import summary
+from amped.cli.findings import warnings
 
-__all__ = ["print_summary"]
+__all__ = ["build_tables", "print_summary"]
 
 _LEFT = {"recipe", "flags"}
-_PIPE_WIDTH = 160  # when stdout is not a terminal (a file, a pipe): wide enough for the table
 
 
-def _stdout_console() -> Console:
-    console = Console()
-    return console if console.is_terminal else Console(width=_PIPE_WIDTH)
-
-
-def build_table(results: dict[str, Any]) -> Table:
+def build_tables(results: dict[str, Any]) -> list[Table]:
+    """One table per :data:`summary.GROUPS` entry, with the recipes as rows."""
     task = results["task"] or {}
     name = task.get("name", results["config"]["task"])
     title = f"amped compare: {name} on {results['config']['device']}"
     if results["partial"]:
         title += " (partial)"
-    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD)
-    for (key, _), header in zip(summary.COLUMNS, summary.headers(results), strict=True):
-        table.add_column(
-            header, justify="left" if key in _LEFT else "right", no_wrap=key != "flags"
-        )
-    for recipe, row in zip(results["recipes"], summary.rows(results), strict=True):
-        style = (
-            "red"
-            if recipe["status"] == "failed"
-            else ("yellow" if recipe["slow_on_this_hardware"] else None)
-        )
-        table.add_row(*(row[key] for key, _ in summary.COLUMNS), style=style)
-    return table
+    headers = dict(zip((k for k, _ in summary.COLUMNS), summary.headers(results), strict=True))
+    rows = summary.rows(results)
+    tables = []
+    for index, (group, keys) in enumerate(summary.GROUPS):
+        heading = f"{title}\n{group}" if index == 0 else group
+        table = Table(title=heading, title_justify="left", header_style="bold",
+                      box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)  # fmt: skip
+        for key in keys:
+            table.add_column(
+                headers[key],
+                justify="left" if key in _LEFT else "right",
+                no_wrap=True,
+            )
+        for recipe, row in zip(results["recipes"], rows, strict=True):
+            style = (
+                "red"
+                if recipe["status"] == "failed"
+                else ("yellow" if recipe["slow_on_this_hardware"] else None)
+            )
+            table.add_row(*(row[key] for key in keys), style=style)
+        tables.append(table)
+    return tables
 
 
 def print_summary(
     results: dict[str, Any], paths: tuple[Path, ...], console: Console | None = None
 ) -> None:
-    """Print the table, then the findings, the footnotes and where the report is."""
-    console = console or _stdout_console()
-    console.print(build_table(results))
-    for line in summary.footnotes(results):
-        console.print(f"  {line}", style="dim", markup=False, highlight=False)
+    """Print the warnings, the tables, the footnotes, the findings and where the report is."""
+    console = console or Console()
+    for line in warnings(results):
+        console.print(f"warning: {line}", style="bold yellow", markup=False, highlight=False)
+    for table in build_tables(results):
+        console.print(table)
+    for line in summary.footnotes(results):  # a hanging indent where a line wraps
+        console.print(Padding(Text(line, style="dim"), (0, 0, 0, 2)))
     console.print()
     for line in summary.findings(results):
-        console.print(f"• {line}", markup=False, highlight=False)
+        if line not in warnings(results):
+            console.print(f"• {line}", markup=False, highlight=False)
     if paths:
         console.print()
         console.print("Report: " + "  ".join(str(p) for p in paths), markup=False, highlight=False)

@@ -144,9 +144,11 @@ class Report:
 
     def summary(self) -> str:
         """A few lines for a terminal or a log."""
+        # bfloat16 has float32's exponent range: no loss scale to report unless one was set.
+        scaled = self.dtype == "float16" or self.loss_scale != 1
+        scale = f", loss scale {self.loss_scale:g}" if scaled else ""
         lines = [
-            f"amped doctor: {self.dtype} on {self.device_type}, loss scale {self.loss_scale:g}, "
-            f"policy {self.policy.name!r}",
+            f"amped doctor: {self.dtype} on {self.device_type}{scale}, policy {self.policy.name!r}",
             f"  loss float32 {self.loss_reference:.6g}  {self.dtype} {self.loss_target:.6g}  "
             f"output SQNR {self.sqnr_db:.1f} dB",
         ]
@@ -161,7 +163,7 @@ class Report:
                 f"  gradient {g.name}: {g.underflow:.1%} underflow at scale {g.scale:g} "
                 f"(kept from scale {g.min_scale:g})"
             )
-        if self.recommended_scale is not None:
+        if self.recommended_scale is not None and self.dtype == "float16":
             lines.append(f"  largest safe loss scale: {self.recommended_scale:g}")
         if self.suggestion is not None:
             lines.append(f"  suggestion: {self.suggestion}")

@@ -1,0 +1,143 @@
+"""The few sentences that answer "what does mixed precision buy this model?".
+
+Built from the ``results.json`` document alone. A sentence makes no claim the data
+cannot carry: "fastest" only when that recipe's step-time range (IQR) is clear of every
+other's (:func:`amped.cli.timing.clear_winner`), a warning first when the machine was
+busy or the timings spread widely, and the recipes whose losses coincide named, since
+their curves hide one another in the plots.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from amped.cli.timing import WIDE_SPREAD, clear_winner
+
+__all__ = ["findings", "warnings"]
+
+
+def warnings(results: dict[str, Any]) -> list[str]:
+    """What makes the timings less trustworthy: a busy machine, a wide spread."""
+    lines = []
+    machine = results.get("machine") or {}
+    if machine.get("busy"):
+        others = machine.get("other_processes_cores")
+        used = f"{others:.1f} of its {machine['cores']} cores" if others is not None else (
+            f"a load average of {machine.get('load_average_1min')} on {machine['cores']} cores"
+        )  # fmt: skip
+        lines.append(
+            f"Busy machine: other processes used {used} while this ran, more than the "
+            f"{machine['cores'] - machine['threads']} left free beside amped's "
+            f"{machine['threads']} thread(s); timings are inflated and vary between runs."
+        )
+    spread = [
+        (r["timing"]["q3_s"] - r["timing"]["q1_s"]) / r["timing"]["median_s"]
+        for r in results["recipes"]
+        if r.get("timing") and r["timing"]["median_s"] > 0
+    ]
+    widest = max(spread, default=0.0)
+    if widest > WIDE_SPREAD:
+        lines.append(
+            f"Wide spread: a recipe's step-time IQR is {widest:.0%} of its median; rerun "
+            "on an idle machine or with more --steps before trusting the speed figures."
+        )
+    return lines
+
+
+def findings(results: dict[str, Any]) -> list[str]:
+    """The warnings, then the findings, one sentence each."""
+    ran = [r for r in results["recipes"] if r["samples_per_s"]]
+    if not ran:
+        return ["No recipe completed a step."]
+    lines = warnings(results)
+    if len(ran) > 1:
+        lines.append(_speed_finding(results, ran))
+    plan = results.get("plan")
+    if plan and plan["shortened"]:
+        lines.append(f"Steps: {plan['note']}.")
+    sized = [r for r in ran if r["memory"]]
+    if len(sized) > 1:
+        least = min(sized, key=lambda r: r["memory"]["bytes_per_param"])
+        base = next((r for r in sized if r["name"] == results["baseline"]), None)
+        ref = f" (fp32: {base['memory']['bytes_per_param']:.1f})" if base else ""
+        ref = "" if least is base else ref
+        lines.append(
+            f"Least training state: {least['name']}, "
+            f"{least['memory']['bytes_per_param']:.1f} bytes/param{ref}."
+        )
+    lines += _loss_findings(results, ran)
+    for group in results.get("identical_losses") or []:
+        lines.append(
+            f"Identical train loss at every step (their curves coincide): {' = '.join(group)}."
+        )
+    if results["partial"]:
+        lines.append("Partial results: the comparison was interrupted.")
+    lines += [f"{r['name']} failed: {r['error']}" for r in results["recipes"] if r["error"]]
+    return lines
+
+
+def _speed_finding(results: dict[str, Any], ran: list[dict[str, Any]]) -> str:
+    timings = {r["name"]: r["timing"] for r in ran if r.get("timing")}
+    if len(timings) < len(ran):
+        return "Speeds are not ranked: not every recipe has repeated step timings."
+    winner = clear_winner(timings)
+    by_median = min(ran, key=lambda r: r["timing"]["median_s"])
+    if winner is not None and winner != results["baseline"]:
+        fastest = next(r for r in ran if r["name"] == winner)
+        low, high = fastest.get("throughput_vs_baseline_range") or (None, None)
+        span = f" (range {low:.2f}–{high:.2f})" if low is not None else ""
+        return (
+            f"Fastest: {winner}, {fastest['throughput_vs_baseline']:.2f}× fp32's "
+            f"throughput{span}; its step-time IQR is clear of every other recipe's."
+        )
+    if winner is None:
+        rivals = [
+            r["name"]
+            for r in ran
+            if r is not by_median
+            and r.get("timing")
+            and r["timing"]["q1_s"] <= by_median["timing"]["q3_s"]
+        ]
+        return (
+            f"No recipe is clearly fastest: {by_median['name']} has the shortest median step, "
+            f"but its IQR overlaps {', '.join(rivals)}'s."
+        )
+    env = results["environment"]
+    native = env.get("native_low_precision") or {}
+    text = f"No recipe beats fp32's throughput on this {env['device']}"
+    if env["device"] == "cpu" and native.get("bfloat16") is False:
+        capability = env.get("cpu_capability") or "this CPU"
+        text += (
+            f" ({env['cpu']}, {capability}): it has no native bfloat16 or float16 matmul, "
+            "so low precision is emulated; CPUs with AVX512-BF16/AMX and GPUs speed it up"
+        )
+    return text + "."
+
+
+def _loss_findings(results: dict[str, Any], ran: list[dict[str, Any]]) -> list[str]:
+    base = next((r for r in ran if r["name"] == results["baseline"]), None)
+    if base is None or base["train_loss_at_common_step"] is None:
+        return []
+    ref = base["train_loss_at_common_step"]
+    close: list[str] = []
+    off: list[str] = []
+    for r in ran:
+        loss = r["train_loss_at_common_step"]
+        if r is base or loss is None:
+            continue
+        change = (loss - ref) / abs(ref)
+        text = "±0.0%" if abs(change) < 0.0005 else f"{change:+.1%}"
+        (close if abs(change) <= 0.01 else off).append(f"{r['name']} ({text})")
+    lines = []
+    step = results["common_step"]
+    if close:
+        lines.append(f"Within 1% of fp32's train loss at step {step}: {', '.join(close)}.")
+    if off:
+        lines.append(f"Further from fp32's train loss at step {step}: {', '.join(off)}.")
+    for r in ran:
+        if r["loss_scaling"] and r["final_loss_scale"] is not None:
+            lines.append(
+                f"{r['name']}: {r['skipped_steps']} skipped step(s), "
+                f"final loss scale {r['final_loss_scale']:g}."
+            )
+    return lines

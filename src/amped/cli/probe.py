@@ -1,0 +1,156 @@
+"""Each recipe's peak memory, measured in a process that runs nothing else.
+
+Within one process the C allocator keeps freed pages, earlier recipes leave caches
+behind, and a small model's growth is lost in that noise: the in-process figure can
+order recipes the wrong way round (fp32 lower than a recipe that holds less state).
+So on a CPU every recipe is also run in a fresh Python process of its own
+(``python -m amped.cli.probe``), for :data:`PROBE_STEPS` steps, with the same
+threads, seed and batches:
+
+    peak = the process's peak resident size during training
+           - its resident size once the float32 task is built, before ``prepare``
+
+The kernel keeps the peak (``VmHWM``); it is reset after the task is built (writing
+``5`` to ``/proc/self/clear_refs``), so it covers ``prepare`` and the training steps
+only. Where that is not available the peak since the process started is used
+(``ru_maxrss``), which is then a bound from above. The probe's step times also serve
+the time budget's plan (:mod:`amped.cli.plan`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from amped.cli.run import CompareConfig, RecipeRun
+
+__all__ = ["PROBE_KIND", "PROBE_STEPS", "ProbeResult", "probe_recipe"]
+
+PROBE_STEPS = 3
+PROBE_KIND = "own_process_peak_rss"
+_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What one recipe's own process measured (``error`` set when the recipe failed)."""
+
+    peak_bytes: int | None
+    step_times: list[float]
+    error: str | None = None
+
+
+def probe_recipe(config: CompareConfig, run: RecipeRun, threads: int) -> ProbeResult:
+    """Run ``run.recipe`` for :data:`PROBE_STEPS` steps in a fresh process and measure it."""
+    request = {
+        "spec": config.factory.spec,
+        "recipe": run.recipe.name,
+        "batch_size": config.batch_size,
+        "seed": config.seed,
+        "device": str(config.device),
+        "threads": threads,
+        "steps": PROBE_STEPS,
+    }
+    # The child sees the modules this process sees (a factory importable by name here).
+    path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "amped.cli.probe"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=_TIMEOUT_S,
+            env=env,
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return ProbeResult(None, [], f"the probe process failed: {error}")
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        return ProbeResult(None, [], f"the probe process exited {done.returncode}: {tail}")
+    answer = json.loads(lines[-1])
+    return ProbeResult(answer["peak_bytes"], answer["step_times"], answer["error"])
+
+
+# --- the child process -------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear:
+            clear.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def _measure(request: dict[str, Any]) -> dict[str, Any]:
+    import amped
+    from amped.cli.factory import load_factory
+    from amped.cli.memory import PeakMemory, _release_freed_memory
+    from amped.cli.run import _train_step
+    from amped.cli.task import to_device
+    from amped.recipes import resolve_recipe
+
+    torch.set_num_threads(request["threads"])
+    device = torch.device(request["device"])
+    factory = load_factory(request["spec"])
+    config = CompareConfig(factory, (), request["steps"], request["batch_size"], device,
+                           request["seed"], None)  # fmt: skip
+    run = RecipeRun(resolve_recipe(request["recipe"]), request["steps"], 0)
+    task = factory.build(batch_size=config.batch_size, seed=config.seed, device=device)
+    model = task.model.to(device)
+    batches = iter(task.batches)
+    _release_freed_memory()
+    before = _status_kib("VmRSS")
+    reset = _reset_peak()
+    setup = amped.prepare(model, task.optimizer(model), run.recipe)
+    sampler = PeakMemory(device)  # unused samples: the kernel's peak is the measure
+    for _ in range(request["steps"]):
+        batch = next(batches, None)
+        if batch is None:
+            break
+        inputs, targets = to_device(batch, device)
+        _train_step(setup, task, inputs, targets, run, sampler, config)
+    peak = _status_kib("VmHWM") if reset else None
+    if peak is None:  # no reset: the lifetime peak, in KiB on Linux
+        peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    peak_bytes = None if before is None else max(0, peak - before) * 1024
+    return {"peak_bytes": peak_bytes, "step_times": run.step_times, "error": None}
+
+
+def _main() -> int:
+    request = json.loads(sys.stdin.read())
+    began = time.monotonic()
+    try:
+        answer = _measure(request)
+    except Exception as error:
+        answer = {"peak_bytes": None, "step_times": [], "error": f"{type(error).__name__}: {error}"}
+    answer["wall_s"] = time.monotonic() - began
+    print(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,173 @@
+"""Step times a reader can trust: repeats, their spread, and how busy the machine was.
+
+Every timed step of a recipe is a repeat. The first step is warm-up (allocator,
+autocast caches, lazy initialisation) and is left out when there are others. A speed
+is reported as the median with the interquartile range (IQR) of the repeats, and a
+ratio to fp32 with the range those IQRs allow::
+
+    ratio low  = speed at the slow quartile / fp32's speed at its fast quartile
+    ratio high = speed at the fast quartile / fp32's speed at its slow quartile
+
+A recipe is called *fastest* only when its slow quartile beats every other recipe's
+fast quartile: when the ranges overlap, the data cannot order them.
+
+The machine's load is measured from ``/proc/stat``: the CPU time all processes used
+over the timed interval, less this process's own, is what *other* processes used (in
+cores). The machine counts as busy when those leave fewer free cores than the threads
+amped runs (``others > cores - threads``), which is when timings are inflated and vary.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "WIDE_SPREAD",
+    "CpuLoad",
+    "StepStats",
+    "clear_winner",
+    "cores_available",
+    "ratio_range",
+    "step_stats",
+]
+
+WIDE_SPREAD = 0.25
+"""An IQR wider than this fraction of the median is called wide in the report."""
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """Seconds per step over ``repeats`` timed steps: median, quartiles, extremes."""
+
+    repeats: int
+    median: float
+    q1: float
+    q3: float
+    low: float
+    high: float
+
+    @property
+    def spread(self) -> float:
+        """The IQR as a fraction of the median."""
+        return (self.q3 - self.q1) / self.median if self.median > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "repeats": self.repeats,
+            "median_s": self.median,
+            "q1_s": self.q1,
+            "q3_s": self.q3,
+            "min_s": self.low,
+            "max_s": self.high,
+        }
+
+
+def _quantile(ordered: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default method)."""
+    position = q * (len(ordered) - 1)
+    below = int(position)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
+
+
+def step_stats(step_times: list[float]) -> StepStats | None:
+    """The statistics of ``step_times``, warm-up (the first step) left out; None if empty."""
+    timed = step_times[1:] if len(step_times) > 1 else step_times
+    if not timed:
+        return None
+    ordered = sorted(timed)
+    return StepStats(
+        repeats=len(ordered),
+        median=_quantile(ordered, 0.5),
+        q1=_quantile(ordered, 0.25),
+        q3=_quantile(ordered, 0.75),
+        low=ordered[0],
+        high=ordered[-1],
+    )
+
+
+def ratio_range(speed: dict[str, Any], base: dict[str, Any]) -> tuple[float, float] | None:
+    """The range of ``speed / base`` the two IQRs allow (see the module docstring).
+
+    Both arguments are ``timing`` entries of ``results.json`` (step times in seconds).
+    """
+    try:
+        return base["q1_s"] / speed["q3_s"], base["q3_s"] / speed["q1_s"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return None
+
+
+def clear_winner(timings: dict[str, dict[str, Any]]) -> str | None:
+    """The recipe whose slow quartile is faster than every other's fast quartile, or None."""
+    ranked = sorted(timings, key=lambda name: timings[name]["median_s"])
+    if len(ranked) < 2:
+        return None
+    best, others = ranked[0], ranked[1:]
+    if all(timings[best]["q3_s"] < timings[other]["q1_s"] for other in others):
+        return best
+    return None
+
+
+def cores_available() -> int:
+    """CPU cores this process may run on (its affinity mask where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def _system_busy_seconds() -> float | None:
+    """CPU seconds all processes have used since boot (``/proc/stat``), or None."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    ticks = [int(v) for v in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    guest = sum(ticks[8:10]) if len(ticks) > 9 else 0  # already counted in user/nice
+    return (sum(ticks) - idle - guest) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_seconds() -> float:
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+class CpuLoad:
+    """Measures how much CPU other processes used between :meth:`start` and :meth:`stop`."""
+
+    def __init__(self, threads: int) -> None:
+        self.threads = threads
+        self.cores = cores_available()
+        self._start: tuple[float, float | None, float] | None = None
+
+    def start(self) -> CpuLoad:
+        self._start = (time.monotonic(), _system_busy_seconds(), _own_seconds())
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        """The load as recorded in ``results.json`` (``machine``)."""
+        if self._start is None:
+            raise RuntimeError("CpuLoad.stop() was called before start()")
+        began, system, own = self._start
+        wall = time.monotonic() - began
+        now = _system_busy_seconds()
+        others: float | None = None
+        if system is not None and now is not None and wall > 0:
+            others = max(0.0, ((now - system) - (_own_seconds() - own)) / wall)
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        measure = others if others is not None else (
+            None if load is None else max(0.0, load - self.threads)
+        )  # fmt: skip
+        busy = measure is not None and measure > self.cores - self.threads + 0.25
+        return {
+            "cores": self.cores,
+            "threads": self.threads,
+            "other_processes_cores": None if others is None else round(others, 2),
+            "load_average_1min": None if load is None else round(load, 2),
+            "busy": busy,
+        }

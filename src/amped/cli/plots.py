@@ -25,8 +25,52 @@ _STATE_PARTS = (
 )
 
 
+_LINESTYLES = ("-", "--", "-.", ":")
+_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">")
+
+
 def _colours(results: dict[str, Any]) -> dict[str, str]:
     return {r["name"]: _PALETTE[i % len(_PALETTE)] for i, r in enumerate(results["recipes"])}
+
+
+def _styles(results: dict[str, Any], points: int) -> dict[str, dict[str, Any]]:
+    """Per recipe: colour, dash pattern and marker, the markers staggered along the x axis.
+
+    Recipes whose curves coincide exactly still show: each has its own dash pattern,
+    and its markers sit at other steps than the others' (``markevery`` offsets).
+    """
+    names = [r["name"] for r in results["recipes"]]
+    colours = _colours(results)
+    every = max(1, points // 8)
+    return {
+        name: {
+            "color": colours[name],
+            "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+            "marker": _MARKERS[i % len(_MARKERS)],
+            "markevery": (min(i * every // max(len(names), 1), max(points - 1, 0)), every),
+            "markersize": 4,
+        }
+        for i, name in enumerate(names)
+    }
+
+
+def _same_as(results: dict[str, Any], key: str) -> dict[str, str]:
+    """For a recipe whose ``key`` list equals an earlier recipe's, that recipe's name."""
+    first: dict[tuple[Any, ...], str] = {}
+    same: dict[str, str] = {}
+    for run in results["recipes"]:
+        values = tuple(run.get(key) or ())
+        if not values:
+            continue
+        if values in first:
+            same[run["name"]] = first[values]
+        else:
+            first[values] = run["name"]
+    return same
+
+
+def _label(name: str, same: dict[str, str]) -> str:
+    return f"{name} (= {same[name]})" if name in same else name
 
 
 def _png(figure: Figure) -> bytes:
@@ -55,29 +99,35 @@ def loss_curves(results: dict[str, Any]) -> bytes | None:
     if not runs:
         return None
     colours = _colours(results)
+    styles = _styles(results, max(len(r["losses"]) for r in runs))
+    same = _same_as(results, "losses")
     base = next((r for r in runs if r["name"] == results["baseline"]), None)
     figure = Figure(figsize=(8, 6.4 if base else 4.2))
     axes, gap = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2)) if base else (
         figure.add_subplot(), None)  # fmt: skip
     if gap is not None and base is not None:
-        _loss_gap(gap, runs, base, colours)
+        _loss_gap(gap, runs, base, styles)
     for run in runs:
         steps = range(1, len(run["losses"]) + 1)
         raw = [math.nan if v is None else v for v in run["losses"]]
         if len(raw) >= 40:  # shorter runs are drawn unsmoothed: no faint copy needed
             axes.plot(steps, raw, color=colours[run["name"]], alpha=0.18, linewidth=0.8)
-        axes.plot(steps, _smooth(run["losses"]), color=colours[run["name"]], label=run["name"])
+        axes.plot(steps, _smooth(run["losses"]), label=_label(run["name"], same),
+                  **styles[run["name"]])  # fmt: skip
     common = results.get("common_step")
     if common and any(len(r["losses"]) > common for r in runs):
         axes.axvline(common, color="#888888", linestyle=":", linewidth=1)
-    axes.set(ylabel="train loss", title="Train loss (same batches for every recipe)")
+    title = "Train loss (same batches for every recipe)"
+    if same:
+        title += "; (= x): identical to x at every step"
+    axes.set(ylabel="train loss", title=title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small", ncol=2)
     (gap if gap is not None else axes).set_xlabel("step")
     return _png(figure)
 
 
-def _loss_gap(axes: Any, runs: list[dict[str, Any]], base: dict[str, Any], colours: Any) -> None:
+def _loss_gap(axes: Any, runs: list[dict[str, Any]], base: dict[str, Any], styles: Any) -> None:
     """Smoothed ``loss - fp32 loss`` per step: the curves above overlap when it is small."""
     reference = base["losses"]
     for run in runs:
@@ -85,8 +135,8 @@ def _loss_gap(axes: Any, runs: list[dict[str, Any]], base: dict[str, Any], colou
             continue
         pairs = zip(run["losses"], reference, strict=False)
         diff = [None if a is None or b is None else a - b for a, b in pairs]
-        axes.plot(range(1, len(diff) + 1), _smooth(diff), color=colours[run["name"]])
-    axes.axhline(0.0, color=colours[base["name"]], linewidth=1)
+        axes.plot(range(1, len(diff) + 1), _smooth(diff), **styles[run["name"]])
+    axes.axhline(0.0, color=styles[base["name"]]["color"], linewidth=1)
     axes.set(ylabel="loss − fp32 loss")
     axes.grid(alpha=0.3)
 
@@ -96,13 +146,16 @@ def loss_scale(results: dict[str, Any]) -> bytes | None:
     runs = [r for r in results["recipes"] if r["loss_scales"]]
     if not runs:
         return None
-    colours = _colours(results)
+    styles = _styles(results, max(len(r["loss_scales"]) for r in runs))
+    same = _same_as({"recipes": runs}, "loss_scales")
     figure = Figure(figsize=(8, 3.4))
     axes = figure.add_subplot()
     for run in runs:
         scales = run["loss_scales"]
-        axes.step(range(1, len(scales) + 1), scales, where="post", color=colours[run["name"]],
-                  label=f"{run['name']} ({run['skipped_steps']} skipped)")  # fmt: skip
+        label = f"{_label(run['name'], same)}: {run['skipped_steps']} skipped"
+        axes.step(range(1, len(scales) + 1), scales, where="post", label=label,
+                  linewidth=2.5 if run["name"] not in same else 1.2,
+                  **styles[run["name"]])  # fmt: skip
     axes.set_yscale("log", base=2)
     axes.set(xlabel="step", ylabel="loss scale", title="Dynamic loss scale")
     axes.grid(alpha=0.3)
@@ -120,17 +173,30 @@ def throughput(results: dict[str, Any]) -> bytes | None:
     axes = figure.add_subplot()
     names = [r["name"] for r in runs][::-1]
     speeds = [r["samples_per_s"] for r in runs][::-1]
-    bars = axes.barh(names, speeds, color=[colours[n] for n in names])
+    spreads = [r.get("samples_per_s_iqr") for r in runs][::-1]
+    errors = [
+        [max(v - p[0], 0.0) if p else 0.0 for v, p in zip(speeds, spreads, strict=True)],
+        [max(p[1] - v, 0.0) if p else 0.0 for v, p in zip(speeds, spreads, strict=True)],
+    ]
+    bars = axes.barh(names, speeds, color=[colours[n] for n in names], xerr=errors,
+                     error_kw={"ecolor": "#555555", "capsize": 3})  # fmt: skip
     for bar, run in zip(bars, runs[::-1], strict=True):
         if run["slow_on_this_hardware"]:
             bar.set_hatch("//")
         ratio = run["throughput_vs_baseline"]
-        label = f" {run['samples_per_s']:,.0f}" + (f"  ({ratio:.2f}× fp32)" if ratio else "")
-        axes.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, label, va="center",
+        iqr = run.get("samples_per_s_iqr")
+        label = f" {run['samples_per_s']:,.0f}" + (
+            f" (IQR {iqr[0]:,.0f}–{iqr[1]:,.0f})" if iqr else ""
+        )
+        label += f"  {ratio:.2f}× fp32" if ratio else ""
+        end = max(bar.get_width(), iqr[1] if iqr else 0.0)  # after the whisker, not on it
+        axes.text(end, bar.get_y() + bar.get_height() / 2, label, va="center",
                   fontsize="small")  # fmt: skip
-    axes.set_xlim(0, max(speeds) * 1.35)
+    highest = max(max(p[1] for p in spreads if p) if any(spreads) else 0.0, max(speeds))
+    axes.set_xlim(0, highest * 1.45)
     axes.set(
-        xlabel="samples / s (median step)", title="Throughput (hatched: slow on this hardware)"
+        xlabel="samples / s (median step; whiskers: interquartile range)",
+        title="Throughput (hatched: slow on this hardware)",
     )
     axes.grid(axis="x", alpha=0.3)
     return _png(figure)
@@ -141,7 +207,7 @@ def memory(results: dict[str, Any]) -> bytes | None:
     runs = [r for r in results["recipes"] if r["memory"]]
     if not runs:
         return None
-    figure = Figure(figsize=(8, 0.5 * len(runs) + 1.6))
+    figure = Figure(figsize=(8, 0.5 * len(runs) + 2.3))
     state, peak = figure.subplots(1, 2, sharey=True)
     names = [r["name"] for r in runs][::-1]
     left = [0.0] * len(runs)
@@ -151,14 +217,16 @@ def memory(results: dict[str, Any]) -> bytes | None:
         state.barh(names, per_param, left=left, color=shade, label=label)
         left = [a + b for a, b in zip(left, per_param, strict=True)]
     state.set(xlabel="bytes per parameter", title="Training state")
-    state.legend(fontsize="x-small", loc="lower right")
+    state.legend(fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2)
     colours = _colours(results)
     peaks = [(r["memory"]["peak_bytes"] or 0) / 2**20 for r in runs][::-1]
     peak.barh(names, peaks, color=[colours[n] for n in names])
     kind = runs[0]["memory"]["peak_kind"]
-    peak.set(
-        xlabel="MiB", title="Peak allocator" if kind == "cuda_allocator_peak" else "Peak RSS growth"
-    )
+    titles = {
+        "cuda_allocator_peak": "Peak allocator",
+        "own_process_peak_rss": "Peak RSS, own process",
+    }
+    peak.set(xlabel="MiB", title=titles.get(kind, "Peak RSS growth"))
     for axes in (state, peak):
         axes.grid(axis="x", alpha=0.3)
     return _png(figure)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from amped.cli import plots, summary
+from amped.cli.findings import warnings
 from amped.cli.results import dumps, write_atomic
 
 __all__ = ["render_html", "write_report"]
@@ -21,6 +22,7 @@ _CSS = """
 body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1d1d1f;
        max-width: 1100px; margin: 2rem auto; padding: 0 1.2rem; background: #fff; }
 h1 { font-size: 1.6rem; margin-bottom: .2rem; } h2 { margin-top: 2.2rem; font-size: 1.2rem; }
+h3 { font-size: 1rem; margin: 1.2rem 0 .3rem; }
 .sub { color: #666; margin-top: 0; }
 .banner { background: #fff3cd; border: 1px solid #e0c36c; padding: .6rem 1rem; border-radius: 6px; }
 ul.findings li { margin: .25rem 0; }
@@ -35,7 +37,8 @@ figure { margin: 1.2rem 0; } figure img { max-width: 100%; border: 1px solid #ee
 figcaption { color: #666; font-size: 13px; }
 dl.env { display: grid; grid-template-columns: max-content 1fr; gap: .2rem 1.2rem;
          font-size: 13.5px; }
-dl.env dt { color: #666; } dl.env dd { margin: 0; font-family: ui-monospace, monospace; }
+dl.env dt { color: #666; } dl.env dd { margin: 0; font-family: ui-monospace, monospace;
+         overflow-wrap: anywhere; }
 code { font-family: ui-monospace, SFMono-Regular, Menlo, monospace; font-size: 13px; }
 """
 
@@ -45,18 +48,23 @@ def _e(value: object) -> str:
 
 
 def _table(results: dict[str, Any]) -> str:
-    keys = [key for key, _ in summary.COLUMNS]
-    head = "".join(
-        f'<th class="{key}">{_e(h)}</th>'
-        for key, h in zip(keys, summary.headers(results), strict=True)
-    )
-    body = []
-    for recipe, row in zip(results["recipes"], summary.rows(results), strict=True):
-        css = "failed" if recipe["status"] == "failed" else ""
-        css = css or ("slow" if recipe["slow_on_this_hardware"] else "")
-        cells = "".join(f'<td class="{k}">{_e(row[k])}</td>' for k in keys)
-        body.append(f'<tr class="{css}" title="{_e(recipe["summary"])}">{cells}</tr>')
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    """The comparison as the console shows it: one table per :data:`summary.GROUPS` entry."""
+    headers = dict(zip((k for k, _ in summary.COLUMNS), summary.headers(results), strict=True))
+    rows = summary.rows(results)
+    parts = []
+    for group, keys in summary.GROUPS:
+        head = "".join(f'<th class="{key}">{_e(headers[key])}</th>' for key in keys)
+        body = []
+        for recipe, row in zip(results["recipes"], rows, strict=True):
+            css = "failed" if recipe["status"] == "failed" else ""
+            css = css or ("slow" if recipe["slow_on_this_hardware"] else "")
+            cells = "".join(f'<td class="{k}">{_e(row[k])}</td>' for k in keys)
+            body.append(f'<tr class="{css}" title="{_e(recipe["summary"])}">{cells}</tr>')
+        parts.append(
+            f"<h3>{_e(group)}</h3><table><thead><tr>{head}</tr></thead>"
+            f"<tbody>{''.join(body)}</tbody></table>"
+        )
+    return "\n".join(parts)
 
 
 def _figures(results: dict[str, Any]) -> str:
@@ -75,19 +83,51 @@ def _figures(results: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+_LABELS = {
+    "cpu_count": "cpu cores",
+    "torch_threads": "torch threads",
+    "cpu_capability": "cpu capability (torch)",
+    "max_time_s": "max time (s)",
+    "threads_source": "threads chosen by",
+}
+_MACHINE = {
+    "cores": "cores available",
+    "other_processes_cores": "other processes' CPU use while timing (cores)",
+    "load_average_1min": "load average (1 min) at the end",
+    "busy": "busy machine",
+}
+
+
+def _text(key: str, value: Any) -> str:
+    """A value as a reader wants it: lists joined, no ``None`` (what it means instead)."""
+    if value is None:
+        return {"batch_size": "the factory's default", "max_time_s": "no limit"}.get(key, "unknown")
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(str(v) for v in value) if value else "none"
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_text(k, v)}" for k, v in value.items())
+    return str(value)
+
+
 def _environment(results: dict[str, Any]) -> str:
     env = dict(results["environment"])
     gpu = env.pop("gpu", None)
     native = env.pop("native_low_precision", None) or {}
+    rows: list[tuple[str, str]] = [(_LABELS.get(k, k), _text(k, v)) for k, v in env.items()]
     if gpu:
-        env.update({f"gpu {k}": v for k, v in gpu.items()})
-    env.update(
-        {f"native {k}": {True: "yes", False: "no", None: "unknown"}[v] for k, v in native.items()}
-    )
-    config = results["config"]
-    env.update({f"config {k}": v for k, v in config.items()})
-    env["command"] = " ".join(results["command"])
-    items = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in env.items())
+        rows += [(f"gpu {k}", _text(k, v)) for k, v in gpu.items()]
+    rows += [
+        (f"native {k} matmul", {True: "yes", False: "no", None: "unknown"}[v])
+        for k, v in native.items()
+    ]
+    machine = results.get("machine") or {}
+    rows += [(_MACHINE[k], _text(k, v)) for k, v in machine.items() if k in _MACHINE]
+    rows += [(_LABELS.get(k, k.replace("_", " ")), _text(k, v))
+             for k, v in results["config"].items() if k != "device"]  # fmt: skip
+    rows.append(("command", " ".join(results["command"])))
+    items = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in rows)
     return f'<dl class="env">{items}</dl>'
 
 
@@ -101,7 +141,13 @@ def render_html(results: dict[str, Any]) -> str:
             '<p class="banner"><strong>Partial results.</strong> The comparison was '
             "interrupted; recipes that did not finish are marked.</p>"
         )
-    findings = "".join(f"<li>{_e(line)}</li>" for line in summary.findings(results))
+    banner += "".join(
+        f'<p class="banner"><strong>Warning.</strong> {_e(line)}</p>' for line in warnings(results)
+    )
+    shown = set(warnings(results))
+    findings = "".join(
+        f"<li>{_e(line)}</li>" for line in summary.findings(results) if line not in shown
+    )
     notes = "".join(f"<li>{_e(line)}</li>" for line in summary.footnotes(results))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">

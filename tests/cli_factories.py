@@ -106,3 +106,34 @@ def fails_in_low_precision():
 
 
 NOT_CALLABLE = 3
+
+
+def wide_mlp(batch_size: int = 2, seed: int = 0):
+    """8.4M parameters and tiny activations: training state dominates peak memory.
+
+    fp32 with AdamW adds 12 bytes/param in the step (gradients, two moments): ~100 MiB;
+    bf16-pure-sr lowers the weights and keeps 2-byte gradients and moments: far less.
+    """
+    generator = torch.Generator().manual_seed(seed)
+
+    def batches():
+        while True:
+            x = torch.randn(batch_size, 2048, generator=generator)
+            yield x, x
+
+    model = nn.Sequential(nn.Linear(2048, 2048), nn.Linear(2048, 2048))
+    return model, batches(), F.mse_loss
+
+
+def wide_mlp_sgd(batch_size: int = 2, seed: int = 0):
+    """:func:`wide_mlp` trained with plain SGD: no optimizer state, no step temporaries.
+
+    Between the fp32 recipe and bf16-master the difference is then the state alone:
+    fp32 adds 4 bytes/param (gradients); bf16-master lowers the weights (-2), keeps
+    float32 masters (+4), bfloat16 gradients (+2) and, in the step, float32 master
+    gradients (+4): 8 bytes/param, about 32 MiB more for 8.4M parameters.
+    """
+    model, batches, loss_fn = wide_mlp(batch_size, seed)
+    return Task(
+        model, batches, loss_fn, make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1e-3)
+    )

@@ -27,6 +27,7 @@ from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
 from amped.cli.task import to_device
 from amped.doctor import Report, diagnose
+from amped.doctor.report import OpStat
 
 __all__ = ["doctor_table", "run_doctor", "unfixed_nonfinite"]
 
@@ -89,11 +90,11 @@ def unfixed_nonfinite(report: Report) -> bool:
     return nonfinite and not fixed
 
 
-def doctor_table(report: Report, rows: int = 12) -> Table:
+def doctor_table(report: Report, rows: int = 12, width: int = 80) -> Table:
     """The ``rows`` ops with the most inf/NaN, then underflow, then range, in run order.
 
-    Sized for 80 columns: short dtype names, no cell wraps (a long module name is
-    cut with an ellipsis on a narrow terminal; ``doctor.json`` has it whole).
+    Sized for ``width`` columns: short dtype names, no cell wraps (a long module name
+    keeps its end, after an ellipsis, on a narrow terminal; ``doctor.json`` has it whole).
     """
     where = f"{report.dtype} on {report.device_type}"
     table = Table(
@@ -102,36 +103,42 @@ def doctor_table(report: Report, rows: int = 12) -> Table:
         box=box.SIMPLE_HEAD,
         header_style="bold",
     )
-    for column in ("module", "op", "dtype", "max |x|", "inf", "NaN", "underflow", "SQNR dB"):
-        left = column in ("module", "op")
-        table.add_column(
-            column,
-            justify="left" if left else "right",
-            no_wrap=True,
-            overflow="ellipsis" if left else "fold",
-            ratio=2 if column == "module" else (1 if left else None),
-        )
     worst = sorted(report.ops, key=lambda o: (-(o.n_inf + o.n_nan), -(o.underflow or 0.0), -o.amax))
-    for op in sorted(worst[:rows], key=lambda o: o.index):
-        bad = op.n_inf or op.n_nan
-        table.add_row(
-            op.module or "<root>",
-            op.op,
-            _SHORT.get(op.dtype, op.dtype),
-            f"{op.amax:.3g}",
-            str(op.n_inf),
-            str(op.n_nan),
-            "" if op.underflow is None else f"{op.underflow:.1%}",
-            "" if op.sqnr_db is None else f"{op.sqnr_db:.1f}",
-            style="red" if bad else None,
-        )
+    cells = [_cells(op) for op in sorted(worst[:rows], key=lambda o: o.index)]
+    headers = ("module", "op", "dtype", "max |x|", "inf", "NaN", "underflow", "SQNR dB")
+    widest = [max([len(h), *(len(c[i]) for c, _ in cells)]) for i, h in enumerate(headers)]
+    # Each column costs its text plus 3 (padding and rule); the module name gives way
+    # first, so the numbers are never squeezed.
+    room = max(12, width - sum(w + 3 for w in widest[1:]) - 5)
+    table.add_column(headers[0], no_wrap=True, max_width=room)
+    for index, column in enumerate(headers[1:], start=1):
+        table.add_column(column, justify="left" if index == 1 else "right", no_wrap=True,
+                         min_width=widest[index])  # fmt: skip
+    for (module, *rest), bad in cells:
+        # Cut from the left: the end of a qualified name says which module it is.
+        module = module if len(module) <= room else "…" + module[-(room - 1) :]
+        table.add_row(module, *rest, style="red" if bad else None)
     return table
+
+
+def _cells(op: OpStat) -> tuple[tuple[str, ...], bool]:
+    row = (
+        op.module or "<root>",
+        op.op,
+        _SHORT.get(op.dtype, op.dtype),
+        f"{op.amax:.3g}",
+        str(op.n_inf),
+        str(op.n_nan),
+        "" if op.underflow is None else f"{op.underflow:.1%}",
+        "" if op.sqnr_db is None else f"{op.sqnr_db:.1f}",
+    )
+    return row, bool(op.n_inf or op.n_nan)
 
 
 def _print(report: Report, html: Path) -> None:
     console = Console()
     if not console.is_terminal:
         console = Console(width=_PIPE_WIDTH)
-    console.print(doctor_table(report))
+    console.print(doctor_table(report, width=console.width))
     console.print(report.summary(), markup=False, highlight=False)
     console.print(f"report: {html}", markup=False, highlight=False)

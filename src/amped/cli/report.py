@@ -83,14 +83,14 @@ def _figures(results: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-_LABELS = {
+_LABELS: dict[str, str] = {
     "cpu_count": "cpu cores",
     "torch_threads": "torch threads",
     "cpu_capability": "cpu capability (torch)",
     "max_time_s": "max time (s)",
     "threads_source": "threads chosen by",
 }
-_MACHINE = {
+_MACHINE: dict[str, str] = {
     "cores": "cores available",
     "other_processes_cores": "other processes' CPU use while timing (cores)",
     "load_average_1min": "load average (1 min) at the end",

@@ -115,7 +115,9 @@ def _environment(results: dict[str, Any]) -> str:
     env = dict(results["environment"])
     gpu = env.pop("gpu", None)
     native = env.pop("native_low_precision", None) or {}
-    rows: list[tuple[str, str]] = [(_LABELS.get(k, k), _text(k, v)) for k, v in env.items()]
+    rows: list[tuple[str, str]] = [
+        (_LABELS.get(str(k), str(k)), _text(k, v)) for k, v in env.items()
+    ]
     if gpu:
         rows += [(f"gpu {k}", _text(k, v)) for k, v in gpu.items()]
     rows += [

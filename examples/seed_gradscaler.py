@@ -5,6 +5,13 @@ otherwise. The printed values are the seed's: without a scaler the gradient of
 ``param**2 + 3`` at 2.0 is 4 and SGD (lr 0.1) moves the parameter to 1.6; with one,
 the gradient is scaled by 65536 to 262144, unscaled before the step, and the
 parameter still lands on 1.6.
+
+    python examples/seed_gradscaler.py    # needs only torch and amped
+
+It prints the seed's own labels, in Chinese, so its output can be compared line by line:
+缩放因子 is "scale factor" and 梯度值 "gradient value". The lines without a label are,
+in order: the loss, the gradient, the parameter after the step; and at the end, the
+scale for the next step.
 """
 
 import torch

@@ -102,22 +102,27 @@ def doctor_table(report: Report, rows: int = 12, width: int = 80) -> Table:
         title_justify="left",
         box=box.SIMPLE_HEAD,
         header_style="bold",
+        pad_edge=False,
+        collapse_padding=True,
     )
     worst = sorted(report.ops, key=lambda o: (-(o.n_inf + o.n_nan), -(o.underflow or 0.0), -o.amax))
     cells = [_cells(op) for op in sorted(worst[:rows], key=lambda o: o.index)]
     headers = ("module", "op", "dtype", "max |x|", "inf", "NaN", "underflow", "SQNR dB")
     widest = [max([len(h), *(len(c[i]) for c, _ in cells)]) for i, h in enumerate(headers)]
-    # Each column costs its text plus 3 (padding and rule); the module name gives way
-    # first, so the numbers are never squeezed.
-    room = max(12, width - sum(w + 3 for w in widest[1:]) - 5)
-    table.add_column(headers[0], no_wrap=True, max_width=room)
-    for index, column in enumerate(headers[1:], start=1):
-        table.add_column(column, justify="left" if index == 1 else "right", no_wrap=True,
-                         min_width=widest[index])  # fmt: skip
-    for (module, *rest), bad in cells:
-        # Cut from the left: the end of a qualified name says which module it is.
-        module = module if len(module) <= room else "…" + module[-(room - 1) :]
-        table.add_row(module, *rest, style="red" if bad else None)
+    # Each column costs its text plus 2 (collapsed padding). The numbers are never
+    # squeezed; the names share what is left, the op name taking at most half.
+    room = max(16, width - sum(w + 2 for w in widest[2:]) - 6)
+    op_room = min(widest[1], max(8, room // 2))
+    module_room = max(8, room - op_room)
+    table.add_column(headers[0], no_wrap=True, max_width=module_room)
+    table.add_column(headers[1], no_wrap=True, max_width=op_room)
+    for index, column in enumerate(headers[2:], start=2):
+        table.add_column(column, justify="right", no_wrap=True, min_width=widest[index])
+    for (module, op, *rest), bad in cells:
+        # A module name keeps its end (which module it is), an op name its start.
+        module = module if len(module) <= module_room else "…" + module[-(module_room - 1) :]
+        op = op if len(op) <= op_room else op[: op_room - 1] + "…"
+        table.add_row(module, op, *rest, style="red" if bad else None)
     return table
 
 

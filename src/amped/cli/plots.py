@@ -74,7 +74,8 @@ def _label(name: str, same: dict[str, str]) -> str:
 
 
 def _png(figure: Figure) -> bytes:
-    figure.tight_layout()
+    if figure.get_layout_engine() is None:
+        figure.tight_layout()
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=_DPI)
     return buffer.getvalue()
@@ -102,7 +103,7 @@ def loss_curves(results: dict[str, Any]) -> bytes | None:
     styles = _styles(results, max(len(r["losses"]) for r in runs))
     same = _same_as(results, "losses")
     base = next((r for r in runs if r["name"] == results["baseline"]), None)
-    figure = Figure(figsize=(8, 6.4 if base else 4.2))
+    figure = Figure(figsize=(8, 6.4 if base else 4.2), layout="constrained")  # keeps labels in
     axes, gap = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2)) if base else (
         figure.add_subplot(), None)  # fmt: skip
     if gap is not None and base is not None:

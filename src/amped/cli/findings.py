@@ -56,7 +56,10 @@ def findings(results: dict[str, Any]) -> list[str]:
     if plan and plan["shortened"]:
         lines.append(f"Steps: {plan['note']}.")
     sized = [r for r in ran if r["memory"]]
-    if len(sized) > 1:
+    distinct = {round(r["memory"]["bytes_per_param"], 1) for r in sized}
+    if len(sized) > 1 and len(distinct) == 1:
+        lines.append(f"Training state: {distinct.pop():.1f} bytes/param for every recipe.")
+    elif len(sized) > 1:
         least = min(sized, key=lambda r: r["memory"]["bytes_per_param"])
         base = next((r for r in sized if r["name"] == results["baseline"]), None)
         ref = f" (fp32: {base['memory']['bytes_per_param']:.1f})" if base else ""

@@ -150,6 +150,8 @@ def render_html(results: dict[str, Any]) -> str:
     findings = "".join(
         f"<li>{_e(line)}</li>" for line in summary.findings(results) if line not in shown
     )
+    subtitle = (task.get("description"), results["config"]["device"], results["created"],
+                f"{results['wall_s']:.0f} s")  # fmt: skip
     notes = "".join(f"<li>{_e(line)}</li>" for line in summary.footnotes(results))
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
@@ -157,8 +159,7 @@ def render_html(results: dict[str, Any]) -> str:
 <title>amped compare: {_e(name)}</title><style>{_CSS}</style></head>
 <body>
 <h1>What mixed precision buys {_e(name)}</h1>
-<p class="sub">{_e(task.get("description", ""))} · {_e(results["config"]["device"])} ·
-{_e(results["created"])} · {results["wall_s"]:.0f} s</p>
+<p class="sub">{" · ".join(_e(part) for part in subtitle if part)}</p>
 {banner}
 <ul class="findings">{findings}</ul>
 <h2>Comparison</h2>

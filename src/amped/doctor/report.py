@@ -300,7 +300,10 @@ def _range_plot(ranges: dict[str, tuple[float, float, bool]], dtype: str) -> byt
 
 _PAGE = """<!doctype html>
 <html><head><meta charset="utf-8"><title>{title}</title>
-<style>body{{font-family:sans-serif;margin:2em}} pre{{background:#f4f4f4;padding:1em}}
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<style>body{{font-family:sans-serif;margin:2em auto;max-width:1100px;padding:0 1em}}
+pre{{background:#f4f4f4;padding:1em;white-space:pre-wrap;overflow-wrap:anywhere}}
+img{{max-width:100%}}
 table{{border-collapse:collapse;font-size:12px}}
 td,th{{border:1px solid #ccc;padding:2px 6px}}</style>
 </head><body><h1>{title}</h1><pre>{summary}</pre>{plot}

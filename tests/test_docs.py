@@ -118,3 +118,22 @@ def test_python_blocks_run(path, tmp_path):
 def _path() -> str:
     """The interpreter's own path, so the blocks import the amped under test."""
     return os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
+
+
+def test_the_doctor_sample_output_is_what_the_example_prints(monkeypatch):
+    """docs/doctor.md shows the RMSNorm report as examples/doctor_reports.py prints it."""
+    import importlib.util
+
+    import torch
+
+    from amped.doctor import diagnose
+
+    monkeypatch.chdir(ROOT)  # the source line is reported relative to where it runs
+    spec = importlib.util.spec_from_file_location("doctor_reports", "examples/doctor_reports.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model, x = example._norm_variance_overflow()
+    summary = diagnose(model, x, example._mean, dtype=torch.float16).summary()
+    shown = [code for _, info, code in blocks(ROOT / "docs" / "doctor.md") if info == "text"]
+    assert summary + "\n" in shown

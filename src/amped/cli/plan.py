@@ -47,7 +47,7 @@ class Plan:
         slowest = max(self.step_s, key=self.step_s.__getitem__)
         return (
             f"{self.steps} of {self.requested} steps per recipe, to fit --max-time "
-            f"{self.max_time:g} s; the slowest recipe here, {slowest}, takes "
+            f"{self.max_time:g} s; the slowest in the first timed steps, {slowest}, took "
             f"{self.step_s[slowest]:.2f} s a step"
         )
 

@@ -138,3 +138,10 @@ def test_report_of_partial_results_says_so():
     assert "not run (the comparison was interrupted)" in page
     assert page.count("data:image/png;base64,") == 3  # no loss-scale plot without fp16
     assert "nothing to plot" in page
+
+
+def test_recipes_take_dtype_names_as_torch_spells_them():
+    from amped.cli.command import parse_recipes
+
+    chosen = parse_recipes("bfloat16,torch.float16,float32,half,bf16")
+    assert [r.name for r in chosen] == ["bf16-mixed", "fp16-mixed", "fp32"]

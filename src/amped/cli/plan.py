@@ -72,7 +72,8 @@ def make_plan(
     """
     if not config.max_time or config.steps <= TIMING_STEPS:
         return None  # nothing to fit, or timing would cost as much as the run
-    observer.planning(runs)
+    if any(not (timed or {}).get(run.recipe.name) for run in runs):
+        observer.planning(runs)  # some recipes still need their timing steps
     began = time.monotonic() - timed_s
     estimates: dict[str, float] = {}
     for run in runs:

@@ -116,8 +116,8 @@ def test_memory_report_counts_delayed_scaling_state():
         _train(setup, _data(1))
     reports = [amped.memory_report(s.model, s.optimizer) for s in (tensorwise, delayed, plain)]
     assert reports[0] == reports[2]  # dynamic scaling holds no state
-    # per layer: history 3x16 + scale 3 + pending 3 + maxima 3 float32, one int64 counter
-    per_layer = (3 * 16 + 3 + 3 + 3) * 4 + 8
+    # per layer: history 3x16 + scale 3 + maxima 3 float32, one int64 counter
+    per_layer = (3 * 16 + 3 + 3) * 4 + 8
     assert reports[1].fp8_state == 2 * per_layer
     assert reports[1].total == reports[2].total + 2 * per_layer
     assert "FP8 amax history" in reports[1].table()

@@ -128,8 +128,9 @@ class Float8Linear(torch.nn.Linear):
             layer.register_buffer("fp8_amax_history", torch.zeros(3, n, dtype=f32, device=dev))
             layer.register_buffer("fp8_scale", torch.ones(3, dtype=f32, device=dev))
             layer.register_buffer("fp8_updates", torch.zeros((), dtype=torch.int64, device=dev))
-            pending = torch.zeros(3, dtype=f32, device=dev)
-            layer.register_buffer("fp8_pending", pending, persistent=False)
+            # Not a buffer: DDP broadcasts buffers from rank 0 at every forward, which would
+            # overwrite the amaxes another rank saw in an earlier micro-batch.
+            layer.fp8_pending = torch.zeros(3, dtype=f32, device=dev)
             fp8_max = torch.tensor(maxima, dtype=f32, device=dev)
             layer.register_buffer("fp8_max", fp8_max, persistent=False)
         return layer
@@ -146,6 +147,8 @@ class Float8Linear(torch.nn.Linear):
             return quantize(x, rule.dtype, rule.granularity, dim, self.fp8_config.power_of_2)
         amax = amax_of(x).to(torch.float32)
         with torch.no_grad():
+            if self.fp8_pending.device != amax.device:  # the model moved
+                self.fp8_pending = self.fp8_pending.to(amax.device)
             self.fp8_pending[role] = torch.maximum(self.fp8_pending[role], amax)
             if self.fp8_started:
                 scale = self.fp8_scale[role]

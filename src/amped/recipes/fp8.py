@@ -9,6 +9,10 @@ Ops outside those layers run under the base recipe's bfloat16 autocast policy. A
 module the policy keeps in float32 (or skips) stays out of FP8, as do layers the
 module filter rejects.
 
+Under FSDP2, convert first (:func:`amped.fp8.convert_to_fp8` with the recipe's config),
+then ``fully_shard``, build the optimizer and call ``prepare``: it adopts the layers
+already converted (torchao asks for the same order).
+
 These recipes are opt-in: ``amped compare`` runs them when named in ``--recipes``.
 """
 
@@ -18,7 +22,15 @@ import dataclasses
 
 import torch
 
-from amped.fp8 import FP8_CONFIGS, ModuleFilter, convert_to_fp8, plan_fp8
+from amped.fp8 import (
+    FP8_CONFIGS,
+    Float8Linear,
+    Fp8Config,
+    Fp8Layers,
+    ModuleFilter,
+    convert_to_fp8,
+    plan_fp8,
+)
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, register, resolve_recipe
 from amped.recipes.setup import TrainSetup, prepare
@@ -87,6 +99,24 @@ def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
     return chosen
 
 
+def _already_converted(
+    recipe: Recipe, model: torch.nn.Module, config: Fp8Config
+) -> Fp8Layers | None:
+    """The model's Float8Linear layers, when it was converted before (FSDP2: convert,
+    then ``fully_shard``, then build the optimizer and call ``prepare``)."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    if not layers:
+        return None
+    for name, layer in layers.items():
+        if layer.fp8_config != config:
+            raise ValueError(
+                f"Recipe {recipe.name!r} found layer {name!r} converted to FP8 with other "
+                f"rules; convert with amped.fp8.FP8_CONFIGS[{recipe.fp8!r}]. Received: "
+                f"fp8={layer.fp8_config}"
+            )
+    return Fp8Layers(layers, config)
+
+
 def build_fp8_setup(
     recipe: Recipe,
     model: torch.nn.Module,
@@ -113,13 +143,17 @@ def build_fp8_setup(
             "underflow, FP8 casts have their own scales); pass no scaler. Received: an "
             "enabled GradScaler"
         )
+    config = FP8_CONFIGS[recipe.fp8]
+    converted = _already_converted(recipe, model, config)
     keep = kept_in_fp32(model, policy)
     names = plan_fp8(model, module_filter, keep)
-    if not names:  # before the base recipe changes anything
-        convert_to_fp8(model, FP8_CONFIGS[recipe.fp8], names)
+    if not names and converted is None:  # before the base recipe changes anything
+        convert_to_fp8(model, config, names)
     setup = prepare(model, optimizer, base_recipe, policy=policy, scaler=scaler)
-    names = plan_fp8(model, module_filter, keep | kept_in_fp32(model, setup.policy))
-    setup.fp8_layers = convert_to_fp8(model, FP8_CONFIGS[recipe.fp8], names)
+    if converted is None:
+        names = plan_fp8(model, module_filter, keep | kept_in_fp32(model, setup.policy))
+        converted = convert_to_fp8(model, config, names)
+    setup.fp8_layers = converted
     setup.recipe = dataclasses.replace(
         recipe, weights=base_recipe.weights, compensation=base_recipe.compensation
     )

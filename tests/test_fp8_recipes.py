@@ -105,6 +105,8 @@ def test_module_filter_and_policy_module_rules_choose_the_layers():
     policy = amped.Policy.preset("torch", "cpu").with_module("fc1", "fp32")
     setup = _prepare("fp8-rowwise", policy=policy)
     assert setup.fp8_layers.names() == ["fc2"]
+    in_bf16 = amped.Policy.preset("torch", "cpu").with_module("fc2", "low")
+    assert _prepare("fp8-rowwise", policy=in_bf16).fp8_layers.names() == ["fc1"]
     with pytest.raises(ValueError, match=r"no nn\.Linear layer to convert"):
         _prepare("fp8-rowwise", policy=policy.with_module(nn.Linear, "skip"))
 

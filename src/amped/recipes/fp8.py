@@ -6,8 +6,9 @@ training recipes; ``fp8-delayed`` is Transformer Engine's delayed scaling (see
 default; ``bf16-master``, ``bf16-pure`` or ``bf16-pure-sr`` by choice: weights and
 optimizer state follow it), then converts the chosen ``nn.Linear`` layers in place.
 Ops outside those layers run under the base recipe's bfloat16 autocast policy. A
-module the policy keeps in float32 (or skips) stays out of FP8, as do layers the
-module filter rejects.
+module that any of the policy's module rules names stays out of FP8 (with its
+children): ``"fp32"`` and ``"skip"`` run it in float32, ``"low"`` in bfloat16, as
+for every other recipe. Layers the module filter rejects stay out too.
 
 Under FSDP2, convert first (:func:`amped.fp8.convert_to_fp8` with the recipe's config),
 then ``fully_shard``, build the optimizer and call ``prepare``: it adopts the layers
@@ -34,10 +35,9 @@ from amped.fp8 import (
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, register, resolve_recipe
 from amped.recipes.setup import TrainSetup, prepare
-from amped.recipes.weights import kept_in_fp32
 from amped.scaling import GradScaler
 
-__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "build_fp8_setup"]
+__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "build_fp8_setup", "ruled_modules"]
 
 FP8_BASES = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
 """Base recipes an FP8 recipe can keep its weights and optimizer state by."""
@@ -99,6 +99,19 @@ def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
     return chosen
 
 
+def ruled_modules(model: torch.nn.Module, policy: Policy | None) -> set[str]:
+    """Qualified names of the modules a module rule of ``policy`` matches, and their children."""
+    if policy is None or not policy.module_rules:
+        return set()
+    ruled: set[str] = set()
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        matched = any(rule.matches(module, name) for rule in policy.module_rules)
+        if matched or (name and parent in ruled):
+            ruled.add(name)
+    return ruled
+
+
 def _already_converted(
     recipe: Recipe, model: torch.nn.Module, config: Fp8Config
 ) -> Fp8Layers | None:
@@ -145,13 +158,13 @@ def build_fp8_setup(
         )
     config = FP8_CONFIGS[recipe.fp8]
     converted = _already_converted(recipe, model, config)
-    keep = kept_in_fp32(model, policy)
+    keep = ruled_modules(model, policy)
     names = plan_fp8(model, module_filter, keep)
     if not names and converted is None:  # before the base recipe changes anything
         convert_to_fp8(model, config, names)
     setup = prepare(model, optimizer, base_recipe, policy=policy, scaler=scaler)
     if converted is None:
-        names = plan_fp8(model, module_filter, keep | kept_in_fp32(model, setup.policy))
+        names = plan_fp8(model, module_filter, keep | ruled_modules(model, setup.policy))
         converted = convert_to_fp8(model, config, names)
     setup.fp8_layers = converted
     setup.recipe = dataclasses.replace(

@@ -86,3 +86,14 @@ def test_operand_layouts_do_not_change_the_result():
     a_colmajor = Fp8Tensor(a.data.t().contiguous().t(), a.scale)
     b_rowmajor = Fp8Tensor(b.data.contiguous(), b.scale)
     assert torch.equal(scaled_mm(a_colmajor, b_rowmajor, torch.bfloat16), reference)
+
+
+@pytest.mark.parametrize(
+    "module", ["amped.fp8.cast", "amped.fp8.convert", "amped.doctor.fp8"], ids=lambda m: m
+)
+def test_docstring_examples_run(module):
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

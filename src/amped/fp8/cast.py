@@ -132,9 +132,9 @@ def quantize(
 
     Example:
         >>> import torch
-        >>> q = quantize(torch.tensor([0.5, -3.0]), torch.float8_e4m3fn)
-        >>> q.dequantize()
-        tensor([ 0.5000, -3.0000])
+        >>> q = quantize(torch.tensor([0.5, -3.0]), torch.float8_e4m3fn, power_of_2=True)
+        >>> q.scale, q.dequantize()
+        (tensor(128.), tensor([ 0.5000, -3.0000]))
     """
     if scale is None:
         scale = amax_to_scale(amax_of(x, granularity, dim), dtype, power_of_2)

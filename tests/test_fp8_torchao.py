@@ -71,3 +71,19 @@ def test_llama_ffn_matches_torchao(scaling):
     # torch's reference CPU kernel for both sides: oneDNN's (tested above) takes seconds here.
     with torch.backends.mkldnn.flags(enabled=False):
         _compare(_run(ours, x, grad), _run(theirs, x, grad), bitwise=True)
+
+
+def test_frozen_input_and_weight_skip_their_gemms_and_keep_the_rest_bitwise():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64))
+    theirs = torchao_convert(model, "tensorwise")
+    ours = copy.deepcopy(model)
+    convert_to_fp8(ours, FP8_CONFIGS["tensorwise"], ["0"])
+    x = torch.randn(8, 64, dtype=torch.bfloat16)  # no grad: grad_input GEMM skipped
+    for m in (ours, theirs):
+        m(x).float().sum().backward()
+    assert torch.equal(ours[0].weight.grad, theirs[0].weight.grad)
+    ours[0].weight.requires_grad_(False)  # frozen weight: grad_weight GEMM skipped
+    x = x.clone().requires_grad_()
+    ours(x).float().sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape

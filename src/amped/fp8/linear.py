@@ -59,20 +59,24 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_gi = Fp8Tensor(saved[0], saved[1]) if ctx.reuse_w else None
         go = grad.reshape(-1, grad.shape[-1])
         goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1)
-        if w_gi is None:  # rowwise over the output dim: one scale per input feature
-            w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0)
-        grad_x = scaled_mm(goq, w_gi, grad.dtype, emulate=layer.fp8_emulate)
-        if cfg.grad_weight_hp:
-            grad_w = go.t() @ x2.to(go.dtype)
-        else:
-            go_gw = goq
-            if cfg.grad_output.granularity == "rowwise":  # one scale per output feature
-                go_gw = layer.fp8_cast(go, cfg.grad_output, None, dim=0)
-            if not ctx.reuse_x:  # one scale per input feature
-                x_q = layer.fp8_cast(x2, cfg.input, None, dim=0)
-            grad_w = scaled_mm(go_gw.t(), x_q, grad.dtype, emulate=layer.fp8_emulate)
-        grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
-        return grad_x, grad_w.to(ctx.w_dtype), None
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            if w_gi is None:  # rowwise over the output dim: one scale per input feature
+                w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0)
+            grad_x = scaled_mm(goq, w_gi, grad.dtype, emulate=layer.fp8_emulate)
+            grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            if cfg.grad_weight_hp:
+                grad_w = go.t() @ x2.to(go.dtype)
+            else:
+                go_gw = goq
+                if cfg.grad_output.granularity == "rowwise":  # one scale per output feature
+                    go_gw = layer.fp8_cast(go, cfg.grad_output, None, dim=0)
+                if not ctx.reuse_x:  # one scale per input feature
+                    x_q = layer.fp8_cast(x2, cfg.input, None, dim=0)
+                grad_w = scaled_mm(go_gw.t(), x_q, grad.dtype, emulate=layer.fp8_emulate)
+            grad_w = grad_w.to(ctx.w_dtype)
+        return grad_x, grad_w, None
 
 
 class Float8Linear(torch.nn.Linear):

@@ -63,7 +63,7 @@ def _prepare(recipe, seed=0, opt="adamw", **kw):
 def test_fp8_recipes_are_opt_in():
     assert list(OPT_IN_RECIPES) == FP8
     assert not set(FP8) & set(RECIPES)  # `amped compare` with no --recipes: unchanged
-    assert resolve_recipe("fp8").name == "fp8-tensorwise"
+    assert resolve_recipe("FP8-TE").name == "fp8-delayed"
     from amped.cli.command import parse_recipes
 
     assert [r.name for r in parse_recipes("fp8-rowwise,bf16")] == ["fp8-rowwise", "bf16-mixed"]

@@ -116,7 +116,7 @@ def convert_to_fp8(
         raise ValueError(
             "FP8 found no nn.Linear layer to convert: it converts layers whose dims are "
             "multiples of 16 with at least 64x64 weights, except the output head (the last "
-            "Linear) and those the policy keeps in float32; pass module_filter to choose. "
+            "Linear) and those a policy module rule names; pass module_filter to choose. "
             f"Received: Linear layers {sizes or 'none'}"
         )
     modules = dict(model.named_modules())

@@ -43,7 +43,7 @@ FP8_BASES = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
 """Base recipes an FP8 recipe can keep its weights and optimizer state by."""
 
 _ALIASES = {
-    "tensorwise": ("fp8",),
+    "tensorwise": (),
     "rowwise": (),
     "rowwise-gw-hp": (),
     "delayed": ("fp8-te",),

@@ -97,3 +97,17 @@ def test_docstring_examples_run(module):
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def test_padding_the_inner_dim_leaves_the_product_unchanged():
+    """CUDA's _scaled_mm needs the inner dim (the token count in the grad-weight GEMM)
+    divisible by 16; padding with zeros must not change a bit."""
+    from amped.fp8.gemm import pad_inner
+
+    torch.manual_seed(0)
+    a = quantize(torch.randn(32, 37), E5M2)
+    b = quantize(torch.randn(37, 48), E4M3, "rowwise", dim=0)
+    pa, pb = pad_inner(a, b)
+    assert pa.data.shape == (32, 48) and pb.data.shape == (48, 48)
+    assert torch.equal(scaled_mm(pa, pb, torch.bfloat16), scaled_mm(a, b, torch.bfloat16))
+    assert pad_inner(pa, pb)[0] is pa  # already a multiple: untouched

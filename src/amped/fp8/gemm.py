@@ -25,7 +25,7 @@ import torch
 
 from amped.fp8.cast import Fp8Tensor
 
-__all__ = ["has_scaled_mm", "scaled_mm"]
+__all__ = ["has_scaled_mm", "pad_inner", "scaled_mm"]
 
 
 @functools.cache
@@ -55,6 +55,25 @@ def _pair_scales(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor
     return inv_a, inv_b
 
 
+def pad_inner(a: Fp8Tensor, b: Fp8Tensor, multiple: int = 16) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """``a`` and ``b`` with zeros appended along the inner dim to a multiple of ``multiple``.
+
+    CUDA's ``_scaled_mm`` needs both dims of ``b`` divisible by 16; in the grad-weight
+    GEMM the inner dim is the number of tokens, which a user chooses freely. Zero
+    columns of ``a`` meet zero rows of ``b``: the products they add are exact zeros, so
+    the result is unchanged. (Scales are per tensor or per outer row/column: unchanged.)
+    """
+    k = a.data.shape[1]
+    extra = -k % multiple
+    if extra == 0:
+        return a, b
+    a_data = a.data.new_zeros(a.data.shape[0], k + extra)
+    a_data[:, :k] = a.data
+    b_data = b.data.new_zeros(k + extra, b.data.shape[1])
+    b_data[:k] = b.data
+    return Fp8Tensor(a_data, a.scale), Fp8Tensor(b_data, b.scale)
+
+
 def scaled_mm(
     a: Fp8Tensor,
     b: Fp8Tensor,
@@ -80,6 +99,8 @@ def scaled_mm(
         out = (a.data.to(torch.float32) * inv_a) @ (b.data.to(torch.float32) * inv_b)
         out = out.to(gemm_dtype)
     else:
+        if a.data.device.type == "cuda":
+            a, b = pad_inner(a, b)
         a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
         b_data = b.data if b.data.t().is_contiguous() else b.data.t().contiguous().t()
         out = torch._scaled_mm(

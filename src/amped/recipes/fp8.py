@@ -116,12 +116,16 @@ def _already_converted(
     recipe: Recipe, model: torch.nn.Module, config: Fp8Config
 ) -> Fp8Layers | None:
     """The model's Float8Linear layers, when it was converted before (FSDP2: convert,
-    then ``fully_shard``, then build the optimizer and call ``prepare``)."""
+    then ``fully_shard``, then build the optimizer and call ``prepare``; or to choose
+    delayed scaling's history length, amax rule and margin)."""
     layers = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     if not layers:
         return None
     for name, layer in layers.items():
-        if layer.fp8_config != config:
+        # Delayed scaling's own settings (history length, amax rule, margin) are free.
+        own = layer.fp8_config
+        same_kind = (own.delayed is None) == (config.delayed is None)
+        if not same_kind or dataclasses.replace(config, delayed=own.delayed) != own:
             raise ValueError(
                 f"Recipe {recipe.name!r} found layer {name!r} converted to FP8 with other "
                 f"rules; convert with amped.fp8.FP8_CONFIGS[{recipe.fp8!r}]. Received: "

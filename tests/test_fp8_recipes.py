@@ -64,6 +64,7 @@ def test_fp8_recipes_are_opt_in():
     assert list(OPT_IN_RECIPES) == FP8
     assert not set(FP8) & set(RECIPES)  # `amped compare` with no --recipes: unchanged
     assert resolve_recipe("FP8-TE").name == "fp8-delayed"
+    pytest.importorskip("rich")
     from amped.cli.command import parse_recipes
 
     assert [r.name for r in parse_recipes("fp8-rowwise,bf16")] == ["fp8-rowwise", "bf16-mixed"]
@@ -94,9 +95,11 @@ def test_converted_layer_runs_fp8_with_autocast_off_inside():
     x = torch.randn(16, 64)
     with setup.autocast():
         inside = setup.model.fc1(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own region: the same
+        inside_torch = setup.model.fc1(x)
     outside = setup.model.fc1(x.to(torch.bfloat16))
     assert inside.dtype is torch.bfloat16
-    assert torch.equal(inside, outside)
+    assert torch.equal(inside, outside) and torch.equal(inside_torch, outside)
 
 
 def test_module_filter_and_policy_module_rules_choose_the_layers():

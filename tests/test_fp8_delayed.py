@@ -128,3 +128,16 @@ def test_delayed_needs_tensorwise_rules_and_sane_settings():
         DelayedScaling(4, "mean")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="margin"):
         DelayedScaling(4, "max", -1)
+
+
+def test_eval_mode_casts_with_the_current_scales_and_records_nothing():
+    layer = Float8Linear.convert_(torch.nn.Linear(16, 16), Fp8Config(delayed=DelayedScaling(2)))
+    layer(torch.randn(4, 16)).sum().backward()
+    update_delayed_scaling([layer])
+    history = layer.fp8_amax_history.clone()
+    layer.eval()
+    with torch.no_grad():
+        layer(torch.randn(4, 16) * 1e3)
+    assert layer.fp8_pending.tolist() == [0.0, 0.0, 0.0]
+    update_delayed_scaling([layer])  # an update after evaluation only records zeros
+    assert layer.fp8_amax_history[:, 1].tolist() == history[:, 0].tolist()

@@ -145,15 +145,20 @@ class Float8Linear(torch.nn.Linear):
         return self.fp8_config.delayed
 
     def fp8_cast(self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int) -> Fp8Tensor:
-        """Quantize ``x`` by ``rule``: dynamically, or with the delayed scale of ``role``."""
+        """Quantize ``x`` by ``rule``: dynamically, or with the delayed scale of ``role``.
+
+        Under delayed scaling, in training mode, the amax of ``x`` is recorded for the
+        next update; a layer in eval mode casts with the current scales and records nothing.
+        """
         delayed = self.fp8_config.delayed
         if delayed is None or role is None:
             return quantize(x, rule.dtype, rule.granularity, dim, self.fp8_config.power_of_2)
         amax = amax_of(x).to(torch.float32)
         with torch.no_grad():
-            if self.fp8_pending.device != amax.device:  # the model moved
-                self.fp8_pending = self.fp8_pending.to(amax.device)
-            self.fp8_pending[role] = torch.maximum(self.fp8_pending[role], amax)
+            if self.training:  # evaluation does not feed the history
+                if self.fp8_pending.device != amax.device:  # the model moved
+                    self.fp8_pending = self.fp8_pending.to(amax.device)
+                self.fp8_pending[role] = torch.maximum(self.fp8_pending[role], amax)
             if self.fp8_started:
                 scale = self.fp8_scale[role]
             else:  # first step: this tensor's own amax, the same on every rank

@@ -33,8 +33,22 @@ def keep(linear: nn.Linear, name: str) -> bool:
     return name in ("0", "2")
 
 
+class CountingAllReduce:
+    """Counts the Python-level all-reduces (amped's; DDP's reducer and FSDP2 use others)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.original = dist.all_reduce
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.original(*args, **kwargs)
+
+
 def train(model, setup, rank: int) -> dict[str, list]:
-    record: dict[str, list] = {"pending": [], "history": [], "scale": [], "loss": []}
+    record: dict[str, list] = {"pending": [], "history": [], "scale": [], "loss": [], "reduces": []}
+    counter = CountingAllReduce()
+    dist.all_reduce = counter  # type: ignore[assignment]
     update = setup.fp8_layers.update
 
     def recording_update() -> None:
@@ -55,6 +69,9 @@ def train(model, setup, rank: int) -> dict[str, list]:
         setup.step()
         setup.zero_grad()
         record["loss"].append(loss.item())
+        record["reduces"].append(counter.calls)
+        counter.calls = 0
+    dist.all_reduce = counter.original  # type: ignore[assignment]
     return record
 
 

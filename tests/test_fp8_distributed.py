@@ -34,6 +34,9 @@ def test_scales_are_equal_on_every_rank_and_come_from_the_max_amax(ranks, wrappe
             assert torch.equal(r0["history"][step][layer], r1["history"][step][layer])
             local = torch.maximum(r0["pending"][step][layer], r1["pending"][step][layer])
             assert torch.equal(r0["history"][step][layer][:, 0], local)
+    # the first step reduces each tensor's amax just in time (2 layers x 3 tensors) and
+    # then the histories once; every later step: one all-reduce for the whole model
+    assert r0["reduces"] == [7, 1, 1, 1]
     # the ranks saw different inputs, so the reduction mattered
     assert not torch.equal(r0["pending"][0][0][0], r1["pending"][0][0][0])
     for p0, p1 in zip(r0["params"], r1["params"], strict=True):

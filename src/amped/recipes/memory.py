@@ -9,6 +9,8 @@ Counted from the tensors themselves (``numel * element_size``), never estimated:
   (O2's float32 masters).
 - **optimizer state**: every tensor in ``optimizer.state`` (moments, momentum,
   Kahan compensation, step counters), by key. Built at the first step: call after it.
+- **FP8 state**: the amax histories and scales of layers under delayed scaling
+  (buffers named ``fp8_*``; a row only when there are any).
 - **master gradients**: the float32 gradients of the masters, which exist only from
   ``grads_to_masters`` to the end of the step (O2), while the low-precision gradients
   they replace are already freed; reported apart, with the step's peak.
@@ -45,11 +47,12 @@ class MemoryReport:
     freed_grads: int = 0
     state_by_key: dict[str, int] = field(default_factory=dict)
     params_by_dtype: dict[str, int] = field(default_factory=dict)
+    fp8_state: int = 0
 
     @property
     def total(self) -> int:
         """Bytes held between steps: parameters, gradients, masters and optimizer state."""
-        return self.params + self.grads + self.masters + self.optimizer_state
+        return self.params + self.grads + self.masters + self.optimizer_state + self.fp8_state
 
     @property
     def peak(self) -> int:
@@ -78,11 +81,13 @@ class MemoryReport:
         }
 
     def _rows(self) -> list[tuple[str, int]]:
+        fp8 = [("fp8_state", self.fp8_state)] if self.fp8_state else []
         return [
             ("params", self.params),
             ("grads", self.grads),
             ("masters", self.masters),
             ("optimizer_state", self.optimizer_state),
+            *fp8,
             ("total", self.total),
             ("master_grads", self.master_grads),
             ("peak", self.peak),
@@ -95,6 +100,7 @@ class MemoryReport:
             "grads": "gradients",
             "masters": "master copies",
             "optimizer_state": "optimizer state",
+            "fp8_state": "FP8 amax history, scales",
             "total": "total",
             "master_grads": "master gradients (in step)",
             "peak": "peak",
@@ -154,6 +160,9 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> M
         freed_grads=sum(_nbytes(p) for p in lowered),
         state_by_key=by_key,
         params_by_dtype=by_dtype,
+        fp8_state=sum(
+            _nbytes(b) for n, b in model.named_buffers() if n.rpartition(".")[2].startswith("fp8_")
+        ),
     )
 
 

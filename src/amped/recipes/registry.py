@@ -12,7 +12,15 @@ from typing import Literal
 
 import torch
 
-__all__ = ["RECIPES", "Compensation", "Recipe", "recipe_names", "register", "resolve_recipe"]
+__all__ = [
+    "OPT_IN_RECIPES",
+    "RECIPES",
+    "Compensation",
+    "Recipe",
+    "recipe_names",
+    "register",
+    "resolve_recipe",
+]
 
 Weights = Literal["fp32", "low-with-masters", "low"]
 Compensation = Literal["kahan", "stochastic"]
@@ -37,6 +45,10 @@ class Recipe:
             survives: ``"kahan"`` keeps the rounding error in a low-precision buffer and
             adds it back next step; ``"stochastic"`` rounds up or down at random, with
             the probabilities that make the rounding unbiased.
+        fp8: for the FP8 recipes, the name of the scaling config in
+            :data:`amped.fp8.FP8_CONFIGS` (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise-gw-hp"``, ``"delayed"``); their GEMMs run in FP8, the rest
+            under bfloat16 autocast, the weights as their base recipe keeps them.
     """
 
     name: str
@@ -47,8 +59,14 @@ class Recipe:
     aliases: tuple[str, ...]
     summary: str
     compensation: Compensation | None = None
+    fp8: str | None = None
 
     def __post_init__(self) -> None:
+        if self.fp8 is not None and self.dtype is not torch.bfloat16:
+            raise ValueError(
+                "An FP8 recipe runs its non-GEMM ops under bfloat16 autocast: its dtype is "
+                f"torch.bfloat16. Received: dtype={self.dtype!r}, fp8={self.fp8!r}"
+            )
         if self.weights not in ("fp32", "low-with-masters", "low"):
             raise ValueError(
                 "Recipe weights are 'fp32', 'low-with-masters' or 'low'. "
@@ -134,15 +152,23 @@ RECIPES: dict[str, Recipe] = {
 }
 """The recipes that exist, by canonical name; :func:`register` adds more."""
 
+OPT_IN_RECIPES: dict[str, Recipe] = {}
+"""Recipes that run only when named (the FP8 ones): ``amped compare``'s default
+"all" and :func:`recipe_names` leave them out; :func:`resolve_recipe` finds them."""
 
-def register(recipe: Recipe) -> Recipe:
-    """Add a recipe (used by the modules that implement the weight-changing recipes)."""
-    taken = {n for r in RECIPES.values() for n in (r.name, *r.aliases)}
+
+def register(recipe: Recipe, *, opt_in: bool = False) -> Recipe:
+    """Add a recipe to :data:`RECIPES`, or with ``opt_in=True`` to :data:`OPT_IN_RECIPES`."""
+    taken = {n for r in _all_recipes() for n in (r.name, *r.aliases)}
     clash = {recipe.name, *recipe.aliases} & taken
     if clash:
         raise ValueError(f"Recipe names already taken: {sorted(clash)}")
-    RECIPES[recipe.name] = recipe
+    (OPT_IN_RECIPES if opt_in else RECIPES)[recipe.name] = recipe
     return recipe
+
+
+def _all_recipes() -> list[Recipe]:
+    return [*RECIPES.values(), *OPT_IN_RECIPES.values()]
 
 
 def recipe_names() -> list[str]:
@@ -160,10 +186,10 @@ def resolve_recipe(name: str | Recipe) -> Recipe:
             f"(of type {type(name).__name__})"
         )
     wanted = name.lower()
-    for recipe in RECIPES.values():
+    for recipe in _all_recipes():
         if wanted == recipe.name or wanted in (a.lower() for a in recipe.aliases):
             return recipe
-    known = ", ".join(f"{r.name} ({', '.join(r.aliases)})" for r in RECIPES.values())
+    known = ", ".join(f"{r.name} ({', '.join(r.aliases)})" for r in _all_recipes())
     raise ValueError(
         f"Unknown recipe {name!r}. Recipes (aliases): {known}. Received: recipe={name!r}"
     )

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from amped.autocast_mode import autocast
+from amped.fp8 import Fp8Layers, ModuleFilter
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.scaling import GradScaler
@@ -38,7 +39,10 @@ class TrainSetup:
         scaler: a :class:`~amped.GradScaler`, enabled only for loss-scaling recipes.
         device_type: where the model's parameters live.
         policy: the autocast policy (None for torch's default).
+        fp8_layers: for the FP8 recipes, the layers converted to FP8 (else None).
     """
+
+    fp8_layers: Fp8Layers | None = None
 
     def __init__(
         self,
@@ -100,6 +104,8 @@ class TrainSetup:
         self.scaler.update()
         stepped = not self.scaler.last_step_skipped
         self._after_step(stepped)
+        if self.fp8_layers is not None:
+            self.fp8_layers.update()  # delayed scaling's histories and next scales
         return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -213,6 +219,8 @@ def prepare(
     *,
     policy: Policy | str | None = None,
     scaler: GradScaler | None = None,
+    base: str | Recipe | None = None,
+    module_filter: ModuleFilter | None = None,
 ) -> TrainSetup:
     """Turn ``model`` and ``optimizer`` into a :class:`TrainSetup` for ``recipe``.
 
@@ -230,6 +238,10 @@ def prepare(
         recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
         policy: the autocast policy (an :class:`amped.Policy` or preset name).
         scaler: a GradScaler to use instead of the recipe's default one.
+        base: FP8 recipes only: the recipe that keeps weights and optimizer state
+            (``bf16-mixed`` by default, ``bf16-master``, ``bf16-pure``, ``bf16-pure-sr``).
+        module_filter: FP8 recipes only: ``filter(linear, name) -> bool`` choosing the
+            ``nn.Linear`` layers to convert (default: :func:`amped.fp8.default_module_filter`).
 
     Raises:
         ValueError: an unknown recipe, a model on several device types, an optimizer
@@ -248,12 +260,21 @@ def prepare(
         True
     """
     chosen = resolve_recipe(recipe)
+    if chosen.fp8 is None and (base is not None or module_filter is not None):
+        raise ValueError(
+            f"base and module_filter apply to the FP8 recipes only; {chosen.name!r} is not "
+            f"one. Received: base={base!r}, module_filter={module_filter!r}"
+        )
     device_type = _device_type(model)
     optimizer = _check_optimizer(model, optimizer)
     if isinstance(policy, str):
         policy = Policy.preset(policy, device_type)
     if scaler is None:
         scaler = GradScaler(device_type, enabled=chosen.loss_scaling)
+    if chosen.fp8 is not None:
+        return _BUILDERS["fp8"](
+            chosen, model, optimizer, scaler, device_type, policy, base, module_filter
+        )
     if chosen.weights != "fp32":
         _check_float32(model, chosen)
     builder = _BUILDERS.get(chosen.weights)

@@ -1,0 +1,240 @@
+"""``amped.doctor.diagnose_fp8``: what an FP8 recipe costs each Linear layer of a model.
+
+One training step in float32 records, for every layer the recipe would convert, the
+input it saw and the gradient that reached its output. Each layer is then run alone
+on exactly those tensors three ways (float32, bfloat16 autocast, the FP8 recipe), so
+its SQNR on output, grad-input and grad-weight measures *its own* error, not what
+upstream layers passed on. Layers below ``threshold_db`` on any of the three are
+named; the doctor proposes a policy whose module rules keep them in bfloat16, and
+re-runs the whole model under it to check that they stay out and that the model's
+output did not get worse.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from amped.autocast_mode import autocast
+from amped.doctor.fp8_report import CastStat, Fp8LayerStat, Fp8Report, Fp8Suggestion
+from amped.doctor.runs import _model_output, call_model
+from amped.fp8 import FP8_CONFIGS, Fp8Config, ModuleFilter, convert_to_fp8, plan_fp8, quantize, sqnr
+from amped.policy import Policy
+from amped.recipes import resolve_recipe
+from amped.recipes.fp8 import ruled_modules
+
+__all__ = ["diagnose_fp8"]
+
+DEFAULT_THRESHOLD_DB = 20.0
+"""torchao's gate for an FP8 linear layer (10% L2 error); the recipes' tests use it too."""
+
+Captured = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer -> (input, grad_output)
+
+
+def _capture(
+    model: torch.nn.Module, names: list[str], inputs: Any, loss_fn: Callable
+) -> tuple[Captured, torch.Tensor | None]:
+    """Inputs and output gradients of the ``names`` layers in one float32 step."""
+    reference = copy.deepcopy(model)
+    modules = dict(reference.named_modules())
+    seen_in: dict[str, torch.Tensor] = {}
+    seen_grad: dict[str, torch.Tensor] = {}
+    handles = []
+    for name in names:
+
+        def forward_hook(mod: Any, args: Any, out: Any, name: str = name) -> None:
+            seen_in[name] = args[0].detach().clone()
+            out.register_hook(lambda g, name=name: seen_grad.__setitem__(name, g.detach().clone()))
+
+        handles.append(modules[name].register_forward_hook(forward_hook))
+    output = call_model(reference, inputs)
+    loss_fn(output).backward()
+    for handle in handles:
+        handle.remove()
+    missing = [n for n in names if n not in seen_grad]
+    if missing:
+        raise ValueError(
+            f"Layers {missing} were not called, or no gradient reached them, in the step; "
+            "the doctor needs every layer it checks in the loss. Received: that model and loss"
+        )
+    out = _model_output(output)
+    return {n: (seen_in[n], seen_grad[n]) for n in names}, None if out is None else out.detach()
+
+
+def _local_run(
+    linear: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, low: bool
+) -> dict[str, torch.Tensor]:
+    """Output, grad-input and grad-weight of a copy of ``linear`` on ``x`` and ``grad``."""
+    layer = copy.deepcopy(linear)
+    x = x.clone().requires_grad_()
+    with autocast(x.device.type, dtype=torch.bfloat16, enabled=low):
+        out = layer(x)
+    out.backward(grad.to(out.dtype))
+    weight = layer.weight
+    if not isinstance(weight, torch.Tensor) or weight.grad is None or x.grad is None:
+        raise RuntimeError(f"No gradient reached the copy of {type(linear).__name__}")
+    return {"output": out.detach(), "grad_input": x.grad, "grad_weight": weight.grad}
+
+
+def _cast_stats(
+    config: Fp8Config, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor
+) -> tuple[CastStat, ...]:
+    stats = []
+    for role, tensor, rule in (
+        ("input", x, config.input),
+        ("weight", weight, config.weight),
+        ("grad_output", grad, config.grad_output),
+    ):
+        flat = tensor.detach().reshape(-1, tensor.shape[-1]).float()
+        q = quantize(flat, rule.dtype, rule.granularity, -1, config.power_of_2)
+        fp8_max = torch.finfo(rule.dtype).max
+        data = q.data.float()
+        nonzero = flat != 0
+        peak = float((flat.abs() * q.scale).max())
+        stats.append(
+            CastStat(
+                role=role,
+                dtype=str(rule.dtype).removeprefix("torch."),
+                amax=float(flat.abs().max()),
+                headroom=fp8_max / peak if peak > 0 else float("inf"),
+                saturated=float((data.abs() == fp8_max).float().mean()),
+                underflow=float(((data == 0) & nonzero).sum() / nonzero.sum().clamp(min=1)),
+            )
+        )
+    return tuple(stats)
+
+
+def _layer_stat(
+    name: str,
+    linear: torch.nn.Linear,
+    config: Fp8Config,
+    x: torch.Tensor,
+    grad: torch.Tensor,
+    threshold: float,
+) -> Fp8LayerStat:
+    exact = _local_run(linear, x, grad, low=False)
+    bf16 = _local_run(linear, x, grad, low=True)
+    fp8_layer = copy.deepcopy(torch.nn.Sequential(linear))
+    convert_to_fp8(fp8_layer, config, ["0"])
+    fp8 = _local_run(fp8_layer[0], x, grad, low=True)
+    sqnr_fp8 = {k: sqnr(exact[k], fp8[k]) for k in exact}
+    return Fp8LayerStat(
+        name=name,
+        in_features=linear.in_features,
+        out_features=linear.out_features,
+        sqnr_fp8=sqnr_fp8,
+        sqnr_bf16={k: sqnr(exact[k], bf16[k]) for k in exact},
+        casts=_cast_stats(config, x, linear.weight, grad),
+        keep_in_bf16=min(sqnr_fp8.values()) < threshold,
+    )
+
+
+def _model_sqnr(
+    model: torch.nn.Module,
+    inputs: Any,
+    reference: torch.Tensor | None,
+    config: Fp8Config | None,
+    names: list[str],
+    policy: Policy | None,
+) -> float:
+    """Output SQNR against float32 of a copy of ``model``: FP8 on ``names`` (None: bf16 only)."""
+    if reference is None:
+        return float("nan")
+    trial = copy.deepcopy(model)
+    if config is not None and names:
+        convert_to_fp8(trial, config, names)
+    device_type = reference.device.type
+    with torch.no_grad(), autocast(device_type, dtype=torch.bfloat16, policy=policy):
+        out = _model_output(call_model(trial, inputs))
+    return sqnr(reference, out) if out is not None else float("nan")
+
+
+def diagnose_fp8(
+    model: torch.nn.Module,
+    inputs: Any,
+    loss_fn: Callable[[Any], torch.Tensor],
+    recipe: str = "fp8-tensorwise",
+    *,
+    policy: Policy | None = None,
+    module_filter: ModuleFilter | None = None,
+    threshold_db: float = DEFAULT_THRESHOLD_DB,
+) -> Fp8Report:
+    """Measure what ``recipe`` costs each Linear layer of ``model`` and name those to keep out.
+
+    ``model`` is not changed (the doctor works on copies). Layers are chosen as
+    :func:`amped.prepare` would for ``recipe`` with ``policy`` and ``module_filter``.
+
+    Args:
+        model: a float32 model.
+        inputs: what ``model`` is called with (a tensor, a tuple of positional
+            arguments or a dict of keyword arguments).
+        loss_fn: ``loss_fn(output) -> scalar tensor``.
+        recipe: an FP8 recipe name (``fp8-tensorwise``, ``fp8-rowwise``, ...).
+        policy: the autocast policy the run would use (default: torch's).
+        module_filter: as for :func:`amped.prepare`.
+        threshold_db: a layer whose output, grad-input or grad-weight SQNR against
+            float32 falls below this is named to stay in bfloat16.
+
+    Raises:
+        ValueError: not an FP8 recipe, or no layer to convert.
+
+    Example:
+        >>> import torch, amped
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+        >>> report = amped.doctor.diagnose_fp8(model, torch.randn(8, 64), lambda y: y.sum())
+        >>> [layer.name for layer in report.layers], report.healthy
+        (['0'], True)
+    """
+    chosen = resolve_recipe(recipe)
+    if chosen.fp8 is None:
+        raise ValueError(
+            "diagnose_fp8 checks an FP8 recipe (fp8-tensorwise, fp8-rowwise, "
+            f"fp8-rowwise-gw-hp, fp8-delayed). Received: recipe={recipe!r}"
+        )
+    config = FP8_CONFIGS[chosen.fp8]
+    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    names = plan_fp8(model, module_filter, ruled_modules(model, policy))
+    if not names:
+        convert_to_fp8(copy.deepcopy(model), config, [])  # raises its "no layer" error
+    captured, reference = _capture(model, names, inputs, loss_fn)
+    modules = dict(model.named_modules())
+    layers = [_layer_stat(n, modules[n], config, *captured[n], threshold_db) for n in names]
+    model_sqnr = _model_sqnr(model, inputs, reference, config, names, policy)
+    report = Fp8Report(
+        recipe=chosen.name,
+        threshold_db=threshold_db,
+        layers=layers,
+        not_converted=[n for n in linears if n not in names],
+        model_sqnr=model_sqnr,
+        model_sqnr_bf16=_model_sqnr(model, inputs, reference, None, [], policy),
+        suggestion=None,
+    )
+    keep = tuple(s.name for s in layers if s.keep_in_bf16)
+    if keep:
+        report.suggestion = _suggest(
+            model, inputs, reference, config, keep, policy, module_filter, model_sqnr
+        )
+    return report
+
+
+def _suggest(
+    model: torch.nn.Module,
+    inputs: Any,
+    reference: torch.Tensor | None,
+    config: Fp8Config,
+    keep: tuple[str, ...],
+    policy: Policy | None,
+    module_filter: ModuleFilter | None,
+    before: float,
+) -> Fp8Suggestion:
+    device_type = next(model.parameters()).device.type
+    fixed = policy or Policy.preset("torch", device_type)
+    for name in keep:
+        fixed = fixed.with_module(name, "low")
+    names = plan_fp8(model, module_filter, ruled_modules(model, fixed))
+    after = _model_sqnr(model, inputs, reference, config, names, fixed)
+    verified = not set(keep) & set(names) and not after < before
+    return Fp8Suggestion(keep=keep, policy=fixed, model_sqnr=after, verified=verified)

@@ -1,0 +1,44 @@
+"""FP8 training: casts, scales, the FP8 GEMM and the Float8 linear layer.
+
+Below the recipes layer; :mod:`amped.recipes.fp8` builds the ``fp8-*`` recipes on it.
+
+- :mod:`.cast`: amax, scale and the saturating cast (:func:`quantize`, :func:`sqnr`);
+- :mod:`.gemm`: :func:`scaled_mm`, ``torch._scaled_mm`` or its exact emulation;
+- :mod:`.config`: :class:`Fp8Config`, the named configs :data:`FP8_CONFIGS`;
+- :mod:`.delayed`: delayed (amax-history) scaling state and its per-step update;
+- :mod:`.linear`: :class:`Float8Linear`; :mod:`.convert`: which layers convert.
+"""
+
+from amped.fp8.cast import FP8_DTYPES, Fp8Tensor, amax_to_scale, quantize, sqnr
+from amped.fp8.config import FP8_CONFIGS, CastRule, DelayedScaling, Fp8Config
+from amped.fp8.convert import (
+    Fp8Layers,
+    ModuleFilter,
+    convert_to_fp8,
+    default_module_filter,
+    plan_fp8,
+)
+from amped.fp8.delayed import update_delayed_scaling
+from amped.fp8.gemm import has_scaled_mm, scaled_mm
+from amped.fp8.linear import Float8Linear
+
+__all__ = [
+    "FP8_CONFIGS",
+    "FP8_DTYPES",
+    "CastRule",
+    "DelayedScaling",
+    "Float8Linear",
+    "Fp8Config",
+    "Fp8Layers",
+    "Fp8Tensor",
+    "ModuleFilter",
+    "amax_to_scale",
+    "convert_to_fp8",
+    "default_module_filter",
+    "has_scaled_mm",
+    "plan_fp8",
+    "quantize",
+    "scaled_mm",
+    "sqnr",
+    "update_delayed_scaling",
+]

@@ -1,0 +1,154 @@
+"""FP8 casts: amax, scale, and the saturating cast to ``float8_e4m3fn`` / ``float8_e5m2``.
+
+A quantized tensor is ``data = saturate(x * scale)`` in an FP8 dtype; ``x`` is recovered
+(up to rounding) as ``data / scale``. The scale maps the tensor's largest magnitude,
+its amax, onto the largest finite value of the FP8 dtype::
+
+    scale = float32(fp8_max / max(float64(amax), 1e-12))
+    scale = 2 ** floor(log2(scale))          # only with power_of_2=True
+
+The division is done in float64 because ``fp8_max / amax`` overflows float32 for an
+amax below about 1e-36 and loses the last bit of the quotient otherwise; rounding
+the float64 quotient once to float32 gives the same scale on every device. A scale
+rounded down to a power of two makes ``x * scale`` and ``data / scale`` exact in
+binary floating point, so only the FP8 rounding itself loses information.
+
+Tensorwise scaling uses one scale per tensor; rowwise one per row (or column) of a
+2-D operand, the scale tensor keeping the reduced dim as size 1.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+__all__ = [
+    "EPS",
+    "FP8_DTYPES",
+    "Fp8Tensor",
+    "Granularity",
+    "amax_of",
+    "amax_to_scale",
+    "cast_saturated",
+    "quantize",
+    "sqnr",
+]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+EPS = 1e-12
+"""Smallest amax a scale is computed from: an all-zero tensor gets a finite scale."""
+
+Granularity = Literal["tensorwise", "rowwise"]
+
+
+class Fp8Tensor(NamedTuple):
+    """FP8 ``data`` with the ``scale`` it was multiplied by (``x ~= data / scale``).
+
+    ``scale`` is a float32 scalar (tensorwise) or has ``data``'s shape with the reduced
+    dim of size 1 (rowwise).
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    def t(self) -> Fp8Tensor:
+        """The transpose of a 2-D quantized tensor (data and scale transposed together)."""
+        return Fp8Tensor(self.data.t(), self.scale.t() if self.scale.dim() == 2 else self.scale)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``data / scale`` in ``dtype`` (computed in float32)."""
+        return (self.data.to(torch.float32) / self.scale).to(dtype)
+
+
+def _check_fp8(dtype: torch.dtype) -> None:
+    if dtype not in FP8_DTYPES:
+        names = ", ".join(str(d) for d in FP8_DTYPES)
+        raise ValueError(f"FP8 casts target {names}. Received: dtype={dtype}")
+
+
+@torch.no_grad()
+def amax_of(
+    x: torch.Tensor, granularity: Granularity = "tensorwise", dim: int = -1
+) -> torch.Tensor:
+    """The largest magnitude of ``x``: a scalar, or per slice along ``dim`` (kept as size 1).
+
+    Computed in ``x``'s own dtype: the maximum of magnitudes is exact in any dtype.
+    """
+    if granularity == "tensorwise":
+        return x.abs().max()
+    if granularity == "rowwise":
+        return x.abs().amax(dim=dim, keepdim=True)
+    raise ValueError(
+        f"FP8 scaling granularity is 'tensorwise' or 'rowwise'. Received: {granularity!r}"
+    )
+
+
+@torch.no_grad()
+def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = False) -> torch.Tensor:
+    """The float32 scale that maps ``amax`` onto ``dtype``'s largest finite value.
+
+    Args:
+        amax: largest magnitudes (any shape, any floating dtype).
+        dtype: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+        power_of_2: round each scale down to a power of two.
+
+    Example:
+        >>> import torch
+        >>> amax_to_scale(torch.tensor(2.0), torch.float8_e4m3fn)
+        tensor(224.)
+    """
+    _check_fp8(dtype)
+    fp8_max = torch.finfo(dtype).max
+    scale = (fp8_max / amax.to(torch.float64).clamp(min=EPS)).to(torch.float32)
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    return scale
+
+
+def cast_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` in float32, clamped to ``dtype``'s finite range, rounded to ``dtype``.
+
+    Saturating first matters: a plain ``.to(float8_e4m3fn)`` of a value past the
+    largest finite one gives NaN on older torch, and e5m2 would give inf.
+    """
+    _check_fp8(dtype)
+    fp8_max = torch.finfo(dtype).max
+    return (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(dtype)
+
+
+@torch.no_grad()
+def quantize(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    granularity: Granularity = "tensorwise",
+    dim: int = -1,
+    power_of_2: bool = False,
+    scale: torch.Tensor | None = None,
+) -> Fp8Tensor:
+    """Quantize ``x`` to ``dtype`` with a scale from its own amax, or the ``scale`` given.
+
+    For rowwise scaling, ``dim`` is the dim reduced over (``-1``: one scale per row).
+
+    Example:
+        >>> import torch
+        >>> q = quantize(torch.tensor([0.5, -3.0]), torch.float8_e4m3fn, power_of_2=True)
+        >>> q.scale, q.dequantize()
+        (tensor(128.), tensor([ 0.5000, -3.0000]))
+    """
+    if scale is None:
+        scale = amax_to_scale(amax_of(x, granularity, dim), dtype, power_of_2)
+    return Fp8Tensor(cast_saturated(x, scale, dtype), scale)
+
+
+def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio of ``approx`` against ``reference``, in dB.
+
+    ``20 * log10(||reference|| / ||reference - approx||)``, norms in float64; inf when
+    the two are equal. 20 dB is a 10% relative error in the L2 norm, 40 dB 1%.
+    """
+    ref = reference.detach().to(torch.float64)
+    noise = torch.linalg.vector_norm(ref - approx.detach().to(torch.float64))
+    if noise == 0:
+        return float("inf")
+    return float(20 * torch.log10(torch.linalg.vector_norm(ref) / noise))

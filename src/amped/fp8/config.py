@@ -1,0 +1,156 @@
+"""How a Float8 linear layer casts each GEMM operand: one immutable value per recipe.
+
+A linear layer runs three GEMMs, and each operand is cast by its own rule::
+
+    output      = input       @ weight.T        (forward)
+    grad_input  = grad_output @ weight          (backward)
+    grad_weight = grad_output.T @ input         (backward)
+
+The four named configs (:data:`FP8_CONFIGS`) follow torchao's float8 training recipes
+(tensorwise, rowwise, rowwise with a high-precision grad-weight GEMM) and Transformer
+Engine's delayed scaling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from amped.fp8.cast import FP8_DTYPES, Granularity
+
+__all__ = ["FP8_CONFIGS", "CastRule", "DelayedScaling", "Fp8Config"]
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+
+
+@dataclass(frozen=True)
+class CastRule:
+    """The FP8 dtype and scaling granularity of one GEMM operand."""
+
+    dtype: torch.dtype = E4M3
+    granularity: Granularity = "tensorwise"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in FP8_DTYPES:
+            raise ValueError(
+                "A cast rule's dtype is torch.float8_e4m3fn or torch.float8_e5m2. "
+                f"Received: dtype={self.dtype!r}"
+            )
+        if self.granularity not in ("tensorwise", "rowwise"):
+            raise ValueError(
+                "A cast rule's granularity is 'tensorwise' or 'rowwise'. "
+                f"Received: granularity={self.granularity!r}"
+            )
+
+    def __str__(self) -> str:
+        return f"{str(self.dtype).removeprefix('torch.float8_')}/{self.granularity}"
+
+
+@dataclass(frozen=True)
+class DelayedScaling:
+    """Transformer Engine's delayed scaling: scales from a history of past amaxes.
+
+    After every optimizer step, for each of input, weight and grad_output::
+
+        history = [amax of this step (max over ranks)] + history[:-1]
+        amax    = max(history) if amax_compute == "max" else history[0]
+        scale   = fp8_max / amax / 2**margin   if 0 < amax < inf
+                  previous scale                 otherwise
+
+    The first step, with no history yet, scales each tensor by its own amax (reduced
+    over ranks), so it never starts from an arbitrary scale.
+
+    Attributes:
+        history_len: steps of amax kept per tensor (at least 1).
+        amax_compute: ``"max"`` over the history or the ``"most_recent"`` amax.
+        margin: extra headroom, in powers of two, below the FP8 maximum.
+    """
+
+    history_len: int = 16
+    amax_compute: Literal["max", "most_recent"] = "max"
+    margin: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.history_len, int) or self.history_len < 1:
+            raise ValueError(
+                f"history_len is a positive int. Received: history_len={self.history_len!r}"
+            )
+        if self.amax_compute not in ("max", "most_recent"):
+            raise ValueError(
+                "amax_compute is 'max' or 'most_recent'. "
+                f"Received: amax_compute={self.amax_compute!r}"
+            )
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"margin is an int >= 0. Received: margin={self.margin!r}")
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """The cast rules of a Float8 linear layer's three GEMMs.
+
+    Attributes:
+        input, weight, grad_output: the rule of each operand where it first appears
+            (input and weight in the output GEMM, grad_output in the grad-input GEMM).
+        weight_for_grad_input: the weight's rule in the grad-input GEMM (default: ``weight``).
+        grad_weight_hp: run the grad-weight GEMM in the layer's high precision.
+        power_of_2: round every scale down to a power of two.
+        fast_accum_output: Hopper's fast accumulation for the output GEMM (GPU only).
+        delayed: delayed (amax-history) scaling; tensorwise rules only.
+    """
+
+    input: CastRule = field(default_factory=CastRule)
+    weight: CastRule = field(default_factory=CastRule)
+    grad_output: CastRule = field(default_factory=lambda: CastRule(E5M2))
+    weight_for_grad_input: CastRule | None = None
+    grad_weight_hp: bool = False
+    power_of_2: bool = False
+    fast_accum_output: bool = True
+    delayed: DelayedScaling | None = None
+
+    def __post_init__(self) -> None:
+        if self.weight_for_grad_input is None:
+            object.__setattr__(self, "weight_for_grad_input", self.weight)
+        if self.delayed is not None:
+            rules = (self.input, self.weight, self.grad_output, self.weight_for_grad_input)
+            if any(r is not None and r.granularity != "tensorwise" for r in rules):
+                raise ValueError(
+                    "Delayed scaling keeps one amax history per tensor, so every cast rule "
+                    "must be tensorwise. Received: a rowwise rule with delayed scaling"
+                )
+
+    @property
+    def w_gi(self) -> CastRule:
+        """The weight's rule in the grad-input GEMM."""
+        return self.weight_for_grad_input or self.weight
+
+    def __str__(self) -> str:
+        parts = [f"i:{self.input}", f"w:{self.weight}", f"go:{self.grad_output}"]
+        if self.w_gi != self.weight:
+            parts.append(f"w_gi:{self.w_gi}")
+        if self.grad_weight_hp:
+            parts.append("gw:hp")
+        if self.delayed is not None:
+            d = self.delayed
+            parts.append(f"delayed(len={d.history_len},{d.amax_compute},margin={d.margin})")
+        return ",".join(parts)
+
+
+_ROWWISE = CastRule(E4M3, "rowwise")
+
+FP8_CONFIGS: dict[str, Fp8Config] = {
+    "tensorwise": Fp8Config(),
+    "rowwise": Fp8Config(_ROWWISE, _ROWWISE, _ROWWISE, power_of_2=True),
+    "rowwise-gw-hp": Fp8Config(
+        _ROWWISE,
+        _ROWWISE,
+        _ROWWISE,
+        weight_for_grad_input=CastRule(E4M3, "tensorwise"),
+        grad_weight_hp=True,
+        power_of_2=True,
+    ),
+    "delayed": Fp8Config(delayed=DelayedScaling()),
+}
+"""The scaling recipes by name: torchao's three dynamic ones and delayed scaling."""

@@ -1,0 +1,186 @@
+"""``Float8Linear``: an ``nn.Linear`` whose three GEMMs run in FP8.
+
+Forward casts input and weight, backward casts grad_output, each by its
+:class:`~amped.fp8.config.CastRule`, and each GEMM goes through
+:func:`~amped.fp8.gemm.scaled_mm`. What backward needs is saved quantized where the
+forward cast can be reused (tensorwise input and weight: the FP8 bytes and a scale,
+a quarter of a float32 copy); rowwise rules scale the backward operands along
+another dim, so those save the high-precision tensor and cast it again.
+
+Bias is added after the GEMM in the output dtype. Under an autocast region the
+input is first cast to the region's dtype (bfloat16 for the FP8 recipes); the layer
+then runs with autocast off, so the policy never re-casts its float32 dequantization.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from amped.autocast_mode import autocast
+from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
+from amped.fp8.config import CastRule, Fp8Config
+from amped.fp8.delayed import GRAD_OUTPUT, INPUT, WEIGHT, next_scale, reduce_max
+from amped.fp8.gemm import has_scaled_mm, scaled_mm
+
+__all__ = ["Float8Linear"]
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    """``x @ weight.T`` with the output, grad-input and grad-weight GEMMs in FP8."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: Float8Linear) -> Any:
+        cfg = layer.fp8_config
+        x2 = x.reshape(-1, x.shape[-1])
+        xq = layer.fp8_cast(x2, cfg.input, INPUT, dim=-1)
+        wq = layer.fp8_cast(weight, cfg.weight, WEIGHT, dim=-1)
+        out = scaled_mm(
+            xq, wq.t(), x.dtype, emulate=layer.fp8_emulate, use_fast_accum=cfg.fast_accum_output
+        )
+        ctx.reuse_x = cfg.input.granularity == "tensorwise" and not cfg.grad_weight_hp
+        ctx.reuse_w = cfg.weight.granularity == "tensorwise" and cfg.w_gi == cfg.weight
+        x_saved = (xq.data, xq.scale) if ctx.reuse_x else (x2,)
+        w_saved = (wq.data, wq.scale) if ctx.reuse_w else (weight,)
+        ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        layer: Float8Linear = ctx.layer
+        cfg = layer.fp8_config
+        saved = list(ctx.saved_tensors)
+        if ctx.reuse_x:
+            x_q, saved = Fp8Tensor(saved[0], saved[1]), saved[2:]
+        else:
+            x2, saved = saved[0], saved[1:]
+        w_gi = Fp8Tensor(saved[0], saved[1]) if ctx.reuse_w else None
+        go = grad.reshape(-1, grad.shape[-1])
+        goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1)
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            if w_gi is None:  # rowwise over the output dim: one scale per input feature
+                w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0)
+            grad_x = scaled_mm(goq, w_gi, grad.dtype, emulate=layer.fp8_emulate)
+            grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            if cfg.grad_weight_hp:
+                grad_w = go.t() @ x2.to(go.dtype)
+            else:
+                go_gw = goq
+                if cfg.grad_output.granularity == "rowwise":  # one scale per output feature
+                    go_gw = layer.fp8_cast(go, cfg.grad_output, None, dim=0)
+                if not ctx.reuse_x:  # one scale per input feature
+                    x_q = layer.fp8_cast(x2, cfg.input, None, dim=0)
+                grad_w = scaled_mm(go_gw.t(), x_q, grad.dtype, emulate=layer.fp8_emulate)
+            grad_w = grad_w.to(ctx.w_dtype)
+        return grad_x, grad_w, None
+
+
+class Float8Linear(torch.nn.Linear):
+    """An ``nn.Linear`` that computes in FP8 (see :mod:`amped.fp8.linear`).
+
+    Made from an existing ``nn.Linear`` in place by :meth:`convert_` (parameters, hooks
+    and the optimizer's references are kept); :func:`amped.fp8.convert_to_fp8` does that
+    for a whole model.
+
+    Attributes:
+        fp8_config: the :class:`~amped.fp8.Fp8Config` of its casts.
+        fp8_emulate: whether GEMMs are emulated (no FP8 GEMM on the device).
+    """
+
+    fp8_config: Fp8Config
+    fp8_emulate: bool
+    fp8_started: bool
+    fp8_amax_history: torch.Tensor
+    fp8_scale: torch.Tensor
+    fp8_updates: torch.Tensor
+    fp8_pending: torch.Tensor
+    fp8_max: torch.Tensor
+
+    @classmethod
+    def convert_(
+        cls, linear: torch.nn.Linear, config: Fp8Config, emulate: bool | None = None
+    ) -> Float8Linear:
+        """Turn ``linear`` into a Float8Linear in place and return it.
+
+        Args:
+            linear: an ``nn.Linear`` (exactly that class).
+            config: the cast rules.
+            emulate: force (True) or forbid (False) emulated GEMMs; default: emulate
+                where the device has no FP8 GEMM.
+        """
+        if type(linear) is not torch.nn.Linear:
+            raise TypeError(
+                "Float8Linear converts torch.nn.Linear modules only (a subclass may not call "
+                "its own forward, as nn.MultiheadAttention's out_proj). "
+                f"Received: {type(linear).__name__}"
+            )
+        device = linear.weight.device
+        linear.__class__ = cls
+        layer: Float8Linear = linear  # type: ignore[assignment]
+        layer.fp8_config = config
+        layer.fp8_emulate = (not has_scaled_mm(device)) if emulate is None else emulate
+        layer.fp8_started = False
+        if config.delayed is not None:
+            n = config.delayed.history_len
+            f32, dev = torch.float32, device
+            maxima = [torch.finfo(r.dtype).max for r in (config.input, config.weight)]
+            maxima.append(torch.finfo(config.grad_output.dtype).max)
+            layer.register_buffer("fp8_amax_history", torch.zeros(3, n, dtype=f32, device=dev))
+            layer.register_buffer("fp8_scale", torch.ones(3, dtype=f32, device=dev))
+            layer.register_buffer("fp8_updates", torch.zeros((), dtype=torch.int64, device=dev))
+            # Not a buffer: DDP broadcasts buffers from rank 0 at every forward, which would
+            # overwrite the amaxes another rank saw in an earlier micro-batch.
+            layer.fp8_pending = torch.zeros(3, dtype=f32, device=dev)
+            fp8_max = torch.tensor(maxima, dtype=f32, device=dev)
+            layer.register_buffer("fp8_max", fp8_max, persistent=False)
+        return layer
+
+    @property
+    def fp8_delayed(self) -> Any:
+        """The :class:`~amped.fp8.DelayedScaling` rule, or None for dynamic scaling."""
+        return self.fp8_config.delayed
+
+    def fp8_cast(self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int) -> Fp8Tensor:
+        """Quantize ``x`` by ``rule``: dynamically, or with the delayed scale of ``role``.
+
+        Under delayed scaling, in training mode, the amax of ``x`` is recorded for the
+        next update; a layer in eval mode casts with the current scales and records nothing.
+        """
+        delayed = self.fp8_config.delayed
+        if delayed is None or role is None:
+            return quantize(x, rule.dtype, rule.granularity, dim, self.fp8_config.power_of_2)
+        amax = amax_of(x).to(torch.float32)
+        with torch.no_grad():
+            if self.training:  # evaluation does not feed the history
+                if self.fp8_pending.device != amax.device:  # the model moved
+                    self.fp8_pending = self.fp8_pending.to(amax.device)
+                self.fp8_pending[role] = torch.maximum(self.fp8_pending[role], amax)
+            if self.fp8_started:
+                scale = self.fp8_scale[role]
+            else:  # first step: this tensor's own amax, the same on every rank
+                amax = reduce_max(amax.clone())
+                scale = next_scale(amax, self.fp8_max[role], self.fp8_scale[role], delayed.margin)
+        return Fp8Tensor(cast_saturated(x, scale, rule.dtype), scale)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type) and input.is_floating_point():
+            input = input.to(torch.get_autocast_dtype(device_type))
+        with autocast(device_type, enabled=False):
+            out = _Fp8LinearFunction.apply(input, self.weight, self)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+        return out
+
+    def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
+        super()._load_from_state_dict(state_dict, prefix, *args)
+        if self.fp8_config.delayed is not None:
+            self.fp8_started = bool(self.fp8_updates > 0)
+
+    def extra_repr(self) -> str:
+        emulated = ", emulated" if self.fp8_emulate else ""
+        return f"{super().extra_repr()}, fp8={self.fp8_config}{emulated}"

@@ -1,0 +1,177 @@
+"""The FP8 recipes: FP8 GEMMs in the Linear layers, a base recipe for everything else.
+
+``fp8-tensorwise``, ``fp8-rowwise`` and ``fp8-rowwise-gw-hp`` are torchao's float8
+training recipes; ``fp8-delayed`` is Transformer Engine's delayed scaling (see
+:mod:`amped.fp8`). ``prepare`` builds the base recipe's setup first (``bf16-mixed`` by
+default; ``bf16-master``, ``bf16-pure`` or ``bf16-pure-sr`` by choice: weights and
+optimizer state follow it), then converts the chosen ``nn.Linear`` layers in place.
+Ops outside those layers run under the base recipe's bfloat16 autocast policy. A
+module that any of the policy's module rules names stays out of FP8 (with its
+children): ``"fp32"`` and ``"skip"`` run it in float32, ``"low"`` in bfloat16, as
+for every other recipe. Layers the module filter rejects stay out too.
+
+Under FSDP2, convert first (:func:`amped.fp8.convert_to_fp8` with the recipe's config),
+then ``fully_shard``, build the optimizer and call ``prepare``: it adopts the layers
+already converted (torchao asks for the same order).
+
+These recipes are opt-in: ``amped compare`` runs them when named in ``--recipes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from amped.fp8 import (
+    FP8_CONFIGS,
+    Float8Linear,
+    Fp8Config,
+    Fp8Layers,
+    ModuleFilter,
+    convert_to_fp8,
+    plan_fp8,
+)
+from amped.policy import Policy
+from amped.recipes.registry import Recipe, register, resolve_recipe
+from amped.recipes.setup import TrainSetup, prepare
+from amped.scaling import GradScaler
+
+__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "build_fp8_setup", "ruled_modules"]
+
+FP8_BASES = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
+"""Base recipes an FP8 recipe can keep its weights and optimizer state by."""
+
+_ALIASES = {
+    "tensorwise": (),
+    "rowwise": (),
+    "rowwise-gw-hp": (),
+    "delayed": ("fp8-te",),
+}
+
+FP8_RECIPE_NAMES = tuple(
+    register(
+        Recipe(
+            f"fp8-{scaling}",
+            torch.bfloat16,
+            "fp32",
+            True,
+            False,
+            aliases,
+            f"FP8 Linear GEMMs ({FP8_CONFIGS[scaling]}), bfloat16 autocast elsewhere",
+            fp8=scaling,
+        ),
+        opt_in=True,
+    ).name
+    for scaling, aliases in _ALIASES.items()
+)
+
+_SUPPORTED_PARAM_DTYPES = (torch.float32,)
+
+
+def _check_model(recipe: Recipe, model: torch.nn.Module, device_type: str) -> None:
+    if device_type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"Recipe {recipe.name!r} runs on cpu (emulated or torch's CPU FP8 GEMM) and cuda. "
+            f"Received: a model on {device_type!r}"
+        )
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype not in _SUPPORTED_PARAM_DTYPES:
+            raise ValueError(
+                f"Recipe {recipe.name!r} casts float32 weights to FP8 (the base recipe lowers "
+                f"them where it should); pass the model in float32. Received: parameter "
+                f"{name!r} of dtype {param.dtype}"
+            )
+
+
+def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
+    chosen = resolve_recipe(base or "bf16-mixed")
+    if chosen.name not in FP8_BASES:
+        why = (
+            "float16 autocast is refused: FP8 recipes run bfloat16 around the FP8 GEMMs"
+            if chosen.dtype is torch.float16
+            else "it is not a bfloat16 recipe"
+        )
+        raise ValueError(
+            f"Recipe {recipe.name!r} cannot take base={chosen.name!r} ({why}); bases are "
+            f"{', '.join(FP8_BASES)}. Received: base={base!r}"
+        )
+    return chosen
+
+
+def ruled_modules(model: torch.nn.Module, policy: Policy | None) -> set[str]:
+    """Qualified names of the modules a module rule of ``policy`` matches, and their children."""
+    if policy is None or not policy.module_rules:
+        return set()
+    ruled: set[str] = set()
+    for name, module in model.named_modules():
+        parent = name.rpartition(".")[0]
+        matched = any(rule.matches(module, name) for rule in policy.module_rules)
+        if matched or (name and parent in ruled):
+            ruled.add(name)
+    return ruled
+
+
+def _already_converted(
+    recipe: Recipe, model: torch.nn.Module, config: Fp8Config
+) -> Fp8Layers | None:
+    """The model's Float8Linear layers, when it was converted before (FSDP2: convert,
+    then ``fully_shard``, then build the optimizer and call ``prepare``; or to choose
+    delayed scaling's history length, amax rule and margin)."""
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    if not layers:
+        return None
+    for name, layer in layers.items():
+        # Delayed scaling's own settings (history length, amax rule, margin) are free.
+        own = layer.fp8_config
+        same_kind = (own.delayed is None) == (config.delayed is None)
+        if not same_kind or dataclasses.replace(config, delayed=own.delayed) != own:
+            raise ValueError(
+                f"Recipe {recipe.name!r} found layer {name!r} converted to FP8 with other "
+                f"rules; convert with amped.fp8.FP8_CONFIGS[{recipe.fp8!r}]. Received: "
+                f"fp8={layer.fp8_config}"
+            )
+    return Fp8Layers(layers, config)
+
+
+def build_fp8_setup(
+    recipe: Recipe,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scaler: GradScaler | None,
+    device_type: str,
+    policy: Policy | None,
+    base: str | Recipe | None = None,
+    module_filter: ModuleFilter | None = None,
+) -> TrainSetup:
+    """Build the base recipe's setup, then convert the chosen Linear layers to FP8.
+
+    Returns the setup (of the base recipe's class) with ``recipe`` set to the FP8
+    recipe (its ``weights`` and ``compensation`` those of the base) and ``fp8_layers``
+    to the converted layers, which :meth:`~amped.recipes.TrainSetup.step` updates.
+    """
+    if recipe.fp8 is None:
+        raise ValueError(f"{recipe.name!r} is not an FP8 recipe. Received: recipe={recipe!r}")
+    base_recipe = _base_recipe(recipe, base)
+    _check_model(recipe, model, device_type)
+    if scaler is not None and scaler.is_enabled():
+        raise ValueError(
+            f"Recipe {recipe.name!r} does not scale the loss (bfloat16 gradients do not "
+            "underflow, FP8 casts have their own scales); pass no scaler. Received: an "
+            "enabled GradScaler"
+        )
+    config = FP8_CONFIGS[recipe.fp8]
+    converted = _already_converted(recipe, model, config)
+    keep = ruled_modules(model, policy)
+    names = plan_fp8(model, module_filter, keep)
+    if not names and converted is None:  # before the base recipe changes anything
+        convert_to_fp8(model, config, names)
+    setup = prepare(model, optimizer, base_recipe, policy=policy, scaler=scaler)
+    if converted is None:
+        names = plan_fp8(model, module_filter, keep | ruled_modules(model, setup.policy))
+        converted = convert_to_fp8(model, config, names)
+    setup.fp8_layers = converted
+    setup.recipe = dataclasses.replace(
+        recipe, weights=base_recipe.weights, compensation=base_recipe.compensation
+    )
+    return setup

@@ -20,7 +20,13 @@ from typing import Any, overload
 import torch
 
 from amped.scaling import config as cfg
-from amped.scaling.checks import ScalerOrderError, check_bool, check_device_type, received
+from amped.scaling.checks import (
+    SCALE_FLOOR,
+    ScalerOrderError,
+    check_bool,
+    check_device_type,
+    received,
+)
 from amped.scaling.distributed import check_process_group
 from amped.scaling.records import History
 from amped.scaling.scaler_base import GradScalerBase, OptimizerState, OptState
@@ -323,6 +329,11 @@ class GradScaler(GradScalerBase):
                 self._growth_factor, self._backoff_factor, self._growth_interval
             )
             self._strategy.update(ScaleState(scale, tracker, self._counters), found, factors)
+        # The floor, whatever the strategy (or a new_scale tensor) did: below it 1/scale
+        # overflows and a clean step would turn every parameter into NaN (see
+        # SCALE_FLOOR). Clamping an in-range float32 returns it unchanged, so wherever
+        # torch's rule stays sound the scale is still bitwise torch's.
+        scale.clamp_(min=SCALE_FLOOR)
         if before is not None and self._history is not None:
             floats = [before, found, self._skipped_flag(scale.device), scale]
             streak = self._counters.get("overflow_streak")  # Hysteresis's counter

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
-__all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "RunError", "UsageError"]
+__all__ = [
+    "EXIT_DIVERGED",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_TERMINATED",
+    "EXIT_USAGE",
+    "RunError",
+    "UsageError",
+]
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # RunError
 EXIT_USAGE = 2  # UsageError
+EXIT_DIVERGED = 3  # every recipe ran, but one or more diverged (non-finite losses)
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15), handled like Ctrl-C
 
 
 class UsageError(Exception):

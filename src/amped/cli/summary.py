@@ -83,6 +83,8 @@ def _flags(recipe: dict[str, Any]) -> str:
     flags = []
     if recipe["slow_on_this_hardware"]:
         flags.append("slow here")
+    if recipe.get("diverged"):
+        flags.append("DIVERGED")
     if recipe["status"] in ("interrupted", "failed", "not_run"):
         flags.append(recipe["status"].replace("_", " "))
     elif recipe["stop_reason"]:
@@ -145,6 +147,11 @@ def findings(results: dict[str, Any]) -> list[str]:
     if results["partial"]:
         lines.append("Partial results: the comparison was interrupted.")
     lines += [f"{r['name']} failed: {r['error']}" for r in results["recipes"] if r["error"]]
+    lines += [
+        f"{r['name']} diverged: its loss is inf/NaN from step {r['diverged_at_step']} on."
+        for r in results["recipes"]
+        if r.get("diverged")
+    ]
     return lines
 
 

@@ -57,11 +57,17 @@ def run_doctor(args: argparse.Namespace) -> int:
         raise RunError(f"The doctor failed: {type(error).__name__}: {error}") from error
     html = out / "doctor.html"
     try:
-        write_files([(out / "doctor.json", report.to_json()), (html, report.to_html())])
+        document, page = report.to_json(), report.to_html()
+    except Exception as error:
+        raise RunError(
+            f"Could not render the doctor's report: {type(error).__name__}: {error}"
+        ) from error
+    try:
+        write_files([(out / "doctor.json", document), (html, page)])
     except OSError as error:
         raise RunError(f"Could not write the doctor's report into {str(out)!r}: {error}") from None
     if args.json:
-        sys.stdout.write(report.to_json() + "\n")
+        sys.stdout.write(document + "\n")
     else:
         _print(report, html)
     return EXIT_OK

@@ -124,14 +124,25 @@ def _check_extra() -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``amped`` command line with ``argv`` (default: ``sys.argv[1:]``)."""
+    """Run the ``amped`` command line with ``argv`` (default: ``sys.argv[1:]``).
+
+    SIGTERM is handled like SIGINT from here on. Called as the program (``argv`` None),
+    SIGINT and SIGTERM are then held back from the return until the process exits:
+    Python restores the default handlers while it shuts down, and a signal then would
+    kill the process after its work was done, replacing its exit code. Called with
+    ``argv`` (in process), the previous handlers are restored on return.
+    """
     arguments = list(sys.argv[1:] if argv is None else argv)
     handlers = {number: signal.getsignal(number) for number in interrupt.SIGNALS}
     interrupt.immediate_interrupts()  # SIGTERM now raises KeyboardInterrupt, as SIGINT does
     try:
         return _main(arguments)
     finally:
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is not threading.main_thread():
+            pass
+        elif argv is None and hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, set(interrupt.SIGNALS))
+        elif argv is not None:
             for number, handler in handlers.items():
                 if handler is not None:  # None: installed outside Python, left as it is
                     signal.signal(number, handler)

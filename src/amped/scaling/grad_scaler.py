@@ -49,7 +49,9 @@ class GradScaler(GradScalerBase):
     Args:
         device: device type of the gradients: ``"cuda"`` (default), ``"cpu"``, ...
             With ``"cuda"`` and no CUDA, warns and disables itself, as torch does.
-        init_scale: the first scale, a finite number > 0.
+        init_scale: the first scale, a finite number >= ``SCALE_FLOOR`` (2**-126).
+            Whatever the strategy, the scale never goes below that floor, where
+            1/scale would overflow float32 (see ``docs/robustness.md``).
         growth_factor: multiplies the scale after ``growth_interval`` clean
             iterations; > 1.
         backoff_factor: multiplies the scale after an iteration with inf/NaN
@@ -61,7 +63,7 @@ class GradScaler(GradScalerBase):
             inf/NaN gradients are still skipped).
         hysteresis: keyword-only. Back off only on the ``hysteresis``-th overflow in
             a row (DeepSpeed's and Megatron's meaning); 1, the default, is torch's rule.
-        min_scale: keyword-only. The scale never backs off below this.
+        min_scale: keyword-only. The scale never backs off below this (>= 2**-126).
         max_scale: keyword-only. The scale never grows above this.
         record_history: keyword-only. Keep a :class:`~amped.ScaleRecord` per update in
             :attr:`history`, at no extra sync.

@@ -76,16 +76,18 @@ def verify_archive(file: BinaryIO, size: int) -> list[Member]:
     count, cd_offset, cd_size = _read_end_records(file, size)
     members = _read_central_directory(file, cd_offset, cd_size, count)
     _check_names([member.name for member, _ in members])
+    # Members lie back to back from byte 0, each ending where the next one starts (the
+    # last where the central directory starts): no byte is left unchecked.
     position = 0
-    for member, zip64 in members:
+    ends = [member.offset for member, _ in members[1:]] + [cd_offset]
+    for (member, zip64), end in zip(members, ends, strict=True):
         if member.offset != position:
             raise ArchiveError(
                 f"member {member.name!r} starts at byte {member.offset}, not right after "
                 f"the previous one (byte {position})"
             )
-        position = _check_local(file, member, zip64, cd_offset)
-    if position != cd_offset:
-        raise ArchiveError(f"{cd_offset - position} unaccounted bytes before the central directory")
+        _check_local(file, member, zip64, end)
+        position = end
     return [Member(m.name, m.data_offset, m.size, m.crc) for m, _ in members]
 
 
@@ -169,11 +171,13 @@ def _read_central_directory(
         if sig != b"PK\x01\x02" or at > cd_size:
             raise ArchiveError("malformed central-directory entry")
         _check_entry(name, flags, method, comment_len, disk, internal, external)
-        sizes = _zip64_sizes(name, extra, [size, packed, offset])
-        size, packed, offset = sizes
+        # A member of 4 GiB or more has its sizes in the zip64 extra field; one that
+        # starts past 4 GiB its offset. miniz then writes 8-byte sizes in its descriptor.
+        zip64 = _MAX32 in (size, packed, offset)
+        size, packed, offset = _zip64_sizes(name, extra, [size, packed, offset])
         if size != packed:
             raise ArchiveError(f"member {name!r} is stored but its two sizes differ")
-        entries.append((_Entry(name, flags, size, crc, offset), _MAX32 in (size, packed)))
+        entries.append((_Entry(name, flags, size, crc, offset), zip64))
     if at != cd_size:
         raise ArchiveError(f"{cd_size - at} stray bytes at the end of the central directory")
     return entries
@@ -244,18 +248,19 @@ def _check_names(names: list[str]) -> None:
             raise ArchiveError(f"the archive has no {top}/{required} record")
 
 
-def _check_local(file: BinaryIO, entry: _Entry, zip64: bool, limit: int) -> int:
-    """Check the local header, data (CRC-32) and descriptor of ``entry``; return its end."""
-    if entry.offset + _LOCAL.size > limit:
-        raise ArchiveError(f"member {entry.name!r} lies past the central directory")
+def _check_local(file: BinaryIO, entry: _Entry, zip64: bool, end: int) -> None:
+    """Check the local header, data (CRC-32) and descriptor of ``entry``, which must end
+    exactly at byte ``end``."""
+    if entry.offset + _LOCAL.size > end:
+        raise ArchiveError(f"member {entry.name!r} overlaps the next record")
     (sig, _, flags, method, _, _, crc, packed, size, name_len, extra_len) = _LOCAL.unpack(
         _read(file, entry.offset, _LOCAL.size, "local header")
     )
     at = entry.offset + _LOCAL.size
     if sig != b"PK\x03\x04" or flags != entry.flags or method != 0:
         raise ArchiveError(f"the local header of {entry.name!r} disagrees with the directory")
-    if at + name_len + extra_len > limit:
-        raise ArchiveError(f"member {entry.name!r} lies past the central directory")
+    if at + name_len + extra_len > end:
+        raise ArchiveError(f"member {entry.name!r} overlaps the next record")
     tail = _read(file, at, name_len + extra_len, "local header")
     if tail[:name_len] != entry.name.encode("utf-8"):
         raise ArchiveError(f"the local header of {entry.name!r} names another member")
@@ -264,15 +269,20 @@ def _check_local(file: BinaryIO, entry: _Entry, zip64: bool, limit: int) -> int:
     header_values = (crc, packed, size)
     if described and any(header_values) and header_values != (0, _MAX32, _MAX32):
         raise ArchiveError(f"the local header of {entry.name!r} has sizes and a descriptor")
-    if not described and not zip64 and header_values != (entry.crc, entry.size, entry.size):
+    if not described and header_values not in (
+        (entry.crc, entry.size, entry.size),
+        (entry.crc, _MAX32, _MAX32) if zip64 else None,
+    ):
         raise ArchiveError(f"the local header of {entry.name!r} disagrees with the directory")
-    data_at = at + name_len + extra_len
-    end = data_at + entry.size
-    if end > limit:
-        raise ArchiveError(f"the data of {entry.name!r} runs past the central directory")
-    entry.data_offset = data_at
+    entry.data_offset = at + name_len + extra_len
+    data_end = entry.data_offset + entry.size
+    if data_end > end:
+        raise ArchiveError(f"the data of {entry.name!r} runs into the next record")
     _check_crc(file, entry)
-    return _check_descriptor(file, entry, end, limit, zip64) if described else end
+    if described:
+        _check_descriptor(file, entry, data_end, end - data_end, zip64)
+    elif data_end != end:
+        raise ArchiveError(f"{end - data_end} stray bytes after the data of {entry.name!r}")
 
 
 def _check_crc(file: BinaryIO, entry: _Entry) -> None:
@@ -287,11 +297,13 @@ def _check_crc(file: BinaryIO, entry: _Entry) -> None:
         raise ArchiveError(f"member {entry.name!r} fails its CRC-32 check (corrupt data)")
 
 
-def _check_descriptor(file: BinaryIO, entry: _Entry, at: int, limit: int, zip64: bool) -> int:
-    layout = struct.Struct("<4sLQQ" if zip64 else "<4s3L")
-    if at + layout.size > limit:
-        raise ArchiveError(f"the data descriptor of {entry.name!r} is missing")
-    sig, crc, packed, size = layout.unpack(_read(file, at, layout.size, "data descriptor"))
+def _check_descriptor(file: BinaryIO, entry: _Entry, at: int, length: int, zip64: bool) -> None:
+    """The data descriptor at ``at``, ``length`` bytes up to the next record: 16 bytes
+    with 4-byte sizes, or 24 with 8-byte ones (only for a zip64 member)."""
+    layouts = {16: struct.Struct("<4s3L"), 24: struct.Struct("<4sLQQ")}
+    layout = layouts.get(length)
+    if layout is None or (length == 24 and not zip64):
+        raise ArchiveError(f"the data descriptor of {entry.name!r} is missing or malformed")
+    sig, crc, packed, size = layout.unpack(_read(file, at, length, "data descriptor"))
     if sig != b"PK\x07\x08" or (crc, packed, size) != (entry.crc, entry.size, entry.size):
         raise ArchiveError(f"the data descriptor of {entry.name!r} disagrees with the directory")
-    return at + layout.size

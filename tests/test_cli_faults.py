@@ -418,9 +418,10 @@ def test_sigterm_and_sigint_at_random_moments(tmp_path):
     assert outcomes.count("finished") <= 4, outcomes  # most landed mid-run
 
 
-def test_graceful_region_survives_a_signal_while_rendering(capsys, tmp_path, monkeypatch):
-    """In process: SIGTERM arrives while report.html renders; the pair is still written
-    and the exit code is 143."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_report_renders_still_writes_it(capsys, tmp_path, monkeypatch, signum):
+    """In process: Ctrl-C or SIGTERM arrives while report.html renders; the pair is
+    still written, and the exit code is 130 or 143."""
     from amped.cli import report
 
     out = tmp_path / "out"
@@ -428,13 +429,13 @@ def test_graceful_region_survives_a_signal_while_rendering(capsys, tmp_path, mon
     render = report.render_html
 
     def render_then_signal(results):
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signum)
         return render(results)
 
     monkeypatch.setattr(report, "render_html", render_then_signal)
     code = main(["compare", *TINY, "--recipes", "fp32", "--steps", "2", "--out", str(out)])
     err = capsys.readouterr().err
-    assert code == 143, err
+    assert code == 128 + signum, err
     assert "interrupted: results written" in err and "Traceback" not in err
     assert pair_state(out) == "new"
     assert json.loads((out / "results.json").read_text())["partial"] is False

@@ -1,5 +1,5 @@
 """The CLI under faults: a full disk, a file-size limit, a read-only or hostile --out,
-signals at random moments, tasks that break the contract, and runs that diverge.
+tasks that break the contract, and runs that diverge (signals: test_cli_signals.py).
 
 Every case ends with the documented exit code, one line on stderr and no traceback,
 and the report folder holds either the previous pair of files or the new pair, whole.
@@ -12,15 +12,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import resource
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,65 +25,21 @@ import pytest
 from amped.cli import files
 from amped.cli.main import main
 from amped.cli.schema import validate
+from cli_fault_helpers import (
+    ENV,
+    FACTORIES,
+    OLD,
+    ROOT,
+    TINY,
+    compare_command,
+    error_line,
+    old_pair,
+    one_line,
+    pair_state,
+)
 
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
-
-ROOT = Path(__file__).resolve().parent.parent
-FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"
-ENV = {
-    **os.environ,
-    "OMP_NUM_THREADS": "1",
-    "PYTHONUNBUFFERED": "1",
-    "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
-}
-TINY = ("--model", f"{FACTORIES}:good", "--batch-size", "8", "--threads", "1")
-TINY += ("--max-time", "0", "--no-progress")
-OLD = "OLD-RUN-MARKER"
-PAIRS = {"compare": ("results.json", "report.html"), "doctor": ("doctor.json", "doctor.html")}
-
-
-def old_pair(out: Path, command: str = "compare") -> None:
-    """A previous run's files, recognisable by their marker."""
-    out.mkdir(parents=True, exist_ok=True)
-    data, page = PAIRS[command]
-    (out / data).write_text(json.dumps({"created": OLD}))
-    (out / page).write_text(f"<html>{OLD}</html>\n")
-
-
-def pair_state(out: Path, command: str = "compare") -> str:
-    """'old' or 'new' when the folder holds one whole, consistent pair; fails otherwise."""
-    data, page = PAIRS[command]
-    names = sorted(os.listdir(out))
-    assert names == sorted(PAIRS[command]), f"not a pair (torn or half-written): {names}"
-    document = json.loads((out / data).read_text())  # whole JSON, or this raises
-    html = (out / page).read_text()
-    assert html.rstrip().endswith("</html>"), "a torn page"
-    if document.get("created") == OLD:
-        assert OLD in html, "a new page beside an old results file"
-        return "old"
-    assert OLD not in html, "an old page beside a new results file"
-    if command == "compare":
-        assert validate(document) == []
-        assert document["created"] in html
-    return "new"
-
-
-def one_line(err: str) -> str:
-    """stderr is a single line (nothing ran before the error)."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert "Traceback" not in err, err
-    assert len(lines) == 1, err
-    return lines[0]
-
-
-def error_line(err: str) -> str:
-    """The one ``amped: error:`` line among the progress lines; no traceback."""
-    lines = [line for line in err.splitlines() if line.startswith("amped: ")]
-    assert "Traceback" not in err, err
-    assert len(lines) == 1 and lines[0].startswith("amped: error: "), err
-    return lines[0]
-
 
 # --- the factory contract, checked before training ------------------------------
 
@@ -259,10 +212,6 @@ def _in_tmpfs(
     )
 
 
-def _compare_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "amped", "compare", *TINY, *args]
-
-
 @pytest.mark.slow
 @needs_tmpfs
 def test_full_disk_exits_1_with_the_old_pair_kept(tmp_path):
@@ -270,7 +219,7 @@ def test_full_disk_exits_1_with_the_old_pair_kept(tmp_path):
     out, seen = tmp_path / "out", tmp_path / "seen"
     out.mkdir()
     seen.mkdir()
-    command = _compare_command("--recipes", "fp32", "--steps", "3", "--out", str(out))
+    command = compare_command("--recipes", "fp32", "--steps", "3", "--out", str(out))
     result = _in_tmpfs(out, "size=64k", command, copy_to=seen)
     assert result.returncode == 1, result.stderr
     line = error_line(result.stderr)
@@ -284,7 +233,7 @@ def test_read_only_out_exits_2_before_training(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     began = time.monotonic()
-    result = _in_tmpfs(out, "ro", _compare_command("--steps", "100000", "--out", str(out)))
+    result = _in_tmpfs(out, "ro", compare_command("--steps", "100000", "--out", str(out)))
     assert result.returncode == 2, result.stderr
     line = one_line(result.stderr)  # no "fp32: running" line: nothing trained
     assert "Cannot write into the report folder (Read-only file system)" in line
@@ -302,7 +251,7 @@ def test_file_size_limit_exits_1_with_the_old_pair_kept(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
 
     result = subprocess.run(
-        _compare_command("--recipes", "fp32", "--steps", "3", "--out", str(out)),
+        compare_command("--recipes", "fp32", "--steps", "3", "--out", str(out)),
         capture_output=True,
         text=True,
         timeout=300,
@@ -315,135 +264,8 @@ def test_file_size_limit_exits_1_with_the_old_pair_kept(tmp_path):
     assert pair_state(out) == "old"
 
 
-# --- signals at random moments --------------------------------------------------------
-
-# (first signal, second signal or None): each trial is one subprocess.
-TRIALS = [
-    (signal.SIGINT, None),
-    (signal.SIGTERM, None),
-    (signal.SIGTERM, None),
-    (signal.SIGINT, None),
-    (signal.SIGTERM, signal.SIGTERM),
-    (signal.SIGTERM, signal.SIGINT),
-    (signal.SIGTERM, None),
-    (signal.SIGINT, signal.SIGTERM),
-]
-
-
-# Where a trial's signal lands: a random delay after one of these progress lines, so
-# that signals fall into training (fp32 or bf16), between recipes, and into plotting and
-# writing the report, on fast machines and slow alike.
-ANCHORS = ("fp32: running", "fp32: complete", "bf16-mixed: complete")
-
-
-def _signal_trial(out: Path) -> subprocess.Popen[str]:
-    old_pair(out)
-    return subprocess.Popen(
-        _compare_command("--recipes", "fp32,bf16", "--steps", "150", "--out", str(out)),
-        cwd=ROOT,
-        env=ENV,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-
-
-def _signal_at(
-    process: subprocess.Popen[str],
-    first: int,
-    second: int | None,
-    anchor: str,
-    delay: float,
-    gap: float,
-) -> tuple[int, str]:
-    """After the progress line ``anchor`` and ``delay`` s, send ``first``, then after
-    ``gap`` s ``second`` (if any); return the exit code and stderr."""
-    assert process.stderr is not None
-    seen = ""
-    try:
-        for line in process.stderr:
-            seen += line
-            if line.startswith(anchor):
-                break
-        time.sleep(delay)
-        if process.poll() is None:
-            process.send_signal(first)
-            if second is not None:
-                time.sleep(gap)
-                if process.poll() is None:
-                    process.send_signal(second)
-        _, err = process.communicate(timeout=120)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    return process.returncode, seen + err
-
-
-@pytest.mark.slow
-def test_sigterm_and_sigint_at_random_moments(tmp_path):
-    """Eight subprocesses, two at a time, each signalled at a random moment of its run
-    (~15 s): exit 130 (SIGINT) or 143 (SIGTERM) (0 if it had just finished), no
-    traceback, and a whole pair: the new one (partial or not) or, only after a second
-    signal, the old one."""
-    rng = random.Random(14)
-    outcomes = []
-    for index in range(0, len(TRIALS), 2):
-        pair = [(tmp_path / f"t{index + i}", TRIALS[index + i]) for i in range(2)]
-        plans = [
-            (*signals, rng.choice(ANCHORS), rng.uniform(0.0, 0.8), rng.uniform(0.0, 0.3))
-            for _, signals in pair
-        ]
-        started = [_signal_trial(out) for out, _ in pair]
-        with ThreadPoolExecutor(2) as pool:  # both processes are watched at once
-            jobs = [(process, *plan) for process, plan in zip(started, plans, strict=True)]
-            ends = list(pool.map(lambda job: _signal_at(*job), jobs))
-        for (code, err), (out, (first, second)) in zip(ends, pair, strict=True):
-            assert "Traceback" not in err, err
-            state = pair_state(out)
-            if code == 0:
-                assert state == "new"
-                outcomes.append("finished")
-                continue
-            # Two signals that arrive while Python is inside one C call are handled in
-            # signal-number order, so then SIGINT may count as the first.
-            expected = {128 + first} | ({128 + second} if second is not None else set())
-            assert code in expected, (code, err)
-            assert f"amped: {'interrupted' if state == 'new' else 'error: interrupted'}" in err
-            if state == "new":
-                results = json.loads((out / "results.json").read_text())
-                outcomes.append("partial" if results["partial"] else "complete+signalled")
-            else:
-                assert second is not None, "one signal must never lose the report"
-                outcomes.append("old kept")
-    assert outcomes.count("finished") <= 4, outcomes  # most landed mid-run
-
-
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
-def test_a_signal_while_the_report_renders_still_writes_it(capsys, tmp_path, monkeypatch, signum):
-    """In process: Ctrl-C or SIGTERM arrives while report.html renders; the pair is
-    still written, and the exit code is 130 or 143."""
-    from amped.cli import report
-
-    out = tmp_path / "out"
-    old_pair(out)
-    render = report.render_html
-
-    def render_then_signal(results):
-        os.kill(os.getpid(), signum)
-        return render(results)
-
-    monkeypatch.setattr(report, "render_html", render_then_signal)
-    code = main(["compare", *TINY, "--recipes", "fp32", "--steps", "2", "--out", str(out)])
-    err = capsys.readouterr().err
-    assert code == 128 + signum, err
-    assert "interrupted: results written" in err and "Traceback" not in err
-    assert pair_state(out) == "new"
-    assert json.loads((out / "results.json").read_text())["partial"] is False
-
-
 def test_tempdir_is_left_clean(tmp_path):
     """The writer's probe and temporaries leave nothing behind."""
     files.check_writable(tmp_path)
     files.write_files([(tmp_path / "a.json", "{}"), (tmp_path / "b.html", "<html></html>")])
     assert sorted(os.listdir(tmp_path)) == ["a.json", "b.html"]
-    assert tempfile.gettempdir()

@@ -121,7 +121,10 @@ def remove_stale_temporaries(directory: str, prefix: str) -> list[str]:
     A temporary is stale when no process holds its lock and its writer's process no
     longer exists (or, where a pid may have been reused, it is over an hour old). A
     live save, in this process or another, is never touched. Returns the names removed.
+    Needs POSIX file locks; elsewhere it removes nothing.
     """
+    if fcntl is None:  # pragma: no cover - and os.kill(pid, 0) would end a Windows process
+        return []
     try:
         names = [n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".tmp")]
     except OSError:
@@ -160,7 +163,7 @@ def _is_stale(path: str, pid: int) -> bool:
 
 def _lock(handle: int, *, blocking: bool) -> bool:
     """An exclusive advisory lock on an open file; released when the process dies."""
-    if fcntl is None:  # pragma: no cover - not POSIX: only the pid check applies
+    if fcntl is None:  # pragma: no cover - not POSIX: nothing to lock with
         return True
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))

@@ -17,7 +17,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -232,12 +231,10 @@ def test_full_disk_exits_1_with_the_old_pair_kept(tmp_path):
 def test_read_only_out_exits_2_before_training(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    began = time.monotonic()
     result = _in_tmpfs(out, "ro", compare_command("--steps", "100000", "--out", str(out)))
     assert result.returncode == 2, result.stderr
     line = one_line(result.stderr)  # no "fp32: running" line: nothing trained
     assert "Cannot write into the report folder (Read-only file system)" in line
-    assert time.monotonic() - began < 120  # 100000 steps were never started
 
 
 @pytest.mark.slow

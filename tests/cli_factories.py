@@ -137,3 +137,53 @@ def wide_mlp_sgd(batch_size: int = 2, seed: int = 0):
     return Task(
         model, batches, loss_fn, make_optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=1e-3)
     )
+
+
+def exits():
+    """A factory that calls sys.exit(0) instead of returning."""
+    raise SystemExit(0)
+
+
+def half_model():
+    model, batches, loss_fn = good()
+    return model.half(), batches, loss_fn
+
+
+def details_not_json():
+    model, batches, loss_fn = good()
+    return Task(model, batches, loss_fn, details={"when": object()})
+
+
+def negative_threads():
+    model, batches, loss_fn = good()
+    return Task(model, batches, loss_fn, threads=-3)
+
+
+def nan_loss(batch_size: int = 16, seed: int = 0):
+    """The loss is NaN from step 1 in every recipe."""
+    model, batches, _ = good(batch_size, seed)
+    return model, batches, lambda out, y: F.cross_entropy(out, y) * float("nan")
+
+
+def overflows_first(batch_size: int = 16, seed: int = 0):
+    """A loss so large that fp16's first steps overflow at the default scale (65536) and
+    are skipped, until the scale has backed off below ~2**6."""
+    model, batches, _ = good(batch_size, seed)
+    return model, batches, lambda out, y: F.cross_entropy(out, y) * 2000.0
+
+
+class DollarNames(nn.Module):
+    """Module names with '$' pairs, which matplotlib's mathtext cannot parse."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("a$^$b", nn.Linear(8, 16))
+        self.add_module("c$\\bad$", nn.Linear(16, 2))
+
+    def forward(self, x):
+        return self.get_submodule("c$\\bad$")(self.get_submodule("a$^$b")(x).relu())
+
+
+def dollar_names(batch_size: int = 16, seed: int = 0):
+    _, batches, loss_fn = good(batch_size, seed)
+    return DollarNames(), batches, loss_fn

@@ -142,10 +142,13 @@ def test_checkpoint_round_trip(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (lambda data: data[: len(data) // 2], "torn or truncated"),
-        (lambda data: data[:100], "torn or truncated"),
-        (lambda data: b"", "torn or truncated"),
-        (lambda data: data.replace(torch.arange(256.0)[9:10].numpy().tobytes(), b"\0" * 4), "CRC"),
+        (lambda data: data[: len(data) // 2], "torn, truncated or corrupt"),
+        (lambda data: data[:100], "torn, truncated or corrupt"),
+        (lambda data: b"", "torn, truncated or corrupt"),
+        (
+            lambda data: data.replace(torch.arange(256.0)[9:10].numpy().tobytes(), b"\0" * 4),
+            "CRC-32",
+        ),
     ],
     ids=["half", "header-only", "empty", "flipped-tensor-bytes"],
 )

@@ -35,6 +35,7 @@ EXPECTED_SCALING_EXPORTS = {
     "load_checkpoint",
     "make_strategy",
     "save_checkpoint",
+    "SCALE_FLOOR",
 }
 # What the scaling layer adds to amped's top-level __all__.
 EXPECTED_TOP_LEVEL_FROM_SCALING = {"GradScaler", "ScaleRecord"}

@@ -9,15 +9,18 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
 
+from amped.cli import interrupt
 from amped.cli.compare import Comparison, baseline_first, run_comparison
 from amped.cli.dtypes import recipe_for_dtype
 from amped.cli.environment import default_device, describe, resolve_device
-from amped.cli.errors import EXIT_INTERRUPTED, EXIT_OK, RunError, UsageError
+from amped.cli.errors import EXIT_DIVERGED, EXIT_OK, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
+from amped.cli.files import check_writable
 from amped.cli.progress import LineProgress, RichProgress
 from amped.cli.report import write_report
 from amped.cli.results import dumps, to_dict
@@ -51,7 +54,8 @@ def parse_recipes(text: str) -> tuple[Recipe, ...]:
 
 
 def resolve_out(path: str) -> Path:
-    """The report folder, created now so a bad ``--out`` fails before any training."""
+    """The report folder, created and test-written now, so that a bad or unwritable
+    ``--out`` fails before any training (UsageError)."""
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise UsageError(
@@ -62,6 +66,13 @@ def resolve_out(path: str) -> Path:
     except OSError as error:
         raise UsageError(
             f"Cannot create the report folder ({error.strerror}). Received: --out {path!r}"
+        ) from None
+    try:
+        check_writable(out)
+    except OSError as error:
+        raise UsageError(
+            f"Cannot write into the report folder ({error.strerror or error}); choose a "
+            f"writable --out. Received: --out {path!r}"
         ) from None
     return out
 
@@ -113,31 +124,47 @@ def _compare(args: argparse.Namespace, command: list[str]) -> int:
     config = _config(args)
     out = resolve_out(args.out)
     observer = _observer(args, config)
-    with observer:
-        comparison = run_comparison(config, observer)
-    results = to_dict(comparison, describe(config.device), command)
-    try:
-        paths = write_report(results, out)
-    except OSError as error:
-        raise RunError(f"Could not write the report into {str(out)!r}: {error}") from None
+    # SIGINT/SIGTERM from here on: training stops at the next step, and the report
+    # (partial or not) is still rendered and written; a second signal raises at once.
+    with interrupt.graceful_interrupts():
+        with observer:
+            comparison = run_comparison(config, observer)
+        results = to_dict(comparison, describe(config.device), command)
+        try:
+            paths = write_report(results, out)
+        except OSError as error:
+            raise RunError(f"Could not write the report into {str(out)!r}: {error}") from None
+        signalled = interrupt.requested()
     if args.json:
         sys.stdout.write(dumps(results))
         sys.stdout.flush()
     else:
         print_summary(results, paths)
-    return _exit_code(comparison, args.traceback)
+    return _exit_code(comparison, results, args.traceback, signalled)
 
 
-def _exit_code(comparison: Comparison, show_tracebacks: bool) -> int:
+def _exit_code(
+    comparison: Comparison, results: dict[str, Any], show_tracebacks: bool, signalled: bool
+) -> int:
     failed = [r for r in comparison.runs if r.status == "failed"]
     for run in failed:
         if show_tracebacks and run.error_traceback:
             print(run.error_traceback, file=sys.stderr)
-    if comparison.partial:
-        print("amped: interrupted: partial results written", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+    if comparison.partial or signalled:
+        what = "partial results" if comparison.partial else "results"
+        print(f"amped: interrupted: {what} written", file=sys.stderr, flush=True)
+        return interrupt.exit_code()
     if failed:
         listed = "; ".join(f"{r.recipe.name} ({r.error})" for r in failed)
         hint = "" if show_tracebacks else " (rerun with --traceback for details)"
         raise RunError(f"{len(failed)} recipe(s) failed: {listed}{hint}")
+    diverged = [r for r in results["recipes"] if r["diverged"]]
+    if diverged:
+        listed = "; ".join(f"{r['name']} (from step {r['diverged_at_step']})" for r in diverged)
+        print(
+            f"amped: {len(diverged)} recipe(s) diverged, their losses non-finite: {listed}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_DIVERGED
     return EXIT_OK

@@ -3,7 +3,8 @@
 The task comes from the same factory contract as ``amped compare`` (``--model
 module:factory``); the doctor checks one training step on its first batch. It prints
 a table (the ops with the widest range, inf/NaN or underflow, the culprits and the
-verified fix) and writes ``doctor.html`` and ``doctor.json`` into ``--out``.
+verified fix) and writes ``doctor.json`` and ``doctor.html`` into ``--out``, as one
+set, atomically (:func:`amped.cli.files.write_files`); a write error is exit code 1.
 
 Like a linter, it exits 0 when the step is free of inf/NaN or the doctor found a fix
 and verified it by re-running, and :data:`~amped.cli.errors.EXIT_UNFIXED` (3) when it
@@ -25,6 +26,7 @@ from amped.cli.dtypes import parse_low_dtype
 from amped.cli.environment import default_device, resolve_device
 from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
+from amped.cli.files import write_files
 from amped.cli.task import to_device
 from amped.doctor import Report, diagnose
 from amped.doctor.report import OpStat
@@ -61,10 +63,19 @@ def run_doctor(args: argparse.Namespace) -> int:
         raise UsageError(str(error)) from error
     except Exception as error:
         raise RunError(f"The doctor failed: {type(error).__name__}: {error}") from error
-    html = report.save_html(out / "doctor.html")
-    (out / "doctor.json").write_text(report.to_json(), encoding="utf-8")
+    html = out / "doctor.html"
+    try:
+        document, page = report.to_json(), report.to_html()
+    except Exception as error:
+        raise RunError(
+            f"Could not render the doctor's report: {type(error).__name__}: {error}"
+        ) from error
+    try:
+        write_files([(out / "doctor.json", document), (html, page)])
+    except OSError as error:
+        raise RunError(f"Could not write the doctor's report into {str(out)!r}: {error}") from None
     if args.json:
-        sys.stdout.write(report.to_json() + "\n")
+        sys.stdout.write(document + "\n")
     else:
         _print(report, html)
     if unfixed_nonfinite(report):

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 __all__ = [
+    "EXIT_DIVERGED",
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
+    "EXIT_TERMINATED",
     "EXIT_UNFIXED",
     "EXIT_USAGE",
     "RunError",
@@ -15,8 +17,11 @@ __all__ = [
 EXIT_OK = 0
 EXIT_FAILED = 1  # RunError
 EXIT_USAGE = 2  # UsageError
-EXIT_UNFIXED = 3  # amped doctor: a non-finite value it found no verified fix for (like a linter)
+# 3: the numerics failed, as each command defines it (like a linter's findings).
+EXIT_DIVERGED = 3  # amped compare: every recipe ran, but one or more diverged (non-finite losses)
+EXIT_UNFIXED = 3  # amped doctor: a non-finite value it found no verified fix for
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
+EXIT_TERMINATED = 143  # SIGTERM (128 + 15), handled like Ctrl-C
 
 
 class UsageError(Exception):

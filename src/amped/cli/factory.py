@@ -54,7 +54,15 @@ class TaskFactory:
             )
         kwargs = {k: v for k, v in offered.items() if self._accepts(k)}
         torch.manual_seed(seed)
-        task = as_task(self.function(**kwargs), self.spec)
+        try:
+            built = self.function(**kwargs)
+        except SystemExit as error:
+            raise UsageError(
+                f"The factory {self.spec} called sys.exit() (SystemExit({error.code!r})) "
+                "instead of returning a task; it must return (model, batches, loss_fn) or "
+                f"an amped.cli.Task. Received: SystemExit({error.code!r})"
+            ) from None
+        task = as_task(built, self.spec)
         task.name = task.name or self.label
         return task
 
@@ -70,7 +78,7 @@ class TaskFactory:
             return task
         except (UsageError, KeyboardInterrupt):
             raise
-        except Exception as error:
+        except (Exception, SystemExit) as error:
             text = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise RunError(
                 f"The task from {self.spec} failed before training, in float32: "
@@ -138,7 +146,7 @@ def _import(module_part: str, spec: str) -> ModuleType:
                 f"sys.path). Give a module or a .py file. Received: --model {spec!r}"
             ) from None
         raise UsageError(_failed_import(module_part, error, spec)) from None
-    except Exception as error:
+    except (Exception, SystemExit) as error:
         raise UsageError(_failed_import(module_part, error, spec)) from None
 
 
@@ -153,7 +161,7 @@ def _import_file(path: Path, spec: str) -> ModuleType:
     sys.modules[name] = module  # dataclasses and pickling look modules up by name
     try:
         module_spec.loader.exec_module(module)
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # a script that exits when imported
         del sys.modules[name]
         raise UsageError(_failed_import(str(path), error, spec)) from None
     return module

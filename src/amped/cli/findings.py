@@ -76,6 +76,11 @@ def findings(results: dict[str, Any]) -> list[str]:
     if results["partial"]:
         lines.append("Partial results: the comparison was interrupted.")
     lines += [f"{r['name']} failed: {r['error']}" for r in results["recipes"] if r["error"]]
+    lines += [
+        f"{r['name']} diverged: its loss is inf/NaN from step {r['diverged_at_step']} on."
+        for r in results["recipes"]
+        if r.get("diverged")
+    ]
     return lines
 
 

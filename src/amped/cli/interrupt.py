@@ -1,8 +1,14 @@
-"""Ctrl-C that stops a comparison cleanly, at a step boundary.
+"""Ctrl-C and SIGTERM that stop a comparison cleanly, at a step boundary.
 
-The first SIGINT only sets a flag; the training loop checks it after every step and
-raises KeyboardInterrupt there, from Python, where the comparison catches it and writes
-the partial results. A second SIGINT raises at once, as Python does by default.
+SIGTERM (what ``timeout``, Slurm and Kubernetes send) is handled exactly like Ctrl-C
+(SIGINT). Inside :func:`graceful_interrupts` the first of either only sets a flag; the
+training loop checks it after every step and raises KeyboardInterrupt there, from
+Python, where the comparison catches it and writes the partial results; rendering and
+writing the report also run inside it, so a signal then is noted and the report is
+still written. A second signal raises KeyboardInterrupt at once. Outside that region
+(parsing arguments, importing and checking the task) either signal raises
+KeyboardInterrupt at once. The CLI exits with 128 + the number of the first signal:
+130 for SIGINT, 143 for SIGTERM.
 
 Why not let the first one raise: an asynchronous KeyboardInterrupt can land inside C++
 code that runs Python through pybind11 (torch runs some while importing its compiler
@@ -18,33 +24,81 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import Any
 
-__all__ = ["check", "graceful_interrupts"]
+__all__ = ["SIGNALS", "check", "exit_code", "graceful_interrupts", "immediate_interrupts"]
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 _requested = threading.Event()
+_state: dict[str, Any] = {"depth": 0, "signum": None}
+
+
+def _record(signum: int) -> None:
+    if _state["signum"] is None:
+        _state["signum"] = signum
+
+
+def _raise_now(signum: int, frame: FrameType | None) -> None:
+    _record(signum)
+    raise KeyboardInterrupt
 
 
 def _first_interrupt(signum: int, frame: FrameType | None) -> None:
+    _record(signum)
     _requested.set()
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # the second one raises
+    for number in SIGNALS:  # the second one, of either kind, raises
+        signal.signal(number, _raise_now)
 
 
 def check() -> None:
-    """Raise KeyboardInterrupt if Ctrl-C was pressed since the comparison started."""
+    """Raise KeyboardInterrupt if SIGINT or SIGTERM arrived since the comparison started."""
     if _requested.is_set():
         raise KeyboardInterrupt
 
 
+def requested() -> bool:
+    """Whether a signal arrived inside :func:`graceful_interrupts` (without raising)."""
+    return _requested.is_set()
+
+
+def exit_code(default: int = 130) -> int:
+    """128 + the number of the first signal received (``default`` if none was)."""
+    signum = _state["signum"]
+    return default if signum is None else 128 + int(signum)
+
+
+def immediate_interrupts() -> None:
+    """Make SIGTERM raise KeyboardInterrupt like SIGINT does (main thread only), and
+    forget earlier signals; called once as the CLI starts."""
+    _state["signum"] = None
+    _requested.clear()
+    if threading.current_thread() is threading.main_thread():
+        for number in SIGNALS:
+            signal.signal(number, _raise_now)
+
+
 @contextmanager
 def graceful_interrupts() -> Iterator[None]:
-    """Defer the first Ctrl-C to the next :func:`check` (main thread only; a no-op elsewhere)."""
-    _requested.clear()
+    """Defer the first SIGINT/SIGTERM to the next :func:`check` (main thread only; a
+    no-op elsewhere). Nested uses share the outermost one's flag."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGINT, _first_interrupt)
+    if _state["depth"]:
+        _state["depth"] += 1
+        try:
+            yield
+        finally:
+            _state["depth"] -= 1
+        return
+    _requested.clear()
+    previous = {number: signal.signal(number, _first_interrupt) for number in SIGNALS}
+    _state["depth"] = 1
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _state["depth"] = 0
+        for number, handler in previous.items():
+            signal.signal(number, handler)
         _requested.clear()

@@ -1,28 +1,26 @@
 """The ``amped`` command line: ``amped compare`` and ``amped doctor`` (also ``python -m amped``).
 
 Exit codes: 0 success; 1 a failed run (a recipe raised, the report could not be
-written, the CLI extra is missing); 2 bad arguments or a task that breaks the factory
-contract; 3 (``amped doctor``) a non-finite value the doctor could not fix; 130
-interrupted (Ctrl-C), after writing the partial results.
-User mistakes are reported in one line on stderr, without a traceback.
+written, the CLI extra is missing); 2 bad arguments, an unwritable ``--out`` or a task
+that breaks the factory contract; 3 the numerics failed: ``amped compare``, a recipe
+diverged (non-finite losses; the report is written), ``amped doctor``, a non-finite value
+it could not fix; 130 interrupted by Ctrl-C (SIGINT) and 143 by SIGTERM, after writing
+the partial results once training had started. User mistakes are reported in one line
+on stderr, without a traceback. See docs/robustness.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
 from typing import NoReturn
 
-from amped.cli.errors import (
-    EXIT_FAILED,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_USAGE,
-    RunError,
-    UsageError,
-)
+from amped.cli import interrupt
+from amped.cli.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunError, UsageError
 from amped.recipes import recipe_names
 
 __all__ = ["main", "version_line"]
@@ -141,8 +139,31 @@ def _check_extra(command: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``amped`` command line with ``argv`` (default: ``sys.argv[1:]``)."""
+    """Run the ``amped`` command line with ``argv`` (default: ``sys.argv[1:]``).
+
+    SIGTERM is handled like SIGINT from here on. Called as the program (``argv`` None),
+    SIGINT and SIGTERM are then held back from the return until the process exits:
+    Python restores the default handlers while it shuts down, and a signal then would
+    kill the process after its work was done, replacing its exit code. Called with
+    ``argv`` (in process), the previous handlers are restored on return.
+    """
     arguments = list(sys.argv[1:] if argv is None else argv)
+    handlers = {number: signal.getsignal(number) for number in interrupt.SIGNALS}
+    interrupt.immediate_interrupts()  # SIGTERM now raises KeyboardInterrupt, as SIGINT does
+    try:
+        return _main(arguments)
+    finally:
+        if threading.current_thread() is not threading.main_thread():
+            pass
+        elif argv is None and hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, set(interrupt.SIGNALS))
+        elif argv is not None:
+            for number, handler in handlers.items():
+                if handler is not None:  # None: installed outside Python, left as it is
+                    signal.signal(number, handler)
+
+
+def _main(arguments: list[str]) -> int:
     try:
         args = _parser().parse_args(arguments)
         if args.version:
@@ -163,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         _say_error("interrupted")
-        return EXIT_INTERRUPTED
+        return interrupt.exit_code()
     except RunError as error:
         if "--traceback" in arguments and error.__cause__ is not None:
             traceback.print_exception(error.__cause__)

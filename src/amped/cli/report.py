@@ -2,7 +2,8 @@
 
 The HTML file carries everything inline (CSS, and the plots as base64 PNG ``data:``
 URIs), so it can be mailed or attached to a ticket as one file; it loads nothing and
-runs no script. Both files are written atomically.
+runs no script. The two are written as one set by :func:`amped.cli.files.write_files`:
+atomically, never through a symlink, and never a new file beside an old partner.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from amped.cli import plots, summary
+from amped.cli.files import write_files
 from amped.cli.findings import warnings
-from amped.cli.results import dumps, write_atomic
+from amped.cli.results import dumps
 
 __all__ = ["render_html", "write_report"]
 
@@ -56,7 +58,7 @@ def _table(results: dict[str, Any]) -> str:
         head = "".join(f'<th class="{key}">{_e(headers[key])}</th>' for key in keys)
         body = []
         for recipe, row in zip(results["recipes"], rows, strict=True):
-            css = "failed" if recipe["status"] == "failed" else ""
+            css = "failed" if recipe["status"] == "failed" or recipe.get("diverged") else ""
             css = css or ("slow" if recipe["slow_on_this_hardware"] else "")
             cells = "".join(f'<td class="{k}">{_e(row[k])}</td>' for k in keys)
             body.append(f'<tr class="{css}" title="{_e(recipe["summary"])}">{cells}</tr>')
@@ -176,8 +178,8 @@ def render_html(results: dict[str, Any]) -> str:
 
 
 def write_report(results: dict[str, Any], out: Path) -> tuple[Path, Path]:
-    """Write ``results.json`` first (cheap, most needed), then ``report.html``, into ``out``."""
+    """Render both files, then write ``results.json`` and ``report.html`` into ``out``
+    as one set (raises OSError, leaving the previous pair, if they cannot be written)."""
     json_path, html_path = out / "results.json", out / "report.html"
-    write_atomic(json_path, dumps(results))
-    write_atomic(html_path, render_html(results))
+    write_files([(json_path, dumps(results)), (html_path, render_html(results))])
     return json_path, html_path

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from amped.cli.compare import BASELINE, Comparison
@@ -31,7 +29,7 @@ from amped.cli.plan import Plan
 from amped.cli.run import RecipeRun
 from amped.cli.timing import StepStats, ratio_range, step_stats
 
-__all__ = ["LOSS_WINDOW", "SCHEMA_ID", "SLOW_RATIO", "dumps", "to_dict", "write_atomic"]
+__all__ = ["LOSS_WINDOW", "SCHEMA_ID", "SLOW_RATIO", "divergence", "dumps", "to_dict"]
 
 SCHEMA_ID = "amped.compare/1"
 SLOW_RATIO = 1.5
@@ -111,6 +109,7 @@ def _recipe(
     slow = slowdown is not None and slowdown >= SLOW_RATIO
     timing = stats.as_dict() if stats else None
     ratios = ratio_range(timing, base.as_dict()) if timing and base else None
+    diverged = divergence(run.losses)
     return {
         "name": recipe.name,
         "summary": recipe.summary,
@@ -141,7 +140,9 @@ def _recipe(
         "loss_scales": list(run.loss_scales) if recipe.loss_scaling else None,
         "skipped_steps": run.skipped_steps,
         "final_loss_scale": run.final_loss_scale,
-        "notes": _notes(run, slowdown if slow else None),
+        "diverged": diverged is not None,
+        "diverged_at_step": diverged,
+        "notes": _notes(run, slowdown if slow else None, diverged),
     }
 
 
@@ -176,8 +177,27 @@ def _memory(run: RecipeRun) -> dict[str, Any] | None:
     }
 
 
-def _notes(run: RecipeRun, slowdown: float | None) -> list[str]:
+def divergence(losses: list[float]) -> int | None:
+    """The 1-based step from which every loss is non-finite, if the last
+    :data:`LOSS_WINDOW` losses (all, if fewer) are: the run diverged. None otherwise.
+
+    A loss-scaling recipe may see an occasional inf loss, which its scaler skips; a
+    trailing window of nothing but inf/NaN is a run that no longer trains.
+    """
+    streak = 0
+    for value in reversed(losses):
+        if math.isfinite(value):
+            break
+        streak += 1
+    if not losses or streak < min(LOSS_WINDOW, len(losses)):
+        return None
+    return len(losses) - streak + 1
+
+
+def _notes(run: RecipeRun, slowdown: float | None, diverged: int | None) -> list[str]:
     notes = []
+    if diverged is not None:
+        notes.append(f"diverged: the loss is inf/NaN from step {diverged} on")
     if slowdown is not None:
         notes.append(f"slow on this hardware: {slowdown:.1f}x the fp32 step time")
     if run.stop_reason:
@@ -192,16 +212,3 @@ def _notes(run: RecipeRun, slowdown: float | None) -> list[str]:
 def dumps(data: dict[str, Any]) -> str:
     """``data`` as JSON text (strict: no NaN or infinity)."""
     return json.dumps(data, indent=2, allow_nan=False) + "\n"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically (a temporary file, then a rename), so an
-    interrupted write never leaves a torn file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # created with the umask's mode
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

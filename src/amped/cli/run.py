@@ -122,7 +122,7 @@ def run_recipe(
     except UsageError as error:
         run.status, run.error = "failed", str(error)
         raise
-    except Exception as error:
+    except (Exception, SystemExit) as error:  # user code calling sys.exit() fails its recipe
         run.status, run.error = "failed", _one_line(error)
         run.error_traceback = traceback.format_exc()
     finally:
@@ -166,7 +166,10 @@ def _train_step(
     peak: PeakMemory,
     config: CompareConfig,
 ) -> None:
-    first = not run.step_times
+    # Training state is measured after the first step the optimizer took: a skipped
+    # step (overflow) leaves lazily created optimizer state (AdamW's moments) missing.
+    measure = run.state is None
+    last = len(run.step_times) + 1 == run.steps_planned
     began = time.perf_counter()
     with setup.autocast():
         outputs = call_model(setup.model, inputs)
@@ -175,10 +178,10 @@ def _train_step(
     scale = setup.scaler.get_scale() if run.recipe.loss_scaling else None
     setup.backward(loss)
     peak.sample()
-    grads = grad_bytes(setup.model) if first else 0
+    grads = grad_bytes(setup.model) if measure else 0
     stepped = setup.step()
     peak.sample()
-    if first:
+    if measure and (stepped or last):
         run.state = state_bytes(setup.model, setup.optimizer, grads)
     setup.zero_grad()
     value = float(loss.item())

@@ -105,6 +105,8 @@ _RECIPE = _object(
         "loss_scales": {"type": ["array", "null"], "items": _NUM},
         "skipped_steps": _INT,
         "final_loss_scale": _NUM_OR_NULL,
+        "diverged": {"type": "boolean"},
+        "diverged_at_step": {"type": ["integer", "null"], "minimum": 1},
         "notes": {"type": "array", "items": _STR},
     },
     optional=("timing", "samples_per_s_iqr", "throughput_vs_baseline_range"),
@@ -122,6 +124,8 @@ _MACHINE = _object(
     nullable=True,
     additionalProperties=False,
 )
+# Added without a new schema version: files written before them stay valid.
+_RECIPE["required"] = [k for k in _RECIPE["required"] if k not in ("diverged", "diverged_at_step")]
 
 SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",

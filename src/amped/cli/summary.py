@@ -99,6 +99,8 @@ def _flags(recipe: dict[str, Any]) -> str:
     flags = []
     if recipe["slow_on_this_hardware"]:
         flags.append("slow here")
+    if recipe.get("diverged"):
+        flags.append("DIVERGED")
     if recipe["status"] in ("interrupted", "failed", "not_run"):
         flags.append(recipe["status"].replace("_", " "))
     elif recipe["stop_reason"]:

@@ -23,6 +23,8 @@ deterministic given ``seed``. A :class:`Task` adds an optimizer factory (default
 from __future__ import annotations
 
 import itertools
+import json
+import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -95,8 +97,51 @@ def as_task(obj: object, source: str) -> Task:
             f"The factory {source} must return a callable loss_fn(outputs, targets) as its "
             f"third item. Received: loss_fn of type {type(task.loss_fn).__name__}"
         )
+    _check_details(task, source)
+    _check_threads(task.threads, source)
     task.batches = _peek_checked(task.batches, source)
     return task
+
+
+def _check_details(task: Task, source: str) -> None:
+    """``name``, ``description`` and ``details`` go into results.json: check them now,
+    not after the whole run."""
+    for name in ("name", "description"):
+        value = getattr(task, name)
+        if not isinstance(value, str):
+            raise UsageError(
+                f"Task.{name} from {source} must be a string. "
+                f"Received: {name}={value!r} (of type {type(value).__name__})"
+            )
+    if not isinstance(task.details, dict):
+        raise UsageError(
+            f"Task.details from {source} must be a dict. "
+            f"Received: details of type {type(task.details).__name__}"
+        )
+    try:
+        json.dumps(task.details, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise UsageError(
+            f"Task.details from {source} must be JSON-serialisable (strings, numbers, "
+            "booleans, None, lists and dicts with string keys; no NaN or infinity), since "
+            f"it is written to results.json. Received: details={_short(task.details)} "
+            f"({error})"
+        ) from None
+
+
+def _check_threads(threads: object, source: str) -> None:
+    if threads is None:
+        return
+    if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
+        raise UsageError(
+            f"Task.threads from {source} must be None (torch's default) or an int >= 1. "
+            f"Received: threads={threads!r} (of type {type(threads).__name__})"
+        )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _describe(obj: object) -> str:
@@ -111,10 +156,20 @@ def _check_model(model: object, source: str) -> None:
             f"The factory {source} must return a torch.nn.Module as its first item. "
             f"Received: model of type {type(model).__name__}"
         )
-    if not any(p.is_floating_point() for p in model.parameters()):
+    floating = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    if not floating:
         raise UsageError(
             f"The model from {source} has no floating-point parameters to train. "
             f"Received: model of type {type(model).__name__}"
+        )
+    other = [(n, p.dtype) for n, p in floating if p.dtype != torch.float32]
+    if other:
+        name, dtype = other[0]
+        raise UsageError(
+            f"The model from {source} must be float32: every recipe, fp32 included, starts "
+            f"from float32 weights and casts them itself. Return the model without "
+            f".half()/.to(dtype). Received: {len(other)} parameter(s) not float32, e.g. "
+            f"{name} of dtype {str(dtype).removeprefix('torch.')}"
         )
 
 

@@ -200,6 +200,11 @@ class Report:
     def save_html(self, path: str | Path) -> Path:
         """Write a self-contained HTML page (summary, plot, culprits, tables) to ``path``."""
         path = Path(path)
+        path.write_text(self.to_html(), encoding="utf-8")
+        return path
+
+    def to_html(self) -> str:
+        """The self-contained HTML page that :meth:`save_html` writes."""
         png = self.plot_png()
         plot = (
             f'<img alt="dynamic range per module" src="data:image/png;base64,'
@@ -214,14 +219,12 @@ class Report:
             f"<td>{_fmt(o.sqnr_db, '.1f')}</td></tr>"
             for o in self.ops
         )
-        page = _PAGE.format(
+        return _PAGE.format(
             title=f"amped doctor: {self.dtype} on {self.device_type}",
             summary=html.escape(self.summary()),
             plot=plot,
             rows=rows,
         )
-        path.write_text(page, encoding="utf-8")
-        return path
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -288,7 +291,8 @@ def _range_plot(ranges: dict[str, tuple[float, float, bool]], dtype: str) -> byt
     ax.axvspan(min(lows) - 4, math.log2(lim.min_subnormal), color="tab:orange", alpha=0.08)
     ax.set_xlim(min(lows) - 4, max(highs) + 4)
     ax.set_ylim(-0.7, len(names) - 0.3)
-    ax.set_yticks(range(len(names)), names, fontsize=8)
+    # Module names are the user's: "$" in one must not start matplotlib's mathtext.
+    ax.set_yticks(range(len(names)), names, fontsize=8, parse_math=False)
     ax.set_xlabel("log2 |value| produced by the module's ops (red: overflow, inf or NaN)")
     ax.set_title(f"Dynamic range per module in the {dtype} run", pad=18)
     fig.tight_layout()

@@ -4,6 +4,7 @@ Depends on torch only (never on ``amped.autocast`` or the layers above).
 """
 
 from amped.scaling.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from amped.scaling.checks import SCALE_FLOOR
 from amped.scaling.config import StrategyConfig
 from amped.scaling.grad_scaler import GradScaler
 from amped.scaling.records import ScaleRecord
@@ -20,6 +21,7 @@ from amped.scaling.strategies import (
 )
 
 __all__ = [
+    "SCALE_FLOOR",
     "Bounded",
     "CheckpointError",
     "DynamicScale",

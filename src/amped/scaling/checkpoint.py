@@ -2,11 +2,18 @@
 
 :func:`save_checkpoint` writes with ``torch.save`` to a temporary file in the target's
 directory, flushes it to disk and renames it over the target, so a crash (even
-SIGKILL) leaves either the old file or the new one, never a mix. :func:`load_checkpoint`
-checks the file before unpickling: ``torch.save`` writes a zip archive with a CRC-32
-per member, but ``torch.load`` does not verify them (a flipped byte in tensor data
-loads silently), so every member's CRC is checked first, then it loads with
-``weights_only=True``. The files are plain torch checkpoints either way.
+SIGKILL) leaves either the old file or the new one, never a mix. The temporary file is
+named ``.<name>.<pid>.<random>.tmp`` and locked while it is written; each save removes
+the temporaries of earlier saves of the same file whose writer died (their lock is
+free and their process gone), so killed saves do not pile up. A write error (a full
+disk, a file-size limit) is raised as the ``OSError`` it is.
+
+:func:`load_checkpoint` checks the whole file before unpickling (see
+:mod:`amped.scaling.archive`): it accepts only the zip layout ``torch.save`` writes,
+with every member stored and its CRC-32 right, and then loads with
+``weights_only=True`` from the same open file. Any flaw, wherever it is, raises
+:class:`CheckpointError` with the cause; nothing is loaded from a damaged file. The
+files are plain torch checkpoints either way.
 
 Example:
     >>> import os, tempfile, torch
@@ -22,12 +29,24 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import zipfile
-from typing import Any
+import time
+from typing import Any, BinaryIO
 
 import torch
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+from amped.scaling.archive import ArchiveError, verify_archive
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["CheckpointError", "load_checkpoint", "remove_stale_temporaries", "save_checkpoint"]
+
+_ADVICE = "Nothing was loaded; resume from an earlier checkpoint."
+# A temporary whose writer's pid now names another process is removed only when older
+# than this: no save of a checkpoint takes an hour, and pid reuse is rare.
+_REUSED_PID_AGE_S = 3600.0
 
 
 class CheckpointError(RuntimeError):
@@ -41,15 +60,22 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> None:
         path: the checkpoint file; its directory must exist.
         **state: what to save, e.g. ``model=model.state_dict(),
             scaler=scaler.state_dict(), step=step``.
+
+    Raises:
+        OSError: the file could not be written (``ENOSPC`` for a full disk, ``EFBIG``
+            for a file-size limit, ...); the previous checkpoint is left as it was.
     """
     target = os.fspath(path)
     directory = os.path.dirname(target) or "."
+    prefix = f".{os.path.basename(target)}."
+    remove_stale_temporaries(directory, prefix)
     handle, temporary = tempfile.mkstemp(
-        prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=directory
+        prefix=f"{prefix}{os.getpid()}.", suffix=".tmp", dir=directory
     )
     try:
+        _lock(handle, blocking=True)
         with os.fdopen(handle, "wb") as file:
-            torch.save(state, file)
+            _save(state, file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, target)
@@ -60,39 +86,135 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> None:
     _fsync_directory(directory)
 
 
+class _Writer:
+    """A file for torch.save that remembers the OSError of a failed write: torch's
+    writer replaces it by "unexpected pos", which hides a full disk."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _save(state: dict[str, Any], file: BinaryIO) -> None:
+    writer = _Writer(file)
+    try:
+        torch.save(state, writer)  # type: ignore[arg-type]
+    except Exception as error:
+        if writer.error is not None:
+            raise writer.error from error
+        raise
+
+
+def remove_stale_temporaries(directory: str, prefix: str) -> list[str]:
+    """Remove ``prefix<pid>.<random>.tmp`` files in ``directory`` left by dead writers.
+
+    A temporary is stale when no process holds its lock and its writer's process no
+    longer exists (or, where a pid may have been reused, it is over an hour old). A
+    live save, in this process or another, is never touched. Returns the names removed.
+    Needs POSIX file locks; elsewhere it removes nothing.
+    """
+    if fcntl is None:  # pragma: no cover - and os.kill(pid, 0) would end a Windows process
+        return []
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(prefix) and n.endswith(".tmp")]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        pid = name[len(prefix) :].split(".", 1)[0]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        path = os.path.join(directory, name)
+        if _is_stale(path, int(pid)):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed.append(name)
+    return removed
+
+
+def _is_stale(path: str, pid: int) -> bool:
+    try:
+        handle = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        if not _lock(handle, blocking=False):
+            return False  # a writer is at work on it
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass  # exists, owned by someone else
+        return time.time() - os.fstat(handle).st_mtime > _REUSED_PID_AGE_S
+    finally:
+        os.close(handle)
+
+
+def _lock(handle: int, *, blocking: bool) -> bool:
+    """An exclusive advisory lock on an open file; released when the process dies."""
+    if fcntl is None:  # pragma: no cover - not POSIX: nothing to lock with
+        return True
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except OSError:
+        return False
+    return True
+
+
 def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = None) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint` (or any ``torch.save`` of a dict).
+
+    The whole file is checked first (layout, every CRC-32; one pass), then loaded with
+    ``torch.load(weights_only=True)`` from the same open file, so what was checked is
+    what is loaded even if the path is replaced meanwhile.
 
     Args:
         path: the checkpoint file.
         map_location: passed to ``torch.load``.
 
     Raises:
-        CheckpointError: the file is torn, truncated or corrupt (checked before loading).
-        FileNotFoundError: there is no such file.
+        CheckpointError: the file is torn, truncated, corrupt, or not a ``torch.save``
+            archive of a dict; the message says what was wrong. Nothing was loaded.
+        FileNotFoundError, PermissionError: the file cannot be opened.
     """
     target = os.fspath(path)
-    advice = "Nothing was loaded; resume from an earlier checkpoint."
-    try:
-        with zipfile.ZipFile(target) as archive:
-            bad_member = archive.testzip()
-    except (zipfile.BadZipFile, EOFError) as error:
-        raise CheckpointError(
-            f"Checkpoint {target!r} is torn or truncated: it is not a complete torch.save "
-            f"archive ({error or type(error).__name__}). {advice}"
-        ) from error
-    if bad_member is not None:
-        raise CheckpointError(
-            f"Checkpoint {target!r} is corrupt: member {bad_member!r} fails its CRC-32 "
-            f"check. {advice}"
-        )
-    state = torch.load(target, map_location=map_location, weights_only=True)
+    with open(target, "rb") as file:
+        try:
+            size = os.fstat(file.fileno()).st_size
+            verify_archive(file, size)
+            file.seek(0)
+            state = torch.load(file, map_location=map_location, weights_only=True)
+        except ArchiveError as error:
+            raise CheckpointError(
+                f"Checkpoint {target!r} is torn, truncated or corrupt: {error}. {_ADVICE}"
+            ) from error
+        except Exception as error:  # torch's reader or unpickler refused it
+            raise CheckpointError(
+                f"Checkpoint {target!r} could not be loaded ({type(error).__name__}: "
+                f"{_first_line(error)}). {_ADVICE}"
+            ) from error
     if not isinstance(state, dict):
         raise CheckpointError(
             f"Checkpoint {target!r} holds a {type(state).__name__}, not the dict that "
             "save_checkpoint writes."
         )
     return state
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:300] if lines else ""
 
 
 def _fsync_directory(directory: str) -> None:

@@ -13,15 +13,27 @@ import numbers
 import torch
 
 __all__ = [
+    "SCALE_FLOOR",
     "ScalerOrderError",
     "ScalerStateDictError",
     "check_bool",
     "check_device_type",
+    "check_floor",
     "check_int",
     "check_real",
     "check_scale_bound",
     "received",
 ]
+
+
+# The smallest scale amped lets exist: float32's smallest normal number, 2**-126.
+# Gradients are unscaled by multiplying with the reciprocal of the scale (computed in
+# fp64, then rounded to float32). Below about 2.9e-39 that reciprocal overflows to inf,
+# and at 0.0 the loss is multiplied to 0, the gradients are all finite zeros, the
+# inf/NaN check (which runs before the multiply) passes and 0 * inf = NaN reaches every
+# parameter. A power of two, so halving from 65536 lands on it exactly; normal, so no
+# flush-to-zero mode turns it into 0.
+SCALE_FLOOR = float(torch.finfo(torch.float32).tiny)
 
 
 class ScalerOrderError(RuntimeError, AssertionError):
@@ -85,16 +97,25 @@ def check_bool(name: str, value: object) -> bool:
 
 
 def check_scale_bound(name: str, value: object) -> float | None:
-    """Return a ``min_scale``/``max_scale`` bound: None, or a finite float > 0."""
+    """Return a ``min_scale``/``max_scale`` bound: None, or a finite float >= SCALE_FLOOR."""
     if value is None:
         return None
-    return check_real(
-        name,
-        value,
-        low=0.0,
-        high=math.inf,
-        rule="A scale bound is None (unbounded) or a finite number > 0.",
+    rule = (
+        f"A scale bound is None (unbounded) or a finite number >= {SCALE_FLOOR!r} (2**-126; "
+        "below it the reciprocal of the scale overflows float32)."
     )
+    return check_floor(name, check_real(name, value, low=0.0, high=math.inf, rule=rule), rule)
+
+
+def check_floor(name: str, number: float, rule: str) -> float:
+    """Refuse a positive scale below :data:`SCALE_FLOOR` (its reciprocal overflows)."""
+    if number < SCALE_FLOOR:
+        raise ValueError(
+            f"`{name}` is below amped's scale floor {SCALE_FLOOR!r} (2**-126): gradients are "
+            "unscaled by 1/scale, which overflows float32 to inf there and turns zero "
+            f"gradients into NaN. {rule} {received(name, number)}"
+        )
+    return number
 
 
 def check_device_type(value: object) -> str:

@@ -8,11 +8,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Mapping
 
 import torch
 
-from amped.scaling.checks import check_bool, check_int, check_real, check_scale_bound, received
+from amped.scaling.checks import (
+    SCALE_FLOOR,
+    check_bool,
+    check_floor,
+    check_int,
+    check_real,
+    check_scale_bound,
+    received,
+)
 from amped.scaling.strategies import ScaleStrategy, make_strategy
 
 __all__ = [
@@ -20,21 +29,41 @@ __all__ = [
     "check_backoff_factor",
     "check_growth_factor",
     "check_growth_interval",
+    "check_loaded_scale",
     "check_new_scale",
     "check_scale",
 ]
 
 
+_SCALE_RULE = (
+    "The loss is multiplied by the scale and the gradients divided by it, so it must be "
+    f"finite and at least {SCALE_FLOOR!r} (2**-126; torch's default is 65536.0)."
+)
+
+
 def check_scale(name: str, value: object) -> float:
-    """A scale: finite and > 0 (the loss is multiplied by it, the gradients divided)."""
-    return check_real(
-        name,
-        value,
-        low=0.0,
-        high=math.inf,
-        rule="The loss is multiplied by the scale and the gradients divided by it, so it "
-        "must be finite and > 0 (torch's default is 65536.0).",
+    """A scale: finite and >= :data:`SCALE_FLOOR` (the loss is multiplied by it, the
+    gradients divided)."""
+    return check_floor(
+        name, check_real(name, value, low=0.0, high=math.inf, rule=_SCALE_RULE), _SCALE_RULE
     )
+
+
+def check_loaded_scale(value: object) -> float:
+    """The scale of a state dict: as :func:`check_scale`, except that a scale in
+    ``[0, SCALE_FLOOR)`` (which torch's GradScaler, and amped before the floor, reach
+    after ~166 overflows in a row) loads as the floor, with a warning, so such a run can
+    resume."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if real and 0.0 <= value < SCALE_FLOOR:  # type: ignore[operator]
+        warnings.warn(
+            f"The checkpoint's loss scale {value!r} is below amped's scale floor "
+            f"{SCALE_FLOOR!r} (its reciprocal overflows float32); it loads as the floor.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return SCALE_FLOOR
+    return check_scale("scale", value)
 
 
 def check_growth_factor(value: object) -> float:

@@ -20,7 +20,13 @@ from typing import Any, overload
 import torch
 
 from amped.scaling import config as cfg
-from amped.scaling.checks import ScalerOrderError, check_bool, check_device_type, received
+from amped.scaling.checks import (
+    SCALE_FLOOR,
+    ScalerOrderError,
+    check_bool,
+    check_device_type,
+    received,
+)
 from amped.scaling.distributed import check_process_group
 from amped.scaling.records import History
 from amped.scaling.scaler_base import GradScalerBase, OptimizerState, OptState
@@ -43,7 +49,9 @@ class GradScaler(GradScalerBase):
     Args:
         device: device type of the gradients: ``"cuda"`` (default), ``"cpu"``, ...
             With ``"cuda"`` and no CUDA, warns and disables itself, as torch does.
-        init_scale: the first scale, a finite number > 0.
+        init_scale: the first scale, a finite number >= ``SCALE_FLOOR`` (2**-126).
+            Whatever the strategy, the scale never goes below that floor, where
+            1/scale would overflow float32 (see ``docs/robustness.md``).
         growth_factor: multiplies the scale after ``growth_interval`` clean
             iterations; > 1.
         backoff_factor: multiplies the scale after an iteration with inf/NaN
@@ -55,7 +63,7 @@ class GradScaler(GradScalerBase):
             inf/NaN gradients are still skipped).
         hysteresis: keyword-only. Back off only on the ``hysteresis``-th overflow in
             a row (DeepSpeed's and Megatron's meaning); 1, the default, is torch's rule.
-        min_scale: keyword-only. The scale never backs off below this.
+        min_scale: keyword-only. The scale never backs off below this (>= 2**-126).
         max_scale: keyword-only. The scale never grows above this.
         record_history: keyword-only. Keep a :class:`~amped.ScaleRecord` per update in
             :attr:`history`, at no extra sync.
@@ -323,6 +331,11 @@ class GradScaler(GradScalerBase):
                 self._growth_factor, self._backoff_factor, self._growth_interval
             )
             self._strategy.update(ScaleState(scale, tracker, self._counters), found, factors)
+        # The floor, whatever the strategy (or a new_scale tensor) did: below it 1/scale
+        # overflows and a clean step would turn every parameter into NaN (see
+        # SCALE_FLOOR). Clamping an in-range float32 returns it unchanged, so wherever
+        # torch's rule stays sound the scale is still bitwise torch's.
+        scale.clamp_(min=SCALE_FLOOR)
         if before is not None and self._history is not None:
             floats = [before, found, self._skipped_flag(scale.device), scale]
             streak = self._counters.get("overflow_streak")  # Hysteresis's counter

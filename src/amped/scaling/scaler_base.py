@@ -247,7 +247,7 @@ class GradScalerBase:
                 f"This GradScaler state_dict lacks {missing}; expected torch's keys "
                 f"{list(TORCH_KEYS)}. Received: keys={sorted(state_dict)}"
             )
-        scale = cfg.check_scale("scale", state_dict["scale"])
+        scale = cfg.check_loaded_scale(state_dict["scale"])
         factors = (
             cfg.check_growth_factor(state_dict["growth_factor"]),
             cfg.check_backoff_factor(state_dict["backoff_factor"]),

@@ -21,6 +21,11 @@ saturating counter, in the shape of optax's wrappers. The rules, per update, giv
     Bounded(inner, min_scale, max_scale):
         run inner;  scale = clamp(scale, min_scale, max_scale)
 
+After every update the scaler clamps the scale to at least
+:data:`~amped.scaling.checks.SCALE_FLOOR` (2**-126, float32's smallest normal
+number), so no strategy, including one written by a user, can reach a scale whose
+reciprocal overflows (at 0.0 a clean step would turn every parameter into NaN).
+
 ``growth_factor``, ``backoff_factor`` and ``growth_interval`` belong to the scaler (torch
 lets you change them between iterations), so they are passed to every update as
 :class:`GrowthFactors` rather than frozen into the strategy.

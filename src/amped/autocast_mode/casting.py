@@ -3,8 +3,9 @@
 Mirrors ``at::autocast::cached_cast`` and the ``WrapFunction_`` policies in torch's
 ``autocast_mode.h``: only floating tensors on the region's device type are cast,
 float64 never is, and float32 leaf tensors that require grad (the weights) are cast
-once per region and reused. The cast is a plain ``Tensor.to``, so autograd records it
-and gradients flow back to the float32 originals.
+once per region and reused (under the rules of :class:`WeightCache`). The cast is a
+plain ``Tensor.to``, so autograd records it and gradients flow back to the float32
+originals.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ _Tensor = torch.Tensor
 _FLOAT32 = torch.float32
 _FLOAT64 = torch.float64
 _is_cached_tensor = getattr(torch._C, "_is_cached_tensor")  # noqa: B009 - CUDA-graph pools
+_grad_enabled = torch.is_grad_enabled
+_inference_mode = torch._C.is_inference_mode_enabled
 
 BINARY_CROSS_ENTROPY_BANNED = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
@@ -36,20 +39,37 @@ BINARY_CROSS_ENTROPY_BANNED = (
 class WeightCache:
     """Low-precision copies of weights, kept for the outermost autocast region.
 
-    Keyed by the source tensor's identity and the target dtype; the entry holds the
-    source too, so its id cannot be reused by another tensor while the entry lives.
+    A copy is served again only to a call made under the same grad mode, and only while
+    the weight is unchanged:
+
+    * the key holds the grad mode, so a cast made under ``torch.no_grad()`` (which has
+      no autograd history) never reaches a grad-enabled op, and the weight still gets
+      its gradient (pytorch issue 158232: torch's C++ cache once served such copies);
+    * nothing is cached or served under ``torch.inference_mode()``: its tensors cannot
+      take part in autograd later;
+    * the entry holds the weight's version counter, so a weight changed in place inside
+      the region (an optimizer step, ``copy_`` under ``no_grad``) is cast again rather
+      than served stale (torch's own cache serves the stale copy).
+
+    The entry holds the source tensor too, so its id cannot be reused by another tensor
+    while the entry lives.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._entries: dict[
+            tuple[int, torch.dtype, bool], tuple[torch.Tensor, int, torch.Tensor]
+        ] = {}
 
     def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        key = (id(tensor), dtype)
+        if _inference_mode():
+            return tensor.to(dtype)
+        key = (id(tensor), dtype, _grad_enabled())
         entry = self._entries.get(key)
-        if entry is not None and entry[0] is tensor:
-            return entry[1]
+        version = tensor._version
+        if entry is not None and entry[0] is tensor and entry[1] == version:
+            return entry[2]
         casted = tensor.to(dtype)
-        self._entries[key] = (tensor, casted)
+        self._entries[key] = (tensor, version, casted)
         return casted
 
     def clear(self) -> None:

@@ -30,6 +30,7 @@ from amped.policy import LOW_DTYPES, Cast, Policy, torch_default_rules
 __all__ = ["AutocastMode", "compiled_rules"]
 
 _FunctionType = types.FunctionType
+_is_compiling = torch.compiler.is_compiling
 _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 for _key in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1"):
     if hasattr(torch._C.DispatchKey, _key):
@@ -98,31 +99,67 @@ def exclude_torch_autocast() -> Any:
     return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS)
 
 
+def call_without_torch_autocast(
+    device_types: tuple[str, ...], func: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    """``func(*args, **kwargs)`` with torch's C++ autocast kept out.
+
+    Eagerly an exclude guard does it. Dynamo cannot trace that guard, so under
+    ``torch.compile`` the same effect comes from ``torch.autocast(enabled=False)`` for each
+    device type amped governs: for a single op call both mean "no autocast kernel runs".
+    """
+    if not _is_compiling():
+        with exclude_torch_autocast():
+            return func(*args, **kwargs)
+    if not device_types:
+        return func(*args, **kwargs)
+    with torch.autocast(device_types[0], enabled=False):
+        return call_without_torch_autocast(device_types[1:], func, args, kwargs)
+
+
+_EMPTY: dict[str, Any] = {}
+
+
 class AutocastMode(TorchFunctionMode):
     """Applies the policies of the amped regions active on this thread.
 
     One instance per thread is on the torch-function stack while any amped region is
     open there; :mod:`amped.autocast_mode.state` keeps its fields current.
+
+    Per call it does one dict look-up: ``rules`` maps each callable some active policy
+    lists to its rules per device type and low dtype. An unlisted C-level call costs
+    that look-up and a type check; a Python function is run transparently. Dynamo
+    traces the same method: it guards on the entries it reads, so a policy change
+    between calls recompiles instead of reusing a stale graph.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
-        self.tables: dict[str, dict[torch.dtype, dict[Callable[..., Any], Rule]]] = {}
-        self.listed: frozenset[Callable[..., Any]] = frozenset()
+        self.device_types: tuple[str, ...] = ()
+        self.rules: dict[Callable[..., Any], dict[str, dict[torch.dtype, Rule]]] = {}
         self.override: str | None = None  # "fp32" / "low" inside a module rule
+        self.alongside = TORCH_AUTOCAST_ALONGSIDE
+        self.exclude_unlisted = not self.alongside  # keep torch's autocast out of unlisted calls
         self.cache = casting.WeightCache()
         self.running: set[Callable[..., Any]] = set()  # Python functions run transparently
 
     def refresh(self) -> None:
-        """Recompute which callables any active policy lists (after a region change)."""
-        self.tables = {
-            device_type: {dtype: compiled_rules(policy, dtype) for dtype in LOW_DTYPES}
-            for device_type, policy in self.policies.items()
-        }
-        self.listed = frozenset(
-            fn for per_dtype in self.tables.values() for table in per_dtype.values() for fn in table
-        )
+        """Recompute the rules of the active policies (after a region change)."""
+        self.device_types = tuple(self.policies)
+        rules: dict[Callable[..., Any], dict[str, dict[torch.dtype, Rule]]] = {}
+        for device_type, policy in self.policies.items():
+            for dtype in LOW_DTYPES:
+                for fn, rule in compiled_rules(policy, dtype).items():
+                    rules.setdefault(fn, {}).setdefault(device_type, {})[dtype] = rule
+        self.rules = rules
+        self.alongside = TORCH_AUTOCAST_ALONGSIDE
+        self.set_override(self.override)
+
+    def set_override(self, override: str | None) -> None:
+        """Enter (or, with None, leave) a module rule's precision."""
+        self.override = override
+        self.exclude_unlisted = override is not None or not self.alongside
 
     def __torch_function__(
         self,
@@ -131,35 +168,44 @@ class AutocastMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if kwargs is None:
-            kwargs = {}
-        if func in self.listed:
-            return self._apply(func, args, kwargs)
+        per_device = self.rules.get(func)
+        if per_device is not None:
+            return self._apply(func, per_device, args, kwargs or _EMPTY)
         if type(func) is _FunctionType and func not in self.running:
-            return transparent.run_transparently(self, self.running, func, types, args, kwargs)
-        if self.override is not None or not TORCH_AUTOCAST_ALONGSIDE:
-            with exclude_torch_autocast():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+            return transparent.run_transparently(
+                self, self.running, func, types, args, kwargs or _EMPTY
+            )
+        if self.exclude_unlisted:
+            return call_without_torch_autocast(self.device_types, func, args, kwargs or _EMPTY)
+        if kwargs:
+            return func(*args, **kwargs)
+        return func(*args)
 
     def _apply(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        func: Callable[..., Any],
+        per_device: dict[str, dict[torch.dtype, Rule]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         device_type = casting.device_type_of(args, kwargs)
         if device_type is None:
             return func(*args, **kwargs)
-        tables = self.tables.get(device_type)
+        tables = per_device.get(device_type)
         if tables is None or not torch.is_autocast_enabled(device_type):
             return func(*args, **kwargs)
         low = torch.get_autocast_dtype(device_type)
-        table = tables.get(low)
-        rule = table.get(func) if table is not None else None
+        rule = tables.get(low)
         if rule is None:
             return func(*args, **kwargs)
         cast, exclude = rule
-        if self.override is not None and cast not in (Cast.KEEP, Cast.BANNED):
+        if self.override is not None and cast is not Cast.KEEP and cast is not Cast.BANNED:
             cast, exclude = (Cast.FP32 if self.override == "fp32" else Cast.LOWER), True
-        if not exclude and TORCH_AUTOCAST_ALONGSIDE:
-            return casting.run(cast, func, args, kwargs, device_type, low, self.cache)
-        with exclude_torch_autocast():
-            return casting.run(cast, func, args, kwargs, device_type, low, self.cache)
+        # Under torch.compile no cast is cached (as torch's compiled autocast): the graph
+        # holds each cast, and a cache keyed by tensor identity cannot be traced.
+        cache = None if _is_compiling() else self.cache
+        if not exclude and self.alongside:
+            return casting.run(cast, func, args, kwargs, device_type, low, cache)
+        return call_without_torch_autocast(
+            (device_type,), casting.run, (cast, func, args, kwargs, device_type, low, cache), _EMPTY
+        )

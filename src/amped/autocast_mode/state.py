@@ -29,15 +29,43 @@ from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
 from amped.policy import LOW_DTYPES, ModuleRule, Policy, torch_default_rules
 
-__all__ = ["current_policy", "engine_always", "enter", "exit", "needs_engine"]
+__all__ = ["Region", "current_policy", "engine_always", "enter", "exit", "needs_engine"]
+
+
+class Region:
+    """One open amped region: what it set, and the torch state it found on entry.
+
+    Regions are kept in entry order and removed by identity, so a region held across a
+    ``yield`` or ``await`` may exit before one opened after it: whatever it changed is
+    handed to the next region above it on the same device (which will restore it), or
+    restored at once if none is left above it.
+    """
+
+    __slots__ = ("cache_enabled", "device_type", "dtype", "enabled", "engine", "policy", "saved")
+
+    def __init__(
+        self,
+        device_type: str,
+        policy: Policy | None,
+        enabled: bool,
+        dtype: torch.dtype,
+        cache_enabled: bool,
+    ) -> None:
+        self.device_type = device_type
+        self.policy = policy  # None: a disabled region, or a device type without policies
+        self.enabled = enabled
+        self.dtype = dtype
+        self.cache_enabled = cache_enabled
+        self.engine = False
+        # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
+        self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)
 
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.mode: AutocastMode | None = None
-        self.regions: list[bool] = []  # per open region: does its policy need the mode?
+        self.regions: list[Region] = []  # open regions, in entry order
         self.engine_always = 0
-        self.policies: dict[str, list[Policy]] = {}
         self.frames: list[tuple[torch.nn.Module, Any]] = []
         self.names: dict[int, str] = {}
 
@@ -47,8 +75,10 @@ _state = _ThreadState()
 
 def current_policy(device_type: str) -> Policy | None:
     """The policy of the innermost enabled amped region for ``device_type`` on this thread."""
-    stack = _state.policies.get(device_type)
-    return stack[-1] if stack else None
+    for region in reversed(_state.regions):
+        if region.device_type == device_type and region.policy is not None:
+            return region.policy
+    return None
 
 
 _TORCH_EQUAL: dict[Policy, bool] = {}
@@ -88,39 +118,80 @@ def engine_always() -> Iterator[None]:
         _state.engine_always -= 1
 
 
-def enter(device_type: str, policy: Policy) -> None:
-    """Make ``policy`` active for ``device_type`` on this thread (an enabled region opens)."""
+def enter(region: Region) -> None:
+    """Open ``region`` on this thread: set torch's autocast state, and make its policy
+    (if any) active for its device type."""
     st = _state
-    engine_needed = needs_engine(policy)
-    st.regions.append(engine_needed)
-    if engine_needed and st.mode is None:
+    dev = region.device_type
+    region.saved = (
+        torch.is_autocast_enabled(dev),
+        torch.get_autocast_dtype(dev),
+        torch.is_autocast_cache_enabled(),
+    )
+    torch.set_autocast_enabled(dev, region.enabled)
+    torch.set_autocast_dtype(dev, region.dtype)
+    torch.autocast_increment_nesting()
+    torch.set_autocast_cache_enabled(region.cache_enabled)
+    policy = region.policy
+    region.engine = policy is not None and needs_engine(policy)
+    st.regions.append(region)
+    if region.engine and st.mode is None:
         st.mode = AutocastMode()
         st.mode.__enter__()
-    st.policies.setdefault(device_type, []).append(policy)
     if st.mode is not None:
         _publish(st)
-    if policy.module_rules:
+    if policy is not None and policy.module_rules:
         _hooks.acquire()
 
 
-def exit(device_type: str, policy: Policy) -> None:
-    """Undo the matching :func:`enter`; the last region that needs the mode drops it
-    and its cache."""
+def exit(region: Region) -> None:
+    """Close ``region``, whichever position it holds among the open ones.
+
+    The last region that needs the mode drops it and its cache; the last region of all
+    clears the autocast caches, as ``torch.autocast`` does.
+    """
     st = _state
-    st.policies[device_type].pop()
-    st.regions.pop()
-    if policy.module_rules:
-        _hooks.release()
-    mode = st.mode
-    if mode is None:
-        return
-    if not any(st.regions):
-        st.mode = None
-        mode.cache.clear()
-        st.names = {}
-        mode.__exit__(None, None, None)
+    index = _index(st.regions, region)
+    above = st.regions[index + 1 :]
+    del st.regions[index]
+    enabled, dtype, cache_enabled = region.saved
+    same_device = [r for r in above if r.device_type == region.device_type]
+    if same_device:  # the next region up on this device restores what this one found
+        nxt = same_device[0]
+        nxt.saved = (enabled, dtype, nxt.saved[2])
     else:
-        _publish(st)
+        torch.set_autocast_enabled(region.device_type, enabled)
+        torch.set_autocast_dtype(region.device_type, dtype)
+    if above:
+        above[0].saved = (*above[0].saved[:2], cache_enabled)
+    else:
+        torch.set_autocast_cache_enabled(cache_enabled)
+    if region.policy is not None and region.policy.module_rules:
+        _hooks.release()
+    last = torch.autocast_decrement_nesting() == 0
+    mode = st.mode
+    if mode is not None:
+        if not any(r.engine for r in st.regions):
+            st.mode = None
+            mode.cache.clear()
+            st.names = {}
+            mode.__exit__(None, None, None)
+        else:
+            _publish(st)
+    if last:
+        torch.clear_autocast_cache()
+        clear_cache()
+
+
+def _index(regions: list[Region], region: Region) -> int:
+    for i in range(len(regions) - 1, -1, -1):
+        if regions[i] is region:
+            return i
+    raise RuntimeError(
+        "This amped.autocast region is not open on this thread: it was exited already, "
+        "or entered on another thread. Exit each region once, on the thread that "
+        f"entered it. Received: region for device_type={region.device_type!r}"
+    )
 
 
 def clear_cache() -> None:
@@ -132,7 +203,10 @@ def clear_cache() -> None:
 def _publish(st: _ThreadState) -> None:
     mode = st.mode
     assert mode is not None  # called only while a region is open
-    active = {dev: stack[-1] for dev, stack in st.policies.items() if stack}
+    active: dict[str, Policy] = {}
+    for region in st.regions:
+        if region.policy is not None:
+            active[region.device_type] = region.policy
     if active != mode.policies:
         mode.policies = active
         mode.refresh()
@@ -167,7 +241,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
         for dev in mode.policies:
             torch.set_autocast_enabled(dev, False)
         return None
-    mode.override = rule.precision
+    mode.set_override(rule.precision)
     if rule.precision == "fp32":
         return tuple(_to_float32(a, mode.policies) for a in args)
     return None
@@ -191,7 +265,7 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> N
     _, saved = st.frames.pop()
     if saved is not None and st.mode is not None:
         override, enabled = saved
-        st.mode.override = override
+        st.mode.set_override(override)
         for dev, was_enabled in enabled.items():
             torch.set_autocast_enabled(dev, was_enabled)
 

@@ -118,6 +118,7 @@ def call_without_torch_autocast(
 
 
 _EMPTY: dict[str, Any] = {}
+_OPAQUE = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
 
 
 class AutocastMode(TorchFunctionMode):
@@ -142,10 +143,14 @@ class AutocastMode(TorchFunctionMode):
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.exclude_unlisted = not self.alongside  # keep torch's autocast out of unlisted calls
         self.cache = casting.WeightCache()
-        self.running: set[Callable[..., Any]] = set()  # Python functions run transparently
+        # Python functions run transparently just now, and those never to be: the graph
+        # of a compiled region calls _enter_autocast/_exit_autocast, which hand
+        # themselves to any mode whatever one-hop skip is set.
+        self.running: dict[Callable[..., Any], None] = dict.fromkeys(_OPAQUE)
 
     def refresh(self) -> None:
         """Recompute the rules of the active policies (after a region change)."""
+        transparent.prepare_clones()
         self.device_types = tuple(self.policies)
         rules: dict[Callable[..., Any], dict[str, dict[torch.dtype, Rule]]] = {}
         for device_type, policy in self.policies.items():

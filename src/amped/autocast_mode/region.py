@@ -28,9 +28,9 @@ def _resolve_policy(policy: Policy | str | None, device_type: str) -> Policy | N
             )
         return None
     if policy is None:
-        return Policy.preset("torch", device_type)
+        return _preset("torch", device_type)
     if isinstance(policy, str):
-        return Policy.preset(policy, device_type)
+        return _preset(policy, device_type)
     if not isinstance(policy, Policy):
         raise TypeError(
             "policy must be an amped.Policy, a preset name ('torch', 'strict') or None. "
@@ -43,6 +43,26 @@ def _resolve_policy(policy: Policy | str | None, device_type: str) -> Policy | N
             f"Received: device_type={device_type!r}, policy={policy!r}"
         )
     return policy
+
+
+_PRESETS: dict[tuple[str, str], Policy] = {}
+
+
+def _preset(name: str, device_type: str) -> Policy:
+    # Policy.preset is memoised by functools.cache, which Dynamo cannot trace. A region
+    # opened inside a compiled function reads this plain dict instead (Dynamo guards on
+    # the entry); only a preset never used before costs one graph break, to build it.
+    found = _PRESETS.get((name, device_type))
+    if found is None:
+        found = _build_preset(name, device_type)
+    return found
+
+
+@torch._dynamo.disable
+def _build_preset(name: str, device_type: str) -> Policy:
+    found = Policy.preset(name, device_type)
+    _PRESETS[(name, device_type)] = found
+    return found
 
 
 def _check_available(device_type: str) -> None:

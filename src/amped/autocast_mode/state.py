@@ -123,6 +123,9 @@ def enter(region: Region) -> None:
     (if any) active for its device type."""
     st = _state
     dev = region.device_type
+    policy = region.policy
+    if policy is not None and policy.module_rules:
+        _hooks.acquire()  # first: under torch.compile it may leave the graph to install
     region.saved = (
         torch.is_autocast_enabled(dev),
         torch.get_autocast_dtype(dev),
@@ -132,7 +135,6 @@ def enter(region: Region) -> None:
     torch.set_autocast_dtype(dev, region.dtype)
     torch.autocast_increment_nesting()
     torch.set_autocast_cache_enabled(region.cache_enabled)
-    policy = region.policy
     region.engine = policy is not None and needs_engine(policy)
     st.regions.append(region)
     if region.engine and st.mode is None:
@@ -140,8 +142,6 @@ def enter(region: Region) -> None:
         st.mode.__enter__()
     if st.mode is not None:
         _publish(st)
-    if policy is not None and policy.module_rules:
-        _hooks.acquire()
 
 
 def exit(region: Region) -> None:
@@ -279,17 +279,33 @@ class _GlobalHooks:
         self._handles: list[Any] = []
 
     def acquire(self) -> None:
+        if torch.compiler.is_compiling():
+            # Dynamo traces one thread and cannot enter a lock nor register hooks in a
+            # graph; it runs the installation for real while tracing (the hooks are
+            # then traced into every module call after it) and counts.
+            _install_while_tracing()
+            self._users += 1
+            return
         with self._lock:
             self._users += 1
-            if self._users == 1:
-                self._handles = [
-                    # torch annotates the hook as returning None; returning new args is
-                    # documented and supported.
-                    nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook)),
-                    nn_module.register_module_forward_hook(_post_hook, always_call=True),
-                ]
+            self.install()
+
+    def install(self) -> None:
+        """Install the hooks if they are not installed (idle unless a region needs them)."""
+        if not self._handles:
+            self._handles = [
+                # torch annotates the hook as returning None; returning new args is
+                # documented and supported.
+                nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook)),
+                nn_module.register_module_forward_hook(_post_hook, always_call=True),
+            ]
 
     def release(self) -> None:
+        if torch.compiler.is_compiling():
+            # The hooks stay installed (idle, they return at once) until an eager
+            # release finds no user left: a graph cannot remove them.
+            self._users -= 1
+            return
         with self._lock:
             self._users -= 1
             if self._users == 0:
@@ -299,3 +315,10 @@ class _GlobalHooks:
 
 
 _hooks = _GlobalHooks()
+
+
+@torch._dynamo.assume_constant_result
+def _install_while_tracing() -> bool:
+    with _hooks._lock:
+        _hooks.install()
+    return True

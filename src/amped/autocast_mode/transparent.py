@@ -60,6 +60,33 @@ def _clone(func: types.FunctionType) -> types.FunctionType:
     return clone
 
 
+_CLONES: dict[Any, Any] = {}
+
+
+def _clone_or_same(func: Any) -> Any:
+    clone = _clone(func) if isinstance(func, types.FunctionType) else func
+    _CLONES[func] = clone
+    return clone
+
+
+@torch._dynamo.disable
+def _clone_outside_graph(func: Any) -> Any:
+    return _clone_or_same(func)
+
+
+def prepare_clones() -> None:
+    """Clone torch's Python-level functions ahead of time, so that a compiled function
+    finds each one in a plain dict (Dynamo cannot trace building one)."""
+    if _CLONES:
+        return
+    import torch.nn.functional
+
+    for namespace in (torch.nn.functional, torch.functional, torch.Tensor, torch):
+        for value in list(vars(namespace).values()):
+            if isinstance(value, types.FunctionType) and value.__module__.startswith("torch"):
+                _clone_or_same(value)
+
+
 def call_with_clone(
     func: Callable[..., Any],
     types_: tuple[type, ...],
@@ -98,7 +125,7 @@ def run_under(
 
 def run_transparently(
     mode: Any,
-    running: set[Callable[..., Any]],
+    running: dict[Callable[..., Any], None],
     func: Callable[..., Any],
     types_: tuple[type, ...],
     args: tuple[Any, ...],
@@ -106,11 +133,24 @@ def run_transparently(
 ) -> Any:
     """:func:`run_under`, remembering ``func`` in ``running`` while it runs.
 
+    ``running`` is a dict used as a set: Dynamo traces membership in a dict of
+    functions, not in a set of them.
+
     A Python method that calls ``super().same_name()`` (``Tensor.unflatten``) comes back
     to the mode with itself as ``func``; the mode then runs that inner call plainly.
     """
-    running.add(func)
+    running[func] = None
     try:
+        if torch.compiler.is_compiling():
+            # Dynamo does not honour the one-hop skip (the function comes straight back
+            # to the mode) and records torch's Python functions as single graph nodes.
+            # It inlines the clone, whose checks are off, with the mode entered again as
+            # a context manager, which it traces.
+            clone = _CLONES.get(func)
+            if clone is None:
+                clone = _clone_outside_graph(func)
+            with mode:
+                return clone(*args, **kwargs)
         return run_under(mode, func, types_, args, kwargs)
     finally:
-        running.discard(func)
+        running.pop(func, None)

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from amped.autocast_mode import casting, transparent
+from amped.autocast_mode import casting, compiling, transparent
 from amped.autocast_mode.targets import callables_for
 from amped.policy import LOW_DTYPES, Cast, Policy, torch_default_rules
 
-__all__ = ["AutocastMode", "compiled_rules"]
+__all__ = ["AutocastMode", "compiled_rules", "merged_rules", "prepare"]
 
 _FunctionType = types.FunctionType
 _is_compiling = torch.compiler.is_compiling
@@ -49,7 +49,7 @@ amped's own."""
 Rule = tuple[Cast, bool]
 """An op's cast, and whether torch's C++ autocast must be kept out while it runs."""
 
-_COMPILED: dict[tuple[Policy, torch.dtype], dict[Callable[..., Any], Rule]] = {}
+PerDevice = dict[str, dict[torch.dtype, Rule]]
 
 
 def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any], Rule]:
@@ -60,11 +60,13 @@ def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any
     (and it keeps the op's internals from being cast again, as amped would). Only
     where the rule differs, or the op is a Python function or custom op, must it be
     excluded, which costs about a microsecond per call.
+
+    Kept in the policy's engine cache, so it lives exactly as long as the policy.
     """
-    key = (policy, dtype)
-    found = _COMPILED.get(key)
+    cache = policy._engine_cache
+    found = cache.get(dtype)
     if found is not None:
-        return found
+        return found  # type: ignore[no-any-return]
     torch_rules = torch_default_rules(policy.device_type)
     table: dict[Callable[..., Any], Rule] = {}
     for op, cast in policy.rules_for(dtype).items():
@@ -75,10 +77,37 @@ def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any
         else:
             for fn in callables_for(op) if isinstance(op, str) else _custom_targets(op):
                 table[fn] = (cast, True)
-    if len(_COMPILED) > 64:  # policies are few; keep the memo from growing without bound
-        _COMPILED.clear()
-    _COMPILED[key] = table
+    cache[dtype] = table
     return table
+
+
+def merged_rules(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
+    """One dict for the active policies: callable -> device type -> low dtype -> rule.
+
+    For a single policy (the usual case) it is built once and kept with the policy.
+    """
+    if len(policies) == 1:
+        ((_device_type, policy),) = policies.items()
+        found = policy._engine_cache.get("merged")
+        if found is None:
+            found = _merge(policies)
+            policy._engine_cache["merged"] = found
+        return found  # type: ignore[no-any-return]
+    return _merge(policies)
+
+
+def _merge(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
+    rules: dict[Callable[..., Any], PerDevice] = {}
+    for device_type, policy in policies.items():
+        for dtype in LOW_DTYPES:
+            for fn, rule in compiled_rules(policy, dtype).items():
+                rules.setdefault(fn, {}).setdefault(device_type, {})[dtype] = rule
+    return rules
+
+
+def prepare(policy: Policy) -> None:
+    """Build the engine's tables for ``policy`` now (it was just created)."""
+    merged_rules({policy.device_type: policy})
 
 
 def _custom_targets(op: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
@@ -111,6 +140,7 @@ def call_without_torch_autocast(
     if not _is_compiling():
         with exclude_torch_autocast():
             return func(*args, **kwargs)
+    compiling.check_supported()
     if not device_types:
         return func(*args, **kwargs)
     with torch.autocast(device_types[0], enabled=False):
@@ -138,7 +168,7 @@ class AutocastMode(TorchFunctionMode):
         super().__init__()
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
         self.device_types: tuple[str, ...] = ()
-        self.rules: dict[Callable[..., Any], dict[str, dict[torch.dtype, Rule]]] = {}
+        self.rules: dict[Callable[..., Any], PerDevice] = {}
         self.override: str | None = None  # "fp32" / "low" inside a module rule
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.exclude_unlisted = not self.alongside  # keep torch's autocast out of unlisted calls
@@ -152,12 +182,7 @@ class AutocastMode(TorchFunctionMode):
         """Recompute the rules of the active policies (after a region change)."""
         transparent.prepare_clones()
         self.device_types = tuple(self.policies)
-        rules: dict[Callable[..., Any], dict[str, dict[torch.dtype, Rule]]] = {}
-        for device_type, policy in self.policies.items():
-            for dtype in LOW_DTYPES:
-                for fn, rule in compiled_rules(policy, dtype).items():
-                    rules.setdefault(fn, {}).setdefault(device_type, {})[dtype] = rule
-        self.rules = rules
+        self.rules = merged_rules(self.policies)
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.set_override(self.override)
 
@@ -208,7 +233,10 @@ class AutocastMode(TorchFunctionMode):
             cast, exclude = (Cast.FP32 if self.override == "fp32" else Cast.LOWER), True
         # Under torch.compile no cast is cached (as torch's compiled autocast): the graph
         # holds each cast, and a cache keyed by tensor identity cannot be traced.
-        cache = None if _is_compiling() else self.cache
+        cache = self.cache
+        if _is_compiling():
+            compiling.check_supported()
+            cache = None
         if not exclude and self.alongside:
             return casting.run(cast, func, args, kwargs, device_type, low, cache)
         return call_without_torch_autocast(

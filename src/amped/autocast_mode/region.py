@@ -65,6 +65,10 @@ def _build_preset(name: str, device_type: str) -> Policy:
     return found
 
 
+for _device_type in TORCH_OP_TABLES:  # the default policies, ready for compiled code
+    _build_preset("torch", _device_type)
+
+
 def _check_available(device_type: str) -> None:
     try:
         available = torch.amp.is_autocast_available(device_type)

@@ -25,9 +25,11 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
+from amped.autocast_mode import compiling
 from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
 from amped.policy import LOW_DTYPES, ModuleRule, Policy, torch_default_rules
+from amped.policy.policy import add_creation_listener
 
 __all__ = ["Region", "current_policy", "engine_always", "enter", "exit", "needs_engine"]
 
@@ -81,9 +83,6 @@ def current_policy(device_type: str) -> Policy | None:
     return None
 
 
-_TORCH_EQUAL: dict[Policy, bool] = {}
-
-
 def needs_engine(policy: Policy) -> bool:
     """Whether ``policy`` needs amped's mode, or torch's C++ autocast applies it as is.
 
@@ -94,14 +93,27 @@ def needs_engine(policy: Policy) -> bool:
     """
     if not engine.TORCH_AUTOCAST_ALONGSIDE or _state.engine_always or policy.module_rules:
         return True
-    equal = _TORCH_EQUAL.get(policy)
+    equal = policy._engine_cache.get("torch_equal")
     if equal is None:
-        torch_rules = torch_default_rules(policy.device_type)
-        equal = all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
-        if len(_TORCH_EQUAL) > 64:  # policies are few; keep the memo bounded
-            _TORCH_EQUAL.clear()
-        _TORCH_EQUAL[policy] = equal
+        equal = _torch_equal(policy)
     return not equal
+
+
+def _torch_equal(policy: Policy) -> bool:
+    torch_rules = torch_default_rules(policy.device_type)
+    equal = all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
+    policy._engine_cache["torch_equal"] = equal
+    return equal
+
+
+def _prepare(policy: Policy) -> None:
+    # Every look-up table the engine needs, built when the policy is made: a region
+    # opened inside a compiled function then only reads them (Dynamo cannot build them).
+    _torch_equal(policy)
+    engine.prepare(policy)
+
+
+add_creation_listener(_prepare)
 
 
 @contextlib.contextmanager
@@ -140,6 +152,8 @@ def enter(region: Region) -> None:
     if region.engine and st.mode is None:
         st.mode = AutocastMode()
         st.mode.__enter__()
+        if not torch.compiler.is_compiling():
+            compiling.backward_autocast_off()
     if st.mode is not None:
         _publish(st)
 
@@ -176,6 +190,8 @@ def exit(region: Region) -> None:
             mode.cache.clear()
             st.names = {}
             mode.__exit__(None, None, None)
+            if not torch.compiler.is_compiling():
+                compiling.restore_backward_autocast()
         else:
             _publish(st)
     if last:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch.overrides
 
+from amped.autocast_mode import compiling
+
 __all__ = ["call", "call_with_clone", "run_transparently", "run_under"]
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
@@ -142,6 +144,7 @@ def run_transparently(
     running[func] = None
     try:
         if torch.compiler.is_compiling():
+            compiling.check_supported()
             # Dynamo does not honour the one-hop skip (the function comes straight back
             # to the mode) and records torch's Python functions as single graph nodes.
             # It inlines the clone, whose checks are off, with the mode entered again as

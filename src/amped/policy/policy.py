@@ -33,6 +33,18 @@ LOW_DTYPES = (torch.float16, torch.bfloat16)
 _PRECISIONS = ("fp32", "low", "skip")
 _DEVICE_TYPES = tuple(TORCH_OP_TABLES)
 
+_CREATION_LISTENERS: list[Callable[[Policy], None]] = []
+
+
+def add_creation_listener(listener: Callable[[Policy], None]) -> None:
+    """Call ``listener`` with every :class:`Policy` created from now on.
+
+    The autocast layer (above this one) derives its look-up tables from a policy when
+    the policy is made, outside any ``torch.compile`` trace, where they cannot be built.
+    """
+    if listener not in _CREATION_LISTENERS:
+        _CREATION_LISTENERS.append(listener)
+
 
 @dataclass(frozen=True)
 class ModuleRule:
@@ -141,7 +153,15 @@ class Policy:
         torch.float32
     """
 
-    __slots__ = ("_dtype_rules", "_hash", "_module_rules", "_rules", "device_type", "name")
+    __slots__ = (
+        "_dtype_rules",
+        "_engine_cache",
+        "_hash",
+        "_module_rules",
+        "_rules",
+        "device_type",
+        "name",
+    )
 
     def __init__(
         self,
@@ -168,6 +188,9 @@ class Policy:
             {_check_dtype(d): _frozen(r) for d, r in (dtype_rules or {}).items() if r}
         )
         self._module_rules = tuple(module_rules)
+        # What the autocast engine derives from this policy (its look-up tables), kept
+        # with the policy so that it lives as long as the policy; not part of its value.
+        self._engine_cache: dict[Any, Any] = {}
         self._hash = hash(
             (
                 device_type,
@@ -176,6 +199,8 @@ class Policy:
                 self._module_rules,
             )
         )
+        for listener in _CREATION_LISTENERS:
+            listener(self)
 
     # --- presets ---------------------------------------------------------------
 

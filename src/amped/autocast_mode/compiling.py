@@ -1,0 +1,72 @@
+"""What amped's engine needs from ``torch.compile``, and which torch releases give it.
+
+Under Dynamo the engine's ``__torch_function__`` is traced like any Python code: the
+rule look-ups become guards (a policy change recompiles), the casts become graph
+nodes. Three eager mechanisms have traced stand-ins: the dispatch-key exclude guard
+(``torch.autocast(enabled=False)`` around the op), the one-hop skip for Python
+composites (a clone with the checks off), and the weight cache (none; torch's compiled
+autocast caches nothing either).
+
+The backward pass: AOTAutograd traces it, by default under the forward's autocast
+state (``torch._functorch.config.backward_pass_autocast = "same_as_forward"``). Eagerly,
+autograd runs the backward of each op on the dtypes the forward gave it, with no
+autocast; under a policy whose rules differ from torch's, tracing the backward with
+torch's C++ autocast on would cast the backward of an op amped keeps in float32 (say
+``linear``) to low precision. So while amped's engine is on the stack, graphs compiled
+there trace their backward with autocast off (``"off"``), which is what eager does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "COMPILE_SUPPORTED",
+    "MIN_TORCH_FOR_COMPILE",
+    "backward_autocast_off",
+    "check_supported",
+    "restore_backward_autocast",
+]
+
+MIN_TORCH_FOR_COMPILE = (2, 13)
+"""The oldest torch release on which compiling amped's engine is tested and allowed."""
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+COMPILE_SUPPORTED = _release(torch.__version__) >= MIN_TORCH_FOR_COMPILE
+
+
+def check_supported() -> None:
+    """Raise if Dynamo is tracing amped's engine on a torch release that cannot."""
+    if not COMPILE_SUPPORTED:
+        raise RuntimeError(
+            "torch.compile of code running amped's engine (a policy other than torch's "
+            "own, a module rule, 'strict', a custom op, the doctor) needs torch >= "
+            f"{MIN_TORCH_FOR_COMPILE[0]}.{MIN_TORCH_FOR_COMPILE[1]}. Upgrade torch, "
+            "or keep the default policy (torch's C++ autocast compiles on every release), "
+            "or leave this code uncompiled. Received: torch " + torch.__version__
+        )
+
+
+_saved: list[object] = []
+
+
+def backward_autocast_off() -> None:
+    """Trace compiled backward passes with autocast off while the engine is active."""
+    config = getattr(torch._functorch, "config", None)
+    if config is None or not hasattr(config, "backward_pass_autocast"):
+        _saved.append(None)
+        return
+    _saved.append(config.backward_pass_autocast)
+    config.backward_pass_autocast = "off"
+
+
+def restore_backward_autocast() -> None:
+    """Undo the matching :func:`backward_autocast_off`."""
+    value = _saved.pop() if _saved else None
+    if value is not None:
+        torch._functorch.config.backward_pass_autocast = value

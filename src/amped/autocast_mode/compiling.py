@@ -52,7 +52,7 @@ def check_supported() -> None:
         )
 
 
-_saved: list[object] = []
+_saved: list[str | None] = []
 
 
 def backward_autocast_off() -> None:

@@ -66,7 +66,7 @@ def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any
     cache = policy._engine_cache
     found = cache.get(dtype)
     if found is not None:
-        return found  # type: ignore[no-any-return]
+        return found
     torch_rules = torch_default_rules(policy.device_type)
     table: dict[Callable[..., Any], Rule] = {}
     for op, cast in policy.rules_for(dtype).items():
@@ -92,7 +92,7 @@ def merged_rules(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDev
         if found is None:
             found = _merge(policies)
             policy._engine_cache["merged"] = found
-        return found  # type: ignore[no-any-return]
+        return found
     return _merge(policies)
 
 
@@ -233,7 +233,7 @@ class AutocastMode(TorchFunctionMode):
             cast, exclude = (Cast.FP32 if self.override == "fp32" else Cast.LOWER), True
         # Under torch.compile no cast is cached (as torch's compiled autocast): the graph
         # holds each cast, and a cache keyed by tensor identity cannot be traced.
-        cache = self.cache
+        cache: casting.WeightCache | None = self.cache
         if _is_compiling():
             compiling.check_supported()
             cache = None

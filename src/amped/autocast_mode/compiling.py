@@ -18,6 +18,9 @@ there trace their backward with autocast off (``"off"``), which is what eager do
 
 from __future__ import annotations
 
+import contextvars
+from typing import Any
+
 import torch
 
 __all__ = [
@@ -52,21 +55,59 @@ def check_supported() -> None:
         )
 
 
-_saved: list[str | None] = []
+_NAME = "backward_pass_autocast"
+_config: Any
+try:
+    import torch._functorch.config as _config
+except ImportError:  # pragma: no cover - every supported torch has it
+    _config = None
+_entry = getattr(_config, "_config", {}).get(_NAME) if _config is not None else None
+# torch's config module keeps each override in a ContextVar; setting it through that
+# var costs a tenth of the module's __setattr__, which matters once per training step.
+_fast = (
+    _entry is not None
+    and hasattr(_entry, "user_override")
+    and hasattr(_config, "_hash_dirty_var")
+    and hasattr(_config, "_mark_get_dict_dirty")
+    and getattr(_entry, "alias", None) is None
+)
+_saved: list[tuple[object, object]] = []  # (token or None, previous value) per call
+
+
+def _mark_changed() -> None:
+    _config._hash_dirty_var.set(True)
+    _config._mark_get_dict_dirty(_NAME)
 
 
 def backward_autocast_off() -> None:
     """Trace compiled backward passes with autocast off while the engine is active."""
-    config = getattr(torch._functorch, "config", None)
-    if config is None or not hasattr(config, "backward_pass_autocast"):
-        _saved.append(None)
+    if _fast:
+        override = _entry.user_override  # type: ignore[union-attr]
+        _saved.append((override.set("off"), override))
+        _mark_changed()
         return
-    _saved.append(config.backward_pass_autocast)
-    config.backward_pass_autocast = "off"
+    if _config is None or not hasattr(_config, _NAME):
+        _saved.append((None, None))
+        return
+    _saved.append((None, getattr(_config, _NAME)))
+    setattr(_config, _NAME, "off")
 
 
 def restore_backward_autocast() -> None:
     """Undo the matching :func:`backward_autocast_off`."""
-    value = _saved.pop() if _saved else None
-    if value is not None:
-        torch._functorch.config.backward_pass_autocast = value
+    if not _saved:
+        return
+    token, previous = _saved.pop()
+    if previous is None:
+        return
+    if isinstance(token, contextvars.Token):
+        try:
+            _entry.user_override.reset(token)  # type: ignore[union-attr]
+        except ValueError:  # exited in another context (a task other than the entering one)
+            old = token.old_value
+            if old is contextvars.Token.MISSING:
+                old = _entry.default  # type: ignore[union-attr]
+            _entry.user_override.set(old)  # type: ignore[union-attr]
+        _mark_changed()
+        return
+    setattr(_config, _NAME, previous)

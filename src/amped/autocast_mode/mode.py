@@ -148,6 +148,7 @@ def call_without_torch_autocast(
 
 
 _EMPTY: dict[str, Any] = {}
+_LOWER = Cast.LOWER
 _OPAQUE = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
 
 
@@ -238,6 +239,8 @@ class AutocastMode(TorchFunctionMode):
             compiling.check_supported()
             cache = None
         if not exclude and self.alongside:
+            if cast is _LOWER:  # the hot path: one frame less than casting.run
+                return casting.cast_call(func, args, kwargs, low, device_type, low, cache)
             return casting.run(cast, func, args, kwargs, device_type, low, cache)
         return call_without_torch_autocast(
             (device_type,), casting.run, (cast, func, args, kwargs, device_type, low, cache), _EMPTY

@@ -66,6 +66,7 @@ class Region:
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.mode: AutocastMode | None = None
+        self.spare_mode: AutocastMode | None = None
         self.regions: list[Region] = []  # open regions, in entry order
         self.engine_always = 0
         self.frames: list[tuple[torch.nn.Module, Any]] = []
@@ -150,10 +151,7 @@ def enter(region: Region) -> None:
     region.engine = policy is not None and needs_engine(policy)
     st.regions.append(region)
     if region.engine and st.mode is None:
-        st.mode = AutocastMode()
-        st.mode.__enter__()
-        if not torch.compiler.is_compiling():
-            compiling.backward_autocast_off()
+        _push_mode(st)
     if st.mode is not None:
         _publish(st)
 
@@ -165,10 +163,15 @@ def exit(region: Region) -> None:
     clears the autocast caches, as ``torch.autocast`` does.
     """
     st = _state
-    index = _index(st.regions, region)
-    above = st.regions[index + 1 :]
-    del st.regions[index]
+    regions = st.regions
     enabled, dtype, cache_enabled = region.saved
+    if regions and regions[-1] is region:  # the usual case: the innermost region exits
+        regions.pop()
+        above: list[Region] = []
+    else:
+        index = _index(regions, region)
+        above = regions[index + 1 :]
+        del regions[index]
     same_device = [r for r in above if r.device_type == region.device_type]
     if same_device:  # the next region up on this device restores what this one found
         nxt = same_device[0]
@@ -183,20 +186,52 @@ def exit(region: Region) -> None:
     if region.policy is not None and region.policy.module_rules:
         _hooks.release()
     last = torch.autocast_decrement_nesting() == 0
-    mode = st.mode
-    if mode is not None:
-        if not any(r.engine for r in st.regions):
-            st.mode = None
-            mode.cache.clear()
-            st.names = {}
-            mode.__exit__(None, None, None)
-            if not torch.compiler.is_compiling():
-                compiling.restore_backward_autocast()
+    if st.mode is not None:
+        if not any(r.engine for r in regions):
+            _pop_mode(st)
         else:
             _publish(st)
     if last:
         torch.clear_autocast_cache()
         clear_cache()
+
+
+def _push_mode(st: _ThreadState) -> None:
+    if torch.compiler.is_compiling():  # Dynamo traces the context-manager protocol
+        st.mode = AutocastMode()
+        st.mode.__enter__()
+        return
+    mode = st.spare_mode  # one instance per thread, reused region after region
+    if mode is None:
+        mode = st.spare_mode = AutocastMode()
+    st.mode = mode
+    _push(mode)
+    compiling.backward_autocast_off()
+
+
+def _pop_mode(st: _ThreadState) -> None:
+    mode = st.mode
+    assert mode is not None  # called only while the mode is on the stack
+    st.mode = None
+    mode.cache.clear()
+    mode.policies = {}
+    st.names = {}
+    if torch.compiler.is_compiling():
+        mode.__exit__(None, None, None)
+        return
+    depth = torch._C._len_torch_function_stack()
+    if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not mode:
+        raise RuntimeError(
+            "amped's autocast mode was not on top of the torch-function mode stack when "
+            "its last region closed: a mode entered inside the region is still open. "
+            "Exit modes (and regions) in the reverse order of entering them."
+        )
+    _pop()
+    compiling.restore_backward_autocast()
+
+
+_push = torch._C._push_on_torch_function_stack
+_pop = torch._C._pop_torch_function_stack
 
 
 def _index(regions: list[Region], region: Region) -> int:
@@ -219,10 +254,14 @@ def clear_cache() -> None:
 def _publish(st: _ThreadState) -> None:
     mode = st.mode
     assert mode is not None  # called only while a region is open
-    active: dict[str, Policy] = {}
-    for region in st.regions:
-        if region.policy is not None:
-            active[region.device_type] = region.policy
+    regions = st.regions
+    if len(regions) == 1 and regions[0].policy is not None:  # the usual case
+        active = {regions[0].device_type: regions[0].policy}
+    else:
+        active = {}
+        for region in regions:
+            if region.policy is not None:
+                active[region.device_type] = region.policy
     if active != mode.policies:
         mode.policies = active
         mode.refresh()

@@ -106,6 +106,7 @@ call: Callable[..., Any] = _skip_one_hop if _skip_one_hop is not None else call_
 """Call a Python torch function with its own torch-function check skipped once
 (``torch.overrides.redispatch_function`` is a thin wrapper over the C function)."""
 
+_is_compiling = torch.compiler.is_compiling
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 
@@ -143,7 +144,7 @@ def run_transparently(
     """
     running[func] = None
     try:
-        if torch.compiler.is_compiling():
+        if _is_compiling():
             compiling.check_supported()
             # Dynamo does not honour the one-hop skip (the function comes straight back
             # to the mode) and records torch's Python functions as single graph nodes.
@@ -154,6 +155,10 @@ def run_transparently(
                 clone = _clone_outside_graph(func)
             with mode:
                 return clone(*args, **kwargs)
-        return run_under(mode, func, types_, args, kwargs)
+        _push(mode)  # run_under, inlined: this is a per-call path
+        try:
+            return call(func, types_, args, kwargs)
+        finally:
+            _pop()
     finally:
         running.pop(func, None)

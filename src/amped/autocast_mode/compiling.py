@@ -111,3 +111,45 @@ def restore_backward_autocast() -> None:
         _mark_changed()
         return
     setattr(_config, _NAME, previous)
+
+
+def never_root_frames(*modules: object) -> None:
+    """Keep Dynamo from compiling amped's own functions as frames of their own.
+
+    When Dynamo gives up on a function (a graph break it cannot resume, such as one in a
+    generator-based context manager around a region), it runs it eagerly and compiles
+    each Python frame that function calls instead: the region's bookkeeping and the
+    engine's ``__torch_function__`` among them, one small graph each, recompiled on every
+    change of state until the recompile limit. Those frames have nothing to compile.
+    Marking their code "skip" affects only frames Dynamo would start from; a traced
+    function still inlines them, so fullgraph compilation is unchanged.
+    """
+    skip = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    skip_code = getattr(skip, "skip_code", None)
+    if skip_code is None:
+        return
+    for module in modules:
+        filename = getattr(module, "__file__", None)
+        for value in list(vars(module).values()):
+            for fn in _functions_in(value, getattr(module, "__name__", "")):
+                # Only code written in that module: a decorator's wrapper (contextlib's,
+                # functools') has its code elsewhere, shared with every other user.
+                if fn.__code__.co_filename == filename:
+                    skip_code(fn.__code__)
+
+
+def _functions_in(value: object, module_name: str) -> list[Any]:
+    import types
+
+    if isinstance(value, types.FunctionType):
+        return [value] if value.__module__ == module_name else []
+    if isinstance(value, type) and value.__module__ == module_name:
+        found = []
+        for attr in vars(value).values():
+            attr = getattr(attr, "__func__", attr)  # classmethod / staticmethod
+            if isinstance(attr, types.FunctionType):
+                found.append(attr)
+            elif isinstance(attr, property) and attr.fget is not None:
+                found.append(attr.fget)
+        return found
+    return []

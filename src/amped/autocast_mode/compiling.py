@@ -144,7 +144,7 @@ def _functions_in(value: object, module_name: str) -> list[Any]:
     if isinstance(value, types.FunctionType):
         return [value] if value.__module__ == module_name else []
     if isinstance(value, type) and value.__module__ == module_name:
-        found = []
+        found: list[Any] = []
         for attr in vars(value).values():
             attr = getattr(attr, "__func__", attr)  # classmethod / staticmethod
             if isinstance(attr, types.FunctionType):

@@ -19,6 +19,7 @@ there trace their backward with autocast off (``"off"``), which is what eager do
 from __future__ import annotations
 
 import contextvars
+import threading
 from typing import Any
 
 import torch
@@ -71,7 +72,14 @@ _fast = (
     and hasattr(_config, "_mark_get_dict_dirty")
     and getattr(_entry, "alias", None) is None
 )
-_saved: list[tuple[object, object]] = []  # (token or None, previous value) per call
+
+
+class _Saved(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[object, object]] = []  # (token or None, previous value)
+
+
+_saved_per_thread = _Saved()
 
 
 def _mark_changed() -> None:
@@ -83,21 +91,22 @@ def backward_autocast_off() -> None:
     """Trace compiled backward passes with autocast off while the engine is active."""
     if _fast:
         override = _entry.user_override  # type: ignore[union-attr]
-        _saved.append((override.set("off"), override))
+        _saved_per_thread.stack.append((override.set("off"), override))
         _mark_changed()
         return
     if _config is None or not hasattr(_config, _NAME):
-        _saved.append((None, None))
+        _saved_per_thread.stack.append((None, None))
         return
-    _saved.append((None, getattr(_config, _NAME)))
+    _saved_per_thread.stack.append((None, getattr(_config, _NAME)))
     setattr(_config, _NAME, "off")
 
 
 def restore_backward_autocast() -> None:
     """Undo the matching :func:`backward_autocast_off`."""
-    if not _saved:
+    saved = _saved_per_thread.stack
+    if not saved:
         return
-    token, previous = _saved.pop()
+    token, previous = saved.pop()
     if previous is None:
         return
     if isinstance(token, contextvars.Token):

@@ -171,6 +171,7 @@ class AutocastMode(TorchFunctionMode):
         self.device_types: tuple[str, ...] = ()
         self.rules: dict[Callable[..., Any], PerDevice] = {}
         self.override: str | None = None  # "fp32" / "low" inside a module rule
+        self.module_rules = False  # whether an active policy has module rules
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.exclude_unlisted = not self.alongside  # keep torch's autocast out of unlisted calls
         self.cache = casting.WeightCache()
@@ -184,6 +185,7 @@ class AutocastMode(TorchFunctionMode):
         transparent.prepare_clones()
         self.device_types = tuple(self.policies)
         self.rules = merged_rules(self.policies)
+        self.module_rules = any(p.module_rules for p in self.policies.values())
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.set_override(self.override)
 

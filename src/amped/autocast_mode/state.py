@@ -29,7 +29,7 @@ from amped.autocast_mode import compiling
 from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
 from amped.policy import LOW_DTYPES, ModuleRule, Policy, torch_default_rules
-from amped.policy.policy import add_creation_listener
+from amped.policy.created import add_creation_listener
 
 __all__ = ["Region", "current_policy", "engine_always", "enter", "exit", "needs_engine"]
 
@@ -282,7 +282,7 @@ def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule |
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     st = _state
     mode = st.mode
-    if mode is None:
+    if mode is None or not mode.module_rules:  # idle (hooks outlive compiled regions)
         return None
     if not st.frames:  # the outermost module call of the region: name its submodules
         st.names = {id(m): name for name, m in module.named_modules()}

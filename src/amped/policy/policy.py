@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from amped.policy.created import notify_created
 from amped.policy.ops import TORCH_OP_TABLES, Cast, torch_default_rules
 
 __all__ = ["LOW_DTYPES", "ModuleRule", "OpKey", "Policy", "Precision"]
@@ -32,18 +33,6 @@ Precision = Literal["fp32", "low", "skip"]
 LOW_DTYPES = (torch.float16, torch.bfloat16)
 _PRECISIONS = ("fp32", "low", "skip")
 _DEVICE_TYPES = tuple(TORCH_OP_TABLES)
-
-_CREATION_LISTENERS: list[Callable[[Policy], None]] = []
-
-
-def add_creation_listener(listener: Callable[[Policy], None]) -> None:
-    """Call ``listener`` with every :class:`Policy` created from now on.
-
-    The autocast layer (above this one) derives its look-up tables from a policy when
-    the policy is made, outside any ``torch.compile`` trace, where they cannot be built.
-    """
-    if listener not in _CREATION_LISTENERS:
-        _CREATION_LISTENERS.append(listener)
 
 
 @dataclass(frozen=True)
@@ -188,8 +177,7 @@ class Policy:
             {_check_dtype(d): _frozen(r) for d, r in (dtype_rules or {}).items() if r}
         )
         self._module_rules = tuple(module_rules)
-        # What the autocast engine derives from this policy (its look-up tables), kept
-        # with the policy so that it lives as long as the policy; not part of its value.
+        # The engine's tables for this policy (see amped.policy.created); not its value.
         self._engine_cache: dict[Any, Any] = {}
         self._hash = hash(
             (
@@ -199,8 +187,7 @@ class Policy:
                 self._module_rules,
             )
         )
-        for listener in _CREATION_LISTENERS:
-            listener(self)
+        notify_created(self)
 
     # --- presets ---------------------------------------------------------------
 

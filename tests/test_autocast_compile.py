@@ -196,7 +196,8 @@ def train_steps(recipe: str, compiled: bool, inject_inf_at: int | None = None):
 
 
 @pytest.mark.parametrize(
-    ("recipe", "inject"), [("bf16-master", None), ("bf16-pure", None), ("fp16-mixed", 1)]
+    ("recipe", "inject"),
+    [("bf16-master", None), ("bf16-pure", None), ("fp16-mixed", 1), ("fp16-master", 2)],
 )
 def test_recipe_training_step_compiled_equals_eager(recipe, inject):
     e_losses, e_params, e_setup = train_steps(recipe, compiled=False, inject_inf_at=inject)

@@ -33,3 +33,11 @@ NAIVE_WORSE = 1.25
 # 1.9u fp32; parameters 2.6u bf16, 1.2u fp16, 2.6u fp32.
 DISTRIBUTED_LOSS_UNITS = {"low": 2, "fp32": 16}
 DISTRIBUTED_PARAM_UNITS = {"low": 8, "fp32": 16}
+
+# torch.compile with inductor against eager, bfloat16 autocast (tests/test_autocast_compile.py).
+# Inductor fuses the pointwise ops around each matmul and computes them in float32,
+# rounding to bfloat16 once where eager rounds after every op; and it may reorder
+# reductions. Each rounding moves a bfloat16 value by at most half a unit in the last
+# place, 2**-9 relative, and a few of them compound through the layer; 4 units (2**-6)
+# relative, with an absolute floor for values near zero, allows that and nothing more.
+INDUCTOR_BF16 = dict(rtol=2**-6, atol=2**-8)

@@ -3,8 +3,9 @@
 Mirrors ``at::autocast::cached_cast`` and the ``WrapFunction_`` policies in torch's
 ``autocast_mode.h``: only floating tensors on the region's device type are cast,
 float64 never is, and float32 leaf tensors that require grad (the weights) are cast
-once per region and reused. The cast is a plain ``Tensor.to``, so autograd records it
-and gradients flow back to the float32 originals.
+once per region and reused (under the rules of :class:`WeightCache`). The cast is a
+plain ``Tensor.to``, so autograd records it and gradients flow back to the float32
+originals.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import torch
 
 from amped.policy import Cast
 
-__all__ = ["WeightCache", "device_type_of", "run"]
+__all__ = ["WeightCache", "cast_call", "device_type_of", "run"]
 
 _Tensor = torch.Tensor
 _FLOAT32 = torch.float32
 _FLOAT64 = torch.float64
 _is_cached_tensor = getattr(torch._C, "_is_cached_tensor")  # noqa: B009 - CUDA-graph pools
+_grad_enabled = torch.is_grad_enabled
+_inference_mode = torch._C.is_inference_mode_enabled
+_cache_enabled = torch.is_autocast_cache_enabled
 
 BINARY_CROSS_ENTROPY_BANNED = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
@@ -36,20 +40,52 @@ BINARY_CROSS_ENTROPY_BANNED = (
 class WeightCache:
     """Low-precision copies of weights, kept for the outermost autocast region.
 
-    Keyed by the source tensor's identity and the target dtype; the entry holds the
-    source too, so its id cannot be reused by another tensor while the entry lives.
+    A copy is served again only to a call made under the same grad mode, and only while
+    the weight is unchanged:
+
+    * the key holds the grad mode, so a cast made under ``torch.no_grad()`` (which has
+      no autograd history) never reaches a grad-enabled op, and the weight still gets
+      its gradient (pytorch issue 158232: torch's C++ cache once served such copies);
+    * nothing is cached or served under ``torch.inference_mode()``: its tensors cannot
+      take part in autograd later;
+    * the entry holds the weight's version counter, so a weight changed in place inside
+      the region (an optimizer step, ``copy_`` under ``no_grad``) is cast again rather
+      than served stale (torch's own cache serves the stale copy).
+
+    The entry holds the source tensor too, so its id cannot be reused by another tensor
+    while the entry lives.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._entries: dict[
+            tuple[int, torch.dtype, bool], tuple[torch.Tensor, int, torch.Tensor]
+        ] = {}
+
+    def lookup(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+        """The cached copy of ``tensor`` in ``dtype``, if one may be served now."""
+        if not self._entries:
+            return None
+        entry = self._entries.get((id(tensor), dtype, _grad_enabled()))
+        if (
+            entry is not None
+            and entry[0] is tensor
+            and entry[1] == tensor._version
+            and _cache_enabled()
+            and not _inference_mode()
+        ):
+            return entry[2]
+        return None
 
     def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        key = (id(tensor), dtype)
+        if _inference_mode():
+            return tensor.to(dtype)
+        key = (id(tensor), dtype, _grad_enabled())
         entry = self._entries.get(key)
-        if entry is not None and entry[0] is tensor:
-            return entry[1]
+        version = tensor._version
+        if entry is not None and entry[0] is tensor and entry[1] == version:
+            return entry[2]
         casted = tensor.to(dtype)
-        self._entries[key] = (tensor, casted)
+        self._entries[key] = (tensor, version, casted)
         return casted
 
     def clear(self) -> None:
@@ -81,20 +117,26 @@ def _cacheable(t: torch.Tensor) -> bool:
     )
 
 
+def _cast_tensor(
+    t: torch.Tensor, dtype: torch.dtype, low: torch.dtype, cache: WeightCache | None
+) -> torch.Tensor:
+    # Activations are not leaves and inputs need no grad: both skip the cache at once.
+    if cache is not None and dtype is low and t.requires_grad and t.is_leaf:
+        found = cache.lookup(t, dtype)  # a hit skips the eligibility checks below
+        if found is not None:
+            return found
+        if _cacheable(t) and _cache_enabled():
+            return cache.cast(t, dtype)
+    return t.to(dtype)
+
+
 def _cast(
     value: Any, dtype: torch.dtype, device_type: str, low: torch.dtype, cache: WeightCache | None
 ) -> Any:
     if isinstance(value, _Tensor):
         if value.dtype is dtype or not _eligible(value, device_type):
             return value
-        if (
-            cache is not None
-            and dtype is low
-            and _cacheable(value)
-            and torch.is_autocast_cache_enabled()
-        ):
-            return cache.cast(value, dtype)
-        return value.to(dtype)
+        return _cast_tensor(value, dtype, low, cache)
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], _Tensor):
         return type(value)(_cast(v, dtype, device_type, low, cache) for v in value)
     return value
@@ -109,10 +151,31 @@ def _cast_call(
     low: torch.dtype,
     cache: WeightCache | None,
 ) -> Any:
-    args = tuple([_cast(a, dtype, device_type, low, cache) for a in args])
+    # The per-op hot path: the common argument (a tensor) is handled inline, without a
+    # call per argument.
+    cast_args = []
+    on_cpu = device_type == "cpu"
+    for a in args:
+        if isinstance(a, _Tensor):
+            t_dtype = a.dtype
+            if (
+                t_dtype is not dtype
+                and t_dtype is not _FLOAT64
+                and a.is_floating_point()
+                and ((a.is_cpu or a.is_mkldnn) if on_cpu else _on_device(a, device_type))
+            ):
+                a = _cast_tensor(a, dtype, low, cache)
+        elif isinstance(a, (list, tuple)) and a and isinstance(a[0], _Tensor):
+            a = _cast(a, dtype, device_type, low, cache)
+        cast_args.append(a)
     if kwargs:
         kwargs = {k: _cast(v, dtype, device_type, low, cache) for k, v in kwargs.items()}
-    return func(*args, **kwargs)
+        return func(*cast_args, **kwargs)
+    return func(*cast_args)
+
+
+cast_call = _cast_call
+"""``func`` called with its floating arguments on ``device_type`` cast to ``dtype``."""
 
 
 def _first_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -161,7 +224,7 @@ def run(
     cache: WeightCache | None,
 ) -> Any:
     """Call ``func`` with its arguments cast as ``cast`` says, in a region of dtype ``low``."""
-    if cast is Cast.LOWER:
+    if cast is Cast.LOWER:  # (the mode calls _cast_call itself for LOWER and FP32)
         return _cast_call(func, args, kwargs, low, device_type, low, cache)
     if cast is Cast.FP32:
         return _cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache)
@@ -201,12 +264,31 @@ def device_type_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     tensor next to CUDA tensors still dispatches to CUDA).
     """
     found = None
-    for value in (*args, *kwargs.values()):
+    for value in args:
+        if isinstance(value, _Tensor):
+            if not value.is_cpu:
+                return value.device.type
+            found = "cpu"
+        elif isinstance(value, (list, tuple)):
+            inner = _device_type_in(value)
+            if inner is not None and inner != "cpu":
+                return inner
+            found = found or inner
+    if kwargs:
+        inner = _device_type_in(kwargs.values())
+        if inner is not None and inner != "cpu":
+            return inner
+        found = found or inner
+    return found
+
+
+def _device_type_in(values: Any) -> str | None:
+    found = None
+    for value in values:
         items = value if isinstance(value, (list, tuple)) else (value,)
         for t in items:
             if isinstance(t, _Tensor):
-                if t.is_cpu:
-                    found = "cpu"
-                else:
+                if not t.is_cpu:
                     return t.device.type
+                found = "cpu"
     return found

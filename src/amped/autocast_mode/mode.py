@@ -23,13 +23,14 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from amped.autocast_mode import casting, transparent
+from amped.autocast_mode import casting, compiling, transparent
 from amped.autocast_mode.targets import callables_for
 from amped.policy import LOW_DTYPES, Cast, Policy, torch_default_rules
 
-__all__ = ["AutocastMode", "compiled_rules"]
+__all__ = ["AutocastMode", "compiled_rules", "merged_rules", "prepare"]
 
 _FunctionType = types.FunctionType
+_is_compiling = torch.compiler.is_compiling
 _AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
 for _key in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1"):
     if hasattr(torch._C.DispatchKey, _key):
@@ -48,7 +49,7 @@ amped's own."""
 Rule = tuple[Cast, bool]
 """An op's cast, and whether torch's C++ autocast must be kept out while it runs."""
 
-_COMPILED: dict[tuple[Policy, torch.dtype], dict[Callable[..., Any], Rule]] = {}
+PerDevice = dict[str, dict[torch.dtype, Rule]]
 
 
 def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any], Rule]:
@@ -59,9 +60,11 @@ def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any
     (and it keeps the op's internals from being cast again, as amped would). Only
     where the rule differs, or the op is a Python function or custom op, must it be
     excluded, which costs about a microsecond per call.
+
+    Kept in the policy's engine cache, so it lives exactly as long as the policy.
     """
-    key = (policy, dtype)
-    found = _COMPILED.get(key)
+    cache = policy._engine_cache
+    found = cache.get(dtype)
     if found is not None:
         return found
     torch_rules = torch_default_rules(policy.device_type)
@@ -74,10 +77,37 @@ def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any
         else:
             for fn in callables_for(op) if isinstance(op, str) else _custom_targets(op):
                 table[fn] = (cast, True)
-    if len(_COMPILED) > 64:  # policies are few; keep the memo from growing without bound
-        _COMPILED.clear()
-    _COMPILED[key] = table
+    cache[dtype] = table
     return table
+
+
+def merged_rules(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
+    """One dict for the active policies: callable -> device type -> low dtype -> rule.
+
+    For a single policy (the usual case) it is built once and kept with the policy.
+    """
+    if len(policies) == 1:
+        ((_device_type, policy),) = policies.items()
+        found = policy._engine_cache.get("merged")
+        if found is None:
+            found = _merge(policies)
+            policy._engine_cache["merged"] = found
+        return found
+    return _merge(policies)
+
+
+def _merge(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
+    rules: dict[Callable[..., Any], PerDevice] = {}
+    for device_type, policy in policies.items():
+        for dtype in LOW_DTYPES:
+            for fn, rule in compiled_rules(policy, dtype).items():
+                rules.setdefault(fn, {}).setdefault(device_type, {})[dtype] = rule
+    return rules
+
+
+def prepare(policy: Policy) -> None:
+    """Build the engine's tables for ``policy`` now (it was just created)."""
+    merged_rules({policy.device_type: policy})
 
 
 def _custom_targets(op: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
@@ -98,31 +128,71 @@ def exclude_torch_autocast() -> Any:
     return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS)
 
 
+def call_without_torch_autocast(
+    device_types: tuple[str, ...], func: Callable[..., Any], args: Any, kwargs: Any
+) -> Any:
+    """``func(*args, **kwargs)`` with torch's C++ autocast kept out.
+
+    Eagerly an exclude guard does it. Dynamo cannot trace that guard, so under
+    ``torch.compile`` the same effect comes from ``torch.autocast(enabled=False)`` for each
+    device type amped governs: for a single op call both mean "no autocast kernel runs".
+    """
+    if not _is_compiling():
+        with exclude_torch_autocast():
+            return func(*args, **kwargs)
+    compiling.check_supported()
+    if not device_types:
+        return func(*args, **kwargs)
+    with torch.autocast(device_types[0], enabled=False):
+        return call_without_torch_autocast(device_types[1:], func, args, kwargs)
+
+
+_EMPTY: dict[str, Any] = {}
+_LOWER = Cast.LOWER
+_OPAQUE = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
+
+
 class AutocastMode(TorchFunctionMode):
     """Applies the policies of the amped regions active on this thread.
 
     One instance per thread is on the torch-function stack while any amped region is
     open there; :mod:`amped.autocast_mode.state` keeps its fields current.
+
+    Per call it does one dict look-up: ``rules`` maps each callable some active policy
+    lists to its rules per device type and low dtype. An unlisted C-level call costs
+    that look-up and a type check; a Python function is run transparently. Dynamo
+    traces the same method: it guards on the entries it reads, so a policy change
+    between calls recompiles instead of reusing a stale graph.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
-        self.tables: dict[str, dict[torch.dtype, dict[Callable[..., Any], Rule]]] = {}
-        self.listed: frozenset[Callable[..., Any]] = frozenset()
+        self.device_types: tuple[str, ...] = ()
+        self.rules: dict[Callable[..., Any], PerDevice] = {}
         self.override: str | None = None  # "fp32" / "low" inside a module rule
+        self.module_rules = False  # whether an active policy has module rules
+        self.alongside = TORCH_AUTOCAST_ALONGSIDE
+        self.exclude_unlisted = not self.alongside  # keep torch's autocast out of unlisted calls
         self.cache = casting.WeightCache()
-        self.running: set[Callable[..., Any]] = set()  # Python functions run transparently
+        # Python functions run transparently just now, and those never to be: the graph
+        # of a compiled region calls _enter_autocast/_exit_autocast, which hand
+        # themselves to any mode whatever one-hop skip is set.
+        self.running: dict[Callable[..., Any], None] = dict.fromkeys(_OPAQUE)
 
     def refresh(self) -> None:
-        """Recompute which callables any active policy lists (after a region change)."""
-        self.tables = {
-            device_type: {dtype: compiled_rules(policy, dtype) for dtype in LOW_DTYPES}
-            for device_type, policy in self.policies.items()
-        }
-        self.listed = frozenset(
-            fn for per_dtype in self.tables.values() for table in per_dtype.values() for fn in table
-        )
+        """Recompute the rules of the active policies (after a region change)."""
+        transparent.prepare_clones()
+        self.device_types = tuple(self.policies)
+        self.rules = merged_rules(self.policies)
+        self.module_rules = any(p.module_rules for p in self.policies.values())
+        self.alongside = TORCH_AUTOCAST_ALONGSIDE
+        self.set_override(self.override)
+
+    def set_override(self, override: str | None) -> None:
+        """Enter (or, with None, leave) a module rule's precision."""
+        self.override = override
+        self.exclude_unlisted = override is not None or not self.alongside
 
     def __torch_function__(
         self,
@@ -131,35 +201,49 @@ class AutocastMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if kwargs is None:
-            kwargs = {}
-        if func in self.listed:
-            return self._apply(func, args, kwargs)
+        per_device = self.rules.get(func)
+        if per_device is not None:
+            return self._apply(func, per_device, args, kwargs or _EMPTY)
         if type(func) is _FunctionType and func not in self.running:
-            return transparent.run_transparently(self, self.running, func, types, args, kwargs)
-        if self.override is not None or not TORCH_AUTOCAST_ALONGSIDE:
-            with exclude_torch_autocast():
-                return func(*args, **kwargs)
-        return func(*args, **kwargs)
+            return transparent.run_transparently(
+                self, self.running, func, types, args, kwargs or _EMPTY
+            )
+        if self.exclude_unlisted:
+            return call_without_torch_autocast(self.device_types, func, args, kwargs or _EMPTY)
+        if kwargs:
+            return func(*args, **kwargs)
+        return func(*args)
 
     def _apply(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        func: Callable[..., Any],
+        per_device: dict[str, dict[torch.dtype, Rule]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
     ) -> Any:
         device_type = casting.device_type_of(args, kwargs)
         if device_type is None:
             return func(*args, **kwargs)
-        tables = self.tables.get(device_type)
+        tables = per_device.get(device_type)
         if tables is None or not torch.is_autocast_enabled(device_type):
             return func(*args, **kwargs)
         low = torch.get_autocast_dtype(device_type)
-        table = tables.get(low)
-        rule = table.get(func) if table is not None else None
+        rule = tables.get(low)
         if rule is None:
             return func(*args, **kwargs)
         cast, exclude = rule
-        if self.override is not None and cast not in (Cast.KEEP, Cast.BANNED):
+        if self.override is not None and cast is not Cast.KEEP and cast is not Cast.BANNED:
             cast, exclude = (Cast.FP32 if self.override == "fp32" else Cast.LOWER), True
-        if not exclude and TORCH_AUTOCAST_ALONGSIDE:
-            return casting.run(cast, func, args, kwargs, device_type, low, self.cache)
-        with exclude_torch_autocast():
-            return casting.run(cast, func, args, kwargs, device_type, low, self.cache)
+        # Under torch.compile no cast is cached (as torch's compiled autocast): the graph
+        # holds each cast, and a cache keyed by tensor identity cannot be traced.
+        cache: casting.WeightCache | None = self.cache
+        if _is_compiling():
+            compiling.check_supported()
+            cache = None
+        if not exclude and self.alongside:
+            if cast is _LOWER:  # the hot path: one frame less than casting.run
+                return casting.cast_call(func, args, kwargs, low, device_type, low, cache)
+            return casting.run(cast, func, args, kwargs, device_type, low, cache)
+        return call_without_torch_autocast(
+            (device_type,), casting.run, (cast, func, args, kwargs, device_type, low, cache), _EMPTY
+        )

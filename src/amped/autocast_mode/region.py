@@ -28,9 +28,9 @@ def _resolve_policy(policy: Policy | str | None, device_type: str) -> Policy | N
             )
         return None
     if policy is None:
-        return Policy.preset("torch", device_type)
+        return _preset("torch", device_type)
     if isinstance(policy, str):
-        return Policy.preset(policy, device_type)
+        return _preset(policy, device_type)
     if not isinstance(policy, Policy):
         raise TypeError(
             "policy must be an amped.Policy, a preset name ('torch', 'strict') or None. "
@@ -43,6 +43,30 @@ def _resolve_policy(policy: Policy | str | None, device_type: str) -> Policy | N
             f"Received: device_type={device_type!r}, policy={policy!r}"
         )
     return policy
+
+
+_PRESETS: dict[tuple[str, str], Policy] = {}
+
+
+def _preset(name: str, device_type: str) -> Policy:
+    # Policy.preset is memoised by functools.cache, which Dynamo cannot trace. A region
+    # opened inside a compiled function reads this plain dict instead (Dynamo guards on
+    # the entry); only a preset never used before costs one graph break, to build it.
+    found = _PRESETS.get((name, device_type))
+    if found is None:
+        found = _build_preset(name, device_type)
+    return found
+
+
+@torch._dynamo.disable
+def _build_preset(name: str, device_type: str) -> Policy:
+    found = Policy.preset(name, device_type)
+    _PRESETS[(name, device_type)] = found
+    return found
+
+
+for _device_type in TORCH_OP_TABLES:  # the default policies, ready for compiled code
+    _build_preset("torch", _device_type)
 
 
 def _check_available(device_type: str) -> None:
@@ -111,7 +135,7 @@ class autocast:
         )
         self.policy = _resolve_policy(policy, device_type)
         self._enabled = enabled and self._dtype_usable()
-        self._saved: list[tuple[bool, bool, torch.dtype, bool]] = []
+        self._open: list[state.Region] = []  # this object's open regions (recursion)
 
     def _dtype_usable(self) -> bool:
         if self.device == "cuda":
@@ -143,37 +167,24 @@ class autocast:
         return self._enabled
 
     def __enter__(self) -> autocast:
-        dev = self.device
-        pushed = self._enabled and self.policy is not None
-        self._saved.append(
-            (
-                pushed,
-                torch.is_autocast_cache_enabled(),
-                torch.get_autocast_dtype(dev),
-                torch.is_autocast_enabled(dev),
-            )
+        region = state.Region(
+            self.device,
+            self.policy if self._enabled else None,
+            self._enabled,
+            self.fast_dtype,
+            self._cache_enabled,
         )
-        torch.set_autocast_enabled(dev, self._enabled)
-        torch.set_autocast_dtype(dev, self.fast_dtype)
-        torch.autocast_increment_nesting()
-        torch.set_autocast_cache_enabled(self._cache_enabled)
-        if pushed:
-            assert self.policy is not None
-            state.enter(dev, self.policy)
+        state.enter(region)
+        self._open.append(region)
         return self
 
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Any) -> None:
-        dev = self.device
-        pushed, cache_enabled, dtype, enabled = self._saved.pop()
-        if pushed:
-            assert self.policy is not None
-            state.exit(dev, self.policy)
-        if torch.autocast_decrement_nesting() == 0:
-            torch.clear_autocast_cache()
-            state.clear_cache()
-        torch.set_autocast_enabled(dev, enabled)
-        torch.set_autocast_dtype(dev, dtype)
-        torch.set_autocast_cache_enabled(cache_enabled)
+        if not self._open:
+            raise RuntimeError(
+                "amped.autocast.__exit__ was called more times than __enter__ on this "
+                "region object. Use it as `with amped.autocast(...):` or as a decorator."
+            )
+        state.exit(self._open.pop())
 
     def __call__(self, func: F) -> F:
         if not callable(func):

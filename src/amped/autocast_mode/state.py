@@ -25,19 +25,50 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
+from amped.autocast_mode import compiling
 from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
 from amped.policy import LOW_DTYPES, ModuleRule, Policy, torch_default_rules
+from amped.policy.created import add_creation_listener
 
-__all__ = ["current_policy", "engine_always", "enter", "exit", "needs_engine"]
+__all__ = ["Region", "current_policy", "engine_always", "enter", "exit", "needs_engine"]
+
+
+class Region:
+    """One open amped region: what it set, and the torch state it found on entry.
+
+    Regions are kept in entry order and removed by identity, so a region held across a
+    ``yield`` or ``await`` may exit before one opened after it: whatever it changed is
+    handed to the next region above it on the same device (which will restore it), or
+    restored at once if none is left above it.
+    """
+
+    __slots__ = ("cache_enabled", "device_type", "dtype", "enabled", "engine", "policy", "saved")
+
+    def __init__(
+        self,
+        device_type: str,
+        policy: Policy | None,
+        enabled: bool,
+        dtype: torch.dtype,
+        cache_enabled: bool,
+    ) -> None:
+        self.device_type = device_type
+        self.policy = policy  # None: a disabled region, or a device type without policies
+        self.enabled = enabled
+        self.dtype = dtype
+        self.cache_enabled = cache_enabled
+        self.engine = False
+        # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
+        self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)
 
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.mode: AutocastMode | None = None
-        self.regions: list[bool] = []  # per open region: does its policy need the mode?
+        self.spare_mode: AutocastMode | None = None
+        self.regions: list[Region] = []  # open regions, in entry order
         self.engine_always = 0
-        self.policies: dict[str, list[Policy]] = {}
         self.frames: list[tuple[torch.nn.Module, Any]] = []
         self.names: dict[int, str] = {}
 
@@ -47,11 +78,10 @@ _state = _ThreadState()
 
 def current_policy(device_type: str) -> Policy | None:
     """The policy of the innermost enabled amped region for ``device_type`` on this thread."""
-    stack = _state.policies.get(device_type)
-    return stack[-1] if stack else None
-
-
-_TORCH_EQUAL: dict[Policy, bool] = {}
+    for region in reversed(_state.regions):
+        if region.device_type == device_type and region.policy is not None:
+            return region.policy
+    return None
 
 
 def needs_engine(policy: Policy) -> bool:
@@ -64,14 +94,27 @@ def needs_engine(policy: Policy) -> bool:
     """
     if not engine.TORCH_AUTOCAST_ALONGSIDE or _state.engine_always or policy.module_rules:
         return True
-    equal = _TORCH_EQUAL.get(policy)
+    equal = policy._engine_cache.get("torch_equal")
     if equal is None:
-        torch_rules = torch_default_rules(policy.device_type)
-        equal = all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
-        if len(_TORCH_EQUAL) > 64:  # policies are few; keep the memo bounded
-            _TORCH_EQUAL.clear()
-        _TORCH_EQUAL[policy] = equal
+        equal = _torch_equal(policy)
     return not equal
+
+
+def _torch_equal(policy: Policy) -> bool:
+    torch_rules = torch_default_rules(policy.device_type)
+    equal = all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
+    policy._engine_cache["torch_equal"] = equal
+    return equal
+
+
+def _prepare(policy: Policy) -> None:
+    # Every look-up table the engine needs, built when the policy is made: a region
+    # opened inside a compiled function then only reads them (Dynamo cannot build them).
+    _torch_equal(policy)
+    engine.prepare(policy)
+
+
+add_creation_listener(_prepare)
 
 
 @contextlib.contextmanager
@@ -88,39 +131,118 @@ def engine_always() -> Iterator[None]:
         _state.engine_always -= 1
 
 
-def enter(device_type: str, policy: Policy) -> None:
-    """Make ``policy`` active for ``device_type`` on this thread (an enabled region opens)."""
+def enter(region: Region) -> None:
+    """Open ``region`` on this thread: set torch's autocast state, and make its policy
+    (if any) active for its device type."""
     st = _state
-    engine_needed = needs_engine(policy)
-    st.regions.append(engine_needed)
-    if engine_needed and st.mode is None:
-        st.mode = AutocastMode()
-        st.mode.__enter__()
-    st.policies.setdefault(device_type, []).append(policy)
+    dev = region.device_type
+    policy = region.policy
+    if policy is not None and policy.module_rules:
+        _hooks.acquire()  # first: under torch.compile it may leave the graph to install
+    region.saved = (
+        torch.is_autocast_enabled(dev),
+        torch.get_autocast_dtype(dev),
+        torch.is_autocast_cache_enabled(),
+    )
+    torch.set_autocast_enabled(dev, region.enabled)
+    torch.set_autocast_dtype(dev, region.dtype)
+    torch.autocast_increment_nesting()
+    torch.set_autocast_cache_enabled(region.cache_enabled)
+    region.engine = policy is not None and needs_engine(policy)
+    st.regions.append(region)
+    if region.engine and st.mode is None:
+        _push_mode(st)
     if st.mode is not None:
         _publish(st)
-    if policy.module_rules:
-        _hooks.acquire()
 
 
-def exit(device_type: str, policy: Policy) -> None:
-    """Undo the matching :func:`enter`; the last region that needs the mode drops it
-    and its cache."""
+def exit(region: Region) -> None:
+    """Close ``region``, whichever position it holds among the open ones.
+
+    The last region that needs the mode drops it and its cache; the last region of all
+    clears the autocast caches, as ``torch.autocast`` does.
+    """
     st = _state
-    st.policies[device_type].pop()
-    st.regions.pop()
-    if policy.module_rules:
-        _hooks.release()
-    mode = st.mode
-    if mode is None:
-        return
-    if not any(st.regions):
-        st.mode = None
-        mode.cache.clear()
-        st.names = {}
-        mode.__exit__(None, None, None)
+    regions = st.regions
+    enabled, dtype, cache_enabled = region.saved
+    if regions and regions[-1] is region:  # the usual case: the innermost region exits
+        regions.pop()
+        above: list[Region] = []
     else:
-        _publish(st)
+        index = _index(regions, region)
+        above = regions[index + 1 :]
+        del regions[index]
+    same_device = [r for r in above if r.device_type == region.device_type]
+    if same_device:  # the next region up on this device restores what this one found
+        nxt = same_device[0]
+        nxt.saved = (enabled, dtype, nxt.saved[2])
+    else:
+        torch.set_autocast_enabled(region.device_type, enabled)
+        torch.set_autocast_dtype(region.device_type, dtype)
+    if above:
+        above[0].saved = (*above[0].saved[:2], cache_enabled)
+    else:
+        torch.set_autocast_cache_enabled(cache_enabled)
+    if region.policy is not None and region.policy.module_rules:
+        _hooks.release()
+    last = torch.autocast_decrement_nesting() == 0
+    if st.mode is not None:
+        if not any(r.engine for r in regions):
+            _pop_mode(st)
+        else:
+            _publish(st)
+    if last:
+        torch.clear_autocast_cache()
+        clear_cache()
+
+
+def _push_mode(st: _ThreadState) -> None:
+    if torch.compiler.is_compiling():  # Dynamo traces the context-manager protocol
+        st.mode = AutocastMode()
+        st.mode.__enter__()
+        return
+    mode = st.spare_mode  # one instance per thread, reused region after region
+    if mode is None:
+        mode = st.spare_mode = AutocastMode()
+    st.mode = mode
+    _push(mode)
+    compiling.backward_autocast_off()
+
+
+def _pop_mode(st: _ThreadState) -> None:
+    mode = st.mode
+    assert mode is not None  # called only while the mode is on the stack
+    st.mode = None
+    mode.cache.clear()
+    mode.policies = {}
+    st.names = {}
+    if torch.compiler.is_compiling():
+        mode.__exit__(None, None, None)
+        return
+    depth = torch._C._len_torch_function_stack()
+    if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not mode:
+        raise RuntimeError(
+            "amped's autocast mode was not on top of the torch-function mode stack when "
+            "its last region closed: a mode entered inside the region is still open. "
+            "Exit modes (and regions) in the reverse order of entering them."
+        )
+    _pop()
+    compiling.restore_backward_autocast()
+
+
+_push = torch._C._push_on_torch_function_stack
+_pop = torch._C._pop_torch_function_stack
+
+
+def _index(regions: list[Region], region: Region) -> int:
+    for i in range(len(regions) - 1, -1, -1):
+        if regions[i] is region:
+            return i
+    raise RuntimeError(
+        "This amped.autocast region is not open on this thread: it was exited already, "
+        "or entered on another thread. Exit each region once, on the thread that "
+        f"entered it. Received: region for device_type={region.device_type!r}"
+    )
 
 
 def clear_cache() -> None:
@@ -132,7 +254,14 @@ def clear_cache() -> None:
 def _publish(st: _ThreadState) -> None:
     mode = st.mode
     assert mode is not None  # called only while a region is open
-    active = {dev: stack[-1] for dev, stack in st.policies.items() if stack}
+    regions = st.regions
+    if len(regions) == 1 and regions[0].policy is not None:  # the usual case
+        active = {regions[0].device_type: regions[0].policy}
+    else:
+        active = {}
+        for region in regions:
+            if region.policy is not None:
+                active[region.device_type] = region.policy
     if active != mode.policies:
         mode.policies = active
         mode.refresh()
@@ -153,7 +282,7 @@ def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule |
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     st = _state
     mode = st.mode
-    if mode is None:
+    if mode is None or not mode.module_rules:  # idle (hooks outlive compiled regions)
         return None
     if not st.frames:  # the outermost module call of the region: name its submodules
         st.names = {id(m): name for name, m in module.named_modules()}
@@ -167,7 +296,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
         for dev in mode.policies:
             torch.set_autocast_enabled(dev, False)
         return None
-    mode.override = rule.precision
+    mode.set_override(rule.precision)
     if rule.precision == "fp32":
         return tuple(_to_float32(a, mode.policies) for a in args)
     return None
@@ -191,7 +320,7 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> N
     _, saved = st.frames.pop()
     if saved is not None and st.mode is not None:
         override, enabled = saved
-        st.mode.override = override
+        st.mode.set_override(override)
         for dev, was_enabled in enabled.items():
             torch.set_autocast_enabled(dev, was_enabled)
 
@@ -205,17 +334,33 @@ class _GlobalHooks:
         self._handles: list[Any] = []
 
     def acquire(self) -> None:
+        if torch.compiler.is_compiling():
+            # Dynamo traces one thread and cannot enter a lock nor register hooks in a
+            # graph; it runs the installation for real while tracing (the hooks are
+            # then traced into every module call after it) and counts.
+            _install_while_tracing()
+            self._users += 1
+            return
         with self._lock:
             self._users += 1
-            if self._users == 1:
-                self._handles = [
-                    # torch annotates the hook as returning None; returning new args is
-                    # documented and supported.
-                    nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook)),
-                    nn_module.register_module_forward_hook(_post_hook, always_call=True),
-                ]
+            self.install()
+
+    def install(self) -> None:
+        """Install the hooks if they are not installed (idle unless a region needs them)."""
+        if not self._handles:
+            self._handles = [
+                # torch annotates the hook as returning None; returning new args is
+                # documented and supported.
+                nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook)),
+                nn_module.register_module_forward_hook(_post_hook, always_call=True),
+            ]
 
     def release(self) -> None:
+        if torch.compiler.is_compiling():
+            # The hooks stay installed (idle, they return at once) until an eager
+            # release finds no user left: a graph cannot remove them.
+            self._users -= 1
+            return
         with self._lock:
             self._users -= 1
             if self._users == 0:
@@ -225,3 +370,10 @@ class _GlobalHooks:
 
 
 _hooks = _GlobalHooks()
+
+
+@torch._dynamo.assume_constant_result
+def _install_while_tracing() -> bool:
+    with _hooks._lock:
+        _hooks.install()
+    return True

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch.overrides
 
+from amped.autocast_mode import compiling
+
 __all__ = ["call", "call_with_clone", "run_transparently", "run_under"]
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
@@ -60,6 +62,33 @@ def _clone(func: types.FunctionType) -> types.FunctionType:
     return clone
 
 
+_CLONES: dict[Any, Any] = {}
+
+
+def _clone_or_same(func: Any) -> Any:
+    clone = _clone(func) if isinstance(func, types.FunctionType) else func
+    _CLONES[func] = clone
+    return clone
+
+
+@torch._dynamo.disable
+def _clone_outside_graph(func: Any) -> Any:
+    return _clone_or_same(func)
+
+
+def prepare_clones() -> None:
+    """Clone torch's Python-level functions ahead of time, so that a compiled function
+    finds each one in a plain dict (Dynamo cannot trace building one)."""
+    if _CLONES:
+        return
+    import torch.nn.functional
+
+    for namespace in (torch.nn.functional, torch.functional, torch.Tensor, torch):
+        for value in list(vars(namespace).values()):
+            if isinstance(value, types.FunctionType) and value.__module__.startswith("torch"):
+                _clone_or_same(value)
+
+
 def call_with_clone(
     func: Callable[..., Any],
     types_: tuple[type, ...],
@@ -77,6 +106,7 @@ call: Callable[..., Any] = _skip_one_hop if _skip_one_hop is not None else call_
 """Call a Python torch function with its own torch-function check skipped once
 (``torch.overrides.redispatch_function`` is a thin wrapper over the C function)."""
 
+_is_compiling = torch.compiler.is_compiling
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 
@@ -98,7 +128,7 @@ def run_under(
 
 def run_transparently(
     mode: Any,
-    running: set[Callable[..., Any]],
+    running: dict[Callable[..., Any], None],
     func: Callable[..., Any],
     types_: tuple[type, ...],
     args: tuple[Any, ...],
@@ -106,11 +136,29 @@ def run_transparently(
 ) -> Any:
     """:func:`run_under`, remembering ``func`` in ``running`` while it runs.
 
+    ``running`` is a dict used as a set: Dynamo traces membership in a dict of
+    functions, not in a set of them.
+
     A Python method that calls ``super().same_name()`` (``Tensor.unflatten``) comes back
     to the mode with itself as ``func``; the mode then runs that inner call plainly.
     """
-    running.add(func)
+    running[func] = None
     try:
-        return run_under(mode, func, types_, args, kwargs)
+        if _is_compiling():
+            compiling.check_supported()
+            # Dynamo does not honour the one-hop skip (the function comes straight back
+            # to the mode) and records torch's Python functions as single graph nodes.
+            # It inlines the clone, whose checks are off, with the mode entered again as
+            # a context manager, which it traces.
+            clone = _CLONES.get(func)
+            if clone is None:
+                clone = _clone_outside_graph(func)
+            with mode:
+                return clone(*args, **kwargs)
+        _push(mode)  # run_under, inlined: this is a per-call path
+        try:
+            return call(func, types_, args, kwargs)
+        finally:
+            _pop()
     finally:
-        running.discard(func)
+        running.pop(func, None)

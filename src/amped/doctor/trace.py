@@ -161,7 +161,7 @@ class Tracer(TorchFunctionMode):
         self._modules: list[str] = []
         self._counts: dict[tuple[str, str], int] = {}
         self._producer: dict[int, int] = {}  # id(output tensor) -> call index
-        self._running: set[Callable[..., Any]] = set()
+        self._running: dict[Callable[..., Any], None] = {}
         self._handles: list[Any] = []
         self._keep_live = keep_live
         self._keep_alive: list[torch.Tensor] = []  # outputs stay alive so their ids stay unique

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import torch
 
+from amped.policy.created import notify_created
 from amped.policy.ops import TORCH_OP_TABLES, Cast, torch_default_rules
 
 __all__ = ["LOW_DTYPES", "ModuleRule", "OpKey", "Policy", "Precision"]
@@ -141,7 +142,15 @@ class Policy:
         torch.float32
     """
 
-    __slots__ = ("_dtype_rules", "_hash", "_module_rules", "_rules", "device_type", "name")
+    __slots__ = (
+        "_dtype_rules",
+        "_engine_cache",
+        "_hash",
+        "_module_rules",
+        "_rules",
+        "device_type",
+        "name",
+    )
 
     def __init__(
         self,
@@ -168,6 +177,8 @@ class Policy:
             {_check_dtype(d): _frozen(r) for d, r in (dtype_rules or {}).items() if r}
         )
         self._module_rules = tuple(module_rules)
+        # The engine's tables for this policy (see amped.policy.created); not its value.
+        self._engine_cache: dict[Any, Any] = {}
         self._hash = hash(
             (
                 device_type,
@@ -176,6 +187,7 @@ class Policy:
                 self._module_rules,
             )
         )
+        notify_created(self)
 
     # --- presets ---------------------------------------------------------------
 

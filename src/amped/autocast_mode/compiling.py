@@ -1,0 +1,164 @@
+"""What amped's engine needs from ``torch.compile``, and which torch releases give it.
+
+Under Dynamo the engine's ``__torch_function__`` is traced like any Python code: the
+rule look-ups become guards (a policy change recompiles), the casts become graph
+nodes. Three eager mechanisms have traced stand-ins: the dispatch-key exclude guard
+(``torch.autocast(enabled=False)`` around the op), the one-hop skip for Python
+composites (a clone with the checks off), and the weight cache (none; torch's compiled
+autocast caches nothing either).
+
+The backward pass: AOTAutograd traces it, by default under the forward's autocast
+state (``torch._functorch.config.backward_pass_autocast = "same_as_forward"``). Eagerly,
+autograd runs the backward of each op on the dtypes the forward gave it, with no
+autocast; under a policy whose rules differ from torch's, tracing the backward with
+torch's C++ autocast on would cast the backward of an op amped keeps in float32 (say
+``linear``) to low precision. So while amped's engine is on the stack, graphs compiled
+there trace their backward with autocast off (``"off"``), which is what eager does.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+from typing import Any
+
+import torch
+
+__all__ = [
+    "COMPILE_SUPPORTED",
+    "MIN_TORCH_FOR_COMPILE",
+    "backward_autocast_off",
+    "check_supported",
+    "restore_backward_autocast",
+]
+
+MIN_TORCH_FOR_COMPILE = (2, 13)
+"""The oldest torch release on which compiling amped's engine is tested and allowed."""
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+
+COMPILE_SUPPORTED = _release(torch.__version__) >= MIN_TORCH_FOR_COMPILE
+
+
+def check_supported() -> None:
+    """Raise if Dynamo is tracing amped's engine on a torch release that cannot."""
+    if not COMPILE_SUPPORTED:
+        raise RuntimeError(
+            "torch.compile of code running amped's engine (a policy other than torch's "
+            "own, a module rule, 'strict', a custom op, the doctor) needs torch >= "
+            f"{MIN_TORCH_FOR_COMPILE[0]}.{MIN_TORCH_FOR_COMPILE[1]}. Upgrade torch, "
+            "or keep the default policy (torch's C++ autocast compiles on every release), "
+            "or leave this code uncompiled. Received: torch " + torch.__version__
+        )
+
+
+_NAME = "backward_pass_autocast"
+_config: Any
+try:
+    import torch._functorch.config as _config
+except ImportError:  # pragma: no cover - every supported torch has it
+    _config = None
+_entry = getattr(_config, "_config", {}).get(_NAME) if _config is not None else None
+# torch's config module keeps each override in a ContextVar; setting it through that
+# var costs a tenth of the module's __setattr__, which matters once per training step.
+_fast = (
+    _entry is not None
+    and hasattr(_entry, "user_override")
+    and hasattr(_config, "_hash_dirty_var")
+    and hasattr(_config, "_mark_get_dict_dirty")
+    and getattr(_entry, "alias", None) is None
+)
+
+
+class _Saved(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[object, object]] = []  # (token or None, previous value)
+
+
+_saved_per_thread = _Saved()
+
+
+def _mark_changed() -> None:
+    _config._hash_dirty_var.set(True)
+    _config._mark_get_dict_dirty(_NAME)
+
+
+def backward_autocast_off() -> None:
+    """Trace compiled backward passes with autocast off while the engine is active."""
+    if _fast:
+        override = _entry.user_override  # type: ignore[union-attr]
+        _saved_per_thread.stack.append((override.set("off"), override))
+        _mark_changed()
+        return
+    if _config is None or not hasattr(_config, _NAME):
+        _saved_per_thread.stack.append((None, None))
+        return
+    _saved_per_thread.stack.append((None, getattr(_config, _NAME)))
+    setattr(_config, _NAME, "off")
+
+
+def restore_backward_autocast() -> None:
+    """Undo the matching :func:`backward_autocast_off`."""
+    saved = _saved_per_thread.stack
+    if not saved:
+        return
+    token, previous = saved.pop()
+    if previous is None:
+        return
+    if isinstance(token, contextvars.Token):
+        try:
+            _entry.user_override.reset(token)  # type: ignore[union-attr]
+        except ValueError:  # exited in another context (a task other than the entering one)
+            old = token.old_value
+            if old is contextvars.Token.MISSING:
+                old = _entry.default  # type: ignore[union-attr]
+            _entry.user_override.set(old)  # type: ignore[union-attr]
+        _mark_changed()
+        return
+    setattr(_config, _NAME, previous)
+
+
+def never_root_frames(*modules: object) -> None:
+    """Keep Dynamo from compiling amped's own functions as frames of their own.
+
+    When Dynamo gives up on a function (a graph break it cannot resume, such as one in a
+    generator-based context manager around a region), it runs it eagerly and compiles
+    each Python frame that function calls instead: the region's bookkeeping and the
+    engine's ``__torch_function__`` among them, one small graph each, recompiled on every
+    change of state until the recompile limit. Those frames have nothing to compile.
+    Marking their code "skip" affects only frames Dynamo would start from; a traced
+    function still inlines them, so fullgraph compilation is unchanged.
+    """
+    skip = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    skip_code = getattr(skip, "skip_code", None)
+    if skip_code is None:
+        return
+    for module in modules:
+        filename = getattr(module, "__file__", None)
+        for value in list(vars(module).values()):
+            for fn in _functions_in(value, getattr(module, "__name__", "")):
+                # Only code written in that module: a decorator's wrapper (contextlib's,
+                # functools') has its code elsewhere, shared with every other user.
+                if fn.__code__.co_filename == filename:
+                    skip_code(fn.__code__)
+
+
+def _functions_in(value: object, module_name: str) -> list[Any]:
+    import types
+
+    if isinstance(value, types.FunctionType):
+        return [value] if value.__module__ == module_name else []
+    if isinstance(value, type) and value.__module__ == module_name:
+        found: list[Any] = []
+        for attr in vars(value).values():
+            attr = getattr(attr, "__func__", attr)  # classmethod / staticmethod
+            if isinstance(attr, types.FunctionType):
+                found.append(attr)
+            elif isinstance(attr, property) and attr.fget is not None:
+                found.append(attr.fget)
+        return found
+    return []

@@ -94,6 +94,15 @@ def test_fastest_headline_appears_only_when_the_spread_allows_it():
     assert any(line.startswith("No recipe is clearly fastest") for line in overlapping)
 
 
+def test_fastest_headline_without_fp32_in_the_run_names_no_ratio():
+    results = _results((1.3, 1.5))
+    results["recipes"][0]["name"] = "fp8-rowwise"  # no fp32 among the recipes run
+    for recipe in results["recipes"]:
+        recipe["throughput_vs_baseline"] = recipe["throughput_vs_baseline_range"] = None
+    lines = findings(results)
+    assert "Fastest: bf16-mixed; its step-time IQR is clear of every other recipe's." in lines
+
+
 def test_findings_name_the_recipes_whose_curves_coincide():
     lines = findings(_results((1.3, 1.5)))
     assert "Identical train loss at every step (their curves coincide): " \

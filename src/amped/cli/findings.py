@@ -92,12 +92,11 @@ def _speed_finding(results: dict[str, Any], ran: list[dict[str, Any]]) -> str:
     by_median = min(ran, key=lambda r: r["timing"]["median_s"])
     if winner is not None and winner != results["baseline"]:
         fastest = next(r for r in ran if r["name"] == winner)
+        ratio = fastest["throughput_vs_baseline"]  # None when fp32 did not run
         low, high = fastest.get("throughput_vs_baseline_range") or (None, None)
         span = f" (range {low:.2f}–{high:.2f})" if low is not None else ""
-        return (
-            f"Fastest: {winner}, {fastest['throughput_vs_baseline']:.2f}× fp32's "
-            f"throughput{span}; its step-time IQR is clear of every other recipe's."
-        )
+        against = f", {ratio:.2f}× fp32's throughput{span}" if ratio is not None else ""
+        return f"Fastest: {winner}{against}; its step-time IQR is clear of every other recipe's."
     if winner is None:
         rivals = [
             r["name"]

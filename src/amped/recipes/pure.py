@@ -74,9 +74,12 @@ def compensated_twin(
         )
     _check_fresh(optimizer)
     groups = [_twin_group(group, kind) for group in optimizer.param_groups]
-    if kind is torch.optim.SGD:
-        return CompensatedSGD(groups, compensation=compensation)
-    return CompensatedAdamW(groups, compensation=compensation)
+    # The user's defaults become the twin's, so a group added later with
+    # add_param_group() gets the user's hyper-parameters, not the twin class's own.
+    defaults = _twin_group({**optimizer.defaults, "params": []}, kind)
+    del defaults["params"]
+    twin_class = CompensatedSGD if kind is torch.optim.SGD else CompensatedAdamW
+    return twin_class(groups, **defaults, compensation=compensation)
 
 
 def _check_fresh(optimizer: torch.optim.Optimizer) -> None:

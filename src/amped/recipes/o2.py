@@ -73,6 +73,31 @@ class MasterSetup(TrainSetup):
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
 
+    def model_state_dict(self) -> dict[str, Any]:
+        """The float32 masters under the model's keys (:meth:`fp32_state_dict`)."""
+        return self.fp32_state_dict()
+
+    def _restore_weights(self) -> None:
+        # Each master becomes its parameter's data again (before any step, the very
+        # float32 storage the parameter had), and the parameter goes back under the
+        # user's optimizer in the master's place, with the master's optimizer state.
+        inner = self.optimizer.optimizer
+        back = {id(master): param for param, master in self.optimizer.pairs}
+        for group in inner.param_groups:
+            params = group["params"]
+            for i, master in enumerate(params):
+                param = back.get(id(master))
+                if param is None:
+                    continue
+                params[i] = param
+                if master in inner.state:
+                    inner.state[param] = inner.state.pop(master)
+        with torch.no_grad():
+            for param, master in self.optimizer.pairs:
+                param.data = master.detach()
+                param.grad = None
+        self.optimizer._pairs.clear()
+
 
 def o2_policy(policy: Policy | None, model: torch.nn.Module, device_type: str) -> Policy:
     """``policy`` (torch's by default) with the model's norm layers in float32 first."""

@@ -50,6 +50,20 @@ class PureSetup(TrainSetup):
             out[key] = tensor
         return out
 
+    def _restore_weights(self) -> None:
+        lowering = self.installed
+        if lowering is None:
+            return
+        state = self.optimizer.state
+        with torch.no_grad():
+            for param in lowering.params:
+                value = param.detach().to(torch.float32, copy=True)
+                compensation = state[param].get("compensation") if param in state else None
+                if compensation is not None:
+                    value.add_(compensation)
+                param.data = value
+                param.grad = None
+
 
 def compensated_twin(
     optimizer: torch.optim.Optimizer, compensation: Compensation

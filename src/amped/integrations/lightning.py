@@ -1,0 +1,365 @@
+"""Lightning and Fabric precision plugins that run an amped recipe.
+
+Lightning's ``Trainer``::
+
+    from amped.integrations.lightning import Precision
+    trainer = L.Trainer(plugins=[Precision("bf16-master")])   # no precision= string
+
+Fabric (a recipe that changes the model or optimizer needs them first)::
+
+    precision = FabricPrecision("bf16-pure")
+    fabric = L.Fabric(plugins=[precision])
+    model, optimizer = fabric.setup(*precision.prepare(model, optimizer))
+
+The plugin builds the :class:`~amped.recipes.TrainSetup` of :func:`amped.prepare` and
+drives it: the forward context (amped's autocast with the policy), the scaled
+backward, unscale (O2: into the float32 masters) before clipping, the step (skipped on
+overflow, masters copied back), the parameters clipping sees (the masters under O2),
+the recipe's state in checkpoints, and teardown at the end of ``fit``, which gives the
+model float32 weights back (:meth:`~amped.recipes.TrainSetup.teardown`). With a
+loss-scaling recipe, learning-rate schedulers skip with the optimizer.
+
+Requires ``lightning`` (``pip install amped[lightning]``); ``import amped`` never
+imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import Precision as _FabricBase
+from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
+from lightning.pytorch.plugins.precision import Precision as _LightningBase
+
+import amped
+from amped.autocast_mode import autocast
+from amped.integrations.common import (
+    SkipAwareScheduler,
+    check_clipping,
+    default_scaler,
+    optimizer_unscales_itself,
+    rebind_scheduler,
+    resolve_arguments,
+)
+from amped.policy import Policy
+from amped.recipes import MemoryReport, Recipe, TrainSetup, memory_report
+from amped.scaling import GradScaler
+
+__all__ = ["FabricPrecision", "Precision"]
+
+
+def _lightning_name(recipe: Recipe) -> _PRECISION_INPUT_STR:
+    """The precision string Lightning reports (``trainer.precision``) for a recipe."""
+    if recipe.dtype is torch.float16:
+        return "16-mixed"
+    if recipe.dtype is torch.bfloat16:
+        return "bf16-mixed"
+    return "32-true"
+
+
+class _RecipeDriver:
+    """What both plugins share: the arguments, the setup, its context, state and teardown."""
+
+    recipe: Recipe
+    policy: Policy | None
+    device: str
+    scaler: GradScaler
+    precision: _PRECISION_INPUT_STR
+    setup: TrainSetup | None
+    _pending_state: dict[str, Any] | None
+
+    def _init_recipe(
+        self,
+        recipe: str | Recipe,
+        policy: Policy | str | None,
+        device: str | None,
+        scaler: GradScaler | None,
+    ) -> None:
+        self.recipe, self.policy, self.device = resolve_arguments(recipe, policy, device)
+        self.scaler = default_scaler(self.recipe, self.device, scaler)
+        self.precision = _lightning_name(self.recipe)
+        self.setup = None
+        self._pending_state = None
+
+    def _prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainSetup:
+        if self.setup is not None and self.setup.installed is not None:
+            raise RuntimeError(
+                f"This plugin already runs recipe {self.recipe.name!r} on a model; use one "
+                "plugin per model (or call teardown() first). Received: a second prepare()"
+            )
+        types = {p.device.type for p in model.parameters()}
+        if types and types != {self.device}:
+            raise ValueError(
+                f"The plugin was built for device {self.device!r} but the model is on "
+                f"{sorted(types)}; pass device= to match. Received: device={self.device!r}"
+            )
+        self.setup = amped.prepare(
+            model, optimizer, self.recipe, policy=self.policy, scaler=self.scaler
+        )
+        if self._pending_state is not None:
+            self.setup.load_recipe_state_dict(self._pending_state)
+            self._pending_state = None
+        return self.setup
+
+    def _require_setup(self, optimizer: Any) -> TrainSetup:
+        setup = self.setup
+        if setup is None or optimizer is not setup.optimizer:
+            raise RuntimeError(
+                f"Recipe {self.recipe.name!r} steps the optimizer amped prepared "
+                "(Fabric: pass precision.prepare(model, optimizer)'s results to "
+                "fabric.setup; Lightning: one optimizer from configure_optimizers). "
+                f"Received: an optimizer of type {type(optimizer).__name__}"
+            )
+        return setup
+
+    def _forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        if self.setup is not None:
+            return self.setup.autocast()
+        if not self.recipe.autocast:
+            return contextlib.nullcontext()
+        return autocast(self.device, dtype=self.recipe.dtype, policy=self.policy)
+
+    def memory_report(self) -> MemoryReport:
+        """:func:`amped.memory_report` of the model and optimizer the recipe trains."""
+        if self.setup is None:
+            raise RuntimeError("memory_report() needs a prepared model; call it during fit.")
+        return memory_report(self.setup.model, self.setup.optimizer)
+
+    def _state_dict(self) -> dict[str, Any]:
+        if self.setup is None:
+            return {"recipe": self.recipe.name, "scaler": self.scaler.state_dict()}
+        return self.setup.recipe_state_dict()
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if self.setup is None:
+            self._pending_state = dict(state_dict)
+        else:
+            self.setup.load_recipe_state_dict(dict(state_dict))
+
+    def _teardown(self) -> None:
+        if self.setup is not None:
+            self.setup.teardown()
+
+
+class Precision(_RecipeDriver, _LightningBase):
+    """A Lightning precision plugin that trains with an amped recipe.
+
+    Pass it in ``plugins=`` and leave ``precision=`` unset (Lightning refuses both).
+
+    Args:
+        recipe: a recipe name or alias (``"bf16-mixed"``, ``"fp16-mixed"``,
+            ``"bf16-master"``, ``"bf16-pure"``, ...; see :data:`amped.recipes.RECIPES`).
+        policy: the autocast policy, an :class:`amped.Policy` for ``device`` or a
+            preset name.
+        device: the device type the model trains on (default: the policy's, else
+            ``"cuda"`` when available, else ``"cpu"``).
+        scaler: an :class:`amped.GradScaler` to use instead of the recipe's default.
+
+    Raises:
+        ValueError: an unknown recipe, or a policy built for another device.
+
+    The weight-changing recipes need one optimizer from ``configure_optimizers`` and
+    a single-device strategy; a bf16-pure run's optimizer is the compensated twin, to
+    which learning-rate schedulers are re-pointed. The model returns to float32 when
+    ``fit`` ends.
+    """
+
+    def __init__(
+        self,
+        recipe: str | Recipe = "bf16-mixed",
+        *,
+        policy: Policy | str | None = None,
+        device: str | None = None,
+        scaler: GradScaler | None = None,
+    ) -> None:
+        self._init_recipe(recipe, policy, device, scaler)
+
+    def connect(
+        self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
+    ) -> tuple[torch.nn.Module, list[Any], list[Any]]:
+        """Prepare the model and its optimizer for the recipe (Lightning calls it in setup)."""
+        if not optimizers:  # validate / test / predict: the forward context alone
+            return model, optimizers, lr_schedulers
+        if len(optimizers) != 1:
+            raise ValueError(
+                "amped's Lightning plugin trains one optimizer; configure_optimizers "
+                "returned several. Use one optimizer over all parameters (parameter "
+                f"groups for different settings). Received: {len(optimizers)} optimizers"
+            )
+        user = optimizers[0]
+        setup = self._prepare(model, user)
+        for config in lr_schedulers:
+            rebind_scheduler(config.scheduler, user, setup.optimizer)
+            if setup.scaler.is_enabled():
+                config.scheduler = SkipAwareScheduler(config.scheduler, setup)
+        return setup.model, [setup.optimizer], lr_schedulers
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """The recipe's autocast region, with the policy."""
+        with self._forward_context():
+            yield
+
+    def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        """Scale the loss when the recipe scales it."""
+        return super().pre_backward(self.scaler.scale(tensor), module)
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        """Run the closure, unscale (O2: into the masters), clip, then step or skip."""
+        setup = self._require_setup(optimizer)
+        closure_result = closure()
+        # Lightning skips the step when training_step returned None (automatic optimization).
+        skip = closure_result is None and model.automatic_optimization
+        if not skip and not (setup.scaler.is_enabled() and optimizer_unscales_itself(optimizer)):
+            setup.unscale_()
+        self._after_closure(model, optimizer)
+        if not skip:
+            setup.step()
+        return closure_result
+
+    def clip_gradients(
+        self, optimizer: Any, clip_val: int | float = 0.0, gradient_clip_algorithm: Any = None
+    ) -> None:
+        """Clip the gradients the optimizer steps (unscaled; the masters under O2)."""
+        if self.setup is not None:
+            check_clipping(self.setup, float(clip_val))
+        if gradient_clip_algorithm is None:
+            super().clip_gradients(optimizer, clip_val)
+        else:
+            super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    def main_params(self, optimizer: Any) -> Any:
+        """The parameters clipping must see: the float32 masters under O2."""
+        if self.setup is not None and optimizer is self.setup.optimizer:
+            return self.setup.main_params()
+        return super().main_params(optimizer)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the model at the recipe's full precision: O2's float32 masters as the weights."""
+        if self.setup is not None and "state_dict" in checkpoint:
+            checkpoint["state_dict"] = self.setup.model_state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The recipe's name and its scaler's state (saved in Lightning checkpoints)."""
+        return self._state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (on resume, after the setup is built)."""
+        self._load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        """Undo what the recipe installed (Lightning calls it when fit ends)."""
+        self._teardown()
+
+
+class FabricPrecision(_RecipeDriver, _FabricBase):
+    """A Fabric precision plugin that trains with an amped recipe.
+
+    Arguments as :class:`Precision`. Recipes that change the model or optimizer
+    (``*-master``, ``bf16-pure*``) need both at once, which Fabric's plugins never
+    get: pass ``precision.prepare(model, optimizer)``'s results to ``fabric.setup``.
+    Put the plugin in ``fabric.save``'s state to checkpoint the recipe's scaler.
+    Outputs come back in float32, as Fabric's own mixed precision returns them.
+    """
+
+    def __init__(
+        self,
+        recipe: str | Recipe = "bf16-mixed",
+        *,
+        policy: Policy | str | None = None,
+        device: str | None = None,
+        scaler: GradScaler | None = None,
+    ) -> None:
+        self._init_recipe(recipe, policy, device, scaler)
+
+    def prepare(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Prepare ``model`` and ``optimizer`` for the recipe; pass the results to fabric.setup."""
+        setup = self._prepare(model, optimizer)
+        return setup.model, setup.optimizer
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Check the module was prepared when the recipe changes weights."""
+        if self.recipe.weights != "fp32" and (self.setup is None or module is not self.setup.model):
+            raise RuntimeError(
+                f"Recipe {self.recipe.name!r} changes the model and the optimizer together; "
+                "call model, optimizer = precision.prepare(model, optimizer) before "
+                "fabric.setup(model, optimizer). Received: an unprepared "
+                f"{type(module).__name__}"
+            )
+        return module
+
+    def forward_context(self) -> contextlib.AbstractContextManager[Any]:
+        """The recipe's autocast region, with the policy."""
+        return self._forward_context()
+
+    def convert_input(self, data: Any) -> Any:
+        """Floating inputs to the recipe's low dtype, as Fabric's mixed precision does."""
+        if not self.recipe.autocast or self.recipe.dtype is None:
+            return data
+        return _to_dtype(data, self.recipe.dtype)
+
+    def convert_output(self, data: Any) -> Any:
+        """Floating outputs to float32, as Fabric's mixed precision does."""
+        if not self.recipe.autocast:
+            return data
+        return _to_dtype(data, torch.float32)
+
+    def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
+        """Backward from the loss, scaled when the recipe scales it (Fabric ignores what
+        ``pre_backward`` returns, so the scaling happens here)."""
+        self.scaler.scale(tensor).backward(*args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step (or skip on overflow) and update the scale."""
+        setup = self._setup_for(optimizer)
+        return setup.step()
+
+    def unscale_gradients(self, optimizer: Any) -> None:
+        """Unscale (O2: into the masters) before clipping; refuses fused optimizers."""
+        setup = self._setup_for(optimizer)
+        check_clipping(setup, 1.0)
+        setup.unscale_()
+
+    def main_params(self, optimizer: Any) -> Any:
+        """The parameters clipping must see: the float32 masters under O2."""
+        if self.setup is not None and optimizer is self.setup.optimizer:
+            return self.setup.main_params()
+        return super().main_params(optimizer)
+
+    def _setup_for(self, optimizer: Any) -> TrainSetup:
+        """The setup stepping ``optimizer``; for the autocast recipes, built on first use."""
+        if self.setup is None and self.recipe.weights == "fp32":
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            holder = torch.nn.Module()
+            holder.params = torch.nn.ParameterList(params)
+            self._prepare(holder, optimizer)
+        return self._require_setup(optimizer)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The recipe's name and its scaler's state."""
+        return self._state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        self._load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        """Undo what the recipe installed."""
+        self._teardown()
+
+
+def _to_dtype(data: Any, dtype: torch.dtype) -> Any:
+    if isinstance(data, torch.Tensor):
+        return data.to(dtype) if data.is_floating_point() else data
+    if isinstance(data, (list, tuple)):
+        return type(data)(_to_dtype(v, dtype) for v in data)
+    if isinstance(data, dict):
+        return {k: _to_dtype(v, dtype) for k, v in data.items()}
+    return data

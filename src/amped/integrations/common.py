@@ -80,10 +80,18 @@ def rebind_scheduler(
 ) -> None:
     """Point a learning-rate scheduler built on ``old`` at ``new`` (bf16-pure's twin).
 
+    Anything else (an optimizer, a scheduler on another optimizer, O2's wrapper of
+    ``old``, whose parameter groups are ``old``'s) is left alone.
+
     The scheduler's per-group ``initial_lr`` moves over, and ``new.step`` is wrapped
     the way torch's schedulers wrap it, so the scheduler sees whether it stepped.
     """
-    if getattr(scheduler, "optimizer", None) is not old:
+    if (
+        isinstance(scheduler, torch.optim.Optimizer)
+        or getattr(scheduler, "optimizer", None) is not old
+    ):
+        return
+    if getattr(new, "optimizer", None) is old:  # O2's wrapper shares old's param groups
         return
     for old_group, new_group in zip(old.param_groups, new.param_groups, strict=True):
         for key in ("initial_lr", "lr"):

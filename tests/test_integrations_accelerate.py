@@ -159,9 +159,14 @@ def test_accelerate_resume_is_bitwise_with_overflows(recipe, tmp_path):
         assert (tmp_path / "state" / "scaler.pt").exists()
 
 
-def test_fused_optimizer_with_clipping_is_refused():
-    with pytest.raises(RuntimeError, match="fused=True"):
-        train(Accelerator(recipe="fp16-mixed", cpu=True), clip=1.0, fused=True)
+def test_fused_optimizer_with_clipping_matches_accelerate():
+    # Accelerate allows it (it unscales before clipping, and the fused step is then told
+    # not to unscale again); so does amped's Accelerator, with the same result.
+    ref = train(_accelerate_fp16_on_cpu(), clip=0.05, fused=True)
+    AcceleratorState._reset_state(True)
+    ours = train(Accelerator(recipe="fp16-mixed", cpu=True), clip=0.05, fused=True)
+    assert _equal(ref[0], ours[0])
+    assert _equal(ref[1], ours[1])
 
 
 def test_bad_arguments_fail_at_construction():

@@ -40,12 +40,7 @@ from accelerate.utils import convert_outputs_to_fp32
 
 import amped
 from amped.autocast_mode import autocast
-from amped.integrations.common import (
-    check_clipping,
-    default_scaler,
-    rebind_scheduler,
-    resolve_arguments,
-)
+from amped.integrations.common import default_scaler, rebind_scheduler, resolve_arguments
 from amped.policy import Policy
 from amped.recipes import MasterSetup, MemoryReport, Recipe, TrainSetup, memory_report
 from amped.scaling import GradScaler
@@ -191,12 +186,12 @@ class Accelerator(accelerate.Accelerator):
         """Unscale, then clip the gradients the optimizer steps: the masters under O2.
 
         Passing the model's parameters (as usual) clips what the recipe's optimizer
-        steps; other parameters are clipped as given. Refuses a fused optimizer under
-        loss scaling (it unscales inside its step).
+        steps; other parameters are clipped as given. A fused optimizer is fine here, as
+        in Accelerate: the gradients are unscaled before clipping, and the scaler then
+        tells the fused step not to unscale again.
         """
         if self.setup is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
-        check_clipping(self.setup, float(max_norm))
         self.unscale_gradients()
         return torch.nn.utils.clip_grad_norm_(
             self._main_params(parameters), max_norm, norm_type=norm_type
@@ -206,7 +201,6 @@ class Accelerator(accelerate.Accelerator):
         """Unscale, then clip gradient values of what the optimizer steps."""
         if self.setup is None:
             return super().clip_grad_value_(parameters, clip_value)
-        check_clipping(self.setup, float(clip_value))
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(self._main_params(parameters), clip_value)
         return None
@@ -216,7 +210,7 @@ class Accelerator(accelerate.Accelerator):
         given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         model_ids = {id(p) for p in self.setup.model.parameters()}
         if {id(p) for p in given} <= model_ids:
-            return self.setup.main_params()
+            return self.setup.main_params(given)
         return given
 
     def memory_report(self) -> MemoryReport:

@@ -13,6 +13,7 @@ the model's keys, which loads into a plain float32 model as it is.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -72,6 +73,14 @@ class MasterSetup(TrainSetup):
                     master.copy_(model_state[key])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
+
+    def main_params(self, params: Iterable[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The float32 masters (and float32 parameters), in the optimizer's order or in
+        the order of the model parameters ``params``."""
+        if params is None:
+            return super().main_params()
+        masters = {id(param): master for param, master in self.optimizer.pairs}
+        return [masters.get(id(p), p) for p in params]
 
     def model_state_dict(self) -> dict[str, Any]:
         """The float32 masters under the model's keys (:meth:`fp32_state_dict`)."""

@@ -14,7 +14,7 @@ The setup owns what the loop needs, so one loop serves every recipe::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -163,9 +163,16 @@ class TrainSetup:
         self._prepare_grads()
         self.scaler.unscale_(self.optimizer)
 
-    def main_params(self) -> list[torch.Tensor]:
+    def main_params(self, params: Iterable[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The tensors the optimizer steps, whose gradients clipping must see: the float32
-        masters under O2, the model's parameters otherwise."""
+        masters under O2, the model's parameters otherwise.
+
+        Args:
+            params: model parameters to map, in their order (clipping sums the norms in
+                it); by default every parameter the optimizer steps, in its order.
+        """
+        if params is not None:
+            return list(params)
         return [p for group in self.optimizer.param_groups for p in group["params"]]
 
     def model_state_dict(self) -> dict[str, Any]:

@@ -228,3 +228,18 @@ def test_fabric_runs_weight_changing_recipes(recipe):
     unprepared = FabricPrecision(recipe, device="cpu")
     with pytest.raises(RuntimeError, match=r"precision.prepare\(model, optimizer\)"):
         L.Fabric(accelerator="cpu", devices=1, plugins=[unprepared]).setup(make_net())
+
+
+def test_fsdp_strategy_takes_the_fsdp_plugin_type():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from amped.integrations.lightning import FSDPPrecision
+
+    plugin = FSDPPrecision("bf16-mixed", device="cpu")
+    strategy = FSDPStrategy(precision_plugin=plugin)
+    assert strategy.precision_plugin is plugin
+    assert strategy.mixed_precision_config.param_dtype is torch.bfloat16  # as Lightning sets it
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        FSDPStrategy(precision_plugin=Precision("bf16-mixed", device="cpu"))
+    with pytest.raises(ValueError, match="Under FSDP use an autocast recipe"):
+        FSDPPrecision("bf16-master", device="cpu")

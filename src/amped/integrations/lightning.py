@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import Precision as _FabricBase
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
+from lightning.pytorch.plugins.precision import FSDPPrecision as _LightningFSDP
 from lightning.pytorch.plugins.precision import Precision as _LightningBase
 
 import amped
@@ -48,7 +49,7 @@ from amped.policy import Policy
 from amped.recipes import MemoryReport, Recipe, TrainSetup, memory_report
 from amped.scaling import GradScaler
 
-__all__ = ["FabricPrecision", "Precision"]
+__all__ = ["FSDPPrecision", "FabricPrecision", "Precision"]
 
 
 def _lightning_name(recipe: Recipe) -> _PRECISION_INPUT_STR:
@@ -255,6 +256,54 @@ class Precision(_RecipeDriver, _LightningBase):
     def teardown(self) -> None:
         """Undo what the recipe installed (Lightning calls it when fit ends)."""
         self._teardown()
+
+
+class FSDPPrecision(Precision, _LightningFSDP):  # type: ignore[misc]  # scaler: amped's, not ShardedGradScaler
+    """:class:`Precision` for Lightning's ``FSDPStrategy``, which takes only plugins of
+    its ``FSDPPrecision`` type: ``FSDPStrategy(precision_plugin=FSDPPrecision("bf16-mixed"))``.
+
+    The autocast recipes only: FSDP keeps the float32 parameters as flat shards and
+    casts them itself (``mixed_precision_config``, as Lightning's own plugin sets it),
+    so the weight-changing recipes have nothing to lower. Under a loss-scaling recipe
+    the scaler agrees on skipping across all ranks (the default process group).
+    Clipping by norm is refused, as Lightning refuses it under FSDP.
+
+    Raises:
+        ValueError: a weight-changing recipe, an unknown recipe, or a policy for
+            another device.
+    """
+
+    def __init__(
+        self,
+        recipe: str | Recipe = "bf16-mixed",
+        *,
+        policy: Policy | str | None = None,
+        device: str | None = None,
+        scaler: GradScaler | None = None,
+    ) -> None:
+        super().__init__(recipe, policy=policy, device=device, scaler=scaler)
+        if self.recipe.weights != "fp32":
+            raise ValueError(
+                f"Under FSDP use an autocast recipe ('bf16-mixed', 'fp16-mixed', 'fp32'): FSDP "
+                "keeps float32 flat shards as the masters and casts them itself, so recipe "
+                f"{self.recipe.name!r} has no weights to lower. Received: recipe="
+                f"{self.recipe.name!r}"
+            )
+        self._desired_input_dtype = torch.float32  # FSDP's init contexts: float32 weights
+
+    def connect(
+        self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
+    ) -> tuple[torch.nn.Module, list[Any], list[Any]]:
+        """As :meth:`Precision.connect`; the scaler agrees across ranks on overflows."""
+        import torch.distributed as dist
+
+        if (
+            self.scaler.is_enabled()
+            and self.scaler._process_group is None
+            and dist.is_initialized()
+        ):
+            self.scaler._process_group = dist.group.WORLD
+        return super().connect(model, optimizers, lr_schedulers)
 
 
 class FabricPrecision(_RecipeDriver, _FabricBase):

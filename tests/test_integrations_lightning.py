@@ -90,7 +90,7 @@ def _equal(a, b):
 @pytest.mark.parametrize(
     ("recipe", "theirs"),
     [
-        ("bf16-mixed", lambda: MixedPrecision("bf16-mixed", "cpu")),
+        ("bf16-mixed", lambda: None),  # Trainer(precision="bf16-mixed")
         # Trainer(precision="16-mixed") on CPU silently becomes bf16-mixed, so
         # Lightning's own float16 AMP plugin is built directly.
         ("fp16-mixed", lambda: MixedPrecision("16-mixed", "cpu")),
@@ -98,7 +98,9 @@ def _equal(a, b):
 )
 def test_lightning_matches_its_own_mixed_precision_bitwise(recipe, theirs):
     ref, ours = Module(schedule=True), Module(schedule=True)
-    fit(ref, plugins=[theirs()], gradient_clip_val=0.5)
+    plugin = theirs()
+    own = {"plugins": [plugin]} if plugin is not None else {"precision": "bf16-mixed"}
+    fit(ref, gradient_clip_val=0.5, **own)
     fit(ours, plugins=[Precision(recipe, device="cpu")], gradient_clip_val=0.5)
     assert _equal(ref.losses, ours.losses)
     assert _equal(list(ref.parameters()), list(ours.parameters()))
@@ -186,6 +188,10 @@ def test_bad_arguments_fail_at_construction():
         L.Trainer(precision="bf16-mixed", plugins=[Precision("bf16-mixed", device="cpu")])
     with pytest.raises(ValueError, match="Unknown recipe"):
         FabricPrecision("O9")
+    with pytest.raises(ValueError, match="policy is for device 'cuda'"):
+        FabricPrecision("bf16-mixed", policy=amped.Policy.preset("torch", "cuda"), device="cpu")
+    with pytest.raises(ValueError, match="Received both"):
+        L.Fabric(precision="bf16-mixed", plugins=[FabricPrecision("bf16-mixed", device="cpu")])
 
 
 def fabric_run(plugin, recipe=None):
@@ -244,3 +250,41 @@ def test_fsdp_strategy_takes_the_fsdp_plugin_type():
         FSDPStrategy(precision_plugin=Precision("bf16-mixed", device="cpu"))
     with pytest.raises(ValueError, match="Under FSDP use an autocast recipe"):
         FSDPPrecision("bf16-master", device="cpu")
+
+
+@pytest.mark.parametrize("recipe", ["fp16-mixed", "fp16-master", "bf16-pure-sr"])
+def test_fabric_resume_is_bitwise_with_overflows(recipe, tmp_path):
+    overflows = {1, 4} if recipe.startswith("fp16") else set()
+
+    def run(steps, load=None, save=None):
+        plugin = FabricPrecision(recipe, device="cpu")
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        net = make_net()
+        opt = make_optimizer(net.parameters())
+        if recipe != "fp16-mixed":
+            net, opt = plugin.prepare(net, opt)
+        net, opt = fabric.setup(net, opt)
+        state = {"model": net, "optimizer": opt, "precision": plugin}
+        if load is not None:
+            fabric.load(load, state)
+        losses = []
+        for step in steps:
+            x, y = batches()[step % STEPS_PER_EPOCH]
+            loss = loss_of(net(x), y) * (float("inf") if step in overflows else 1.0)
+            losses.append(loss.detach().clone())
+            fabric.backward(loss)
+            # An overflowed step's norm is inf: Fabric raises on it unless told not to.
+            fabric.clip_gradients(net, opt, max_norm=0.5, error_if_nonfinite=False)
+            opt.step()
+            opt.zero_grad()
+        if save is not None:
+            fabric.save(save, state)
+        plugin.teardown()
+        return losses, list(net.parameters()), plugin
+
+    whole = run(range(6))
+    first = run(range(3), save=tmp_path / "mid.ckpt")
+    second = run(range(3, 6), load=tmp_path / "mid.ckpt")
+    assert _equal(whole[0], first[0] + second[0])
+    assert _equal(whole[1], second[1])
+    assert whole[2].scaler.state_dict() == second[2].scaler.state_dict()

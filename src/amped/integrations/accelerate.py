@@ -42,7 +42,7 @@ import amped
 from amped.autocast_mode import autocast
 from amped.integrations.common import default_scaler, rebind_scheduler, resolve_arguments
 from amped.policy import Policy
-from amped.recipes import MasterSetup, MemoryReport, Recipe, TrainSetup, memory_report
+from amped.recipes import MemoryReport, Recipe, TrainSetup, memory_report
 from amped.scaling import GradScaler
 
 __all__ = ["Accelerator", "RecipeState"]
@@ -245,28 +245,18 @@ class RecipeOptimizer(AcceleratedOptimizer):
 
 
 class RecipeState:
-    """What the recipe keeps beside the model and optimizer, for ``save_state``:
-    the scaler and, under O2, the float32 master weights (the model holds their
-    rounded copies)."""
+    """What the recipe keeps beside the model and optimizer, for ``save_state``: the
+    scaler and, under O2, the float32 master weights (the model holds their rounded
+    copies). Registered for checkpointing by :class:`Accelerator`."""
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
 
     def state_dict(self) -> dict[str, Any]:
         setup = self.accelerator.setup
-        if setup is None:
-            return {}
-        state = setup.recipe_state_dict()
-        if isinstance(setup, MasterSetup):
-            state["masters"] = [m.detach().clone() for _, m in setup.optimizer.pairs]
-        return state
+        return {} if setup is None else setup.recipe_state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         setup = self.accelerator.setup
-        if setup is None or not state:
-            return
-        setup.load_recipe_state_dict(state)
-        if isinstance(setup, MasterSetup):
-            with torch.no_grad():
-                for (_, master), saved in zip(setup.optimizer.pairs, state["masters"], strict=True):
-                    master.copy_(saved)
+        if setup is not None and state:
+            setup.load_recipe_state_dict(state)

@@ -135,10 +135,19 @@ class _RecipeDriver:
         return self.setup.recipe_state_dict()
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.setup is None:
-            self._pending_state = dict(state_dict)
-        else:
-            self.setup.load_recipe_state_dict(dict(state_dict))
+        state = dict(state_dict)
+        if self.setup is not None:
+            self.setup.load_recipe_state_dict(state)
+            return
+        if state.get("recipe") != self.recipe.name:
+            raise ValueError(
+                f"This state was written by recipe {state.get('recipe')!r}, this plugin "
+                f"runs {self.recipe.name!r}. Received: recipe={state.get('recipe')!r}"
+            )
+        # The scaler scales the next backward, possibly before the setup exists.
+        self.scaler.load_state_dict(state["scaler"])
+        if "masters" in state:
+            self._pending_state = state
 
     def _teardown(self) -> None:
         if self.setup is not None:
@@ -246,8 +255,11 @@ class Precision(_RecipeDriver, _LightningBase):
             checkpoint["state_dict"] = self.setup.model_state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """The recipe's name and its scaler's state (saved in Lightning checkpoints)."""
-        return self._state_dict()
+        """The recipe's name and its scaler's state (saved in Lightning checkpoints; O2's
+        masters are the checkpoint's model weights, see :meth:`on_save_checkpoint`)."""
+        state = self._state_dict()
+        state.pop("masters", None)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (on resume, after the setup is built)."""
@@ -312,7 +324,8 @@ class FabricPrecision(_RecipeDriver, _FabricBase):
     Arguments as :class:`Precision`. Recipes that change the model or optimizer
     (``*-master``, ``bf16-pure*``) need both at once, which Fabric's plugins never
     get: pass ``precision.prepare(model, optimizer)``'s results to ``fabric.setup``.
-    Put the plugin in ``fabric.save``'s state to checkpoint the recipe's scaler.
+    Put the plugin in ``fabric.save``'s state to checkpoint what the recipe keeps (the
+    scaler; O2's float32 masters, which the model's state dict has only rounded).
     Outputs come back in float32, as Fabric's own mixed precision returns them.
     """
 
@@ -392,7 +405,7 @@ class FabricPrecision(_RecipeDriver, _FabricBase):
         return self._require_setup(optimizer)
 
     def state_dict(self) -> dict[str, Any]:
-        """The recipe's name and its scaler's state."""
+        """The recipe's name, its scaler's state and O2's float32 masters."""
         return self._state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

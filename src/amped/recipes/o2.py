@@ -82,6 +82,31 @@ class MasterSetup(TrainSetup):
         masters = {id(param): master for param, master in self.optimizer.pairs}
         return [masters.get(id(p), p) for p in params]
 
+    def recipe_state_dict(self) -> dict[str, Any]:
+        """The recipe's name, the scaler and the float32 masters (in ``pairs`` order),
+        which a framework saving only the model's low-precision weights would lose."""
+        state = super().recipe_state_dict()
+        state["masters"] = [master.detach().clone() for _, master in self.optimizer.pairs]
+        return state
+
+    def load_recipe_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`recipe_state_dict`; masters bitwise when present."""
+        super().load_recipe_state_dict(state)
+        masters = state.get("masters")
+        if masters is None:
+            return
+        pairs = self.optimizer.pairs
+        if len(masters) != len(pairs):
+            raise ValueError(
+                f"This recipe state holds {len(masters)} master weights, the setup has "
+                f"{len(pairs)}: it was saved from another model. Received: "
+                f"{len(masters)} masters"
+            )
+        with torch.no_grad():
+            for (param, master), saved in zip(pairs, masters, strict=True):
+                master.copy_(saved)
+                param.copy_(master)
+
     def model_state_dict(self) -> dict[str, Any]:
         """The float32 masters under the model's keys (:meth:`fp32_state_dict`)."""
         return self.fp32_state_dict()

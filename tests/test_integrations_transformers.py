@@ -104,11 +104,16 @@ def _equal(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
-@pytest.mark.parametrize(("recipe", "flag"), [("bf16-mixed", "bf16"), ("fp16-mixed", "fp16")])
-def test_trainer_matches_its_own_mixed_precision_bitwise(recipe, flag, tmp_path):
-    ref, ref_params = train(TheirTrainer, tmp_path, args=arguments(tmp_path, **{flag: True}))
+@pytest.mark.parametrize(
+    ("recipe", "flag", "accumulate"),
+    [("bf16-mixed", "bf16", 1), ("fp16-mixed", "fp16", 1), ("fp16-mixed", "fp16", 2)],
+)
+def test_trainer_matches_its_own_mixed_precision_bitwise(recipe, flag, accumulate, tmp_path):
+    steps = {"gradient_accumulation_steps": accumulate, "max_steps": STEPS // accumulate}
+    theirs = arguments(tmp_path, **{flag: True}, **steps)
+    ref, ref_params = train(TheirTrainer, tmp_path, args=theirs)
     AcceleratorState._reset_state(True)
-    ours, params = train(AmpedTrainer, tmp_path, recipe=recipe)
+    ours, params = train(AmpedTrainer, tmp_path, args=arguments(tmp_path, **steps), recipe=recipe)
     assert _equal(ref.losses, ours.losses)
     assert _equal(ref_params, params)
 

@@ -114,6 +114,8 @@ def test_each_recipe_in_accelerate_is_the_hand_written_loop(recipe):
     ref, setup, report = hand_loop(recipe, clip=0.05)
     assert _equal(losses, ref)
     assert acc.memory_report() == report
+    model = acc.unwrap_model(acc.setup.model, keep_fp32_wrapper=False)
+    assert model.forward.__func__ is type(model).forward  # Accelerate's unwrap finds it
     acc.teardown()
     setup.teardown()
     assert _equal(list(acc.setup.model.parameters()), list(setup.model.parameters()))
@@ -176,3 +178,18 @@ def test_bad_arguments_fail_at_construction():
         Accelerator(recipe="bf16-mixed", mixed_precision="bf16", cpu=True)
     with pytest.raises(ValueError, match="policy is for device 'cuda'"):
         Accelerator(recipe="bf16-mixed", policy=amped.Policy.preset("torch", "cuda"), cpu=True)
+
+
+def test_model_and_optimizer_prepared_in_separate_calls():
+    acc = Accelerator(recipe="bf16-master", cpu=True)
+    net = make_net()
+    opt = make_optimizer(net.parameters())
+    net = acc.prepare(net)
+    opt = acc.prepare(opt)
+    assert acc.setup is not None and acc.setup.model is net
+    assert opt.optimizer is acc.setup.optimizer
+    x, y = batches()[0]
+    acc.backward(loss_of(net(x), y))
+    opt.step()
+    assert not acc.optimizer_step_was_skipped
+    assert net[0].weight.dtype is torch.bfloat16

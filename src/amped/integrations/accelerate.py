@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Generator
+from types import MethodType
 from typing import Any
 
 import accelerate
@@ -103,11 +104,13 @@ class Accelerator(accelerate.Accelerator):
             for a in args
             if isinstance(a, torch.optim.Optimizer) and not isinstance(a, AcceleratedOptimizer)
         ]
+        if optimizers and not models and len(self._models) == 1:
+            models = list(self._models)  # prepared by an earlier prepare(model) call
         if optimizers:
             if len(models) != 1 or len(optimizers) != 1:
                 raise ValueError(
-                    "amped's Accelerator prepares one model with its optimizer in one "
-                    "prepare() call. Received: "
+                    "amped's Accelerator prepares one model with its optimizer (in one "
+                    "prepare() call, or the model first). Received: "
                     f"{len(models)} models and {len(optimizers)} optimizers"
                 )
             user = optimizers[0]
@@ -134,16 +137,29 @@ class Accelerator(accelerate.Accelerator):
         """Accelerate's ``prepare_model``, with the forward run in the recipe's region."""
         model = super().prepare_model(model, *args, **kwargs)
         if self.recipe.autocast and not hasattr(model, "_original_forward"):
+            # As Accelerate wraps it, so that its unwrap_model(keep_fp32_wrapper=False)
+            # finds the original function under the __wrapped__ chain.
             original = model.forward
+            function = getattr(original, "__func__", None)
             region = self.autocast
+            if function is None:
 
-            @functools.wraps(original)
-            def forward(*a: Any, **k: Any) -> Any:
-                with region():
-                    return original(*a, **k)
+                @functools.wraps(original)
+                def forward(*a: Any, **k: Any) -> Any:
+                    with region():
+                        return original(*a, **k)
 
+                wrapped: Any = convert_outputs_to_fp32(forward)
+            else:
+
+                @functools.wraps(function)
+                def method(module: Any, *a: Any, **k: Any) -> Any:
+                    with region():
+                        return function(module, *a, **k)
+
+                wrapped = MethodType(convert_outputs_to_fp32(method), model)
             model.__dict__["_original_forward"] = original  # where Accelerate keeps it
-            model.forward = convert_outputs_to_fp32(forward)
+            model.forward = wrapped
         return model
 
     def prepare_optimizer(

@@ -203,7 +203,7 @@ class Precision(_RecipeDriver, _LightningBase):
         setup = self._prepare(model, user)
         for config in lr_schedulers:
             rebind_scheduler(config.scheduler, user, setup.optimizer)
-            if setup.scaler.is_enabled():
+            if setup.scaler.is_enabled() and config.interval == "step":
                 config.scheduler = SkipAwareScheduler(config.scheduler, setup)
         return setup.model, [setup.optimizer], lr_schedulers
 

@@ -35,18 +35,15 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 from lightning.pytorch.plugins.precision import FSDPPrecision as _LightningFSDP
 from lightning.pytorch.plugins.precision import Precision as _LightningBase
 
-import amped
-from amped.autocast_mode import autocast
 from amped.integrations.common import (
     SkipAwareScheduler,
     check_clipping,
-    default_scaler,
     optimizer_unscales_itself,
     rebind_scheduler,
-    resolve_arguments,
 )
+from amped.integrations.driver import RecipeDriver, to_dtype
 from amped.policy import Policy
-from amped.recipes import MemoryReport, Recipe, TrainSetup, memory_report
+from amped.recipes import Recipe, TrainSetup
 from amped.scaling import GradScaler
 
 __all__ = ["FSDPPrecision", "FabricPrecision", "Precision"]
@@ -61,100 +58,7 @@ def _lightning_name(recipe: Recipe) -> _PRECISION_INPUT_STR:
     return "32-true"
 
 
-class _RecipeDriver:
-    """What both plugins share: the arguments, the setup, its context, state and teardown."""
-
-    recipe: Recipe
-    policy: Policy | None
-    device: str
-    scaler: GradScaler
-    precision: _PRECISION_INPUT_STR
-    setup: TrainSetup | None
-    _pending_state: dict[str, Any] | None
-
-    def _init_recipe(
-        self,
-        recipe: str | Recipe,
-        policy: Policy | str | None,
-        device: str | None,
-        scaler: GradScaler | None,
-    ) -> None:
-        self.recipe, self.policy, self.device = resolve_arguments(recipe, policy, device)
-        self.scaler = default_scaler(self.recipe, self.device, scaler)
-        self.precision = _lightning_name(self.recipe)
-        self.setup = None
-        self._pending_state = None
-
-    def _prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainSetup:
-        if self.setup is not None and self.setup.installed is not None:
-            raise RuntimeError(
-                f"This plugin already runs recipe {self.recipe.name!r} on a model; use one "
-                "plugin per model (or call teardown() first). Received: a second prepare()"
-            )
-        types = {p.device.type for p in model.parameters()}
-        if types and types != {self.device}:
-            raise ValueError(
-                f"The plugin was built for device {self.device!r} but the model is on "
-                f"{sorted(types)}; pass device= to match. Received: device={self.device!r}"
-            )
-        self.setup = amped.prepare(
-            model, optimizer, self.recipe, policy=self.policy, scaler=self.scaler
-        )
-        if self._pending_state is not None:
-            self.setup.load_recipe_state_dict(self._pending_state)
-            self._pending_state = None
-        return self.setup
-
-    def _require_setup(self, optimizer: Any) -> TrainSetup:
-        setup = self.setup
-        if setup is None or optimizer is not setup.optimizer:
-            raise RuntimeError(
-                f"Recipe {self.recipe.name!r} steps the optimizer amped prepared "
-                "(Fabric: pass precision.prepare(model, optimizer)'s results to "
-                "fabric.setup; Lightning: one optimizer from configure_optimizers). "
-                f"Received: an optimizer of type {type(optimizer).__name__}"
-            )
-        return setup
-
-    def _forward_context(self) -> contextlib.AbstractContextManager[Any]:
-        if self.setup is not None:
-            return self.setup.autocast()
-        if not self.recipe.autocast:
-            return contextlib.nullcontext()
-        return autocast(self.device, dtype=self.recipe.dtype, policy=self.policy)
-
-    def memory_report(self) -> MemoryReport:
-        """:func:`amped.memory_report` of the model and optimizer the recipe trains."""
-        if self.setup is None:
-            raise RuntimeError("memory_report() needs a prepared model; call it during fit.")
-        return memory_report(self.setup.model, self.setup.optimizer)
-
-    def _state_dict(self) -> dict[str, Any]:
-        if self.setup is None:
-            return {"recipe": self.recipe.name, "scaler": self.scaler.state_dict()}
-        return self.setup.recipe_state_dict()
-
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state = dict(state_dict)
-        if self.setup is not None:
-            self.setup.load_recipe_state_dict(state)
-            return
-        if state.get("recipe") != self.recipe.name:
-            raise ValueError(
-                f"This state was written by recipe {state.get('recipe')!r}, this plugin "
-                f"runs {self.recipe.name!r}. Received: recipe={state.get('recipe')!r}"
-            )
-        # The scaler scales the next backward, possibly before the setup exists.
-        self.scaler.load_state_dict(state["scaler"])
-        if "masters" in state:
-            self._pending_state = state
-
-    def _teardown(self) -> None:
-        if self.setup is not None:
-            self.setup.teardown()
-
-
-class Precision(_RecipeDriver, _LightningBase):
+class Precision(RecipeDriver, _LightningBase):
     """A Lightning precision plugin that trains with an amped recipe.
 
     Pass it in ``plugins=`` and leave ``precision=`` unset (Lightning refuses both).
@@ -186,6 +90,7 @@ class Precision(_RecipeDriver, _LightningBase):
         scaler: GradScaler | None = None,
     ) -> None:
         self._init_recipe(recipe, policy, device, scaler)
+        self.precision = _lightning_name(self.recipe)
 
     def connect(
         self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
@@ -318,7 +223,7 @@ class FSDPPrecision(Precision, _LightningFSDP):  # type: ignore[misc]  # scaler:
         return super().connect(model, optimizers, lr_schedulers)
 
 
-class FabricPrecision(_RecipeDriver, _FabricBase):
+class FabricPrecision(RecipeDriver, _FabricBase):
     """A Fabric precision plugin that trains with an amped recipe.
 
     Arguments as :class:`Precision`. Recipes that change the model or optimizer
@@ -338,6 +243,7 @@ class FabricPrecision(_RecipeDriver, _FabricBase):
         scaler: GradScaler | None = None,
     ) -> None:
         self._init_recipe(recipe, policy, device, scaler)
+        self.precision = _lightning_name(self.recipe)
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -365,13 +271,13 @@ class FabricPrecision(_RecipeDriver, _FabricBase):
         """Floating inputs to the recipe's low dtype, as Fabric's mixed precision does."""
         if not self.recipe.autocast or self.recipe.dtype is None:
             return data
-        return _to_dtype(data, self.recipe.dtype)
+        return to_dtype(data, self.recipe.dtype)
 
     def convert_output(self, data: Any) -> Any:
         """Floating outputs to float32, as Fabric's mixed precision does."""
         if not self.recipe.autocast:
             return data
-        return _to_dtype(data, torch.float32)
+        return to_dtype(data, torch.float32)
 
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         """Backward from the loss, scaled when the recipe scales it (Fabric ignores what
@@ -415,13 +321,3 @@ class FabricPrecision(_RecipeDriver, _FabricBase):
     def teardown(self) -> None:
         """Undo what the recipe installed."""
         self._teardown()
-
-
-def _to_dtype(data: Any, dtype: torch.dtype) -> Any:
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.is_floating_point() else data
-    if isinstance(data, (list, tuple)):
-        return type(data)(_to_dtype(v, dtype) for v in data)
-    if isinstance(data, dict):
-        return {k: _to_dtype(v, dtype) for k, v in data.items()}
-    return data

@@ -186,6 +186,11 @@ def test_bad_arguments_fail_at_construction():
         Precision("bf16-mixed", policy=amped.Policy.preset("torch", "cuda"), device="cpu")
     with pytest.raises(ValueError, match="Received both `precision="):
         L.Trainer(precision="bf16-mixed", plugins=[Precision("bf16-mixed", device="cpu")])
+    wrapped = torch.nn.Linear(2, 2)  # what connect() gets from DDP/FSDP: not the LightningModule
+    with pytest.raises(ValueError, match="single-device strategy"):
+        Precision("bf16-master", device="cpu").connect(
+            wrapped, [make_optimizer(wrapped.parameters())], []
+        )
     with pytest.raises(ValueError, match="Unknown recipe"):
         FabricPrecision("O9")
     with pytest.raises(ValueError, match="policy is for device 'cuda'"):

@@ -82,7 +82,7 @@ def test_teardown_of_bf16_pure_gives_float32_weights_with_compensation():
 
 def test_importing_amped_imports_no_framework():
     code = (
-        "import sys, amped, amped.integrations, amped.integrations.common; "
+        "import sys, amped, amped.integrations.common, amped.integrations.driver; "
         "print(sorted(m for m in ('lightning', 'accelerate', 'transformers') if m in sys.modules))"
     )
     import subprocess

@@ -29,6 +29,7 @@ import contextlib
 from collections.abc import Callable, Generator
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import Precision as _FabricBase
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
@@ -43,7 +44,7 @@ from amped.integrations.common import (
 )
 from amped.integrations.driver import RecipeDriver, to_dtype
 from amped.policy import Policy
-from amped.recipes import Recipe, TrainSetup
+from amped.recipes import MasterSetup, Recipe, TrainSetup
 from amped.scaling import GradScaler
 
 __all__ = ["FSDPPrecision", "FabricPrecision", "Precision"]
@@ -104,6 +105,14 @@ class Precision(RecipeDriver, _LightningBase):
                 "returned several. Use one optimizer over all parameters (parameter "
                 f"groups for different settings). Received: {len(optimizers)} optimizers"
             )
+        if self.recipe.weights != "fp32" and not isinstance(model, pl.LightningModule):
+            raise ValueError(
+                f"Recipe {self.recipe.name!r} lowers the model's weights, which a strategy "
+                "that wraps the model (DDP, FSDP, DeepSpeed) has already bucketed or "
+                "sharded. Use a single-device strategy, or an autocast recipe "
+                "('bf16-mixed', 'fp16-mixed'). Received: a model wrapped in "
+                f"{type(model).__name__}"
+            )
         user = optimizers[0]
         setup = self._prepare(model, user)
         for config in lr_schedulers:
@@ -156,7 +165,7 @@ class Precision(RecipeDriver, _LightningBase):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save the model at the recipe's full precision: O2's float32 masters as the weights."""
-        if self.setup is not None and "state_dict" in checkpoint:
+        if isinstance(self.setup, MasterSetup) and "state_dict" in checkpoint:
             checkpoint["state_dict"] = self.setup.model_state_dict()
 
     def state_dict(self) -> dict[str, Any]:

@@ -184,6 +184,9 @@ def test_bad_arguments_fail_at_construction():
         Precision("bf17-mixed")
     with pytest.raises(ValueError, match="policy is for device 'cuda'"):
         Precision("bf16-mixed", policy=amped.Policy.preset("torch", "cuda"), device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            Precision("bf16-mixed", policy=amped.Policy.preset("torch", "cuda"))
     with pytest.raises(ValueError, match="Received both `precision="):
         L.Trainer(precision="bf16-mixed", plugins=[Precision("bf16-mixed", device="cpu")])
     wrapped = torch.nn.Linear(2, 2)  # what connect() gets from DDP/FSDP: not the LightningModule

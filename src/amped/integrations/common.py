@@ -34,6 +34,12 @@ def resolve_arguments(
             )
         device = device or policy.device_type
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            "The plugin would run on 'cuda' (its device, or its policy's), but CUDA is not "
+            "available here; pass device='cpu' and a policy built for 'cpu'. "
+            f"Received: device={device!r}"
+        )
     if isinstance(policy, str):
         policy = Policy.preset(policy, device)
     elif policy is not None and not isinstance(policy, Policy):

@@ -296,3 +296,19 @@ def test_fabric_resume_is_bitwise_with_overflows(recipe, tmp_path):
     assert _equal(whole[0], first[0] + second[0])
     assert _equal(whole[1], second[1])
     assert whole[2].scaler.state_dict() == second[2].scaler.state_dict()
+
+
+def test_the_policy_applies_inside_lightnings_training_step():
+    seen = []
+
+    class Probe(Module):
+        def forward(self, x):
+            out = self.net(x)
+            seen.append(out.dtype)
+            return out
+
+    # The last Linear (module "net.3") kept in float32 by the policy: its output says so.
+    policy = amped.Policy.preset("torch", "cpu").with_module("net.3", "fp32")
+    fit(Probe(), epochs=1, plugins=[Precision("bf16-mixed", policy=policy, device="cpu")])
+    fit(Probe(), epochs=1, plugins=[Precision("bf16-mixed", device="cpu")])
+    assert seen == [torch.float32] * STEPS_PER_EPOCH + [torch.bfloat16] * STEPS_PER_EPOCH

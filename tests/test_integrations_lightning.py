@@ -260,6 +260,21 @@ def test_fsdp_strategy_takes_the_fsdp_plugin_type():
         FSDPPrecision("bf16-master", device="cpu")
 
 
+def test_fabric_fsdp_strategy_takes_the_fsdp_plugin_type():
+    from lightning.fabric.strategies import FSDPStrategy
+
+    from amped.integrations.lightning import FabricFSDPPrecision
+
+    plugin = FabricFSDPPrecision("fp16-mixed", device="cpu")
+    strategy = FSDPStrategy(precision=plugin)
+    assert strategy.precision is plugin
+    assert strategy.mixed_precision_config.param_dtype is torch.float16  # as Fabric sets it
+    with pytest.raises(TypeError, match="FSDPPrecision"):
+        FSDPStrategy(precision=FabricPrecision("bf16-mixed", device="cpu"))
+    with pytest.raises(ValueError, match="Under FSDP use an autocast recipe"):
+        FabricFSDPPrecision("bf16-pure", device="cpu")
+
+
 @pytest.mark.parametrize("recipe", ["fp16-mixed", "fp16-master", "bf16-pure-sr"])
 def test_fabric_resume_is_bitwise_with_overflows(recipe, tmp_path):
     overflows = {1, 4} if recipe.startswith("fp16") else set()

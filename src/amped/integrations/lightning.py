@@ -32,6 +32,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import Precision as _FabricBase
+from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as _FabricFSDP
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 from lightning.pytorch.plugins.precision import FSDPPrecision as _LightningFSDP
 from lightning.pytorch.plugins.precision import Precision as _LightningBase
@@ -47,7 +48,7 @@ from amped.policy import Policy
 from amped.recipes import MasterSetup, Recipe, TrainSetup
 from amped.scaling import GradScaler
 
-__all__ = ["FSDPPrecision", "FabricPrecision", "Precision"]
+__all__ = ["FSDPPrecision", "FabricFSDPPrecision", "FabricPrecision", "Precision"]
 
 
 def _lightning_name(recipe: Recipe) -> _PRECISION_INPUT_STR:
@@ -208,27 +209,14 @@ class FSDPPrecision(Precision, _LightningFSDP):  # type: ignore[misc]  # scaler:
         scaler: GradScaler | None = None,
     ) -> None:
         super().__init__(recipe, policy=policy, device=device, scaler=scaler)
-        if self.recipe.weights != "fp32":
-            raise ValueError(
-                f"Under FSDP use an autocast recipe ('bf16-mixed', 'fp16-mixed', 'fp32'): FSDP "
-                "keeps float32 flat shards as the masters and casts them itself, so recipe "
-                f"{self.recipe.name!r} has no weights to lower. Received: recipe="
-                f"{self.recipe.name!r}"
-            )
+        _check_fsdp_recipe(self.recipe)
         self._desired_input_dtype = torch.float32  # FSDP's init contexts: float32 weights
 
     def connect(
         self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
     ) -> tuple[torch.nn.Module, list[Any], list[Any]]:
         """As :meth:`Precision.connect`; the scaler agrees across ranks on overflows."""
-        import torch.distributed as dist
-
-        if (
-            self.scaler.is_enabled()
-            and self.scaler._process_group is None
-            and dist.is_initialized()
-        ):
-            self.scaler._process_group = dist.group.WORLD
+        _agree_across_ranks(self.scaler)
         return super().connect(model, optimizers, lr_schedulers)
 
 
@@ -330,3 +318,51 @@ class FabricPrecision(RecipeDriver, _FabricBase):
     def teardown(self) -> None:
         """Undo what the recipe installed."""
         self._teardown()
+
+
+class FabricFSDPPrecision(FabricPrecision, _FabricFSDP):  # type: ignore[misc]  # amped's scaler
+    """:class:`FabricPrecision` for Fabric's ``FSDPStrategy``, which takes only plugins of
+    its ``FSDPPrecision`` type. The autocast recipes only, as :class:`FSDPPrecision`;
+    inputs stay float32, as Fabric's own FSDP mixed precision keeps them.
+
+    Raises:
+        ValueError: a weight-changing recipe, an unknown recipe, or a policy for
+            another device.
+    """
+
+    def __init__(
+        self,
+        recipe: str | Recipe = "bf16-mixed",
+        *,
+        policy: Policy | str | None = None,
+        device: str | None = None,
+        scaler: GradScaler | None = None,
+    ) -> None:
+        super().__init__(recipe, policy=policy, device=device, scaler=scaler)
+        _check_fsdp_recipe(self.recipe)
+        self._desired_input_dtype = torch.float32
+
+    def convert_input(self, data: Any) -> Any:
+        """Floating inputs to float32, as Fabric's FSDP mixed precision does."""
+        return to_dtype(data, torch.float32)
+
+    def _setup_for(self, optimizer: Any) -> TrainSetup:
+        _agree_across_ranks(self.scaler)
+        return super()._setup_for(optimizer)
+
+
+def _check_fsdp_recipe(recipe: Recipe) -> None:
+    if recipe.weights != "fp32":
+        raise ValueError(
+            "Under FSDP use an autocast recipe ('bf16-mixed', 'fp16-mixed', 'fp32'): FSDP keeps "
+            "float32 flat shards as the masters and casts them itself, so recipe "
+            f"{recipe.name!r} has no weights to lower. Received: recipe={recipe.name!r}"
+        )
+
+
+def _agree_across_ranks(scaler: GradScaler) -> None:
+    """FSDP's sharded gradients are not DTensors: name the group the scaler agrees over."""
+    import torch.distributed as dist
+
+    if scaler.is_enabled() and scaler._process_group is None and dist.is_initialized():
+        scaler._process_group = dist.group.WORLD

@@ -218,5 +218,23 @@ def test_bad_input_is_refused():
         opt.step(lambda: 0.0)
     with pytest.raises(TypeError, match="already steps master weights"):
         MasterWeightOptimizer(opt)
-    with pytest.raises(NotImplementedError, match="before wrapping"):
-        opt.add_param_group({"params": [torch.zeros(1)]})
+    with pytest.raises(ValueError, match="some parameters appear in more than one"):
+        opt.add_param_group({"params": [opt.param_groups[0]["params"][0]]})
+
+
+def test_added_groups_get_masters_and_the_users_hyper_parameters():
+    model = mlp()
+    inner = torch.optim.SGD(model[0].parameters(), lr=0.5, momentum=0.9, nesterov=True)
+    setup = amped.prepare(model, inner, "bf16-master")
+    rest = [p for p in model.parameters() if all(p is not q for q in model[0].parameters())]
+    setup.optimizer.add_param_group({"params": rest})
+    group = setup.optimizer.param_groups[-1]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.5, 0.9, True)
+    low = [p for p in rest if p.dtype is torch.bfloat16]
+    assert low and all(setup.optimizer.master_of(p).dtype is torch.float32 for p in low)
+    before = [p.detach().clone() for p in low]
+    with setup.autocast():
+        loss = setup.model(torch.randn(4, 32)).float().pow(2).mean()
+    setup.backward(loss)
+    assert setup.step()
+    assert all(not torch.equal(b, p) for b, p in zip(before, low, strict=True))

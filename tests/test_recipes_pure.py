@@ -74,6 +74,34 @@ def test_twin_keeps_the_hyper_parameters(make, recipe, cls, expected):
     assert {k: group[k] for k in expected} == expected
 
 
+@pytest.mark.parametrize(
+    ("make", "expected"),
+    [
+        (
+            lambda p: torch.optim.SGD(p, lr=0.5, momentum=0.9, nesterov=True),
+            dict(lr=0.5, momentum=0.9, nesterov=True, weight_decay=0.0),
+        ),
+        (
+            lambda p: torch.optim.Adam(p, lr=0.01, betas=(0.8, 0.9)),
+            dict(lr=0.01, betas=(0.8, 0.9), weight_decay=0.0, decoupled_weight_decay=False),
+        ),
+        (
+            lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.2),
+            dict(lr=0.01, weight_decay=0.2, decoupled_weight_decay=True),
+        ),
+    ],
+    ids=["sgd-nesterov", "adam", "adamw"],
+)
+def test_twin_keeps_the_users_defaults_for_added_groups(make, expected):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    optimizer = make(model[0].parameters())
+    setup = amped.prepare(model, optimizer, "bf16-pure")
+    assert {k: setup.optimizer.defaults[k] for k in expected} == expected
+    setup.optimizer.add_param_group({"params": list(model[1].parameters())})
+    added = setup.optimizer.param_groups[1]
+    assert {k: added[k] for k in expected} == expected
+
+
 def test_a_compensated_optimizer_is_used_as_it_is():
     model = mlp()
     opt = CompensatedSGD(model.parameters(), lr=0.1, compensation="stochastic", seed=4)

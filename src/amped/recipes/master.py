@@ -198,10 +198,19 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                     param.grad.zero_()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError(
-            "Add parameter groups to the inner optimizer before wrapping it in master "
-            "weights. Received: a call to add_param_group"
-        )
+        """Add a group to the inner optimizer, with a float32 master for each
+        low-precision parameter; unset hyper-parameters come from the user's
+        ``defaults``, as with the plain optimizer."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        stepped = []
+        for param in params:
+            if param.dtype in (torch.float16, torch.bfloat16):
+                master = _master_for(param, None)
+                self._pairs.append((param, master))
+                param = master
+            stepped.append(param)
+        self.optimizer.add_param_group({**param_group, "params": stepped})
 
     # --- checkpoints -----------------------------------------------------------------
 

@@ -13,6 +13,7 @@ the model's keys, which loads into a plain float32 model as it is.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -72,6 +73,64 @@ class MasterSetup(TrainSetup):
                     master.copy_(model_state[key])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
+
+    def main_params(self, params: Iterable[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The float32 masters (and float32 parameters), in the optimizer's order or in
+        the order of the model parameters ``params``."""
+        if params is None:
+            return super().main_params()
+        masters = {id(param): master for param, master in self.optimizer.pairs}
+        return [masters.get(id(p), p) for p in params]
+
+    def recipe_state_dict(self) -> dict[str, Any]:
+        """The recipe's name, the scaler and the float32 masters (in ``pairs`` order),
+        which a framework saving only the model's low-precision weights would lose."""
+        state = super().recipe_state_dict()
+        state["masters"] = [master.detach().clone() for _, master in self.optimizer.pairs]
+        return state
+
+    def load_recipe_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`recipe_state_dict`; masters bitwise when present."""
+        super().load_recipe_state_dict(state)
+        masters = state.get("masters")
+        if masters is None:
+            return
+        pairs = self.optimizer.pairs
+        if len(masters) != len(pairs):
+            raise ValueError(
+                f"This recipe state holds {len(masters)} master weights, the setup has "
+                f"{len(pairs)}: it was saved from another model. Received: "
+                f"{len(masters)} masters"
+            )
+        with torch.no_grad():
+            for (param, master), saved in zip(pairs, masters, strict=True):
+                master.copy_(saved)
+                param.copy_(master)
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The float32 masters under the model's keys (:meth:`fp32_state_dict`)."""
+        return self.fp32_state_dict()
+
+    def _restore_weights(self) -> None:
+        # Each master becomes its parameter's data again (before any step, the very
+        # float32 storage the parameter had), and the parameter goes back under the
+        # user's optimizer in the master's place, with the master's optimizer state.
+        inner = self.optimizer.optimizer
+        back = {id(master): param for param, master in self.optimizer.pairs}
+        for group in inner.param_groups:
+            params = group["params"]
+            for i, master in enumerate(params):
+                param = back.get(id(master))
+                if param is None:
+                    continue
+                params[i] = param
+                if master in inner.state:
+                    inner.state[param] = inner.state.pop(master)
+        with torch.no_grad():
+            for param, master in self.optimizer.pairs:
+                param.data = master.detach()
+                param.grad = None
+        self.optimizer._pairs.clear()
 
 
 def o2_policy(policy: Policy | None, model: torch.nn.Module, device_type: str) -> Policy:

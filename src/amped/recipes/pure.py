@@ -50,6 +50,20 @@ class PureSetup(TrainSetup):
             out[key] = tensor
         return out
 
+    def _restore_weights(self) -> None:
+        lowering = self.installed
+        if lowering is None:
+            return
+        state = self.optimizer.state
+        with torch.no_grad():
+            for param in lowering.params:
+                value = param.detach().to(torch.float32, copy=True)
+                compensation = state[param].get("compensation") if param in state else None
+                if compensation is not None:
+                    value.add_(compensation)
+                param.data = value
+                param.grad = None
+
 
 def compensated_twin(
     optimizer: torch.optim.Optimizer, compensation: Compensation
@@ -74,9 +88,12 @@ def compensated_twin(
         )
     _check_fresh(optimizer)
     groups = [_twin_group(group, kind) for group in optimizer.param_groups]
-    if kind is torch.optim.SGD:
-        return CompensatedSGD(groups, compensation=compensation)
-    return CompensatedAdamW(groups, compensation=compensation)
+    # The user's defaults become the twin's, so a group added later with
+    # add_param_group() gets the user's hyper-parameters, not the twin class's own.
+    defaults = _twin_group({**optimizer.defaults, "params": []}, kind)
+    del defaults["params"]
+    twin_class = CompensatedSGD if kind is torch.optim.SGD else CompensatedAdamW
+    return twin_class(groups, **defaults, compensation=compensation)
 
 
 def _check_fresh(optimizer: torch.optim.Optimizer) -> None:

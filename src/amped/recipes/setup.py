@@ -14,7 +14,7 @@ The setup owns what the loop needs, so one loop serves every recipe::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from amped.autocast_mode import autocast
 from amped.fp8 import Fp8Layers, ModuleFilter
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, resolve_recipe
+from amped.recipes.weights import Lowering, installed_on, restore_model_
 from amped.scaling import GradScaler
 from amped.scaling.distributed import dtensor_type
 
@@ -150,6 +151,65 @@ class TrainSetup:
                 f"This checkpoint was written by recipe {state.get('recipe')!r}, this setup "
                 f"runs {self.recipe.name!r}. Received: recipe={state.get('recipe')!r}"
             )
+
+    # --- what training frameworks drive (amped.integrations) ---------------------------
+
+    @property
+    def installed(self) -> Lowering | None:
+        """What :func:`prepare` installed on the model (lowered weights and buffers, the
+        input-casting hook), or None when the recipe leaves the model as it is."""
+        return installed_on(self.model)
+
+    def unscale_(self) -> None:
+        """Put the gradients where the optimizer reads them and unscale them, once per step.
+
+        For clipping or inspecting gradients before :meth:`step` (which then does not
+        unscale again). No sync.
+        """
+        self._prepare_grads()
+        self.scaler.unscale_(self.optimizer)
+
+    def main_params(self, params: Iterable[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The tensors the optimizer steps, whose gradients clipping must see: the float32
+        masters under O2, the model's parameters otherwise.
+
+        Args:
+            params: model parameters to map, in their order (clipping sums the norms in
+                it); by default every parameter the optimizer steps, in its order.
+        """
+        if params is not None:
+            return list(params)
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def model_state_dict(self) -> dict[str, Any]:
+        """The model's entry of :meth:`state_dict`: what a framework saves as the model."""
+        return self.model.state_dict()
+
+    def recipe_state_dict(self) -> dict[str, Any]:
+        """What the recipe keeps beside the model and optimizer state: its name and the
+        scaler (strategy, scale, counters). Syncs when the scaler is enabled."""
+        return {"recipe": self.recipe.name, "scaler": self.scaler.state_dict()}
+
+    def load_recipe_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`recipe_state_dict`."""
+        self._check_recipe(state)
+        self.scaler.load_state_dict(state["scaler"])
+
+    def teardown(self) -> None:
+        """Remove what :func:`prepare` installed and give the model float32 weights back.
+
+        The autocast recipes installed nothing. O2 puts each float32 master back as its
+        parameter's data and the masters back under the user's optimizer; bf16-pure puts
+        back each weight plus its compensation in float32 (the original float32 weights
+        were not kept: that is the memory the recipe saves). Lowered buffers get their
+        original float32 tensor back when training left them unchanged, a float32 copy
+        otherwise. The input-casting hook is removed. Idempotent.
+        """
+        self._restore_weights()
+        restore_model_(self.model)
+
+    def _restore_weights(self) -> None:
+        """Give lowered parameters float32 data again (weight-changing recipes)."""
 
     def __repr__(self) -> str:
         return f"TrainSetup(recipe={self.recipe.name!r}, device_type={self.device_type!r})"

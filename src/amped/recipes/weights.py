@@ -16,6 +16,8 @@ user's rules, so a user rule on the same module wins.
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,11 +26,14 @@ from torch.utils.hooks import RemovableHandle
 from amped.policy import ModuleRule, Policy
 
 __all__ = [
+    "Lowering",
     "cast_inputs",
+    "installed_on",
     "kept_in_fp32",
     "lower_",
     "lower_model_",
     "norm_classes",
+    "restore_model_",
     "with_norms_in_fp32",
 ]
 
@@ -114,6 +119,7 @@ def lower_(
         can keep it as the master copy at no extra allocation.
     """
     originals: dict[torch.Tensor, torch.Tensor] = {}
+    record = _LOWERINGS.setdefault(model, Lowering())
     with torch.no_grad():
         for name, module in model.named_modules():
             if name in keep:
@@ -124,7 +130,10 @@ def lower_(
                     param.data = param.data.to(dtype)
             for key, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.dtype is torch.float32:
-                    setattr(module, key, buf.to(dtype))
+                    lowered = buf.to(dtype)
+                    setattr(module, key, lowered)
+                    record.buffers.append((module, key, buf, lowered))
+    record.params.extend(originals)
     return originals
 
 
@@ -161,5 +170,48 @@ def lower_model_(
     keep = kept_in_fp32(model, policy)
     originals = lower_(model, dtype, keep)
     if "" not in keep:
-        cast_inputs(model, dtype)
+        _LOWERINGS[model].hook = cast_inputs(model, dtype)
     return originals
+
+
+@dataclass
+class Lowering:
+    """What :func:`lower_model_` installed on a model, so that it can be undone.
+
+    Attributes:
+        params: the parameters whose data was lowered.
+        buffers: ``(module, name, original float32 buffer, lowered buffer)`` per buffer.
+        hook: the handle of the input-casting forward pre-hook, if one was installed.
+    """
+
+    params: list[torch.Tensor] = field(default_factory=list)
+    buffers: list[tuple[torch.nn.Module, str, torch.Tensor, torch.Tensor]] = field(
+        default_factory=list
+    )
+    hook: RemovableHandle | None = None
+
+
+_LOWERINGS: weakref.WeakKeyDictionary[torch.nn.Module, Lowering] = weakref.WeakKeyDictionary()
+
+
+def installed_on(model: torch.nn.Module) -> Lowering | None:
+    """What :func:`lower_` and :func:`lower_model_` installed on ``model`` (None: nothing)."""
+    return _LOWERINGS.get(model)
+
+
+def restore_model_(model: torch.nn.Module) -> None:
+    """Remove the input-casting hook and give lowered buffers float32 tensors again.
+
+    A buffer training left unchanged gets its original float32 tensor back (bitwise);
+    one that changed (running statistics) gets a float32 copy of its current value.
+    Parameters are the recipe's to restore (O2 holds their float32 masters). Idempotent.
+    """
+    record = _LOWERINGS.pop(model, None)
+    if record is None:
+        return
+    if record.hook is not None:
+        record.hook.remove()
+    for module, key, original, lowered in record.buffers:
+        current = getattr(module, key)
+        unchanged = current is lowered and torch.equal(original.to(lowered.dtype), lowered)
+        setattr(module, key, original if unchanged else current.to(torch.float32))

@@ -29,14 +29,15 @@ from amped.scaling.checks import (
 )
 from amped.scaling.distributed import check_process_group
 from amped.scaling.records import History
-from amped.scaling.scaler_base import GradScalerBase, OptimizerState, OptState
+from amped.scaling.scaler_base import OptimizerState, OptState
 from amped.scaling.strategies import GrowthFactors, ScaleState
+from amped.scaling.torch_compat import TorchCompatible
 from amped.scaling.unscale import PerDevice, combine_on, unscale_grads_
 
 __all__ = ["GradScaler"]
 
 
-class GradScaler(GradScalerBase):
+class GradScaler(TorchCompatible):
     """Scales the loss so small float16 gradients survive; skips steps that overflow.
 
     A drop-in for :class:`torch.amp.GradScaler`: same arguments, defaults, methods,

@@ -44,6 +44,14 @@ class OptimizerState:
     stage: OptState = OptState.READY
     found_inf_per_device: dict[torch.device, torch.Tensor] = dataclasses.field(default_factory=dict)
 
+    def __getitem__(self, key: str) -> Any:
+        """Read as torch's per-optimizer dict: ``"stage"`` gives torch's ``OptState``."""
+        if key == "stage":
+            return torch.amp.grad_scaler.OptState[self.stage.name]
+        if key == "found_inf_per_device":
+            return self.found_inf_per_device
+        raise KeyError(key)
+
 
 class GradScalerBase:
     """Settings, accessors and (de)serialisation shared by :class:`amped.GradScaler`."""

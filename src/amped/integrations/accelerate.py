@@ -1,0 +1,278 @@
+"""An Accelerate ``Accelerator`` that runs an amped recipe.
+
+Accelerate has no registry of precision plugins: its mixed precision is wired into
+``Accelerator`` itself. So amped subclasses it; the training loop stays Accelerate's::
+
+    from amped.integrations.accelerate import Accelerator
+    accelerator = Accelerator(recipe="bf16-master")       # instead of mixed_precision=
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        accelerator.backward(loss)
+        accelerator.clip_grad_norm_(model.parameters(), 1.0)   # the masters under O2
+        optimizer.step()                                       # skipped on overflow
+        scheduler.step()                                       # skips with it
+        optimizer.zero_grad()
+
+``prepare`` runs :func:`amped.prepare` on the model and its optimizer, then
+Accelerate's own ``prepare``: the model's forward runs in the recipe's autocast region
+(outputs converted to float32, as Accelerate does), ``backward`` scales the loss when
+the recipe scales it, the optimizer steps through the recipe (unscale, skip on
+overflow, masters copied back) and ``optimizer_step_was_skipped`` says whether it
+skipped. ``save_state``/``load_state`` carry the scaler (``scaler.pt``, as Accelerate
+writes it) and what else the recipe keeps (O2's float32 masters) bitwise.
+
+Requires ``accelerate`` (``pip install amped[accelerate]``); ``import amped`` never
+imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Generator
+from types import MethodType
+from typing import Any
+
+import accelerate
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import convert_outputs_to_fp32
+
+import amped
+from amped.autocast_mode import autocast
+from amped.integrations.common import default_scaler, rebind_scheduler, resolve_arguments
+from amped.policy import Policy
+from amped.recipes import MemoryReport, Recipe, TrainSetup, memory_report
+from amped.scaling import GradScaler
+
+__all__ = ["Accelerator", "RecipeState"]
+
+
+class Accelerator(accelerate.Accelerator):
+    """``accelerate.Accelerator`` with an amped recipe in place of ``mixed_precision``.
+
+    Args:
+        *args: Accelerate's arguments (not ``mixed_precision``: the recipe says it).
+        recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
+        policy: the autocast policy, an :class:`amped.Policy` for this accelerator's
+            device or a preset name.
+        scaler: an :class:`amped.GradScaler` to use instead of the recipe's default.
+        **kwargs: Accelerate's keyword arguments.
+
+    Raises:
+        ValueError: an unknown recipe, ``mixed_precision`` given too, or a policy built
+            for another device than the accelerator's.
+
+    Single process, one model and one optimizer per ``prepare`` call for the
+    weight-changing recipes (DeepSpeed and FSDP keep their own precision).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        recipe: str | Recipe = "bf16-mixed",
+        policy: Policy | str | None = None,
+        scaler: GradScaler | None = None,
+        **kwargs: Any,
+    ) -> None:
+        chosen, _, _ = resolve_arguments(recipe, None, "cpu")  # unknown recipes fail first
+        mixed = kwargs.pop("mixed_precision", None)
+        if mixed not in (None, "no"):
+            raise ValueError(
+                "amped's Accelerator takes recipe= instead of mixed_precision= (the recipe "
+                f"says the dtype); drop mixed_precision. Received: mixed_precision={mixed!r}"
+            )
+        super().__init__(*args, mixed_precision="no", **kwargs)
+        self.recipe, self.policy, self.device_type = resolve_arguments(
+            chosen, policy, self.device.type
+        )
+        self.recipe_scaler = default_scaler(self.recipe, self.device_type, scaler)
+        # Accelerate and the transformers Trainer save and load `scaler` (scaler.pt).
+        self.scaler = self.recipe_scaler if self.recipe_scaler.is_enabled() else None
+        self.setup: TrainSetup | None = None
+        self.recipe_state = RecipeState(self)
+        self.register_for_checkpointing(self.recipe_state)
+
+    # --- prepare -----------------------------------------------------------------------
+
+    def prepare(self, *args: Any, device_placement: Any = None) -> Any:
+        """:func:`amped.prepare` on the model and optimizer among ``args``, then Accelerate's."""
+        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        optimizers = [
+            a
+            for a in args
+            if isinstance(a, torch.optim.Optimizer) and not isinstance(a, AcceleratedOptimizer)
+        ]
+        if optimizers and not models and len(self._models) == 1:
+            models = list(self._models)  # prepared by an earlier prepare(model) call
+        if optimizers:
+            if len(models) != 1 or len(optimizers) != 1:
+                raise ValueError(
+                    "amped's Accelerator prepares one model with its optimizer (in one "
+                    "prepare() call, or the model first). Received: "
+                    f"{len(models)} models and {len(optimizers)} optimizers"
+                )
+            user = optimizers[0]
+            setup = self._prepare_recipe(models[0], user)
+            args = tuple(setup.optimizer if a is user else a for a in args)
+            for a in args:
+                rebind_scheduler(a, user, setup.optimizer)
+        return super().prepare(*args, device_placement=device_placement)
+
+    def _prepare_recipe(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    ) -> TrainSetup:
+        if self.setup is not None:
+            raise RuntimeError(
+                f"This Accelerator already runs recipe {self.recipe.name!r} on a model; "
+                "prepare one model and optimizer per Accelerator. Received: a second one"
+            )
+        self.setup = amped.prepare(
+            model, optimizer, self.recipe, policy=self.policy, scaler=self.recipe_scaler
+        )
+        return self.setup
+
+    def prepare_model(self, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """Accelerate's ``prepare_model``, with the forward run in the recipe's region."""
+        model = super().prepare_model(model, *args, **kwargs)
+        if self.recipe.autocast and not hasattr(model, "_original_forward"):
+            # As Accelerate wraps it, so that its unwrap_model(keep_fp32_wrapper=False)
+            # finds the original function under the __wrapped__ chain.
+            original = model.forward
+            function = getattr(original, "__func__", None)
+            region = self.autocast
+            if function is None:
+
+                @functools.wraps(original)
+                def forward(*a: Any, **k: Any) -> Any:
+                    with region():
+                        return original(*a, **k)
+
+                wrapped: Any = convert_outputs_to_fp32(forward)
+            else:
+
+                @functools.wraps(function)
+                def method(module: Any, *a: Any, **k: Any) -> Any:
+                    with region():
+                        return function(module, *a, **k)
+
+                wrapped = MethodType(convert_outputs_to_fp32(method), model)
+            model.__dict__["_original_forward"] = original  # where Accelerate keeps it
+            model.forward = wrapped
+        return model
+
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: Any = None
+    ) -> Any:
+        """Wrap the recipe's optimizer so that its step runs through the recipe."""
+        if self.setup is None or optimizer is not self.setup.optimizer:
+            return super().prepare_optimizer(optimizer, device_placement=device_placement)
+        if device_placement is None:
+            device_placement = self.device_placement
+        wrapped = RecipeOptimizer(self.setup, device_placement=device_placement)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    # --- the loop ----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def autocast(self, autocast_handler: Any = None) -> Generator[None, None, None]:
+        """The recipe's autocast region, with the policy."""
+        if self.setup is not None:
+            region: contextlib.AbstractContextManager[Any] = self.setup.autocast()
+        elif self.recipe.autocast:
+            region = autocast(self.device_type, dtype=self.recipe.dtype, policy=self.policy)
+        else:
+            region = contextlib.nullcontext()
+        with region:
+            yield
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss / gradient_accumulation_steps``, scaled when the recipe scales it, backward."""
+        loss = loss / self.gradient_accumulation_steps
+        self.recipe_scaler.scale(loss).backward(**kwargs)
+
+    def unscale_gradients(self, optimizer: Any = None) -> None:
+        """Unscale the gradients the optimizer steps (O2: moved into the masters first)."""
+        if self.setup is not None:
+            self.setup.unscale_()
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        """Unscale, then clip the gradients the optimizer steps: the masters under O2.
+
+        Passing the model's parameters (as usual) clips what the recipe's optimizer
+        steps; other parameters are clipped as given. A fused optimizer is fine here, as
+        in Accelerate: the gradients are unscaled before clipping, and the scaler then
+        tells the fused step not to unscale again.
+        """
+        if self.setup is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(
+            self._main_params(parameters), max_norm, norm_type=norm_type
+        )
+
+    def clip_grad_value_(self, parameters: Any, clip_value: float) -> None:
+        """Unscale, then clip gradient values of what the optimizer steps."""
+        if self.setup is None:
+            return super().clip_grad_value_(parameters, clip_value)
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(self._main_params(parameters), clip_value)
+        return None
+
+    def _main_params(self, parameters: Any) -> list[torch.Tensor]:
+        assert self.setup is not None
+        given = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        model_ids = {id(p) for p in self.setup.model.parameters()}
+        if {id(p) for p in given} <= model_ids:
+            return self.setup.main_params(given)
+        return given
+
+    def memory_report(self) -> MemoryReport:
+        """:func:`amped.memory_report` of the model and optimizer the recipe trains."""
+        if self.setup is None:
+            raise RuntimeError("memory_report() needs a prepared model and optimizer.")
+        return memory_report(self.setup.model, self.setup.optimizer)
+
+    def teardown(self) -> None:
+        """Undo what the recipe installed; the model gets float32 weights back."""
+        if self.setup is not None:
+            self.setup.teardown()
+
+
+class RecipeOptimizer(AcceleratedOptimizer):
+    """Accelerate's optimizer wrapper stepping through the recipe: unscale, skip on
+    overflow (``step_was_skipped``), master copy-back."""
+
+    def __init__(self, setup: TrainSetup, device_placement: bool = True) -> None:
+        super().__init__(setup.optimizer, device_placement=device_placement, scaler=None)
+        self.setup = setup
+
+    def step(self, closure: Any = None) -> None:
+        """Step through the recipe when gradients are synchronised (end of accumulation)."""
+        if closure is not None:
+            raise TypeError(
+                "amped's recipes step without a closure; call backward before step(). "
+                f"Received: closure={closure!r}"
+            )
+        if self.gradient_state.sync_gradients:
+            self._is_overflow = not self.setup.step()
+
+
+class RecipeState:
+    """What the recipe keeps beside the model and optimizer, for ``save_state``: the
+    scaler and, under O2, the float32 master weights (the model holds their rounded
+    copies). Registered for checkpointing by :class:`Accelerator`."""
+
+    def __init__(self, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, Any]:
+        setup = self.accelerator.setup
+        return {} if setup is None else setup.recipe_state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        setup = self.accelerator.setup
+        if setup is not None and state:
+            setup.load_recipe_state_dict(state)

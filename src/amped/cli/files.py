@@ -27,6 +27,8 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+from amped.scaling.checkpoint import fsync_directory
+
 __all__ = ["check_writable", "write_files"]
 
 _HELD = {signal.SIGINT, signal.SIGTERM}
@@ -58,7 +60,7 @@ def write_files(files: Sequence[tuple[Path, str | bytes]]) -> list[Path]:
                 os.unlink(temporary)
         raise
     for folder in {path.parent for path in (p for p, _ in files)}:
-        _fsync_folder(folder)
+        fsync_directory(folder)
     return [path for path, _ in files]
 
 
@@ -108,16 +110,3 @@ def _signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
-
-
-def _fsync_folder(folder: Path) -> None:
-    try:
-        handle = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)

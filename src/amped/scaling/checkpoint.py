@@ -83,7 +83,7 @@ def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         raise
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 class _Writer:
@@ -217,8 +217,8 @@ def _first_line(error: BaseException) -> str:
     return lines[0][:300] if lines else ""
 
 
-def _fsync_directory(directory: str) -> None:
-    # Make the rename itself durable. Not every platform can open a directory.
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """Make a rename in ``directory`` durable (where the platform can open a directory)."""
     try:
         handle = os.open(directory, os.O_RDONLY)
     except OSError:

@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
-from amped.autocast_mode import compiling
+from amped.autocast_mode import compiling, dispatch
 from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
 from amped.policy import LOW_DTYPES, ModuleRule, Policy, torch_default_rules
@@ -43,7 +43,16 @@ class Region:
     restored at once if none is left above it.
     """
 
-    __slots__ = ("cache_enabled", "device_type", "dtype", "enabled", "engine", "policy", "saved")
+    __slots__ = (
+        "cache_enabled",
+        "device_type",
+        "dtype",
+        "enabled",
+        "engine",
+        "fast",
+        "policy",
+        "saved",
+    )
 
     def __init__(
         self,
@@ -58,7 +67,8 @@ class Region:
         self.enabled = enabled
         self.dtype = dtype
         self.cache_enabled = cache_enabled
-        self.engine = False
+        self.engine = False  # runs the mode engine
+        self.fast = False  # runs the fast path (kernels at the Autocast keys)
         # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
         self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)
 
@@ -149,11 +159,19 @@ def enter(region: Region) -> None:
     torch.autocast_increment_nesting()
     torch.set_autocast_cache_enabled(region.cache_enabled)
     region.engine = policy is not None and needs_engine(policy)
+    if region.engine and FAST_PATH and _fast_allowed(st):
+        tables = dispatch.plan(cast(Policy, policy))
+        if tables is not None:
+            dispatch.register(cast(Policy, policy), tables)
+            dispatch.watch_compiles()
+            region.engine, region.fast = False, True
     st.regions.append(region)
     if region.engine and st.mode is None:
         _push_mode(st)
     if st.mode is not None:
         _publish(st)
+    if region.fast or dispatch._tls.active:
+        _publish_fast(st)
 
 
 def exit(region: Region) -> None:
@@ -191,9 +209,56 @@ def exit(region: Region) -> None:
             _pop_mode(st)
         else:
             _publish(st)
+    if region.fast or dispatch._tls.active:
+        _publish_fast(st)
     if last:
         torch.clear_autocast_cache()
         clear_cache()
+        dispatch.clear_cache()
+
+
+FAST_PATH = True
+"""Run policies that the dispatcher can express without the mode (see
+:mod:`amped.autocast_mode.dispatch`). Off: every non-default policy runs the mode."""
+
+
+def _fast_allowed(st: _ThreadState) -> bool:
+    return (
+        not dispatch.compiled_once
+        and not st.engine_always
+        and engine.TORCH_AUTOCAST_ALONGSIDE
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _publish_fast(st: _ThreadState) -> None:
+    # The fast-path tables of the innermost policy per device type; none while the mode
+    # runs (it applies every open region's policy itself).
+    active: dict[str, dispatch.Tables] = {}
+    if st.mode is None:
+        for region in st.regions:
+            if region.policy is not None:
+                tables = dispatch.plan(region.policy) if region.fast else None
+                active[region.device_type] = tables or {}
+    dispatch.set_active({dev: tables for dev, tables in active.items() if tables})
+
+
+def switch_to_engine() -> None:
+    """Move this thread's fast-path regions to the mode engine, now (torch.compile is
+    starting: Dynamo guards on the mode stack, not on the fast path's state)."""
+    st = _state
+    for region in st.regions:
+        if region.fast:
+            region.fast, region.engine = False, True
+    if st.mode is None and any(r.engine for r in st.regions):
+        mode = st.spare_mode
+        if mode is None:
+            mode = st.spare_mode = AutocastMode()
+        st.mode = mode
+        _push(mode)
+        compiling.backward_autocast_off()
+        _publish(st)
+    dispatch.set_active({})
 
 
 def _push_mode(st: _ThreadState) -> None:

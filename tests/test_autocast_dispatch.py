@@ -210,3 +210,22 @@ def test_compile_switches_to_the_engine_and_guards(monkeypatch):
     with amped.autocast("cpu", policy=policy):  # after a compile: the mode engine
         assert not state._state.regions[-1].fast
         assert compiled(a, b).dtype == torch.float32
+
+
+def test_nested_regions_each_apply_their_own_rules():
+    a = torch.randn(4, 4)
+    changed = _TORCH.with_ops(fp32=["mm"])
+    with amped.autocast("cpu", policy=changed):
+        with amped.autocast("cpu"):  # torch's rules inside
+            assert torch.mm(a, a).dtype == torch.bfloat16
+        assert torch.mm(a, a).dtype == torch.float32
+        with amped.autocast("cpu", policy=WITH_MODULE_RULE):  # needs the mode: it takes over
+            assert state._state.mode is not None and dispatch.active_tables() == {}
+            assert torch.mm(a, a).dtype == torch.bfloat16
+        assert state._state.mode is None and torch.mm(a, a).dtype == torch.float32
+    assert dispatch.active_tables() == {}
+    with amped.autocast("cpu"), amped.autocast("cpu", policy=changed):
+        assert torch.mm(a, a).dtype == torch.float32
+
+
+WITH_MODULE_RULE = _TORCH.with_module(torch.nn.LayerNorm, "fp32")

@@ -67,6 +67,9 @@ class _Thread(threading.local):
 _tls = _Thread()
 _lock = threading.Lock()
 _libraries: dict[tuple[str, str], torch.library.Library] = {}  # (overload, key) -> registration
+route_all = False
+"""Route every rule of a fast-path policy through amped's kernels, torch's own rules
+too (benchmarks/autocast_overhead.py measures the kernels' cost with it)."""
 compiled_once = False
 """Set when torch.compile first compiles in this process: the fast path is off from then."""
 
@@ -79,11 +82,12 @@ def plan(policy: Policy) -> Tables | None:
     (``FP32_APPEND_DTYPE``, which redispatches to another overload), a device type
     without an Autocast key here. Kept with the policy.
     """
-    found = policy._engine_cache.get("fast_plan", False)
+    key = ("fast_plan", route_all)
+    found = policy._engine_cache.get(key, False)
     if found is not False:
         return found
     tables = _plan(policy)
-    policy._engine_cache["fast_plan"] = tables
+    policy._engine_cache[key] = tables
     return tables
 
 
@@ -94,7 +98,12 @@ def _plan(policy: Policy) -> Tables | None:
     tables: Tables = {}
     for dtype in LOW_DTYPES:
         for op, cast in policy.rules_for(dtype).items():
-            if isinstance(op, str) and "::" not in op and torch_rules.get(op) is cast:
+            if (
+                isinstance(op, str)
+                and "::" not in op
+                and torch_rules.get(op) is cast
+                and not route_all
+            ):
                 continue
             overloads = _overloads(op)
             if overloads is None or cast not in _EXPRESSIBLE:

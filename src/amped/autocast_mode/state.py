@@ -25,7 +25,7 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
-from amped.autocast_mode import compiling, dispatch
+from amped.autocast_mode import compiling, dispatch, freshness
 from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
 from amped.policy import LOW_DTYPES, ModuleRule, Policy, torch_default_rules
@@ -165,6 +165,7 @@ def enter(region: Region) -> None:
             dispatch.register(cast(Policy, policy), tables)
             dispatch.watch_compiles()
             region.engine, region.fast = False, True
+            freshness.acquire()
     st.regions.append(region)
     if region.engine and st.mode is None:
         _push_mode(st)
@@ -209,12 +210,15 @@ def exit(region: Region) -> None:
             _pop_mode(st)
         else:
             _publish(st)
-    if region.fast or dispatch._tls.active:
+    if region.fast:
+        freshness.release()
+    if region.fast or dispatch._tls.active or any(r.fast for r in regions):
         _publish_fast(st)
     if last:
         torch.clear_autocast_cache()
         clear_cache()
         dispatch.clear_cache()
+        freshness.forget()
 
 
 FAST_PATH = True
@@ -241,6 +245,7 @@ def _publish_fast(st: _ThreadState) -> None:
                 tables = dispatch.plan(region.policy) if region.fast else None
                 active[region.device_type] = tables or {}
     dispatch.set_active({dev: tables for dev, tables in active.items() if tables})
+    freshness.set_active(any(r.fast for r in st.regions) and st.mode is None)
 
 
 def switch_to_engine() -> None:
@@ -250,6 +255,7 @@ def switch_to_engine() -> None:
     for region in st.regions:
         if region.fast:
             region.fast, region.engine = False, True
+            freshness.release()
     if st.mode is None and any(r.engine for r in st.regions):
         mode = st.spare_mode
         if mode is None:
@@ -259,6 +265,7 @@ def switch_to_engine() -> None:
         compiling.backward_autocast_off()
         _publish(st)
     dispatch.set_active({})
+    freshness.set_active(False)
 
 
 def _push_mode(st: _ThreadState) -> None:

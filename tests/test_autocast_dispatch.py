@@ -229,3 +229,45 @@ def test_nested_regions_each_apply_their_own_rules():
 
 
 WITH_MODULE_RULE = _TORCH.with_module(torch.nn.LayerNorm, "fp32")
+
+
+@torch.library.custom_op("amped_dispatch_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * w).sum(-1)
+
+
+@_scaled.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[:-1])
+
+
+def _scaled_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return grad[..., None] * w, (grad[..., None] * x).sum(0)
+
+
+def _scaled_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+_scaled.register_autograd(_scaled_backward, setup_context=_scaled_setup)
+
+
+def test_torch_library_custom_op_bitwise_equal_to_engine(fast_off):
+    policy = _TORCH.with_ops(lower=[_scaled])
+    assert dispatch.plan(policy)
+    x, w = torch.randn(3, 4), torch.randn(4, requires_grad=True)
+
+    def run():
+        with amped.autocast("cpu", policy=policy):
+            out = _scaled(x, w)
+            fast = state._state.regions[-1].fast
+        out.float().sum().backward()
+        grad, w.grad = w.grad, None
+        return out, grad, fast
+
+    out, grad, fast = run()
+    assert fast and out.dtype == torch.bfloat16
+    fast_off()
+    out2, grad2, fast2 = run()
+    assert not fast2 and torch.equal(out, out2) and torch.equal(grad, grad2)

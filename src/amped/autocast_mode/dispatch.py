@@ -36,6 +36,7 @@ from amped.policy import LOW_DTYPES, Cast, Policy, torch_default_rules
 __all__ = ["active_tables", "plan", "register", "registered_ops", "release_kernels"]
 
 _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+_LOWER = Cast.LOWER
 _EXPRESSIBLE = frozenset(
     (
         Cast.LOWER,
@@ -215,28 +216,33 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
     tls = _tls
     get_dtype = torch.get_autocast_dtype
     run = casting.run
+    cast_call = casting.cast_call
     is_compiling = torch.compiler.is_compiling
 
     def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
         tables = tls.active.get(device_type)
         rule = tables.get(op) if tables else None
-        cast = rule.get(get_dtype(device_type)) if rule is not None else None
-        if cast is None:  # not ours here: exactly what torch does
-            if torch_kernel is not None:
-                return torch_kernel.call_boxed(keyset, *args, **kwargs)
-            return op.redispatch(keyset & after, *args, **kwargs)
-        if is_compiling():
-            raise RuntimeError(_TRACED_FAST)
-        low = get_dtype(device_type)
-        with guard(exclude):
-            if cast is Cast.FP32_SET_OPT_DTYPE:
-                args, kwargs = _set_fp32(args, kwargs, dtype_at, device_type)
-                return raw(*args, **kwargs)
-            if cast is Cast.FP32_APPEND_DTYPE:
-                if with_dtype is not None and _eligible_first(args, device_type):
-                    return with_dtype(*args, dtype=torch.float32)
-                return raw(*args, **kwargs)
-            return run(cast, raw, args, kwargs, device_type, low, tls.cache)
+        if rule is not None:
+            low = get_dtype(device_type)
+            cast = rule.get(low)
+            if cast is not None:
+                if is_compiling():
+                    raise RuntimeError(_TRACED_FAST)
+                with guard(exclude):
+                    if cast is _LOWER:  # the hot path: one frame less than casting.run
+                        return cast_call(raw, args, kwargs, low, device_type, low, tls.cache)
+                    if cast is Cast.FP32_SET_OPT_DTYPE:
+                        args, kwargs = _set_fp32(args, kwargs, dtype_at, device_type)
+                        return raw(*args, **kwargs)
+                    if cast is Cast.FP32_APPEND_DTYPE:
+                        if with_dtype is not None and _eligible_first(args, device_type):
+                            return with_dtype(*args, dtype=torch.float32)
+                        return raw(*args, **kwargs)
+                    return run(cast, raw, args, kwargs, device_type, low, tls.cache)
+        # Not ours here: exactly what torch does.
+        if torch_kernel is not None:
+            return torch_kernel.call_boxed(keyset, *args, **kwargs)
+        return op.redispatch(keyset & after, *args, **kwargs)
 
     kernel.__name__ = op._opname
     return kernel

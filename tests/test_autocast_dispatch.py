@@ -29,6 +29,13 @@ SWAPPED = _TORCH.with_ops(
 POLICIES = {"strict": amped.Policy.preset("strict", "cpu"), "swapped": SWAPPED}
 
 
+@pytest.fixture(autouse=True)
+def _fast_path_available(monkeypatch):
+    # Once anything in the process compiled (an earlier test file), amped runs the mode
+    # engine for every later region: these tests are about the fast path before that.
+    monkeypatch.setattr(dispatch, "compiled_once", False)
+
+
 @pytest.fixture
 def fast_off(monkeypatch):
     def off():
@@ -189,8 +196,7 @@ def test_threads_are_isolated():
     assert other["dtype"] == torch.bfloat16
 
 
-def test_compile_switches_to_the_engine_and_guards(monkeypatch):
-    monkeypatch.setattr(dispatch, "compiled_once", False)
+def test_compile_switches_to_the_engine_and_guards():
     torch._dynamo.reset()
 
     def f(a, b):

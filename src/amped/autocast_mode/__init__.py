@@ -5,7 +5,9 @@ from amped.autocast_mode import (
     compiling,
     custom,
     dispatch,
+    freshness,
     mode,
+    module_hooks,
     region,
     state,
     transparent,
@@ -27,4 +29,6 @@ __all__ = [
 
 # Dynamo inlines these modules' functions when it traces user code, and never compiles
 # them as frames of their own (see compiling.never_root_frames).
-compiling.never_root_frames(casting, mode, region, state, transparent, custom, dispatch)
+compiling.never_root_frames(
+    casting, mode, region, state, transparent, custom, dispatch, module_hooks, freshness
+)

@@ -30,5 +30,14 @@ __all__ = [
 # Dynamo inlines these modules' functions when it traces user code, and never compiles
 # them as frames of their own (see compiling.never_root_frames).
 compiling.never_root_frames(
-    casting, mode, region, state, transparent, custom, dispatch, module_hooks, freshness
+    casting,
+    compiling,
+    mode,
+    region,
+    state,
+    transparent,
+    custom,
+    dispatch,
+    module_hooks,
+    freshness,
 )

@@ -1,10 +1,19 @@
-"""What amped's engine costs against torch.autocast, per call, per region and per step.
+"""What amped's two engines cost against torch.autocast, per call, per region and per step.
 
-The engine is the path any policy other than torch's default runs (a changed op rule,
-a module rule, ``"strict"``, a custom op, the doctor); here it is forced on the default
-policy (``amped.autocast_mode.engine_always``), so both sides compute the same thing
-and only the engine's own cost differs. "amped" is the default path, for reference:
-it leaves the casts to torch's C++ autocast.
+A policy other than torch's default runs one of two paths:
+
+* "fast": its changed op rules as Python kernels at torch's Autocast dispatch keys
+  (``amped.autocast_mode.dispatch``), no TorchFunctionMode: a changed op rule,
+  ``"strict"``, a custom op. Measured with a policy that changes one rule (cdist, which
+  these models never call): what a region on the fast path costs around torch's own
+  work. "kernels" is the fast path's worst case: every rule routed through amped's
+  kernels (``dispatch.route_all``), torch's own rules too, so it computes what torch
+  computes and only the kernels' cost differs.
+* "engine": the TorchFunctionMode (module rules, ``@amped.autocast_op`` functions, the
+  doctor, and every region once ``torch.compile`` has run), forced here on the default
+  policy (``amped.autocast_mode.engine_always``), so it computes what torch computes.
+
+"amped" is the default path, for reference: it leaves the casts to torch's C++ autocast.
 
 Everything runs in one process, the sides interleaved (torch, engine, amped, then the
 next order, ...), and the figures are medians over repeats. Times are the thread's CPU
@@ -14,6 +23,7 @@ mostly measures the neighbours, CPU time the work.
 Reported, with the issue's targets:
 
 * added us per listed op (``F.linear`` on 8x8, weight cached)  target <= 5
+  (fast: an op whose rule is torch's; kernels: an op routed through amped's kernel)
 * added us per untouched op (``torch.add`` on 8x8)             target <= 0.5
 * added us per region enter+exit (a non-default policy)        target <= 10
 * train-step ratio engine/torch on three models               target <= 1.02
@@ -27,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import statistics
 import time
 from collections.abc import Callable
@@ -36,11 +47,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.autocast_mode import engine_always
+from amped.autocast_mode import dispatch, engine_always, state
 from amped.autocast_mode.mode import AutocastMode
 
-SIDES = ("torch", "engine", "amped")
-CHANGED = amped.Policy.preset("torch", "cpu").with_ops(fp32=["cdist"])  # any non-default
+SIDES = ("torch", "engine", "fast", "kernels", "amped")
+CHANGED = amped.Policy.preset("torch", "cpu").with_ops(lower=["cdist"])  # torch: fp32
+
+
+def prepare(side: str) -> None:
+    """Register exactly the kernels ``side`` uses (outside the timed part): none for
+    torch, engine and amped; cdist's for fast; every rule's for kernels."""
+    dispatch.release_kernels()
+    dispatch.route_all = side == "kernels"
+    if side in ("fast", "kernels"):
+        with amped.autocast("cpu", policy=CHANGED):
+            assert state._state.regions[-1].fast
+    gc.collect()  # registering allocates: collect now, not inside the timed part
 
 
 @contextlib.contextmanager
@@ -53,6 +75,8 @@ def amped_engine():
 def region(side: str) -> contextlib.AbstractContextManager:
     if side == "torch":
         return torch.autocast("cpu")
+    if side in ("fast", "kernels"):
+        return amped.autocast("cpu", policy=CHANGED)
     return amped_engine() if side == "engine" else amped.autocast("cpu")
 
 
@@ -102,7 +126,9 @@ def interleaved(measure: Callable[[str], float], sides: tuple[str, ...], repeats
     samples: dict[str, list[float]] = {side: [] for side in sides}
     for i in range(repeats):
         for side in orders(i, sides):
+            prepare(side)
             samples[side].append(measure(side))
+    prepare("torch")
     return samples
 
 
@@ -137,35 +163,39 @@ def per_call(repeats: int) -> dict[str, float]:
 
         samples = interleaved(measure, SIDES, repeats)
         t = statistics.median(samples["torch"])
-        out[label] = added(samples, "engine")
+        out[label] = {side: added(samples, side) for side in SIDES[1:]}
         print(
-            f"  {label:30s} torch {t:6.2f} us   engine {out[label]:+6.2f} us   "
-            f"amped {added(samples, 'amped'):+6.2f} us"
+            f"  {label:30s} torch {t:6.2f} us   "
+            + "   ".join(f"{side} {out[label][side]:+6.2f}" for side in SIDES[1:])
         )
     return out
 
 
-def per_region(repeats: int) -> float:
-    """Added microseconds per enter+exit of a region whose policy needs the engine."""
+def per_region(repeats: int) -> dict[str, float]:
+    """Added microseconds per enter+exit of a region with a non-default policy."""
     n = 2000
     make = {
         "torch": lambda: torch.autocast("cpu"),
         "engine": lambda: amped.autocast("cpu", policy=CHANGED),
+        "fast": lambda: amped.autocast("cpu", policy=CHANGED),
     }
 
     def measure(side: str) -> float:
         new = make[side]
+        state.FAST_PATH = side != "engine"
         start = time.thread_time()
         for _ in range(n):
             with new():
                 pass
+        state.FAST_PATH = True
         return (time.thread_time() - start) / n * 1e6
 
-    samples = interleaved(measure, ("torch", "engine"), repeats)
-    cost = added(samples, "engine")
+    samples = interleaved(measure, ("torch", "engine", "fast"), repeats)
+    cost = {side: added(samples, side) for side in ("engine", "fast")}
     print(
         f"  {'region enter+exit':30s} torch {statistics.median(samples['torch']):6.2f} us   "
-        f"engine {cost:+6.2f} us   (policy {CHANGED.name!r}, construction included)"
+        f"engine {cost['engine']:+6.2f}   fast {cost['fast']:+6.2f}   "
+        f"(policy {CHANGED.name!r}, construction included)"
     )
     return cost
 
@@ -198,7 +228,7 @@ def step_time(model, run, opt, side: str) -> float:
     return time.thread_time() - start
 
 
-def train_step(name: str, repeats: int) -> float:
+def train_step(name: str, repeats: int) -> dict[str, float]:
     torch.manual_seed(0)
     model, run = MODELS[name]()
     opt = torch.optim.SGD(model.parameters(), lr=1e-4)
@@ -207,14 +237,14 @@ def train_step(name: str, repeats: int) -> float:
             step_time(model, run, opt, side)
     samples = interleaved(lambda side: step_time(model, run, opt, side), SIDES, repeats)
     calls = count_intercepted(model, run)
-    engine = ratio(samples, "engine")
+    ratios = {side: ratio(samples, side) for side in SIDES[1:]}
     per = added(samples, "engine") / calls * 1e6
     print(
-        f"  {name:8s} torch {statistics.median(samples['torch']) * 1e3:8.2f} ms   "
-        f"ratio engine/torch = {engine:.3f}   amped/torch = {ratio(samples, 'amped'):.3f}   "
-        f"({calls} intercepted calls/step, {per:+.2f} us each)"
+        f"  {name:8s} torch {statistics.median(samples['torch']) * 1e3:8.2f} ms   ratio/torch: "
+        + "   ".join(f"{side} {ratios[side]:.3f}" for side in SIDES[1:])
+        + f"   (engine: {calls} intercepted calls/step, {per:+.2f} us each)"
     )
-    return engine
+    return ratios
 
 
 def compiled_step(name: str, backend: str, repeats: int) -> float:
@@ -277,12 +307,20 @@ def main() -> None:
     if not args.no_compile:
         print("train step, compiled forward (target <= 1.02):")
         compiled = compiled_step(args.compile_model, args.compile_backend, args.repeats)
-    print("summary:")
-    print(f"  listed op     {calls['listed op (F.linear)']:+.2f} us (target <= 5)")
-    print(f"  untouched op  {calls['untouched op (torch.add)']:+.2f} us (target <= 0.5)")
-    print(f"  region        {region_cost:+.2f} us (target <= 10)")
+    print("summary (engine / fast / kernels):")
+    for label, key, target in (
+        ("listed op", "listed op (F.linear)", "us (target <= 5)"),
+        ("untouched op", "untouched op (torch.add)", "us (target <= 0.5)"),
+    ):
+        got = " / ".join(f"{calls[key][side]:+.2f}" for side in ("engine", "fast", "kernels"))
+        print(f"  {label:13s} {got} {target}")
+    got = " / ".join(f"{region_cost[side]:+.2f}" for side in ("engine", "fast"))
+    print(f"  region        {got} us (target <= 10)")
     for name, value in steps.items():
-        print(f"  {name:13s} {value:.3f} (target <= 1.02)")
+        print(
+            f"  {name:13s} {value['engine']:.3f} / {value['fast']:.3f} / {value['kernels']:.3f}"
+            " (target <= 1.02)"
+        )
     if compiled is not None:
         print(f"  compiled      {compiled:.3f} (target <= 1.02)")
 

@@ -172,7 +172,8 @@ def test_weight_changed_in_place_is_cast_again(policy, scenario):
     assert not torch.equal(got[0][1], stale[0][1])
 
 
-def test_cache_entries_are_per_grad_mode_and_skip_inference_mode():
+def test_cache_entries_are_per_grad_mode_and_skip_inference_mode(monkeypatch):
+    monkeypatch.setattr(state, "FAST_PATH", False)  # the engine's cache (fast path: elsewhere)
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(2, 4)
     with amped.autocast("cpu", policy="strict"):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import _get_current_function_mode_stack
 
 import amped
-from amped.autocast_mode import mode, state
+from amped.autocast_mode import dispatch, mode, state
 from amped.autocast_mode.mode import AutocastMode
 from tolerances import BITWISE
 
@@ -46,15 +46,22 @@ def test_torch_rules_run_without_the_engine(preset):
 
 
 @pytest.mark.parametrize(
-    "policy",
-    [CHANGED, WITH_MODULE_RULE, amped.Policy.preset("strict", "cpu")],
+    ("policy", "fast"),
+    [(CHANGED, True), (WITH_MODULE_RULE, False), (amped.Policy.preset("strict", "cpu"), True)],
     ids=["changed-rule", "module-rule", "strict"],
 )
-def test_any_other_policy_runs_the_engine(policy):
+def test_any_other_policy_runs_the_engine_or_the_kernels(policy, fast, monkeypatch):
+    # Op rules alone: kernels at the Autocast keys (amped.autocast_mode.dispatch), no mode
+    # (until something in the process compiles, as an earlier test file may have).
+    monkeypatch.setattr(dispatch, "compiled_once", False)
     assert state.needs_engine(policy)
     with amped.autocast("cpu", policy=policy):
-        assert engine_on()
+        assert engine_on() is not fast
+        assert state._state.regions[-1].fast is fast
     assert not engine_on()
+    monkeypatch.setattr(state, "FAST_PATH", False)
+    with amped.autocast("cpu", policy=policy):
+        assert engine_on()
 
 
 def test_strict_equals_torch_on_cuda_so_needs_no_engine_there():
@@ -89,7 +96,8 @@ def test_engine_always_is_per_thread():
     assert seen == [False, True]
 
 
-def test_changed_region_inside_default_one_pushes_the_engine_for_itself():
+def test_changed_region_inside_default_one_pushes_the_engine_for_itself(monkeypatch):
+    monkeypatch.setattr(state, "FAST_PATH", False)  # the mode engine's nesting
     a = torch.randn(4, 4)
     with amped.autocast("cpu"):
         assert not engine_on()
@@ -101,7 +109,8 @@ def test_changed_region_inside_default_one_pushes_the_engine_for_itself():
     assert not engine_on()
 
 
-def test_default_region_inside_changed_one_keeps_the_engine_with_torch_rules():
+def test_default_region_inside_changed_one_keeps_the_engine_with_torch_rules(monkeypatch):
+    monkeypatch.setattr(state, "FAST_PATH", False)  # the mode engine's nesting
     a = torch.randn(4, 4)
     with amped.autocast("cpu", policy=CHANGED):
         with amped.autocast("cpu"):
@@ -112,7 +121,8 @@ def test_default_region_inside_changed_one_keeps_the_engine_with_torch_rules():
     assert not engine_on()
 
 
-def test_exception_in_nested_regions_leaves_no_engine_behind():
+def test_exception_in_nested_regions_leaves_no_engine_behind(monkeypatch):
+    monkeypatch.setattr(state, "FAST_PATH", False)  # the mode engine's nesting
     with (
         pytest.raises(ZeroDivisionError),
         amped.autocast("cpu"),

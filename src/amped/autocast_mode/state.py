@@ -23,12 +23,11 @@ from collections.abc import Iterator
 from typing import Any, cast
 
 import torch
-from torch.nn.modules import module as nn_module
 
-from amped.autocast_mode import compiling
+from amped.autocast_mode import compiling, dispatch, freshness
 from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
-from amped.policy import LOW_DTYPES, ModuleRule, Policy, torch_default_rules
+from amped.policy import LOW_DTYPES, Policy, torch_default_rules
 from amped.policy.created import add_creation_listener
 
 __all__ = ["Region", "current_policy", "engine_always", "enter", "exit", "needs_engine"]
@@ -43,7 +42,16 @@ class Region:
     restored at once if none is left above it.
     """
 
-    __slots__ = ("cache_enabled", "device_type", "dtype", "enabled", "engine", "policy", "saved")
+    __slots__ = (
+        "cache_enabled",
+        "device_type",
+        "dtype",
+        "enabled",
+        "engine",
+        "fast",
+        "policy",
+        "saved",
+    )
 
     def __init__(
         self,
@@ -58,7 +66,8 @@ class Region:
         self.enabled = enabled
         self.dtype = dtype
         self.cache_enabled = cache_enabled
-        self.engine = False
+        self.engine = False  # runs the mode engine
+        self.fast = False  # runs the fast path (kernels at the Autocast keys)
         # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
         self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)
 
@@ -149,11 +158,20 @@ def enter(region: Region) -> None:
     torch.autocast_increment_nesting()
     torch.set_autocast_cache_enabled(region.cache_enabled)
     region.engine = policy is not None and needs_engine(policy)
+    if region.engine and FAST_PATH and _fast_allowed(st):
+        tables = dispatch.plan(cast(Policy, policy))
+        if tables is not None:
+            dispatch.register(cast(Policy, policy), tables)
+            dispatch.watch_compiles()
+            region.engine, region.fast = False, True
+            freshness.acquire()
     st.regions.append(region)
     if region.engine and st.mode is None:
         _push_mode(st)
     if st.mode is not None:
         _publish(st)
+    if region.fast or dispatch._tls.active:
+        _publish_fast(st)
 
 
 def exit(region: Region) -> None:
@@ -191,9 +209,62 @@ def exit(region: Region) -> None:
             _pop_mode(st)
         else:
             _publish(st)
+    if region.fast:
+        freshness.release()
+    if region.fast or dispatch._tls.active or any(r.fast for r in regions):
+        _publish_fast(st)
     if last:
         torch.clear_autocast_cache()
         clear_cache()
+        dispatch.clear_cache()
+        freshness.forget()
+
+
+FAST_PATH = True
+"""Run policies that the dispatcher can express without the mode (see
+:mod:`amped.autocast_mode.dispatch`). Off: every non-default policy runs the mode."""
+
+
+def _fast_allowed(st: _ThreadState) -> bool:
+    return (
+        not dispatch.compiled_once
+        and not st.engine_always
+        and engine.TORCH_AUTOCAST_ALONGSIDE
+        and not torch.compiler.is_compiling()
+    )
+
+
+def _publish_fast(st: _ThreadState) -> None:
+    # The fast-path tables of the innermost policy per device type; none while the mode
+    # runs (it applies every open region's policy itself).
+    active: dict[str, dispatch.Tables] = {}
+    if st.mode is None:
+        for region in st.regions:
+            if region.policy is not None:
+                tables = dispatch.plan(region.policy) if region.fast else None
+                active[region.device_type] = tables or {}
+    dispatch.set_active({dev: tables for dev, tables in active.items() if tables})
+    freshness.set_active(any(r.fast for r in st.regions) and st.mode is None)
+
+
+def switch_to_engine() -> None:
+    """Move this thread's fast-path regions to the mode engine, now (torch.compile is
+    starting: Dynamo guards on the mode stack, not on the fast path's state)."""
+    st = _state
+    for region in st.regions:
+        if region.fast:
+            region.fast, region.engine = False, True
+            freshness.release()
+    if st.mode is None and any(r.engine for r in st.regions):
+        mode = st.spare_mode
+        if mode is None:
+            mode = st.spare_mode = AutocastMode()
+        st.mode = mode
+        _push(mode)
+        compiling.backward_autocast_off()
+        _publish(st)
+    dispatch.set_active({})
+    freshness.set_active(False)
 
 
 def _push_mode(st: _ThreadState) -> None:
@@ -267,113 +338,5 @@ def _publish(st: _ThreadState) -> None:
         mode.refresh()
 
 
-# --- module rules --------------------------------------------------------------------
-
-
-def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule | None:
-    name = _state.names.get(id(module))
-    for policy in policies.values():
-        for rule in reversed(policy.module_rules):  # later rules take precedence
-            if rule.matches(module, name):
-                return rule
-    return None
-
-
-def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    st = _state
-    mode = st.mode
-    if mode is None or not mode.module_rules:  # idle (hooks outlive compiled regions)
-        return None
-    if not st.frames:  # the outermost module call of the region: name its submodules
-        st.names = {id(m): name for name, m in module.named_modules()}
-    rule = _match(module, mode.policies)
-    if rule is None:
-        st.frames.append((module, None))
-        return None
-    saved = (mode.override, {dev: torch.is_autocast_enabled(dev) for dev in mode.policies})
-    st.frames.append((module, saved))
-    if rule.precision == "skip":
-        for dev in mode.policies:
-            torch.set_autocast_enabled(dev, False)
-        return None
-    mode.set_override(rule.precision)
-    if rule.precision == "fp32":
-        return tuple(_to_float32(a, mode.policies) for a in args)
-    return None
-
-
-def _to_float32(value: Any, device_types: dict[str, Policy]) -> Any:
-    if (
-        isinstance(value, torch.Tensor)
-        and value.is_floating_point()
-        and value.dtype is not torch.float64
-        and value.device.type in device_types
-    ):
-        return value.float()
-    return value
-
-
-def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    st = _state
-    if not st.frames or st.frames[-1][0] is not module:
-        return
-    _, saved = st.frames.pop()
-    if saved is not None and st.mode is not None:
-        override, enabled = saved
-        st.mode.set_override(override)
-        for dev, was_enabled in enabled.items():
-            torch.set_autocast_enabled(dev, was_enabled)
-
-
-class _GlobalHooks:
-    """Module hooks, installed while any region whose policy has module rules is open."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._handles: list[Any] = []
-
-    def acquire(self) -> None:
-        if torch.compiler.is_compiling():
-            # Dynamo traces one thread and cannot enter a lock nor register hooks in a
-            # graph; it runs the installation for real while tracing (the hooks are
-            # then traced into every module call after it) and counts.
-            _install_while_tracing()
-            self._users += 1
-            return
-        with self._lock:
-            self._users += 1
-            self.install()
-
-    def install(self) -> None:
-        """Install the hooks if they are not installed (idle unless a region needs them)."""
-        if not self._handles:
-            self._handles = [
-                # torch annotates the hook as returning None; returning new args is
-                # documented and supported.
-                nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook)),
-                nn_module.register_module_forward_hook(_post_hook, always_call=True),
-            ]
-
-    def release(self) -> None:
-        if torch.compiler.is_compiling():
-            # The hooks stay installed (idle, they return at once) until an eager
-            # release finds no user left: a graph cannot remove them.
-            self._users -= 1
-            return
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                for handle in self._handles:
-                    handle.remove()
-                self._handles = []
-
-
-_hooks = _GlobalHooks()
-
-
-@torch._dynamo.assume_constant_result
-def _install_while_tracing() -> bool:
-    with _hooks._lock:
-        _hooks.install()
-    return True
+# Module rules' hooks; they read this module's thread state (imported last: a cycle).
+from amped.autocast_mode.module_hooks import hooks as _hooks  # noqa: E402

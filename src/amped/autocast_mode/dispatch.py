@@ -1,0 +1,302 @@
+"""The fast path: a policy's changed op rules as kernels at torch's Autocast dispatch keys.
+
+A policy whose only difference from torch's default is a set of ATen (or
+``torch.library`` custom) op rules needs no :class:`~torch.overrides.TorchFunctionMode`:
+torch's C++ autocast applies every rule the policy shares with torch, and for just the
+ops whose rule differs amped registers a Python kernel at ``AutocastCPU`` /
+``AutocastCUDA``. That kernel applies amped's rule (with amped's weight cache) when a
+fast-path region is active on this thread and its dtype has a rule for the op;
+otherwise it behaves exactly as torch: it calls torch's own autocast kernel for the op
+(cache included), or, where torch has none, dispatches below the Autocast key as a
+fallthrough would. Untouched ops and the ops whose rule is torch's never reach Python.
+
+Kernels are registered the first time a policy needing them is entered (0.05 to 0.2 ms
+per op overload) and stay registered, idle, until :func:`release_kernels`: registering
+per region would cost more than the region. While registered, an op they cover costs a
+``torch.autocast`` user about 2.5 us more per call (the Python hop to torch's kernel;
+about 4 us where torch has no kernel and the call is redispatched below the key).
+
+Dynamo does not guard on this module's thread state, so a graph traced through these
+kernels could be reused under another policy. Hence the fast path serves eager code
+only: once ``torch.compile`` starts compiling anywhere in the process, every later
+region runs the mode engine (which Dynamo guards on), and regions open on the compiling
+thread at that moment switch to it before Dynamo captures the mode stack.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from amped.autocast_mode import casting
+from amped.policy import LOW_DTYPES, Cast, Policy, torch_default_rules
+
+__all__ = ["active_tables", "plan", "register", "registered_ops", "release_kernels"]
+
+_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+_LOWER = Cast.LOWER
+_EXPRESSIBLE = frozenset(
+    (
+        Cast.LOWER,
+        Cast.FP32,
+        Cast.PROMOTE,
+        Cast.FP32_LOW_OUT,
+        Cast.KEEP,
+        Cast.BANNED,
+        Cast.FP32_SET_OPT_DTYPE,
+        Cast.FP32_APPEND_DTYPE,
+    )
+)
+# fp32_append_dtype: the overload torch's C++ autocast redispatches each one to.
+_APPEND_DTYPE = {
+    "aten::norm.Scalar": "ScalarOpt_dtype",
+    "aten::norm.ScalarOpt_dim": "ScalarOpt_dim_dtype",
+}
+
+Tables = dict[torch._ops.OpOverload, dict[torch.dtype, Cast]]
+"""op overload -> low dtype -> amped's cast, for the ops whose rule differs from torch's."""
+
+
+class _Thread(threading.local):
+    def __init__(self) -> None:
+        self.active: dict[str, Tables] = {}  # device type -> tables of the innermost policy
+        self.cache = casting.WeightCache()
+
+
+_tls = _Thread()
+_lock = threading.Lock()
+_libraries: dict[tuple[str, str], torch.library.Library] = {}  # (overload, key) -> registration
+route_all = False
+"""Route every rule of a fast-path policy through amped's kernels, torch's own rules
+too (benchmarks/autocast_overhead.py measures the kernels' cost with it)."""
+compiled_once = False
+"""Set when torch.compile first compiles in this process: the fast path is off from then."""
+
+
+def plan(policy: Policy) -> Tables | None:
+    """The fast-path tables of ``policy``, or None when the mode engine must run it.
+
+    None for: module rules, an op named in Python only (an ``@amped.autocast_op``
+    function), a rule the dispatcher cannot apply bitwise as the mode does
+    (``FP32_APPEND_DTYPE``, which redispatches to another overload), a device type
+    without an Autocast key here. Kept with the policy.
+    """
+    key = ("fast_plan", route_all)
+    found = policy._engine_cache.get(key, False)
+    if found is not False:
+        return found
+    tables = _plan(policy)
+    policy._engine_cache[key] = tables
+    return tables
+
+
+def _plan(policy: Policy) -> Tables | None:
+    if policy.module_rules or policy.device_type not in _KEYS:
+        return None
+    torch_rules = torch_default_rules(policy.device_type)
+    tables: Tables = {}
+    for dtype in LOW_DTYPES:
+        for op, cast in policy.rules_for(dtype).items():
+            if (
+                isinstance(op, str)
+                and "::" not in op
+                and torch_rules.get(op) is cast
+                and not route_all
+            ):
+                continue
+            overloads = _overloads(op)
+            if overloads is None or cast not in _EXPRESSIBLE:
+                return None
+            for overload in overloads:
+                if cast is Cast.FP32_SET_OPT_DTYPE and _dtype_index(overload) is None:
+                    continue  # the overload has no dtype argument: torch leaves it alone
+                if cast is Cast.FP32_APPEND_DTYPE and overload.name() not in _APPEND_DTYPE:
+                    continue  # likewise: torch's rule names just these overloads
+                tables.setdefault(overload, {})[dtype] = cast
+    return tables
+
+
+def _overloads(op: Any) -> list[torch._ops.OpOverload] | None:
+    packet: Any
+    if isinstance(op, str):
+        namespace, _, name = op.rpartition("::")
+        packet = getattr(getattr(torch.ops, namespace or "aten"), name, None)
+    else:
+        packet = getattr(op, "_opoverload", op)  # torch.library.custom_op's CustomOpDef
+        if isinstance(packet, torch._ops.OpOverload):
+            packet = packet.overloadpacket
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return None
+    overloads = [getattr(packet, name) for name in packet.overloads()]
+    # TorchScript-only overloads (aten::sum.int) have no dispatcher entry; out= and
+    # in-place overloads are left alone, as torch's autocast leaves them.
+    return [
+        op
+        for op in overloads
+        if torch._C._dispatch_has_kernel(op.name()) and not op._schema.is_mutable
+    ]
+
+
+def _dtype_index(overload: torch._ops.OpOverload) -> int | None:
+    # The position of the optional dtype argument (-1: keyword-only), None: it has none.
+    for i, arg in enumerate(overload._schema.arguments):
+        if arg.name == "dtype":
+            return -1 if arg.kwarg_only else i
+    return None
+
+
+def register(policy: Policy, tables: Tables) -> None:
+    """Register the kernels ``tables`` needs (once per op overload and device key)."""
+    key = _KEYS[policy.device_type]
+    missing = [op for op in tables if (op.name(), key) not in _libraries]
+    if not missing:
+        return
+    with _lock, warnings.catch_warnings():
+        # "Overriding a previously registered kernel": torch's, which the kernel calls.
+        warnings.simplefilter("ignore", UserWarning)
+        for op in missing:
+            if (op.name(), key) in _libraries:
+                continue
+            namespace = op.namespace
+            lib = torch.library.Library(namespace, "IMPL")
+            lib.impl(op, _kernel(op, policy.device_type, key), key, with_keyset=True)
+            _libraries[(op.name(), key)] = lib
+
+
+def registered_ops() -> list[tuple[str, str]]:
+    """(op overload name, dispatch key) of every kernel amped has registered now."""
+    return sorted(_libraries)
+
+
+def release_kernels() -> None:
+    """Undo every registration: torch's own autocast kernels are in force again.
+
+    Regions using the fast path must be closed; later ones register again.
+    """
+    if any(_tls.active.values()):
+        raise RuntimeError(
+            "amped.autocast_mode.dispatch.release_kernels() was called inside an amped "
+            "region that uses the kernels. Close the region first."
+        )
+    with _lock:
+        for lib in _libraries.values():
+            lib._destroy()
+        _libraries.clear()
+
+
+def active_tables() -> dict[str, Tables]:
+    """This thread's active fast-path tables per device type (empty: none active)."""
+    return _tls.active
+
+
+def set_active(active: dict[str, Tables]) -> None:
+    _tls.active = active
+
+
+def clear_cache() -> None:
+    """Drop this thread's fast-path weight cache (the outermost region closed)."""
+    _tls.cache.clear()
+
+
+def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
+    raw = op._op
+    after = torch._C._dispatch_keyset_full_after(getattr(torch._C.DispatchKey, key))
+    exclude = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
+    guard = torch._C._ExcludeDispatchKeyGuard
+    torch_kernel = (
+        torch.library.get_kernel(op, key)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
+        else None
+    )
+    dtype_at = _dtype_index(op)
+    appended = _APPEND_DTYPE.get(op.name())
+    with_dtype = getattr(op.overloadpacket, appended)._op if appended else None
+    tls = _tls
+    get_dtype = torch.get_autocast_dtype
+    run = casting.run
+    cast_call = casting.cast_call
+    is_compiling = torch.compiler.is_compiling
+
+    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        tables = tls.active.get(device_type)
+        rule = tables.get(op) if tables else None
+        if rule is not None:
+            low = get_dtype(device_type)
+            cast = rule.get(low)
+            if cast is not None:
+                if is_compiling():
+                    raise RuntimeError(_TRACED_FAST)
+                with guard(exclude):
+                    if cast is _LOWER:  # the hot path: one frame less than casting.run
+                        return cast_call(raw, args, kwargs, low, device_type, low, tls.cache)
+                    if cast is Cast.FP32_SET_OPT_DTYPE:
+                        args, kwargs = _set_fp32(args, kwargs, dtype_at, device_type)
+                        return raw(*args, **kwargs)
+                    if cast is Cast.FP32_APPEND_DTYPE:
+                        if with_dtype is not None and _eligible_first(args, device_type):
+                            return with_dtype(*args, dtype=torch.float32)
+                        return raw(*args, **kwargs)
+                    return run(cast, raw, args, kwargs, device_type, low, tls.cache)
+        # Not ours here: exactly what torch does.
+        if torch_kernel is not None:
+            return torch_kernel.call_boxed(keyset, *args, **kwargs)
+        return op.redispatch(keyset & after, *args, **kwargs)
+
+    kernel.__name__ = op._opname
+    return kernel
+
+
+def _set_fp32(
+    args: tuple[Any, ...], kwargs: dict[str, Any], at: int | None, device_type: str
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    # at::autocast's fp32_set_opt_dtype: an eligible first argument and no dtype given
+    # -> run the same overload with dtype=float32.
+    if at is None or not _eligible_first(args, device_type):
+        return args, kwargs
+    if at < 0 or at >= len(args):  # keyword-only, or passed by keyword
+        if kwargs.get("dtype") is None:
+            return args, {**kwargs, "dtype": torch.float32}
+    elif args[at] is None:
+        return (*args[:at], torch.float32, *args[at + 1 :]), kwargs
+    return args, kwargs
+
+
+def _eligible_first(args: tuple[Any, ...], device_type: str) -> bool:
+    first = args[0] if args else None
+    return (
+        isinstance(first, torch.Tensor)
+        and first.is_floating_point()
+        and first.dtype is not torch.float64
+        and first.device.type == device_type
+    )
+
+
+_TRACED_FAST = (
+    "torch.compile is tracing code inside an amped region that runs the eager fast path "
+    "(torch._dynamo.reset() ran inside the region and removed amped's compile hook), "
+    "and Dynamo could not guard on its policy. Open the region after "
+    "torch._dynamo.reset(), or inside the compiled function."
+)
+
+
+def watch_compiles() -> None:
+    """Make sure amped hears when torch.compile starts (``torch._dynamo.reset()``
+    drops every compile callback)."""
+    if _on_compile_start not in _callbacks.start_callbacks:
+        _callbacks.register_start_callback(_on_compile_start)
+
+
+def _on_compile_start(args: Any) -> None:
+    global compiled_once
+    compiled_once = True
+    if any(_tls.active.values()):
+        from amped.autocast_mode import state  # the upper module of this package
+
+        state.switch_to_engine()
+
+
+_callbacks = torch._dynamo.callback_handler
+watch_compiles()

@@ -1,0 +1,128 @@
+"""The module rules' global hooks: a region whose policy has module rules switches the
+mode engine to fp32 / low precision (or autocast off) inside matching modules.
+
+Installed while any such region is open (:class:`_GlobalHooks`); they read the thread
+state of :mod:`amped.autocast_mode.state`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, cast
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from amped.autocast_mode import state
+from amped.policy import ModuleRule, Policy
+
+__all__ = ["hooks"]
+
+
+def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule | None:
+    name = state._state.names.get(id(module))
+    for policy in policies.values():
+        for rule in reversed(policy.module_rules):  # later rules take precedence
+            if rule.matches(module, name):
+                return rule
+    return None
+
+
+def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    st = state._state
+    mode = st.mode
+    if mode is None or not mode.module_rules:  # idle (hooks outlive compiled regions)
+        return None
+    if not st.frames:  # the outermost module call of the region: name its submodules
+        st.names = {id(m): name for name, m in module.named_modules()}
+    rule = _match(module, mode.policies)
+    if rule is None:
+        st.frames.append((module, None))
+        return None
+    saved = (mode.override, {dev: torch.is_autocast_enabled(dev) for dev in mode.policies})
+    st.frames.append((module, saved))
+    if rule.precision == "skip":
+        for dev in mode.policies:
+            torch.set_autocast_enabled(dev, False)
+        return None
+    mode.set_override(rule.precision)
+    if rule.precision == "fp32":
+        return tuple(_to_float32(a, mode.policies) for a in args)
+    return None
+
+
+def _to_float32(value: Any, device_types: dict[str, Policy]) -> Any:
+    if (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dtype is not torch.float64
+        and value.device.type in device_types
+    ):
+        return value.float()
+    return value
+
+
+def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    st = state._state
+    if not st.frames or st.frames[-1][0] is not module:
+        return
+    _, saved = st.frames.pop()
+    if saved is not None and st.mode is not None:
+        override, enabled = saved
+        st.mode.set_override(override)
+        for dev, was_enabled in enabled.items():
+            torch.set_autocast_enabled(dev, was_enabled)
+
+
+class _GlobalHooks:
+    """Module hooks, installed while any region whose policy has module rules is open."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._handles: list[Any] = []
+
+    def acquire(self) -> None:
+        if torch.compiler.is_compiling():
+            # Dynamo traces one thread and cannot enter a lock nor register hooks in a
+            # graph; it runs the installation for real while tracing (the hooks are
+            # then traced into every module call after it) and counts.
+            _install_while_tracing()
+            self._users += 1
+            return
+        with self._lock:
+            self._users += 1
+            self.install()
+
+    def install(self) -> None:
+        """Install the hooks if they are not installed (idle unless a region needs them)."""
+        if not self._handles:
+            self._handles = [
+                # torch annotates the hook as returning None; returning new args is
+                # documented and supported.
+                nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook)),
+                nn_module.register_module_forward_hook(_post_hook, always_call=True),
+            ]
+
+    def release(self) -> None:
+        if torch.compiler.is_compiling():
+            # The hooks stay installed (idle, they return at once) until an eager
+            # release finds no user left: a graph cannot remove them.
+            self._users -= 1
+            return
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for handle in self._handles:
+                    handle.remove()
+                self._handles = []
+
+
+hooks = _GlobalHooks()
+
+
+@torch._dynamo.assume_constant_result
+def _install_while_tracing() -> bool:
+    with hooks._lock:
+        hooks.install()
+    return True

@@ -1,0 +1,279 @@
+"""The fast path: a policy's changed op rules as kernels at torch's Autocast keys.
+
+Checked against the mode engine (the same policy with the fast path off) on every entry
+of torch's CPU autocast test lists, bitwise; against torch for plain ``torch.autocast``
+while the kernels are registered; and for the weight cache, undoing the registration,
+thread isolation and ``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import amped
+from amped.autocast_mode import dispatch, state
+from amped.policy import Cast, torch_default_rules
+from test_autocast_op_lists import LOW_DTYPES, _assert_same, _cpu_cases, _run, _variants
+
+_TORCH = amped.Policy.preset("torch", "cpu")
+_SWAP = {Cast.LOWER: "fp32", Cast.FP32: "lower"}
+# Every rule torch has on CPU turned around: low-precision ops to fp32 and back.
+SWAPPED = _TORCH.with_ops(
+    fp32=[op for op, c in torch_default_rules("cpu").items() if c is Cast.LOWER],
+    lower=[op for op, c in torch_default_rules("cpu").items() if c is Cast.FP32],
+)
+POLICIES = {"strict": amped.Policy.preset("strict", "cpu"), "swapped": SWAPPED}
+
+
+@pytest.fixture(autouse=True)
+def _fast_path_available(monkeypatch):
+    # Once anything in the process compiled (an earlier test file), amped runs the mode
+    # engine for every later region: these tests are about the fast path before that.
+    monkeypatch.setattr(dispatch, "compiled_once", False)
+
+
+@pytest.fixture
+def fast_off(monkeypatch):
+    def off():
+        monkeypatch.setattr(state, "FAST_PATH", False)
+
+    return off
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
+def test_op_lists_bitwise_equal_to_mode_engine(name, dtype):
+    policy = POLICIES[name]
+    assert dispatch.plan(policy), f"{name} should be served by the fast path"
+    with amped.autocast("cpu", dtype, policy=policy):
+        assert state._state.regions[-1].fast and torch._C._len_torch_function_stack() == 0
+    try:
+        for list_name, op, args, kwargs in _cpu_cases():
+            for label, fn, call_args in _variants(list_name, op, args):
+                state.FAST_PATH = False
+                engine = _run(fn, call_args, kwargs, amped.autocast("cpu", dtype, policy=policy))
+                state.FAST_PATH = True
+                fast = _run(fn, call_args, kwargs, amped.autocast("cpu", dtype, policy=policy))
+                _assert_same(engine, fast, f"{name}: {label} under {dtype}")
+    finally:
+        state.FAST_PATH = True
+
+
+def test_fast_path_runs_no_mode_and_registers_only_changed_ops():
+    dispatch.release_kernels()
+    policy = _TORCH.with_ops(fp32=["mm"])
+    with amped.autocast("cpu", policy=policy):
+        assert torch._C._len_torch_function_stack() == 0
+        assert [r.fast for r in state._state.regions] == [True]
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
+        assert torch.matmul(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16
+    names = {name for name, _ in dispatch.registered_ops()}
+    assert "aten::mm" in names and "aten::matmul" not in names
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
+def test_torch_autocast_unchanged_while_kernels_registered(dtype):
+    # Register every kernel both policies need, then plain torch.autocast must give
+    # what it gives with none registered.
+    for policy in POLICIES.values():
+        with amped.autocast("cpu", policy=policy):
+            pass
+    assert dispatch.registered_ops()
+    with_kernels = []
+    cases = [
+        (fn, a, kw) for ln, op, args, kw in _cpu_cases() for _, fn, a in _variants(ln, op, args)
+    ]
+    for fn, args, kwargs in cases:
+        with_kernels.append(_run(fn, args, kwargs, torch.autocast("cpu", dtype=dtype)))
+    dispatch.release_kernels()
+    assert dispatch.registered_ops() == []
+    for (fn, args, kwargs), got in zip(cases, with_kernels, strict=True):
+        _assert_same(_run(fn, args, kwargs, torch.autocast("cpu", dtype=dtype)), got, str(fn))
+
+
+def test_release_restores_torch_kernels_and_registration_is_lazy():
+    dispatch.release_kernels()
+    with torch.autocast("cpu"):
+        torch.mm(torch.randn(2, 2), torch.randn(2, 2))
+    with amped.autocast("cpu"):  # the default policy registers nothing
+        pass
+    assert dispatch.registered_ops() == []
+    with amped.autocast("cpu", policy=_TORCH.with_ops(fp32=["mm"])):
+        assert dispatch.registered_ops() == [
+            ("aten::mm", "AutocastCPU"),
+            ("aten::mm.dtype", "AutocastCPU"),
+        ]
+        with pytest.raises(RuntimeError, match="Close the region first"):
+            dispatch.release_kernels()
+    dispatch.release_kernels()
+    assert "autocast_mode.cpp" in repr(torch.library.get_kernel("aten::mm", "AutocastCPU"))
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(3, 4))
+
+    def forward(self, x):
+        return F.l1_loss(x, self.weight, reduction="none")
+
+
+LOW_LOSS = _TORCH.with_ops(lower=["l1_loss"])  # torch runs it in fp32: amped's kernel casts
+
+
+def test_cache_reuses_weight_and_keeps_gradients_after_no_grad():
+    m, x = _Loss(), torch.randn(3, 4)
+    with amped.autocast("cpu", policy=LOW_LOSS):
+        assert state._state.regions[-1].fast
+        with torch.no_grad():
+            m(x)
+        out = m(x)
+        assert len(dispatch._tls.cache) == 2  # the no-grad cast and the grad-enabled one
+        assert out.dtype == torch.bfloat16 and out.requires_grad
+        m(x).sum().backward()
+    assert m.weight.grad is not None
+    assert len(dispatch._tls.cache) == 0  # dropped when the outermost region closed
+    with amped.autocast("cpu", policy=LOW_LOSS), torch.inference_mode():
+        m(x)
+        assert len(dispatch._tls.cache) == 0
+
+
+def test_in_place_update_recasts_like_the_engine(fast_off):
+    def run():
+        torch.manual_seed(0)
+        m, x = _Loss(), torch.randn(3, 4)
+        with amped.autocast("cpu", policy=LOW_LOSS):
+            first = m(x)
+            with torch.no_grad():
+                m.weight.mul_(3.0)
+            return first, m(x)
+
+    fast = run()
+    fast_off()
+    engine = run()
+    for a, b in zip(fast, engine, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(*fast)
+
+
+def test_gradients_bitwise_equal_to_engine(fast_off):
+    def run():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+        x = torch.randn(4, 8)
+        with amped.autocast("cpu", policy=POLICIES["strict"]):
+            loss = F.log_softmax(model(x), -1).pow(2).sum()
+        loss.backward()
+        return [loss, *(p.grad for p in model.parameters())]
+
+    fast = run()
+    fast_off()
+    for a, b in zip(fast, run(), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_threads_are_isolated():
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    inside, other = threading.Barrier(2), {}
+
+    def plain():
+        inside.wait()
+        with torch.autocast("cpu"):
+            other["dtype"] = torch.mm(a, b).dtype
+        inside.wait()
+
+    worker = threading.Thread(target=plain)
+    worker.start()
+    with amped.autocast("cpu", policy=_TORCH.with_ops(fp32=["mm"])):
+        inside.wait()
+        inside.wait()
+        assert torch.mm(a, b).dtype == torch.float32
+    worker.join()
+    assert other["dtype"] == torch.bfloat16
+
+
+def test_compile_switches_to_the_engine_and_guards():
+    torch._dynamo.reset()
+
+    def f(a, b):
+        return torch.mm(a, b)
+
+    compiled = torch.compile(f, backend="aot_eager")
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    policy = _TORCH.with_ops(fp32=["mm"])
+    with amped.autocast("cpu", policy=policy):
+        assert state._state.regions[-1].fast
+        got = compiled(a, b)  # compiling: the region moves to the mode engine
+        assert not state._state.regions[-1].fast and state._state.mode is not None
+        assert got.dtype == torch.float32 and torch.equal(got, f(a, b))
+    assert dispatch.compiled_once
+    with torch.autocast("cpu"):  # the graph is not reused for plain torch.autocast
+        assert compiled(a, b).dtype == torch.bfloat16
+    with amped.autocast("cpu", policy=policy):  # after a compile: the mode engine
+        assert not state._state.regions[-1].fast
+        assert compiled(a, b).dtype == torch.float32
+
+
+def test_nested_regions_each_apply_their_own_rules():
+    a = torch.randn(4, 4)
+    changed = _TORCH.with_ops(fp32=["mm"])
+    with amped.autocast("cpu", policy=changed):
+        with amped.autocast("cpu"):  # torch's rules inside
+            assert torch.mm(a, a).dtype == torch.bfloat16
+        assert torch.mm(a, a).dtype == torch.float32
+        with amped.autocast("cpu", policy=WITH_MODULE_RULE):  # needs the mode: it takes over
+            assert state._state.mode is not None and dispatch.active_tables() == {}
+            assert torch.mm(a, a).dtype == torch.bfloat16
+        assert state._state.mode is None and torch.mm(a, a).dtype == torch.float32
+    assert dispatch.active_tables() == {}
+    with amped.autocast("cpu"), amped.autocast("cpu", policy=changed):
+        assert torch.mm(a, a).dtype == torch.float32
+
+
+WITH_MODULE_RULE = _TORCH.with_module(torch.nn.LayerNorm, "fp32")
+
+
+@torch.library.custom_op("amped_dispatch_test::scaled", mutates_args=())
+def _scaled(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * w).sum(-1)
+
+
+@_scaled.register_fake
+def _(x, w):
+    return x.new_empty(x.shape[:-1])
+
+
+def _scaled_backward(ctx, grad):
+    x, w = ctx.saved_tensors
+    return grad[..., None] * w, (grad[..., None] * x).sum(0)
+
+
+def _scaled_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+_scaled.register_autograd(_scaled_backward, setup_context=_scaled_setup)
+
+
+def test_torch_library_custom_op_bitwise_equal_to_engine(fast_off):
+    policy = _TORCH.with_ops(lower=[_scaled])
+    assert dispatch.plan(policy)
+    x, w = torch.randn(3, 4), torch.randn(4, requires_grad=True)
+
+    def run():
+        with amped.autocast("cpu", policy=policy):
+            out = _scaled(x, w)
+            fast = state._state.regions[-1].fast
+        out.float().sum().backward()
+        grad, w.grad = w.grad, None
+        return out, grad, fast
+
+    out, grad, fast = run()
+    assert fast and out.dtype == torch.bfloat16
+    fast_off()
+    out2, grad2, fast2 = run()
+    assert not fast2 and torch.equal(out, out2) and torch.equal(grad, grad2)

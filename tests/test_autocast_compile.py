@@ -208,3 +208,35 @@ def test_recipe_training_step_compiled_equals_eager(recipe, inject):
     if inject is not None:  # one skipped step: the scale backed off once, exactly
         assert c_setup.scaler.get_scale() == e_setup.scaler.get_scale() == 65536.0 * 0.5
         assert not torch.isfinite(c_losses[inject])
+
+
+_FIRST_USE = """
+import torch, torch.nn.functional as F, amped
+policy = amped.Policy.preset("torch", "cpu").with_module(torch.nn.LayerNorm, "fp32")
+norm = torch.nn.LayerNorm(16)
+
+def step(x):
+    with amped.autocast("cpu", policy=policy):
+        return F.relu(torch.mm(norm(x), x.t()))
+
+x = torch.randn(4, 16)
+compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
+with amped.autocast_mode.engine_always():
+    eager = step(x)
+assert compiled.dtype == eager.dtype == torch.bfloat16, (compiled.dtype, eager.dtype)
+assert torch.equal(compiled, eager)
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_first_region_of_a_process_compiles_fullgraph():
+    """No region was opened eagerly before: what the engine needs is built when the
+    policy is made, not on the first region (Dynamo cannot trace building it)."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-c", _FIRST_USE], capture_output=True, text=True, timeout=300
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]

@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import torch
 
-from amped.autocast_mode import compiling, dispatch, freshness
+from amped.autocast_mode import compiling, dispatch, freshness, transparent
 from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
 from amped.policy import LOW_DTYPES, Policy, torch_default_rules
@@ -121,6 +121,7 @@ def _prepare(policy: Policy) -> None:
     # opened inside a compiled function then only reads them (Dynamo cannot build them).
     _torch_equal(policy)
     engine.prepare(policy)
+    transparent.prepare_clones()  # once per process, about 1 ms
 
 
 add_creation_listener(_prepare)

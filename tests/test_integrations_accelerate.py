@@ -12,6 +12,7 @@ from accelerate.state import AcceleratorState, GradientState
 
 import amped
 from amped.integrations.accelerate import Accelerator
+from amped.recipes import recipe_names
 from integration_helpers import (
     STEPS_PER_EPOCH,
     batches,
@@ -21,15 +22,7 @@ from integration_helpers import (
     make_optimizer,
 )
 
-RECIPES = [
-    "fp32",
-    "bf16-mixed",
-    "fp16-mixed",
-    "bf16-master",
-    "fp16-master",
-    "bf16-pure",
-    "bf16-pure-sr",
-]
+RECIPES = recipe_names()  # every registered recipe, fp32 first
 
 
 @pytest.fixture(autouse=True)

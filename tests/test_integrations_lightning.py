@@ -13,6 +13,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 import amped
 from amped.integrations.lightning import FabricPrecision, Precision
+from amped.recipes import recipe_names
 from integration_helpers import (
     STEPS_PER_EPOCH,
     batches,
@@ -23,15 +24,7 @@ from integration_helpers import (
     make_optimizer,
 )
 
-RECIPES = [
-    "fp32",
-    "bf16-mixed",
-    "fp16-mixed",
-    "bf16-master",
-    "fp16-master",
-    "bf16-pure",
-    "bf16-pure-sr",
-]
+RECIPES = recipe_names()  # every registered recipe, fp32 first
 
 
 class Module(L.LightningModule):

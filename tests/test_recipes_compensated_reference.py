@@ -3,11 +3,16 @@
 The optimizers step their parameters in chunks, through flat float32 work tensors
 (see amped.recipes.compensated). The reference below is the algorithm they replaced
 (amped 752a332), written plainly: one parameter at a time, its gradient, state and
-weight copied to float32, stochastic rounding with one randint per write and NaNs
-kept by isnan + where. Parameters, every state tensor, the step counts and the random
-stream must come out bitwise equal, step after step: same hyper-parameters, same
-grouping, both compensations, float32 parameters among bfloat16 ones, a parameter
-without a gradient and one whose gradient arrives late.
+weight copied to float32, NaNs kept by isnan + where. Its random bits are those of
+amped.recipes.noise, computed here on their own: each step that rounds stochastically
+draws one int32 key per write from the generator, and the element numbered ``n``
+(counting the step's bfloat16 elements with a gradient on the device, parameter after
+parameter, group after group, each in row-major order) gets the top 16 bits of
+lowbias32(key + n), in int64 arithmetic with products of at most 48 bits.
+Parameters, every state tensor, the step counts and the random stream must come out
+bitwise equal, step after step: same hyper-parameters, same grouping, both
+compensations, float32 parameters among bfloat16 ones, a parameter without a gradient
+and one whose gradient arrives late.
 """
 
 from __future__ import annotations
@@ -26,11 +31,27 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SLOW_DECAY = 2.0**-6
 
 
-def _ref_stochastic_round(target, value, generator):
+_MASK = (1 << 32) - 1
+
+
+def _ref_mul32(x, constant):
+    """``x * constant`` mod 2**32 for int64 ``x`` in [0, 2**32), in 16-bit halves."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK
+
+
+def _ref_noise(key, first, shape, device):
+    """Top 16 bits of lowbias32(key + first + i) for i in 0..numel, in ``shape``."""
+    numel = math.prod(shape)
+    x = (torch.arange(numel, dtype=torch.int64, device=device) + (key + first)) & _MASK
+    x = _ref_mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _ref_mul32(x ^ (x >> 15), 0x846CA68B)
+    return (x >> 16).to(torch.int32).view(shape)
+
+
+def _ref_stochastic_round(target, value, noise):
     value = value.contiguous()
-    noise = torch.randint(
-        0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator
-    )
     rounded = noise.add_(value.view(torch.int32)).bitwise_and_(-(1 << 16)).view(torch.float32)
     target.copy_(torch.where(value.isnan(), value, rounded))
 
@@ -47,18 +68,24 @@ class Reference:
 
     def __init__(self, kind, groups, seed):
         self.kind, self.groups, self.seed = kind, groups, seed
+        self.writes = 2 if kind is CompensatedSGD else 3
         self.state = {}
         self.generator = None
+        self.keys = None  # this step's, once drawn
+        self.first = {}  # the number of each bfloat16 parameter's first element
 
-    def rng(self, device):
-        if self.generator is None:
-            self.generator = torch.Generator(device).manual_seed(self.seed)
-        return self.generator
+    def noise(self, param, write):
+        if self.keys is None:
+            if self.generator is None:
+                self.generator = torch.Generator(param.device).manual_seed(self.seed)
+            keys = torch.empty(self.writes, dtype=torch.int32, device=param.device)
+            self.keys = keys.random_(generator=self.generator).tolist()
+        return _ref_noise(self.keys[write], self.first[param], param.shape, param.device)
 
-    def store(self, buffer, value, group, decay):
+    def store(self, buffer, value, group, decay, write, param):
         stochastic = group["compensation"] == "stochastic" or 1 - decay < SLOW_DECAY
         if buffer.dtype is torch.bfloat16 and stochastic:
-            _ref_stochastic_round(buffer, value, self.rng(buffer.device))
+            _ref_stochastic_round(buffer, value, self.noise(param, write))
         else:
             buffer.copy_(value)
 
@@ -70,10 +97,17 @@ class Reference:
                 state["compensation"] = torch.zeros_like(param)
             _ref_kahan_add(param, update, state["compensation"])
         else:
-            _ref_stochastic_round(param, update.add_(param), self.rng(param.device))
+            noise = self.noise(param, self.writes - 1)
+            _ref_stochastic_round(param, update.add_(param), noise)
 
     @torch.no_grad()
     def step(self):
+        self.keys, self.first, counted = None, {}, {}
+        for group in self.groups:
+            for param in group["params"]:
+                if param.grad is not None and param.dtype is torch.bfloat16:
+                    self.first[param] = counted.get(param.device, 0)
+                    counted[param.device] = self.first[param] + param.numel()
         for group in self.groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -99,7 +133,7 @@ class Reference:
             else:
                 velocity = buf.to(torch.float32, copy=True).mul_(momentum)
                 velocity.add_(grad, alpha=1 - group["dampening"])
-            self.store(buf, velocity, group, momentum)
+            self.store(buf, velocity, group, momentum, 0, param)
             grad = grad.add_(velocity, alpha=momentum) if group["nesterov"] else velocity
         self.apply(param, grad.mul_(-group["lr"]), state, group)
 
@@ -116,8 +150,8 @@ class Reference:
         exp_avg = state["exp_avg"].to(torch.float32, copy=True).lerp_(grad, 1 - beta1)
         exp_avg_sq = state["exp_avg_sq"].to(torch.float32, copy=True).mul_(beta2)
         exp_avg_sq.addcmul_(grad, grad, value=1 - beta2)
-        self.store(state["exp_avg"], exp_avg, group, beta1)
-        self.store(state["exp_avg_sq"], exp_avg_sq, group, beta2)
+        self.store(state["exp_avg"], exp_avg, group, beta1, 0, param)
+        self.store(state["exp_avg_sq"], exp_avg_sq, group, beta2, 1, param)
         step_size = lr / (1 - beta1**step)
         denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2**step)).add_(group["eps"])
         update = exp_avg.div_(denom).mul_(-step_size)
@@ -218,9 +252,9 @@ def _run_both(kind, config, compensation, low=torch.bfloat16, device="cpu"):
 
 @pytest.fixture(params=["chunk-default", "chunk-small"])
 def chunk_bytes(request, monkeypatch):
-    """The default chunk holds all these parameters at once; 448 bytes (16 elements of
-    AdamW, 22 of SGD) splits them into many chunks, and tensors larger than a chunk go
-    alone."""
+    """The default chunk holds all these parameters at once; 448 bytes (12 elements of
+    AdamW, 16 of SGD) splits them into many chunks, cuts the contiguous tensors larger
+    than a chunk into pieces, and sends the others (transposed, channels-last) alone."""
     if request.param == "chunk-small":
         monkeypatch.setattr(compensated, "_CHUNK_BYTES", 448)
     return request.param
@@ -250,24 +284,32 @@ def test_stochastic_float16_is_refused_before_anything_is_written():
     assert (bf16 == 1).all() and not opt.state and opt._generator is None
 
 
-def test_step_allocates_only_its_bounded_work_tensors(monkeypatch):
-    """The transient memory of a step is its chunks' work tensors (module docstring):
-    28 bytes per element for AdamW (four float32 rows, three int32 noise rows), for the
-    largest chunk: at most _CHUNK_BYTES, or the largest tensor if larger."""
-    monkeypatch.setattr(compensated, "_CHUNK_BYTES", 28 * 64)
+def test_work_memory_is_bounded_and_kept_between_steps(monkeypatch):
+    """The work rows of a step (module docstring): 36 bytes per element for AdamW (four
+    float32 rows; three int32 noise rows, scratch and counters), for the largest chunk:
+    at most _CHUNK_BYTES, a larger contiguous parameter being cut into pieces, any other
+    going alone. Allocated when the parameters change, then kept: a step allocates only
+    its three random keys."""
+    monkeypatch.setattr(compensated, "_CHUNK_BYTES", 36 * 64)
     params = [torch.randn(n).bfloat16().requires_grad_(True) for n in (40, 30, 7, 50)]
     opt = CompensatedAdamW(params, compensation="stochastic")
     for p in params:
         p.grad = torch.randn_like(p)
-    opt.step()  # builds the state
-    # Chunks of at most 64 elements: (40,), (30, 7), (50,); the work memory fits the
-    # largest.
-    assert _allocated_bytes(opt.step) == 28 * 50
-    big = torch.randn(100).bfloat16().requires_grad_(True)
-    big.grad = torch.randn_like(big)
+    state = 2 * 2 * sum(p.numel() for p in params)  # exp_avg and exp_avg_sq, bfloat16
+    # Chunks of at most 64 elements: (40,), (30, 7), (50,); the work fits the largest.
+    assert _allocated_bytes(opt.step) == state + 36 * 50 + 12
+    assert _allocated_bytes(opt.step) == 12
+    big = torch.randn(100).bfloat16().requires_grad_(True)  # pieces of 64 and 36
+    strided = torch.randn(10, 12).bfloat16().t().requires_grad_(True)  # alone
+    for p in (big, strided):
+        p.grad = torch.randn_like(p)
     opt.add_param_group({"params": [big]})
-    opt.step()
-    assert _allocated_bytes(opt.step) == 28 * 100  # alone in its chunk
+    assert _allocated_bytes(opt.step) == 2 * 2 * 100 + 36 * 64 + 12
+    assert _allocated_bytes(opt.step) == 12
+    opt.add_param_group({"params": [strided]})
+    assert _allocated_bytes(opt.step) == 2 * 2 * 120 + 36 * 120 + 12
+    strided.grad = None  # the parameters change: the plan is rebuilt for the rest
+    assert _allocated_bytes(opt.step) == 36 * 64 + 12
 
 
 def _allocated_bytes(fn):

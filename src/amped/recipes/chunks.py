@@ -2,80 +2,172 @@
 
 A multi-tensor optimizer step copies a chunk's gradients, weights and state into
 flat float32 rows once, runs each stage of its algorithm as one op over the whole
-chunk, and copies the results back. :func:`partition` cuts a parameter list into
-chunks of bounded size; :func:`allocate` gives them work memory, allocated once per
-device for the largest chunk, so the step's transient memory is bounded by a chunk,
-not by the model. Used by :mod:`amped.recipes.compensated`.
+chunk, and copies the results back. :class:`Plan` cuts the parameters into chunks of
+at most ``most`` elements (a contiguous tensor larger than that is cut into pieces;
+another one makes a chunk of its own) and gives them work memory, one block per
+device for the largest chunk. The plan and its work memory are kept from step to
+step while the parameters keep their gradients, shapes and layouts: building the
+views costs more than a small model's arithmetic, and a fresh block of a few MiB is
+handed back to the system and faulted in again at every step. Used by
+:mod:`amped.recipes.compensated`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["Chunk", "allocate", "partition"]
+__all__ = ["Chunk", "Piece", "Plan", "partition"]
+
+_INT32 = 1 << 32
+
+
+class Piece(NamedTuple):
+    """Elements ``start`` to ``stop`` of ``param`` in memory order (``whole``: all)."""
+
+    param: torch.Tensor
+    start: int
+    stop: int
+    whole: bool
 
 
 class Chunk:
-    """Parameters of one device and dtype, stepped together through flat work tensors.
+    """Pieces of parameters of one device and dtype, stepped together in work rows.
 
     ``floats`` are float32 rows and ``noise`` int32 rows, each flat over the chunk's
-    elements, parameter after parameter; ``views`` cuts each float32 row into one
-    tensor per parameter, in its shape, for the copies in and out.
+    elements, piece after piece; ``views`` cuts each float32 row into one tensor per
+    piece (in the parameter's shape when the piece is whole), for the copies in and
+    out. ``counters`` holds 0, 1, ... and ``scratch`` is a spare int32 row; ``first``
+    numbers the chunk's first element among the step's bfloat16 elements on its
+    device (see :mod:`amped.recipes.noise`), as an int32.
     """
 
-    def __init__(
-        self, params: list[torch.Tensor], floats: torch.Tensor, noise: torch.Tensor
-    ) -> None:
-        self.params = params
-        self.dtype = params[0].dtype
-        self.device = params[0].device
-        self._sizes = [param.numel() for param in params]
+    def __init__(self, pieces: list[Piece], work: torch.Tensor, floats: int) -> None:
+        self.pieces = pieces
+        self.owners = [piece.param for piece in pieces]
+        self.dtype = self.owners[0].dtype
+        self.device = self.owners[0].device
+        self.first = 0
+        self._sizes = [piece.stop - piece.start for piece in pieces]
+        self._shapes = [p.param.shape if p.whole else (p.stop - p.start,) for p in pieces]
         numel = sum(self._sizes)
-        self.floats = floats[:, :numel].unbind(0)
-        self.noise = noise[:, :numel].unbind(0)
+        self.floats = work[:floats, :numel].unbind(0)
+        ints = work[floats:, :numel].view(torch.int32).unbind(0)
+        *self.noise, self.scratch, self.counters = ints
         self.views = [self.cut(row) for row in self.floats]
 
+    @property
+    def numel(self) -> int:
+        return sum(self._sizes)
+
+    def take(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each piece's part of the matching tensor of ``tensors`` (one per piece, laid
+        out like its parameter: a gradient, a state tensor)."""
+        return [
+            tensor if piece.whole else tensor.view(-1)[piece.start : piece.stop]
+            for tensor, piece in zip(tensors, self.pieces, strict=True)
+        ]
+
     def cut(self, row: torch.Tensor) -> list[torch.Tensor]:
-        """``row`` as one tensor per parameter, in its shape."""
+        """``row`` as one tensor per piece, in its shape."""
         parts = row.split(self._sizes)
-        return [part.view(p.shape) for part, p in zip(parts, self.params, strict=True)]
-
-    def parts(self, row: torch.Tensor) -> Sequence[torch.Tensor]:
-        """``row`` as one flat tensor per parameter."""
-        return row.split(self._sizes)
+        return [part.view(shape) for part, shape in zip(parts, self._shapes, strict=True)]
 
 
-def partition(params: list[torch.Tensor], most: int) -> list[list[torch.Tensor]]:
+def partition(
+    params: list[torch.Tensor], most: int, splittable: Callable[[torch.Tensor], bool]
+) -> list[list[Piece]]:
     """Chunks of one device and dtype, each in parameter order, of at most ``most``
-    elements unless a single tensor is larger."""
-    same: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
-    sizes: dict[tuple[torch.device, torch.dtype], int] = {}
+    elements: a larger parameter is cut into pieces if ``splittable``, else alone."""
+    same: dict[tuple[torch.device, torch.dtype], list[list[Piece]]] = {}
+    room: dict[tuple[torch.device, torch.dtype], int] = {}
     for param in params:
-        key = (param.device, param.dtype)
+        key, numel = (param.device, param.dtype), param.numel()
         chunks = same.setdefault(key, [[]])
-        if chunks[-1] and sizes[key] + param.numel() > most:
-            chunks.append([])
-            sizes[key] = 0
-        chunks[-1].append(param)
-        sizes[key] = sizes.get(key, 0) + param.numel()
-    return [chunk for chunks in same.values() for chunk in chunks]
+        left = room.get(key, most)
+        if numel <= left:
+            chunks[-1].append(Piece(param, 0, numel, True))
+            room[key] = left - numel
+        elif numel > most and splittable(param):
+            start = 0
+            while start < numel:
+                if left == 0:
+                    chunks.append([])
+                    left = most
+                stop = min(numel, start + left)
+                chunks[-1].append(Piece(param, start, stop, False))
+                left, start = left - (stop - start), stop
+            room[key] = left
+        else:
+            chunks.append([Piece(param, 0, numel, True)])
+            room[key] = max(most - numel, 0)
+    return [chunk for chunks in same.values() for chunk in chunks if chunk]
 
 
-def allocate(
-    plan: list[tuple[dict, list[torch.Tensor]]], floats: int, noise: int
-) -> list[tuple[dict, Chunk]]:
-    """``plan``'s chunks, on work memory allocated once per device, for the largest."""
-    sizes: dict[torch.device, int] = {}
-    for _, params in plan:
-        device = params[0].device
-        sizes[device] = max(sizes.get(device, 0), sum(p.numel() for p in params))
-    work = {
-        device: (
-            torch.empty((floats, size), dtype=torch.float32, device=device),
-            torch.empty((noise, size), dtype=torch.int32, device=device),
+class Plan:
+    """The chunks of a step, rebuilt only when the parameters' signature changes.
+
+    Args:
+        floats: float32 work rows a chunk needs.
+        noise: int32 rows for random bits (two more are added: scratch, counters).
+    """
+
+    def __init__(self, floats: int, noise: int) -> None:
+        self._floats, self._rows = floats, floats + noise + 2
+        self._signature: Hashable = None
+        self._chunks: list[tuple[dict, Chunk]] = []
+
+    def chunks(
+        self,
+        groups: list[tuple[dict, list[torch.Tensor]]],
+        most: int,
+        splittable: Callable[[torch.Tensor], bool],
+    ) -> list[tuple[dict, Chunk]]:
+        """``groups`` (each a parameter group and its parameters to step) in chunks."""
+        signature = (
+            most,
+            *(
+                (index, tuple(_signature(p, splittable) for p in params))
+                for index, (_, params) in enumerate(groups)
+            ),
         )
-        for device, size in sizes.items()
-    }
-    return [(group, Chunk(params, *work[params[0].device])) for group, params in plan]
+        if signature != self._signature:
+            self._chunks = self._build(groups, most, splittable)
+            self._signature = signature
+        return self._chunks
+
+    def _build(
+        self,
+        groups: list[tuple[dict, list[torch.Tensor]]],
+        most: int,
+        splittable: Callable[[torch.Tensor], bool],
+    ) -> list[tuple[dict, Chunk]]:
+        self._chunks = []  # free the old work memory first
+        plan = [
+            (g, pieces) for g, params in groups for pieces in partition(params, most, splittable)
+        ]
+        sizes: dict[torch.device, int] = {}
+        for _, pieces in plan:
+            device = pieces[0].param.device
+            sizes[device] = max(sizes.get(device, 0), sum(p.stop - p.start for p in pieces))
+        work = {}
+        for device, size in sizes.items():
+            work[device] = torch.empty((self._rows, size), dtype=torch.float32, device=device)
+            counters = work[device][-1].view(torch.int32)
+            torch.arange(size, dtype=torch.int32, device=device, out=counters)
+        chunks = [
+            (g, Chunk(pieces, work[pieces[0].param.device], self._floats)) for g, pieces in plan
+        ]
+        counted: dict[torch.device, int] = {}
+        for _, chunk in chunks:
+            if chunk.dtype is torch.bfloat16:
+                first = counted.get(chunk.device, 0)
+                chunk.first = (first + _INT32 // 2) % _INT32 - _INT32 // 2
+                counted[chunk.device] = first + chunk.numel
+        return chunks
+
+
+def _signature(param: torch.Tensor, splittable: Callable[[torch.Tensor], bool]) -> Hashable:
+    return (id(param), param.dtype, param.device, param.shape, splittable(param))

@@ -9,26 +9,29 @@ bfloat16 ulp are not lost. The state (momentum, moments, compensation) has the
 parameter's dtype: with bfloat16 weights, every tensor of the optimizer is bfloat16.
 Float32 parameters are updated plainly.
 
-How a step runs. A group's parameters are taken in chunks of one device and dtype, in
-parameter order, whose work tensors take at most ``_CHUNK_BYTES`` (a larger tensor
-makes a chunk of its own). A chunk's gradients, weights and state are copied into
-flat float32 work tensors (:class:`~amped.recipes.chunks.Chunk`), each stage of the
-algorithm runs as one op over the whole chunk, and the results are copied back. That
-saves the per-tensor dispatch (microseconds an op: most of the step for small tensors)
-and the per-tensor float32 temporaries, which the allocator hands back to the system and faults in
-again. Every element meets the same float32 ops with the same operands as when each
-tensor is stepped on its own, so the results are bitwise those of the per-tensor
-algorithm (``tests/test_recipes_compensated_reference.py`` holds them to it), and
-stochastic rounding draws its random integers as that algorithm does, one ``randint``
-per tensor and write, in parameter order, so the random stream is unchanged too.
+How a step runs. The parameters that have a gradient are cut into chunks of one
+device and dtype, in parameter order (:class:`~amped.recipes.chunks.Plan`), whose work
+tensors take at most ``_CHUNK_BYTES``; a larger contiguous parameter is cut into
+pieces, any other goes alone. A chunk's gradients, weights and state are copied into
+flat float32 work rows (:class:`~amped.recipes.chunks.Chunk`), each stage of the
+algorithm runs as one op over the whole chunk, and the results are copied back.
+That saves the per-tensor dispatch (microseconds an op: most of the step for small
+tensors; torch's ``_foreach`` ops on the CPU loop over the tensors with the same
+dispatch) and the per-tensor float32 temporaries. Every element meets the same
+float32 ops with the same operands as when each tensor is stepped on its own, so the
+results are bitwise those of the per-tensor algorithm
+(``tests/test_recipes_compensated_reference.py`` holds them to it).
 
-The transient memory is bounded by the chunk, not the model: 4 bytes per element for
-each float32 work tensor (three for SGD, four for AdamW) and each int32 noise tensor
-(one per write that may round stochastically: two for SGD, three for AdamW), 20 or 28
-bytes per element in all, for the largest chunk: at most ``_CHUNK_BYTES`` (8 MiB), or
-20 or 28 bytes per element of the largest tensor if it has more than
-``_CHUNK_BYTES / 20`` or ``/ 28`` elements (420,000 or 300,000). The step never
-synchronizes with the device.
+Stochastic rounding takes its random bits from :mod:`amped.recipes.noise`: one
+``random_`` call a step on the optimizer's seeded generator draws a key per write, and
+the bits of each element come from hashing its number, in vectorized integer ops.
+The generator's state is still the whole random state (``state_dict()["rng_state"]``).
+
+Memory: the work rows (4 bytes per element for each float32 row, three for SGD, four
+for AdamW, and each int32 row: one per write that may round stochastically plus two)
+take ``_CHUNK_BYTES`` (8 MiB) per device, or more if a non-contiguous parameter is
+larger. They are kept between steps while the parameters, their gradients' presence
+and layouts stay the same. The step never synchronizes with the device.
 """
 
 from __future__ import annotations
@@ -39,9 +42,10 @@ from typing import Any
 
 import torch
 
-from amped.recipes.chunks import Chunk, allocate, partition
+from amped.recipes.chunks import Chunk, Plan
+from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
-from amped.recipes.rounding import draw_noise_, require_bfloat16, rounded_with_noise_
+from amped.recipes.rounding import require_bfloat16, rounded_with_noise_
 
 __all__ = ["CompensatedAdamW", "CompensatedSGD"]
 
@@ -69,6 +73,26 @@ def _check(name: str, value: float, low: float = 0.0, high: float | None = None)
     return float(value)
 
 
+class _Step:
+    """What one step shares among its chunks: the random keys (drawn on first use, one
+    per write), and the parameters whose momentum buffer starts this step (SGD)."""
+
+    def __init__(self, optimizer: _CompensatedOptimizer) -> None:
+        self.optimizer = optimizer
+        self.fresh: set[torch.Tensor] = set()
+        self._keys: dict[torch.device, torch.Tensor] = {}
+
+    def keys(self, device: torch.device) -> torch.Tensor:
+        if not self._keys:
+            generator = self.optimizer._rng(device)
+            drawn = draw_keys(self.optimizer._WORK_NOISE, generator)
+            self._keys[generator.device] = drawn
+        if device not in self._keys:
+            first = next(iter(self._keys.values()))
+            self._keys[device] = first.to(device, non_blocking=True)
+        return self._keys[device]
+
+
 class _CompensatedOptimizer(torch.optim.Optimizer):
     """What both optimizers share: the chunked step, writing updates and state, the
     random stream."""
@@ -85,6 +109,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.seed = seed
         self._generator: torch.Generator | None = None
+        self._plan = Plan(self._WORK_FLOATS, self._WORK_NOISE)
 
     def _rng(self, device: torch.device) -> torch.Generator:
         if self._generator is None:
@@ -92,30 +117,18 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             self._generator.manual_seed(self.seed)
         return self._generator
 
-    def _stochastic(self, chunk: Chunk, group: dict, decay: float | None) -> bool:
-        """Whether a write rounds stochastically: the update (``decay=None``) under
-        stochastic compensation, or a running average (see ``_store``)."""
+    def _noise(
+        self, chunk: Chunk, group: dict, write: int, decay: float | None, step: _Step
+    ) -> torch.Tensor | None:
+        """Random bits for write number ``write`` of ``chunk`` if it rounds
+        stochastically: the update (``decay=None``) under stochastic compensation, or
+        a slow running average (see ``_store``). Else None."""
         if chunk.dtype is not torch.bfloat16:
-            return False
-        return group["compensation"] == "stochastic" or (
-            decay is not None and 1 - decay < _SLOW_DECAY
-        )
-
-    def _draw(self, chunk: Chunk, stochastic: list[bool]) -> list[torch.Tensor | None]:
-        """Noise for each write of the step that rounds stochastically, else None.
-
-        The per-tensor algorithm draws one ``randint`` per tensor and write, tensor by
-        tensor; drawn here in that order, the stream and each draw are unchanged.
-        """
-        rows = iter(chunk.noise)
-        noise = [next(rows) if flag else None for flag in stochastic]
-        drawn = [chunk.parts(row) for row in noise if row is not None]
-        if drawn:
-            generator = self._rng(chunk.device)
-            for parts in zip(*drawn, strict=True):
-                for part in parts:
-                    draw_noise_(part, generator)
-        return noise
+            return None
+        if group["compensation"] != "stochastic" and (decay is None or 1 - decay >= _SLOW_DECAY):
+            return None
+        start = step.keys(chunk.device)[write] + chunk.first
+        return hashed_noise_(chunk.noise[write], chunk.counters, start, chunk.scratch)
 
     def _store(
         self,
@@ -125,7 +138,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         noise: torch.Tensor | None,
     ) -> None:
         """Write float32 running averages (``buffer * decay + ...``, work row ``row``)
-        into their buffers; ``noise``, if any, rounds them stochastically.
+        into their buffers (the chunk's parts); ``noise``, if any, rounds them
+        stochastically.
 
         A bfloat16 ulp is 2**-8 to 2**-7 of the value, so an average whose per-step
         change ``1 - decay`` is below ~4 ulps (AdamW's second moment, ``1 - 0.999``)
@@ -133,7 +147,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         stays too large and shrinks the steps. Measured on the test task: AdamW with
         round-to-nearest moments ended 3000 steps at twice fp32's loss; with the second
         moment stochastically rounded it matched fp32. So such averages are rounded
-        stochastically (unbiased) even under Kahan compensation (``_stochastic``). The
+        stochastically (unbiased) even under Kahan compensation (``_noise``). The
         row's NaNs may be made canonical; its numbers are kept.
         """
         if noise is None:
@@ -149,21 +163,14 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         Row ``_WEIGHT`` holds the weights in float32; rows ``update``, ``_WEIGHT`` and
         ``spare`` are consumed.
         """
-        params, weight = chunk.params, chunk.floats[_WEIGHT]
+        params, weight = chunk.take(chunk.owners), chunk.floats[_WEIGHT]
         if chunk.dtype not in _LOW_DTYPES:
             torch._foreach_add_(params, chunk.views[update])
         elif noise is not None:
             value = chunk.floats[update].add_(weight)
             torch._foreach_copy_(params, chunk.cut(rounded_with_noise_(value, noise)))
         else:  # kahan_add_ on the chunk, stage by stage: see its comments for why
-            compensations = []
-            for param in params:
-                state = self.state[param]
-                if "compensation" not in state:
-                    state["compensation"] = torch.zeros_like(
-                        param, memory_format=torch.preserve_format
-                    )
-                compensations.append(state["compensation"])
+            compensations = chunk.take([self.state[p]["compensation"] for p in chunk.owners])
             scratch, scratches = chunk.floats[spare], chunk.views[spare]
             torch._foreach_copy_(scratches, compensations)
             # The update plus what earlier steps failed to add, then the weight.
@@ -178,11 +185,13 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         state["seed"] = self.seed
         state["_generator"] = None
         state["_rng_state"] = None if self._generator is None else self._generator.get_state()
+        state["_plan"] = None  # work memory: rebuilt at the next step
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         rng_state = state.pop("_rng_state", None)
         super().__setstate__(state)
+        self._plan = Plan(self._WORK_FLOATS, self._WORK_NOISE)
         if rng_state is not None:
             device = next(p.device for g in self.param_groups for p in g["params"])
             self._rng(device).set_state(rng_state)
@@ -211,15 +220,17 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        most = _CHUNK_BYTES // (4 * (self._WORK_FLOATS + self._WORK_NOISE))
-        plan = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+        groups = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
+        for group, params in groups:
             for param in params:  # refuse before anything is written
                 self._refuse(param, group)
-            plan += [(group, chunk) for chunk in partition(params, most)]
-        for group, chunk in allocate(plan, self._WORK_FLOATS, self._WORK_NOISE):
-            self._step_chunk(chunk, group)
+        step = _Step(self)
+        for group, params in groups:
+            for param in params:
+                self._prepare(param, group, step)
+        most = _CHUNK_BYTES // (4 * (self._WORK_FLOATS + self._WORK_NOISE + 2))
+        for group, chunk in self._plan.chunks(groups, most, self._splittable):
+            self._step_chunk(chunk, group, step)
         return loss
 
     def _refuse(self, param: torch.Tensor, group: dict) -> None:
@@ -231,15 +242,28 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         if group["compensation"] == "stochastic" and param.dtype in _LOW_DTYPES:
             require_bfloat16(param.dtype)
 
+    def _prepare(self, param: torch.Tensor, group: dict, step: _Step) -> None:
+        """Create ``param``'s state before its first step; count the step."""
+        state = self.state[param]
+        kahan = group["compensation"] == "kahan" and param.dtype in _LOW_DTYPES
+        if kahan and "compensation" not in state:
+            state["compensation"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def _splittable(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` may be cut into pieces: it, its gradient and its state are
+        laid out alike, as flat memory."""
+        tensors = [param, param.grad, *self.state.get(param, {}).values()]
+        return all(t.is_contiguous() for t in tensors if isinstance(t, torch.Tensor))
+
     def _load(self, chunk: Chunk, group: dict) -> None:
         """The gradients (negated to maximize) and the weights, in float32."""
-        grads = [p.grad for p in chunk.params if p.grad is not None]  # all: see step()
+        grads = chunk.take([p.grad for p in chunk.owners])  # all set: see step()
         torch._foreach_copy_(chunk.views[_GRAD], grads)
         if group["maximize"]:
             chunk.floats[_GRAD].neg_()
-        torch._foreach_copy_(chunk.views[_WEIGHT], chunk.params)
+        torch._foreach_copy_(chunk.views[_WEIGHT], chunk.take(chunk.owners))
 
-    def _step_chunk(self, chunk: Chunk, group: dict) -> None:
+    def _step_chunk(self, chunk: Chunk, group: dict, step: _Step) -> None:
         raise NotImplementedError
 
 
@@ -296,37 +320,34 @@ class CompensatedSGD(_CompensatedOptimizer):
         )
         super().__init__(params, defaults, seed)
 
-    def _step_chunk(self, chunk: Chunk, group: dict) -> None:
+    def _prepare(self, param: torch.Tensor, group: dict, step: _Step) -> None:
+        super()._prepare(param, group, step)
+        state = self.state[param]
+        if group["momentum"] != 0 and "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.empty_like(param)
+            step.fresh.add(param)
+
+    def _step_chunk(self, chunk: Chunk, group: dict, step: _Step) -> None:
         momentum = group["momentum"]
-        noise_velocity, noise_weight = self._draw(
-            chunk,
-            [
-                momentum != 0 and self._stochastic(chunk, group, momentum),
-                self._stochastic(chunk, group, None),
-            ],
-        )
         self._load(chunk, group)
         grad, weight, velocity = chunk.floats
         if group["weight_decay"] != 0:
             grad.add_(weight, alpha=group["weight_decay"])
         if momentum != 0:
-            self._momentum(chunk, group, noise_velocity)
+            self._momentum(chunk, group, self._noise(chunk, group, 0, momentum, step), step)
             if group["nesterov"]:
                 velocity = grad.add_(velocity, alpha=momentum)
             torch.mul(velocity, -group["lr"], out=grad)
         else:
             grad.mul_(-group["lr"])
-        self._apply_update(chunk, _GRAD, self._VELOCITY, noise_weight)
+        noise = self._noise(chunk, group, 1, None, step)
+        self._apply_update(chunk, _GRAD, self._VELOCITY, noise)
 
-    def _momentum(self, chunk: Chunk, group: dict, noise: torch.Tensor | None) -> None:
+    def _momentum(self, chunk: Chunk, group: dict, noise: torch.Tensor | None, step: _Step) -> None:
         """velocity = momentum * buffer + (1 - dampening) * grad, stored in the buffers."""
         grad, _, velocity = chunk.floats
-        states = [self.state[param] for param in chunk.params]
-        fresh = ["momentum_buffer" not in state for state in states]
-        for param, state, new in zip(chunk.params, states, fresh, strict=True):
-            if new:
-                state["momentum_buffer"] = torch.empty_like(param)
-        buffers = [state["momentum_buffer"] for state in states]
+        fresh = [param in step.fresh for param in chunk.owners]
+        buffers = chunk.take([self.state[param]["momentum_buffer"] for param in chunk.owners])
         views = chunk.views[self._VELOCITY]
         if all(fresh):  # torch's first step: the buffer starts as the gradient
             velocity.copy_(grad)
@@ -396,30 +417,33 @@ class CompensatedAdamW(_CompensatedOptimizer):
         )
         super().__init__(params, defaults, seed)
 
-    def _step_chunk(self, chunk: Chunk, group: dict) -> None:
-        states = [self.state[param] for param in chunk.params]
-        for param, state in zip(chunk.params, states, strict=True):
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["step"] += 1
+    def _prepare(self, param: torch.Tensor, group: dict, step: _Step) -> None:
+        super()._prepare(param, group, step)
+        state = self.state[param]
+        if "step" not in state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+        state["step"] += 1
+
+    def _step_chunk(self, chunk: Chunk, group: dict, step: _Step) -> None:
+        states = [self.state[param] for param in chunk.owners]
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        noise_avg, noise_avg_sq, noise_weight = self._draw(
-            chunk,
-            [self._stochastic(chunk, group, d) for d in (beta1, beta2, None)],
-        )
         self._load(chunk, group)
         grad, weight, exp_avg, exp_avg_sq = chunk.floats
         if wd != 0 and not group["decoupled_weight_decay"]:
             grad.add_(weight, alpha=wd)
-        torch._foreach_copy_(chunk.views[self._EXP_AVG], [s["exp_avg"] for s in states])
+        avg_buffers = chunk.take([s["exp_avg"] for s in states])
+        torch._foreach_copy_(chunk.views[self._EXP_AVG], avg_buffers)
         exp_avg.lerp_(grad, 1 - beta1)
-        torch._foreach_copy_(chunk.views[self._EXP_AVG_SQ], [s["exp_avg_sq"] for s in states])
+        avg_sq_buffers = chunk.take([s["exp_avg_sq"] for s in states])
+        torch._foreach_copy_(chunk.views[self._EXP_AVG_SQ], avg_sq_buffers)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        self._store(chunk, [s["exp_avg"] for s in states], self._EXP_AVG, noise_avg)
-        self._store(chunk, [s["exp_avg_sq"] for s in states], self._EXP_AVG_SQ, noise_avg_sq)
+        noise = self._noise(chunk, group, 0, beta1, step)
+        self._store(chunk, avg_buffers, self._EXP_AVG, noise)
+        noise = self._noise(chunk, group, 1, beta2, step)
+        self._store(chunk, avg_sq_buffers, self._EXP_AVG_SQ, noise)
         # torch's bias corrections, in Python floats (double precision), per tensor:
         # a parameter that had no gradient at some steps has a smaller step count.
         steps = [state["step"] for state in states]
@@ -428,13 +452,14 @@ class CompensatedAdamW(_CompensatedOptimizer):
             denom.div_(math.sqrt(1 - beta2 ** steps[0])).add_(eps)
             update = exp_avg.div_(denom).mul_(-lr / (1 - beta1 ** steps[0]))
         else:
-            for view, step in zip(chunk.views[self._EXP_AVG_SQ], steps, strict=True):
-                view.div_(math.sqrt(1 - beta2**step))
+            for view, count in zip(chunk.views[self._EXP_AVG_SQ], steps, strict=True):
+                view.div_(math.sqrt(1 - beta2**count))
             update = exp_avg.div_(denom.add_(eps))
-            for view, step in zip(chunk.views[self._EXP_AVG], steps, strict=True):
-                view.mul_(-lr / (1 - beta1**step))
+            for view, count in zip(chunk.views[self._EXP_AVG], steps, strict=True):
+                view.mul_(-lr / (1 - beta1**count))
         if wd != 0 and group["decoupled_weight_decay"]:
             # AdamW's param *= 1 - lr * wd, as an update: lr * wd (1e-5 typically) is far
             # below half a bfloat16 ulp, so it must go through the compensated add too.
             update.add_(weight, alpha=-lr * wd)
-        self._apply_update(chunk, self._EXP_AVG, _GRAD, noise_weight)
+        noise = self._noise(chunk, group, 2, None, step)
+        self._apply_update(chunk, self._EXP_AVG, _GRAD, noise)

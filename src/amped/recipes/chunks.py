@@ -39,9 +39,10 @@ class Chunk:
     ``floats`` are float32 rows and ``noise`` int32 rows, each flat over the chunk's
     elements, piece after piece; ``views`` cuts each float32 row into one tensor per
     piece (in the parameter's shape when the piece is whole), for the copies in and
-    out. ``counters`` holds 0, 1, ... and ``scratch`` is a spare int32 row; ``first``
-    numbers the chunk's first element among the step's bfloat16 elements on its
-    device (see :mod:`amped.recipes.noise`), as an int32.
+    out; ``rounded`` cuts each noise row likewise, as float32 (stochastic rounding
+    leaves its results there). ``counters`` holds 0, 1, ... and ``scratch`` is a spare
+    int32 row; ``first`` numbers the chunk's first element among the step's bfloat16
+    elements on its device (see :mod:`amped.recipes.noise`), as an int32.
     """
 
     def __init__(self, pieces: list[Piece], work: torch.Tensor, floats: int) -> None:
@@ -57,6 +58,7 @@ class Chunk:
         ints = work[floats:, :numel].view(torch.int32).unbind(0)
         *self.noise, self.scratch, self.counters = ints
         self.views = [self.cut(row) for row in self.floats]
+        self.rounded = [self.cut(row.view(torch.float32)) for row in self.noise]
 
     @property
     def numel(self) -> int:

@@ -117,29 +117,34 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             self._generator.manual_seed(self.seed)
         return self._generator
 
-    def _noise(
+    def _draw(
         self, chunk: Chunk, group: dict, write: int, decay: float | None, step: _Step
-    ) -> torch.Tensor | None:
-        """Random bits for write number ``write`` of ``chunk`` if it rounds
-        stochastically: the update (``decay=None``) under stochastic compensation, or
-        a slow running average (see ``_store``). Else None."""
+    ) -> int | None:
+        """``write`` if that write of ``chunk`` rounds stochastically, with its random
+        bits drawn into ``chunk.noise[write]``; else None. Stochastic are the update
+        (``decay=None``) under stochastic compensation, and slow running averages
+        (see ``_store``)."""
         if chunk.dtype is not torch.bfloat16:
             return None
         if group["compensation"] != "stochastic" and (decay is None or 1 - decay >= _SLOW_DECAY):
             return None
         start = step.keys(chunk.device)[write] + chunk.first
-        return hashed_noise_(chunk.noise[write], chunk.counters, start, chunk.scratch)
+        hashed_noise_(chunk.noise[write], chunk.counters, start, chunk.scratch)
+        return write
+
+    @staticmethod
+    def _rounded(chunk: Chunk, value: torch.Tensor, write: int) -> list[torch.Tensor]:
+        """Float32 row ``value`` rounded stochastically with the bits of ``write``, as
+        the chunk's parts (each a bfloat16 value exactly)."""
+        rounded_with_noise_(value, chunk.noise[write])
+        return chunk.rounded[write]
 
     def _store(
-        self,
-        chunk: Chunk,
-        buffers: list[torch.Tensor],
-        row: int,
-        noise: torch.Tensor | None,
+        self, chunk: Chunk, buffers: list[torch.Tensor], row: int, write: int | None
     ) -> None:
         """Write float32 running averages (``buffer * decay + ...``, work row ``row``)
-        into their buffers (the chunk's parts); ``noise``, if any, rounds them
-        stochastically.
+        into their buffers (the chunk's parts), rounded stochastically if ``write`` is
+        given (see ``_draw``).
 
         A bfloat16 ulp is 2**-8 to 2**-7 of the value, so an average whose per-step
         change ``1 - decay`` is below ~4 ulps (AdamW's second moment, ``1 - 0.999``)
@@ -147,37 +152,36 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         stays too large and shrinks the steps. Measured on the test task: AdamW with
         round-to-nearest moments ended 3000 steps at twice fp32's loss; with the second
         moment stochastically rounded it matched fp32. So such averages are rounded
-        stochastically (unbiased) even under Kahan compensation (``_noise``). The
-        row's NaNs may be made canonical; its numbers are kept.
+        stochastically (unbiased) even under Kahan compensation. The row's NaNs may be
+        made canonical; its numbers are kept.
         """
-        if noise is None:
+        if write is None:
             torch._foreach_copy_(buffers, chunk.views[row])
         else:
-            torch._foreach_copy_(buffers, chunk.cut(rounded_with_noise_(chunk.floats[row], noise)))
+            torch._foreach_copy_(buffers, self._rounded(chunk, chunk.floats[row], write))
 
-    def _apply_update(
-        self, chunk: Chunk, update: int, spare: int, noise: torch.Tensor | None
-    ) -> None:
-        """``param += update`` (work row ``update``), compensated if the chunk is low.
+    def _apply_update(self, chunk: Chunk, update: int, write: int | None) -> None:
+        """``param += update`` (work row ``update``), compensated if the chunk is low,
+        rounded stochastically if ``write`` is given (see ``_draw``).
 
-        Row ``_WEIGHT`` holds the weights in float32; rows ``update``, ``_WEIGHT`` and
-        ``spare`` are consumed.
+        Row ``_WEIGHT`` holds the weights in float32; rows ``update`` and ``_WEIGHT``
+        are consumed.
         """
         params, weight = chunk.take(chunk.owners), chunk.floats[_WEIGHT]
         if chunk.dtype not in _LOW_DTYPES:
             torch._foreach_add_(params, chunk.views[update])
-        elif noise is not None:
+        elif write is not None:
             value = chunk.floats[update].add_(weight)
-            torch._foreach_copy_(params, chunk.cut(rounded_with_noise_(value, noise)))
+            torch._foreach_copy_(params, self._rounded(chunk, value, write))
         else:  # kahan_add_ on the chunk, stage by stage: see its comments for why
             compensations = chunk.take([self.state[p]["compensation"] for p in chunk.owners])
-            scratch, scratches = chunk.floats[spare], chunk.views[spare]
-            torch._foreach_copy_(scratches, compensations)
-            # The update plus what earlier steps failed to add, then the weight.
-            total = weight.add_(chunk.floats[update].add_(scratch))
+            # The update plus what earlier steps failed to add, then the weight. A
+            # float32 op with a low-precision operand widens it exactly, so these add
+            # and subtract the stored tensors without copying them to float32 first.
+            torch._foreach_add_(chunk.views[update], compensations)
+            weight.add_(chunk.floats[update])  # the total
             torch._foreach_copy_(params, chunk.views[_WEIGHT])  # rounds once, to nearest
-            torch._foreach_copy_(scratches, params)
-            total.sub_(scratch)  # what the rounding lost, exactly
+            torch._foreach_sub_(chunk.views[_WEIGHT], params)  # what the rounding lost, exactly
             torch._foreach_copy_(compensations, chunk.views[_WEIGHT])
 
     def __getstate__(self) -> dict[str, Any]:
@@ -334,16 +338,15 @@ class CompensatedSGD(_CompensatedOptimizer):
         if group["weight_decay"] != 0:
             grad.add_(weight, alpha=group["weight_decay"])
         if momentum != 0:
-            self._momentum(chunk, group, self._noise(chunk, group, 0, momentum, step), step)
+            self._momentum(chunk, group, self._draw(chunk, group, 0, momentum, step), step)
             if group["nesterov"]:
                 velocity = grad.add_(velocity, alpha=momentum)
             torch.mul(velocity, -group["lr"], out=grad)
         else:
             grad.mul_(-group["lr"])
-        noise = self._noise(chunk, group, 1, None, step)
-        self._apply_update(chunk, _GRAD, self._VELOCITY, noise)
+        self._apply_update(chunk, _GRAD, self._draw(chunk, group, 1, None, step))
 
-    def _momentum(self, chunk: Chunk, group: dict, noise: torch.Tensor | None, step: _Step) -> None:
+    def _momentum(self, chunk: Chunk, group: dict, write: int | None, step: _Step) -> None:
         """velocity = momentum * buffer + (1 - dampening) * grad, stored in the buffers."""
         grad, _, velocity = chunk.floats
         fresh = [param in step.fresh for param in chunk.owners]
@@ -360,7 +363,7 @@ class CompensatedSGD(_CompensatedOptimizer):
             for view, grad_view, new in zip(views, chunk.views[_GRAD], fresh, strict=True):
                 if new:  # a parameter that had no gradient before
                     view.copy_(grad_view)
-        self._store(chunk, buffers, self._VELOCITY, noise)
+        self._store(chunk, buffers, self._VELOCITY, write)
 
 
 class CompensatedAdamW(_CompensatedOptimizer):
@@ -440,10 +443,9 @@ class CompensatedAdamW(_CompensatedOptimizer):
         avg_sq_buffers = chunk.take([s["exp_avg_sq"] for s in states])
         torch._foreach_copy_(chunk.views[self._EXP_AVG_SQ], avg_sq_buffers)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        noise = self._noise(chunk, group, 0, beta1, step)
-        self._store(chunk, avg_buffers, self._EXP_AVG, noise)
-        noise = self._noise(chunk, group, 1, beta2, step)
-        self._store(chunk, avg_sq_buffers, self._EXP_AVG_SQ, noise)
+        self._store(chunk, avg_buffers, self._EXP_AVG, self._draw(chunk, group, 0, beta1, step))
+        write = self._draw(chunk, group, 1, beta2, step)
+        self._store(chunk, avg_sq_buffers, self._EXP_AVG_SQ, write)
         # torch's bias corrections, in Python floats (double precision), per tensor:
         # a parameter that had no gradient at some steps has a smaller step count.
         steps = [state["step"] for state in states]
@@ -461,5 +463,4 @@ class CompensatedAdamW(_CompensatedOptimizer):
             # AdamW's param *= 1 - lr * wd, as an update: lr * wd (1e-5 typically) is far
             # below half a bfloat16 ulp, so it must go through the compensated add too.
             update.add_(weight, alpha=-lr * wd)
-        noise = self._noise(chunk, group, 2, None, step)
-        self._apply_update(chunk, self._EXP_AVG, _GRAD, noise)
+        self._apply_update(chunk, self._EXP_AVG, self._draw(chunk, group, 2, None, step))

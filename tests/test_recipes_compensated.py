@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 
 import pytest
 import torch
 
 from amped.recipes import CompensatedAdamW, CompensatedSGD
+from data import make_compensated_checkpoint_v0 as checkpoint_v0
 from tolerances import BITWISE, FP32_REORDERED, SR_SIGMAS
 
 SGD_CONFIGS = {
@@ -186,3 +188,53 @@ def test_bad_arguments_are_refused():
     sparse.grad = torch.zeros(4).to_sparse()
     with pytest.raises(RuntimeError, match="does not support sparse gradients"):
         CompensatedSGD([sparse]).step()
+
+
+# Written by amped ddcec43, whose optimizers drew one randint per tensor and write and
+# built their chunks afresh at every step (tests/data/make_compensated_checkpoint_v0.py):
+# per case, three steps on two bfloat16 parameters, the state dict, two more steps.
+CHECKPOINT_V0 = Path(__file__).parent / "data" / "compensated_checkpoint_v0.pt"
+
+
+def _resume(name):
+    kind, config, compensation = checkpoint_v0.CASES[name]
+    saved = torch.load(CHECKPOINT_V0, weights_only=True)[name]
+    params = [p.clone().requires_grad_(True) for p in saved["params"]]
+    opt = kind(params, **config, compensation=compensation, seed=0)
+    opt.load_state_dict(saved["optimizer"])
+    for step in (3, 4):
+        for param, grad in zip(params, checkpoint_v0.grads(step), strict=True):
+            param.grad = grad
+        opt.step()
+    return saved, params, opt
+
+
+@pytest.mark.parametrize("name", ["adamw-kahan", "sgd-kahan"])
+def test_checkpoint_of_the_earlier_version_continues_bitwise(name):
+    """Where no write rounds stochastically (betas[1] = 0.95, momentum 0.9), the step
+    is deterministic, and resuming the old state dict gives the old weights and state."""
+    saved, params, opt = _resume(name)
+    for param, expected in zip(params, saved["continued"], strict=True):
+        torch.testing.assert_close(param.detach(), expected, **BITWISE)
+    for index, param in enumerate(params):
+        state = opt.state[param]
+        assert state.keys() == saved["continued_state"][index].keys()
+        for key, value in saved["continued_state"][index].items():
+            assert (state[key] == value) if key == "step" else torch.equal(state[key], value)
+    assert opt._generator is None  # nothing was rounded stochastically
+
+
+def test_checkpoint_of_the_earlier_version_resumes_its_random_stream():
+    """The random state is the generator's, as before: it loads, and resuming twice
+    from it gives the same steps (the bits themselves are new: amped.recipes.noise)."""
+    saved, params, opt = _resume("adamw-stochastic")
+    _, params_again, _ = _resume("adamw-stochastic")
+    for param, twin in zip(params, params_again, strict=True):
+        torch.testing.assert_close(param, twin, **BITWISE)
+    assert opt.seed == 7
+    assert sorted(opt.state_dict()) == sorted(saved["optimizer"])
+    expected = torch.Generator()
+    expected.set_state(saved["optimizer"]["rng_state"])
+    for _ in range(2):  # a step draws three keys (one per write) in one call
+        torch.empty(3, dtype=torch.int32).random_(generator=expected)
+    assert torch.equal(opt._generator.get_state(), expected.get_state())

@@ -13,7 +13,13 @@ import re
 
 import torch
 
-__all__ = ["TORCH_VERSION", "torch_at_least"]
+__all__ = [
+    "TORCH_VERSION",
+    "foreach_add_",
+    "foreach_copy_",
+    "foreach_sub_",
+    "torch_at_least",
+]
 
 # --- compat ---
 
@@ -45,6 +51,25 @@ def torch_at_least(major: int, minor: int, patch: int = 0) -> bool:
 # --- fp8 ---
 
 # --- recipes ---
+# torch's multi-tensor ops (what torch.optim's foreach paths use; public in effect but
+# underscore-named): one call copies or adds a list of tensors, where a Python loop
+# would pay a dispatch per tensor. The compensated optimizers move their chunks with them.
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``d.copy_(s)`` for each pair (casting as ``copy_`` does)."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_add_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``d.add_(s)`` for each pair (``s`` may be of a lower dtype: widened exactly)."""
+    torch._foreach_add_(dst, src)
+
+
+def foreach_sub_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``d.sub_(s)`` for each pair (``s`` may be of a lower dtype: widened exactly)."""
+    torch._foreach_sub_(dst, src)
+
 
 # --- doctor ---
 

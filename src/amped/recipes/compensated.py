@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from amped._internal.torch_compat import foreach_add_, foreach_copy_, foreach_sub_
 from amped.recipes.chunks import Chunk, Plan
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
@@ -156,9 +157,9 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         made canonical; its numbers are kept.
         """
         if write is None:
-            torch._foreach_copy_(buffers, chunk.views[row])
+            foreach_copy_(buffers, chunk.views[row])
         else:
-            torch._foreach_copy_(buffers, self._rounded(chunk, chunk.floats[row], write))
+            foreach_copy_(buffers, self._rounded(chunk, chunk.floats[row], write))
 
     def _apply_update(self, chunk: Chunk, update: int, write: int | None) -> None:
         """``param += update`` (work row ``update``), compensated if the chunk is low,
@@ -169,20 +170,20 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         """
         params, weight = chunk.take(chunk.owners), chunk.floats[_WEIGHT]
         if chunk.dtype not in _LOW_DTYPES:
-            torch._foreach_add_(params, chunk.views[update])
+            foreach_add_(params, chunk.views[update])
         elif write is not None:
             value = chunk.floats[update].add_(weight)
-            torch._foreach_copy_(params, self._rounded(chunk, value, write))
+            foreach_copy_(params, self._rounded(chunk, value, write))
         else:  # kahan_add_ on the chunk, stage by stage: see its comments for why
             compensations = chunk.take([self.state[p]["compensation"] for p in chunk.owners])
             # The update plus what earlier steps failed to add, then the weight. A
             # float32 op with a low-precision operand widens it exactly, so these add
             # and subtract the stored tensors without copying them to float32 first.
-            torch._foreach_add_(chunk.views[update], compensations)
+            foreach_add_(chunk.views[update], compensations)
             weight.add_(chunk.floats[update])  # the total
-            torch._foreach_copy_(params, chunk.views[_WEIGHT])  # rounds once, to nearest
-            torch._foreach_sub_(chunk.views[_WEIGHT], params)  # what the rounding lost, exactly
-            torch._foreach_copy_(compensations, chunk.views[_WEIGHT])
+            foreach_copy_(params, chunk.views[_WEIGHT])  # rounds once, to nearest
+            foreach_sub_(chunk.views[_WEIGHT], params)  # what the rounding lost, exactly
+            foreach_copy_(compensations, chunk.views[_WEIGHT])
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -262,10 +263,10 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
     def _load(self, chunk: Chunk, group: dict) -> None:
         """The gradients (negated to maximize) and the weights, in float32."""
         grads = chunk.take([p.grad for p in chunk.owners])  # all set: see step()
-        torch._foreach_copy_(chunk.views[_GRAD], grads)
+        foreach_copy_(chunk.views[_GRAD], grads)
         if group["maximize"]:
             chunk.floats[_GRAD].neg_()
-        torch._foreach_copy_(chunk.views[_WEIGHT], chunk.take(chunk.owners))
+        foreach_copy_(chunk.views[_WEIGHT], chunk.take(chunk.owners))
 
     def _step_chunk(self, chunk: Chunk, group: dict, step: _Step) -> None:
         raise NotImplementedError
@@ -355,7 +356,7 @@ class CompensatedSGD(_CompensatedOptimizer):
         if all(fresh):  # torch's first step: the buffer starts as the gradient
             velocity.copy_(grad)
         else:
-            torch._foreach_copy_(
+            foreach_copy_(
                 [v for v, new in zip(views, fresh, strict=True) if not new],
                 [b for b, new in zip(buffers, fresh, strict=True) if not new],
             )
@@ -438,10 +439,10 @@ class CompensatedAdamW(_CompensatedOptimizer):
         if wd != 0 and not group["decoupled_weight_decay"]:
             grad.add_(weight, alpha=wd)
         avg_buffers = chunk.take([s["exp_avg"] for s in states])
-        torch._foreach_copy_(chunk.views[self._EXP_AVG], avg_buffers)
+        foreach_copy_(chunk.views[self._EXP_AVG], avg_buffers)
         exp_avg.lerp_(grad, 1 - beta1)
         avg_sq_buffers = chunk.take([s["exp_avg_sq"] for s in states])
-        torch._foreach_copy_(chunk.views[self._EXP_AVG_SQ], avg_sq_buffers)
+        foreach_copy_(chunk.views[self._EXP_AVG_SQ], avg_sq_buffers)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         self._store(chunk, avg_buffers, self._EXP_AVG, self._draw(chunk, group, 0, beta1, step))
         write = self._draw(chunk, group, 1, beta2, step)

@@ -17,7 +17,6 @@ __all__ = [
     "TORCH_VERSION",
     "foreach_add_",
     "foreach_copy_",
-    "foreach_sub_",
     "torch_at_least",
 ]
 
@@ -62,13 +61,8 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 
 
 def foreach_add_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``d.add_(s)`` for each pair (``s`` may be of a lower dtype: widened exactly)."""
+    """``d.add_(s)`` for each pair."""
     torch._foreach_add_(dst, src)
-
-
-def foreach_sub_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``d.sub_(s)`` for each pair (``s`` may be of a lower dtype: widened exactly)."""
-    torch._foreach_sub_(dst, src)
 
 
 # --- doctor ---

@@ -26,8 +26,12 @@ vocabulary), batch 4 x sequence 32, AdamW.
 The skipped casts' share, and with it what O2 can gain, grows as the matmuls shrink:
 ``--batch`` and ``--seq`` change the input (the issue's figures are at 4 x 32).
 
+4. With ``--phases``: where bf16-pure's step time goes. torch O1 and bf16-pure run
+   again, interleaved, each step timed in three parts: forward, backward, and the
+   optimizer step with zero_grad; the ratios are medians over repeats, per part.
+
 Usage: python benchmarks/recipes.py [--repeats 10] [--warmup 2] [--threads N]
-                                    [--batch 4] [--seq 32]
+                                    [--batch 4] [--seq 32] [--phases]
 """
 
 from __future__ import annotations
@@ -92,11 +96,20 @@ class TorchO1:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(self) -> None:
+        self.phases()
+
+    def phases(self) -> tuple[float, float, float]:
+        """The step, timed: forward, backward, optimizer step with zero_grad."""
+        start = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = self.loss(self.model)
+        forward = time.perf_counter()
         loss.backward()
+        backward = time.perf_counter()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        end = time.perf_counter()
+        return forward - start, backward - forward, end - backward
 
 
 class Recipe:
@@ -108,11 +121,20 @@ class Recipe:
         self.loss = loss
 
     def step(self) -> None:
+        self.phases()
+
+    def phases(self) -> tuple[float, float, float]:
+        """The step, timed: forward, backward, optimizer step with zero_grad."""
+        start = time.perf_counter()
         with self.setup.autocast():
             loss = self.loss(self.setup.model)
+        forward = time.perf_counter()
         self.setup.backward(loss)
+        backward = time.perf_counter()
         self.setup.step()
         self.setup.zero_grad()
+        end = time.perf_counter()
+        return forward - start, backward - forward, end - backward
 
 
 def memory_rows(make: Callable[[], tuple[nn.Module, Loss]]) -> dict[str, tuple[float, float]]:
@@ -174,6 +196,32 @@ def time_ratios(make: Callable[[], tuple[nn.Module, Loss]], repeats: int, warmup
     return statistics.median(base), ratios
 
 
+PHASES = ("forward", "backward", "optimizer")
+
+
+def phase_ratios(make: Callable[[], tuple[nn.Module, Loss]], repeats: int, warmup: int):
+    """Median phase times of torch O1 and bf16-pure, interleaved, and their ratios."""
+    sides = {"torch O1": TorchO1(*make()), "bf16-pure": Recipe(*make(), "bf16-pure")}
+    for _ in range(warmup):
+        for side in sides.values():
+            side.step()
+    times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in sides}
+    for r in range(repeats):
+        for name in list(sides)[r % 2 :] + list(sides)[: r % 2]:
+            times[name].append(sides[name].phases())
+    medians = {
+        name: [statistics.median(t[i] for t in rows) for i in range(3)]
+        for name, rows in times.items()
+    }
+    ratios = [
+        statistics.median(
+            p[i] / o[i] for p, o in zip(times["bf16-pure"], times["torch O1"], strict=True)
+        )
+        for i in range(3)
+    ]
+    return medians, ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=10)
@@ -181,6 +229,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batch", type=int, default=BATCH)
     parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument(
+        "--phases", action="store_true", help="also time forward, backward and optimizer"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     set_input(args.batch, args.seq)
@@ -200,6 +251,13 @@ def main() -> None:
             f"  weight casts in the O1 step: {casts:.1%} of it; the best ratio that "
             f"skipping them can give: {1 - casts:.3f}"
         )
+        if args.phases:
+            medians, phase = phase_ratios(make, args.repeats, args.warmup)
+            for name, times in medians.items():
+                line = ", ".join(f"{p} {t * 1e3:.1f}" for p, t in zip(PHASES, times, strict=True))
+                print(f"  {name} phases (ms): {line}")
+            line = ", ".join(f"{p} {r:.3f}" for p, r in zip(PHASES, phase, strict=True))
+            print(f"  ratio bf16-pure/torch O1 per phase: {line}")
 
 
 if __name__ == "__main__":

@@ -238,3 +238,30 @@ def test_checkpoint_of_the_earlier_version_resumes_its_random_stream():
     for _ in range(2):  # a step draws three keys (one per write) in one call
         torch.empty(3, dtype=torch.int32).random_(generator=expected)
     assert torch.equal(opt._generator.get_state(), expected.get_state())
+
+
+def test_kept_plan_sees_new_parameter_data_and_new_gradients():
+    """The plan keeps work rows between steps, never views of parameters, gradients or
+    state: replacing a parameter's data, its gradient or its state (load_state_dict)
+    between steps is seen, as by an optimizer built afresh from the same state."""
+    g = torch.Generator().manual_seed(1)
+    params = [torch.randn(n, generator=g).bfloat16().requires_grad_(True) for n in (300, 7)]
+    opt = CompensatedAdamW(params, lr=1e-2)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g).bfloat16()
+        opt.step()
+    params[0].data = torch.randn(300, generator=g).bfloat16()
+    twins = [p.detach().clone().requires_grad_(True) for p in params]
+    twin_opt = CompensatedAdamW(twins, lr=1e-2)
+    twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # new state tensors
+    for p, t in zip(params, twins, strict=True):
+        p.grad = torch.randn(p.shape, generator=g).bfloat16()
+        t.grad = p.grad.clone()
+    opt.step()
+    twin_opt.step()
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(p, t, **BITWISE)
+        for key in ("exp_avg", "exp_avg_sq", "compensation"):
+            torch.testing.assert_close(opt.state[p][key], twin_opt.state[t][key], **BITWISE)

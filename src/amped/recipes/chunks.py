@@ -22,6 +22,8 @@ import torch
 __all__ = ["Chunk", "Piece", "Plan", "partition"]
 
 _INT32 = 1 << 32
+Groups = list[tuple[dict, list[torch.Tensor]]]  # parameter groups, each with its params to step
+Splittable = Callable[[torch.Tensor], bool]
 
 
 class Piece(NamedTuple):
@@ -78,9 +80,7 @@ class Chunk:
         return [part.view(shape) for part, shape in zip(parts, self._shapes, strict=True)]
 
 
-def partition(
-    params: list[torch.Tensor], most: int, splittable: Callable[[torch.Tensor], bool]
-) -> list[list[Piece]]:
+def partition(params: list[torch.Tensor], most: int, splittable: Splittable) -> list[list[Piece]]:
     """Chunks of one device and dtype, each in parameter order, of at most ``most``
     elements: a larger parameter is cut into pieces if ``splittable``, else alone."""
     same: dict[tuple[torch.device, torch.dtype], list[list[Piece]]] = {}
@@ -121,12 +121,7 @@ class Plan:
         self._signature: Hashable = None
         self._chunks: list[tuple[dict, Chunk]] = []
 
-    def chunks(
-        self,
-        groups: list[tuple[dict, list[torch.Tensor]]],
-        most: int,
-        splittable: Callable[[torch.Tensor], bool],
-    ) -> list[tuple[dict, Chunk]]:
+    def chunks(self, groups: Groups, most: int, splittable: Splittable) -> list[tuple[dict, Chunk]]:
         """``groups`` (each a parameter group and its parameters to step) in chunks."""
         signature = (
             most,
@@ -140,12 +135,7 @@ class Plan:
             self._signature = signature
         return self._chunks
 
-    def _build(
-        self,
-        groups: list[tuple[dict, list[torch.Tensor]]],
-        most: int,
-        splittable: Callable[[torch.Tensor], bool],
-    ) -> list[tuple[dict, Chunk]]:
+    def _build(self, groups: Groups, most: int, splittable: Splittable) -> list[tuple[dict, Chunk]]:
         self._chunks = []  # free the old work memory first
         plan = [
             (g, pieces) for g, params in groups for pieces in partition(params, most, splittable)
@@ -171,5 +161,5 @@ class Plan:
         return chunks
 
 
-def _signature(param: torch.Tensor, splittable: Callable[[torch.Tensor], bool]) -> Hashable:
+def _signature(param: torch.Tensor, splittable: Splittable) -> Hashable:
     return (id(param), param.dtype, param.device, param.shape, splittable(param))

@@ -264,7 +264,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
 
     def _load(self, chunk: Chunk, group: dict) -> None:
         """The gradients (negated to maximize) and the weights, in float32."""
-        grads = chunk.take([p.grad for p in chunk.owners])  # all set: see step()
+        grads = chunk.take([p.grad for p in chunk.owners if p.grad is not None])  # all
         foreach_copy_(chunk.views[_GRAD], grads)
         if group["maximize"]:
             chunk.floats[_GRAD].neg_()

@@ -338,3 +338,27 @@ def _allocated_bytes(fn):
     with Allocations():
         fn()
     return Allocations.nbytes
+
+
+@pytest.mark.parametrize("name", ["sgd-slow-momentum", "adamw"])
+def test_bfloat16_float16_and_float32_in_one_group_are_bitwise_equal_to_the_reference(
+    name, chunk_bytes
+):
+    """One group of three dtypes under Kahan: three partitions, and the random bits
+    (bfloat16's slow averages) numbered over the bfloat16 parameters only."""
+    kind, config = CONFIGS[name]
+    g = torch.Generator().manual_seed(3)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.bfloat16, torch.float16]
+    ours = [
+        (torch.randn(17 + i, generator=g)).to(d).requires_grad_(True) for i, d in enumerate(dtypes)
+    ]
+    theirs = [p.detach().clone().requires_grad_(True) for p in ours]
+    opt = kind(ours, **config, compensation="kahan", seed=5)
+    ref = Reference(kind, [{**opt.param_groups[0], "params": theirs}], seed=5)
+    for _ in range(STEPS):
+        for p, q in zip(ours, theirs, strict=True):
+            p.grad = (torch.randn(p.shape, generator=g) * 0.5).to(p.dtype)
+            q.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+        _assert_bitwise([ours], opt, [theirs], ref)

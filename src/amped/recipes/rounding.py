@@ -15,8 +15,9 @@ small learning rate, plain bfloat16 training stops learning. Two remedies:
 All arithmetic here is in float32, one tensor at a time, so the transient float32
 copies are bounded by the largest tensor, not the model. The optimizers of
 :mod:`amped.recipes.compensated` do the same arithmetic on chunks of parameters at
-once, with the two steps of :func:`stochastic_round_` below it (:func:`draw_noise_`,
-:func:`rounded_with_noise_`).
+once, with the rounding step of :func:`stochastic_round_` (:func:`rounded_with_noise_`)
+and random bits of their own (:mod:`amped.recipes.noise`, faster than
+:func:`draw_noise_`'s ``randint``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,8 @@ def rounded_with_noise_(value: torch.Tensor, noise: torch.Tensor) -> torch.Tenso
     Args:
         value: float32 values; NaNs among them are replaced by the default NaN in place
             (0x7FC00000), all other values are left unchanged.
-        noise: int32 noise from :func:`draw_noise_` of ``value``'s shape (consumed).
+        noise: int32 noise in [0, 2**16) of ``value``'s shape, from :func:`draw_noise_`
+            or :func:`amped.recipes.noise.hashed_noise_` (consumed).
 
     Returns:
         ``noise``'s memory as float32: the rounded values, each a bfloat16 exactly, so

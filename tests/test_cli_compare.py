@@ -19,7 +19,7 @@ from rich.console import Console
 from amped.cli.compare import run_comparison
 from amped.cli.factory import load_factory
 from amped.cli.progress import LineProgress, RichProgress
-from amped.cli.report import render_html
+from amped.cli.compare_report import render_html
 from amped.cli.results import to_dict
 from amped.cli.run import CompareConfig
 from amped.cli.schema import validate

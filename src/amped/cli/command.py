@@ -22,7 +22,7 @@ from amped.cli.environment import default_device, describe, resolve_device
 from amped.cli.errors import EXIT_DIVERGED, EXIT_OK, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
 from amped.cli.progress import LineProgress, RichProgress
-from amped.cli.report import write_report
+from amped.cli.compare_report import write_report
 from amped.cli.results import dumps, to_dict
 from amped.cli.run import CompareConfig
 from amped.cli.table import print_summary

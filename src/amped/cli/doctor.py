@@ -23,6 +23,7 @@ from rich.table import Table
 
 from amped._internal.files import write_files
 from amped.cli.command import resolve_out
+from amped.cli.doctor_report import doctor_html
 from amped.cli.dtypes import parse_low_dtype
 from amped.cli.environment import default_device, resolve_device
 from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
@@ -65,7 +66,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         raise RunError(f"The doctor failed: {type(error).__name__}: {error}") from error
     html = out / "doctor.html"
     try:
-        document, page = report.to_json(), report.to_html()
+        document, page = report.to_json(), doctor_html(report)
     except Exception as error:
         raise RunError(
             f"Could not render the doctor's report: {type(error).__name__}: {error}"

@@ -108,7 +108,7 @@ def _reset_peak() -> bool:
 def _measure(request: dict[str, Any]) -> dict[str, Any]:
     import amped
     from amped.cli.factory import load_factory
-    from amped.cli.memory import PeakMemory, _release_freed_memory
+    from amped.cli.footprint import PeakMemory, release_freed_memory
     from amped.cli.run import _train_step
     from amped.cli.task import to_device
     from amped.recipes import resolve_recipe
@@ -122,7 +122,7 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     task = factory.build(batch_size=config.batch_size, seed=config.seed, device=device)
     model = task.model.to(device)
     batches = iter(task.batches)
-    _release_freed_memory()
+    release_freed_memory()
     before = _status_kib("VmRSS")
     reset = _reset_peak()
     setup = amped.prepare(model, task.optimizer(model), run.recipe)

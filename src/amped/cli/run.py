@@ -2,7 +2,7 @@
 
 A step's time covers forward, backward, optimizer step and fetching the loss (one
 device sync), not producing the batch. Memory is measured on the first step (training
-state, exactly) and throughout (peak); see :mod:`amped.cli.memory`.
+state, exactly) and throughout (peak); see :mod:`amped.cli.footprint`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from amped.cli import interrupt
 from amped.cli.environment import synchronize
 from amped.cli.errors import UsageError
 from amped.cli.factory import TaskFactory
-from amped.cli.memory import PeakMemory, StateBytes, grad_bytes, state_bytes
+from amped.cli.footprint import PeakMemory, StateBytes, grad_bytes, state_bytes
 from amped.cli.task import Task, call_model, check_loss, count_samples, to_device
 from amped.recipes import Recipe
 

@@ -72,8 +72,9 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     add("--model", default=None, metavar="MODULE:FACTORY",
         help="task factory returning (model, batches, loss_fn); a module or path/to/file.py "
         "(default: the built-in tiny GPT on Python's own source)")  # fmt: skip
+    names = ", ".join(recipe_names())
     add("--recipes", default="all",
-        help=f"comma-separated recipes or aliases (default: all: {', '.join(recipe_names())})")  # fmt: skip
+        help=f"comma-separated recipes or aliases (default: all: {names})")  # fmt: skip
     add("--steps", type=positive_int, default=DEFAULT_STEPS,
         help=f"train steps per recipe (default: {DEFAULT_STEPS})")  # fmt: skip
     _add_task_arguments(compare, "cpu, cuda or cuda:N (default: cuda if available)", DEFAULT_OUT)

@@ -1,4 +1,4 @@
-"""A comparison as data: the ``results.json`` document (schema in :mod:`amped.cli.schema`).
+"""A comparison as data: the ``results.json`` document (schema: docs/results-schema.json).
 
 Derived figures are computed here, once, so the console table, the HTML report and
 any program reading ``results.json`` agree:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 import amped
+from amped._internal.stats import median
 from amped.cli import interrupt
 from amped.cli.environment import synchronize
 from amped.cli.errors import UsageError
@@ -70,9 +71,8 @@ class RecipeRun:
         """Throughput: mean samples per step over the median step time (robust to warm-up)."""
         if not self.step_times:
             return None
-        times = sorted(self.step_times)
-        median = times[len(times) // 2]
-        return self.samples / len(self.step_times) / median if median > 0 else None
+        step = median(self.step_times)
+        return self.samples / len(self.step_times) / step if step > 0 else None
 
 
 class Observer:

@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from amped._internal.stats import quartiles
+
 __all__ = [
     "WIDE_SPREAD",
     "CpuLoad",
@@ -65,28 +67,13 @@ class StepStats:
         }
 
 
-def _quantile(ordered: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default method)."""
-    position = q * (len(ordered) - 1)
-    below = int(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
-
-
 def step_stats(step_times: list[float]) -> StepStats | None:
     """The statistics of ``step_times``, warm-up (the first step) left out; None if empty."""
     timed = step_times[1:] if len(step_times) > 1 else step_times
     if not timed:
         return None
-    ordered = sorted(timed)
-    return StepStats(
-        repeats=len(ordered),
-        median=_quantile(ordered, 0.5),
-        q1=_quantile(ordered, 0.25),
-        q3=_quantile(ordered, 0.75),
-        low=ordered[0],
-        high=ordered[-1],
-    )
+    q1, median, q3 = quartiles(timed)
+    return StepStats(len(timed), median, q1, q3, low=min(timed), high=max(timed))
 
 
 def ratio_range(speed: dict[str, Any], base: dict[str, Any]) -> tuple[float, float] | None:

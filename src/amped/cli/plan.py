@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
 
@@ -40,6 +41,17 @@ class Plan:
     @property
     def shortened(self) -> bool:
         return self.steps < self.requested
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as recorded in ``results.json`` (``plan``)."""
+        return {
+            "steps": self.steps,
+            "shortened": self.shortened,
+            "max_time_s": self.max_time,
+            "timing_s": round(self.timing_s, 3),
+            "step_s": self.step_s,
+            "note": self.note(),
+        }
 
     def note(self) -> str:
         if not self.shortened:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from amped.cli.errors import UsageError
-from amped.doctor.runs import call_model  # one rule for calling a model with inputs
+from amped.doctor.runs import call_model, input_tensors  # one rule for a model's inputs
 
 __all__ = ["Task", "as_task", "call_model", "check_loss", "count_samples", "to_device"]
 
@@ -194,14 +194,8 @@ def _peek_checked(batches: Iterable[Any], source: str) -> Iterable[Any]:
 
 def count_samples(inputs: Any) -> int | None:
     """The first dimension of the first tensor in ``inputs`` (None if there is none)."""
-    if isinstance(inputs, torch.Tensor):
-        return int(inputs.shape[0]) if inputs.dim() else 1
-    values = inputs.values() if isinstance(inputs, Mapping) else inputs
-    if isinstance(values, Iterable) and not isinstance(values, str | bytes):
-        for value in values:
-            if isinstance(value, torch.Tensor):
-                return count_samples(value)
-    return None
+    first = next(iter(input_tensors(inputs)), None)
+    return None if first is None else (int(first.shape[0]) if first.dim() else 1)
 
 
 def to_device(data: Any, device: torch.device) -> Any:

@@ -59,15 +59,25 @@ def _add_task_arguments(add: argparse._ActionsContainer, device_help: str, out: 
     add.add_argument("--out", default=out, help=f"report folder (default: {out}/)")
 
 
-def _add_compare(commands: argparse._SubParsersAction) -> None:
-    compare = commands.add_parser(
-        "compare",
-        help="measure what mixed precision buys a model",
-        description=(
-            "Train one task once per precision recipe (fp32 first) and compare speed, "
-            "memory and loss; print a table and write report.html and results.json."
-        ),
-    )
+_COMPARE = (
+    "measure what mixed precision buys a model",
+    "Train one task once per precision recipe (fp32 first) and compare speed, memory and "
+    "loss; print a table and write report.html and results.json.",
+)
+_DOCTOR = (
+    "find the op that overflows or underflows in low precision, and a fix",
+    "Run one training step of a task in float32 and in a low dtype; report per module and "
+    "op where values overflow, underflow or lose precision, the first op that produced "
+    "inf/NaN, and a verified fix (a policy or a loss scale).",
+)
+_DOCTOR_EXIT = (
+    "exit status: 0 no non-finite value, or one the doctor fixed (the fix is verified by a "
+    "re-run); 3 a non-finite value (inf/NaN) it could not fix; 1 the doctor failed; 2 bad "
+    "arguments"
+)
+
+
+def _add_compare(compare: argparse.ArgumentParser) -> None:
     add = compare.add_argument
     add("--model", default=None, metavar="MODULE:FACTORY",
         help="task factory returning (model, batches, loss_fn); a module or path/to/file.py "
@@ -94,21 +104,7 @@ def _add_compare(commands: argparse._SubParsersAction) -> None:
     add("--traceback", action="store_true", help="print the traceback of failed recipes")
 
 
-def _add_doctor(commands: argparse._SubParsersAction) -> None:
-    doctor = commands.add_parser(
-        "doctor",
-        help="find the op that overflows or underflows in low precision, and a fix",
-        description=(
-            "Run one training step of a task in float32 and in a low dtype; report per "
-            "module and op where values overflow, underflow or lose precision, the first "
-            "op that produced inf/NaN, and a verified fix (a policy or a loss scale)."
-        ),
-        epilog=(
-            "exit status: 0 no non-finite value, or one the doctor fixed (the fix is "
-            "verified by a re-run); 3 a non-finite value (inf/NaN) it could not fix; 1 the "
-            "doctor failed; 2 bad arguments"
-        ),
-    )
+def _add_doctor(doctor: argparse.ArgumentParser) -> None:
     add = doctor.add_argument
     add("--model", default=None, metavar="MODULE:FACTORY",
         help="task factory, as for amped compare (default: the built-in tiny GPT)")  # fmt: skip
@@ -127,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="amped", description="Mixed-precision training for PyTorch.")
     parser.add_argument("--version", action="store_true", help="print amped's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
-    _add_compare(commands)
-    _add_doctor(commands)
+    _add_compare(commands.add_parser("compare", help=_COMPARE[0], description=_COMPARE[1]))
+    doctor = commands.add_parser("doctor", help=_DOCTOR[0], description=_DOCTOR[1])
+    doctor.epilog = _DOCTOR_EXIT
+    _add_doctor(doctor)
     return parser

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from amped.doctor import Report
-from amped.doctor.stats import DtypeLimits, limits
+from amped.doctor.stats import smallest_subnormal
 
 __all__ = ["doctor_html", "doctor_plot_png", "save_doctor_html", "save_doctor_plot"]
 
@@ -42,24 +42,25 @@ def doctor_plot_png(report: Report) -> bytes | None:
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    lim = limits(getattr(torch, report.dtype))
+    dtype = getattr(torch, report.dtype)
+    top, bottom = torch.finfo(dtype).max, smallest_subnormal(dtype)
     ranges = module_ranges(report)
     names = [n for n, (_, hi, bad) in ranges.items() if hi > 0 or bad]
     figure = Figure(figsize=(9, 0.4 * len(names) + 2.2))
     axes = figure.add_subplot()
-    lows, highs = [math.log2(lim.min_subnormal)], [math.log2(lim.max)]
+    lows, highs = [math.log2(bottom)], [math.log2(top)]
     for i, name in enumerate(names):
         lo, hi, bad = ranges[name]
-        hi = hi if hi > 0 else lim.max
+        hi = hi if hi > 0 else top
         x0, x1 = math.log2(lo if math.isfinite(lo) else hi), math.log2(hi)
         lows.append(x0)
         highs.append(x1)
-        color = "tab:red" if bad or hi > lim.max else "tab:blue"
+        color = "tab:red" if bad or hi > top else "tab:blue"
         axes.plot([x0, x1], [i, i], lw=7, color=color, solid_capstyle="butt")
         if bad:
-            axes.annotate("inf/NaN", (math.log2(lim.max), i), xytext=(4, -3),
+            axes.annotate("inf/NaN", (math.log2(top), i), xytext=(4, -3),
                           textcoords="offset points", color="tab:red", fontsize=8)  # fmt: skip
-    _draw_limits(axes, lim, min(lows) - 4, max(highs) + 4)
+    _draw_limits(axes, dtype, min(lows) - 4, max(highs) + 4)
     axes.set_ylim(-0.7, len(names) - 0.3)
     # Module names are the user's: "$" in one must not start matplotlib's mathtext.
     axes.set_yticks(range(len(names)), names, fontsize=8, parse_math=False)
@@ -71,16 +72,17 @@ def doctor_plot_png(report: Report) -> bytes | None:
     return buffer.getvalue()
 
 
-def _draw_limits(axes: Any, lim: DtypeLimits, left: float, right: float) -> None:
+def _draw_limits(axes: Any, dtype: torch.dtype, left: float, right: float) -> None:
     """The dtype's max, min normal and min subnormal, with the ranges past them shaded."""
-    for value, label in ((lim.max, "max"), (lim.min_normal, "min normal"),
-                         (lim.min_subnormal, "min subnormal")):  # fmt: skip
+    info, name = torch.finfo(dtype), str(dtype).removeprefix("torch.")
+    top, bottom = info.max, smallest_subnormal(dtype)
+    for value, label in ((top, "max"), (info.tiny, "min normal"), (bottom, "min subnormal")):
         axes.axvline(math.log2(value), color="gray", lw=1, ls="--")
-        axes.annotate(f"{lim.name} {label}", (math.log2(value), 1.0),
+        axes.annotate(f"{name} {label}", (math.log2(value), 1.0),
                       xycoords=("data", "axes fraction"), xytext=(2, 2),
                       textcoords="offset points", fontsize=8)  # fmt: skip
-    axes.axvspan(math.log2(lim.max), right, color="tab:red", alpha=0.08)
-    axes.axvspan(left, math.log2(lim.min_subnormal), color="tab:orange", alpha=0.08)
+    axes.axvspan(math.log2(top), right, color="tab:red", alpha=0.08)
+    axes.axvspan(left, math.log2(bottom), color="tab:orange", alpha=0.08)
     axes.set_xlim(left, right)
 
 

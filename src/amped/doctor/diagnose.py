@@ -12,7 +12,7 @@ from amped._internal.errors import type_error, value_error
 from amped.doctor.gradients import check_gradient, recommended_scale
 from amped.doctor.report import Culprit, OpStat, Report, Suggestion
 from amped.doctor.runs import StepResult, input_tensors, run_step
-from amped.doctor.stats import compare, summarize
+from amped.doctor.stats import measure_error, summarize
 from amped.policy import Cast, Policy
 from amped.policy.policy import LOW_DTYPES
 
@@ -56,7 +56,7 @@ def _op_stats(target: StepResult, reference: StepResult) -> list[OpStat]:
     stats = []
     for call in target.calls:
         ref = ref_by_key.get(call.key)
-        cmp = compare(call.output, ref.output) if ref is not None else None
+        cmp = measure_error(call.output, ref.output) if ref is not None else None
         summary = summarize(call.output)
         stats.append(
             OpStat(
@@ -117,7 +117,7 @@ def _finite(t: torch.Tensor) -> bool:
 def _sqnr(result: StepResult, reference: StepResult) -> float:
     if result.output is None or reference.output is None:
         return math.nan
-    cmp = compare(result.output, reference.output)
+    cmp = measure_error(result.output, reference.output)
     return cmp.sqnr_db if cmp else math.nan
 
 

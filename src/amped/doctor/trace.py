@@ -23,7 +23,10 @@ from torch.overrides import TorchFunctionMode
 from amped._internal.trees import iter_tensors
 from amped.autocast_mode import transparent
 
-__all__ = ["OpCall", "Tracer"]
+__all__ = ["OpCall", "Tracer", "float_tensors", "user_source"]
+
+Op = Callable[..., Any]
+Args = tuple[Any, ...]
 
 # Calls that only reshape, view, copy or describe: they never create a new value range.
 _NOT_COMPUTE = frozenset(
@@ -146,7 +149,7 @@ class Tracer(TorchFunctionMode):
         self._modules: list[str] = []
         self._counts: dict[tuple[str, str], int] = {}
         self._producer: dict[int, int] = {}  # id(output tensor) -> call index
-        self._running: dict[Callable[..., Any], None] = {}
+        self._running: dict[Op, None] = {}
         self._handles: list[Any] = []
         self._keep_live = keep_live
         self._keep_alive: list[torch.Tensor] = []  # outputs stay alive so their ids stay unique
@@ -176,13 +179,7 @@ class Tracer(TorchFunctionMode):
 
     # --- op recording ----------------------------------------------------------------
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types_: tuple[type, ...],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def __torch_function__(self, func: Op, types_: Any, args: Args = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if type(func) is types.FunctionType and func not in self._running:
             return transparent.run_transparently(self, self._running, func, types_, args, kwargs)

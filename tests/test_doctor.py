@@ -13,7 +13,8 @@ import torch.nn as nn
 
 import amped
 import doctor_models
-from amped.doctor import check_gradient, diagnose, recommended_scale
+from amped.doctor import diagnose
+from amped.doctor.gradients import check_gradient, recommended_scale
 
 FP16, BF16 = torch.float16, torch.bfloat16
 
@@ -185,3 +186,10 @@ def test_import_and_plot_leave_matplotlib_and_torch_settings_alone():
     result = subprocess.run([sys.executable, "-c", _IMPORT_AND_RENDER], capture_output=True,
                             text=True, timeout=300, env=env)  # fmt: skip
     assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_exports_are_the_checks_their_reports_and_fixes():
+    assert set(amped.doctor.__all__) == {
+        "Fp8Report", "Fp8Suggestion", "Report", "Suggestion", "diagnose", "diagnose_fp8",
+    }  # fmt: skip
+    assert all(hasattr(amped.doctor, name) for name in amped.doctor.__all__)

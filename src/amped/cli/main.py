@@ -1,12 +1,7 @@
 """The ``amped`` command line: ``amped compare`` and ``amped doctor`` (also ``python -m amped``).
 
-Exit codes: 0 success; 1 a failed run (a recipe raised, the report could not be
-written, the CLI extra is missing); 2 bad arguments, an unwritable ``--out`` or a task
-that breaks the factory contract; 3 the numerics failed: ``amped compare``, a recipe
-diverged (non-finite losses; the report is written), ``amped doctor``, a non-finite value
-it could not fix; 130 interrupted by Ctrl-C (SIGINT) and 143 by SIGTERM, after writing
-the partial results once training had started. User mistakes are reported in one line
-on stderr, without a traceback. See docs/robustness.md.
+User mistakes are one line on stderr, without a traceback; the exit codes are in
+:mod:`amped.cli.errors` and docs/robustness.md.
 """
 
 from __future__ import annotations

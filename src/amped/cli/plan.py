@@ -1,17 +1,8 @@
-"""Fit a comparison into its time budget: time a few steps of each recipe, then fix
-one step count for all of them.
-
-Every recipe trains the same number of steps, so loss curves, final losses and
-held-out metrics compare like with like. With a budget (``--max-time``), each recipe
-first runs :data:`TIMING_STEPS` steps that are not kept (the first is warm-up, so the
-estimate is the mean of the others), and then::
+"""Fit a comparison into ``--max-time``: time a few steps of each recipe, then one step
+count for all, so losses compare like with like::
 
     steps = clamp(floor((max_time - time spent timing) / sum of step estimates),
                   MIN_STEPS, requested steps)
-
-On hardware without native low-precision units (most CPUs) the low-precision recipes
-are several times slower than fp32, and set the step count; the results say so.
-The estimate is a plan, not a hard stop: a machine that slows down mid-run overruns.
 """
 
 from __future__ import annotations

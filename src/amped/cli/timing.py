@@ -1,20 +1,6 @@
-"""Step times a reader can trust: repeats, their spread, and how busy the machine was.
-
-Every timed step of a recipe is a repeat. The first step is warm-up (allocator,
-autocast caches, lazy initialisation) and is left out when there are others. A speed
-is reported as the median with the interquartile range (IQR) of the repeats, and a
-ratio to fp32 with the range those IQRs allow::
-
-    ratio low  = speed at the slow quartile / fp32's speed at its fast quartile
-    ratio high = speed at the fast quartile / fp32's speed at its slow quartile
-
-A recipe is called *fastest* only when its slow quartile beats every other recipe's
-fast quartile: when the ranges overlap, the data cannot order them.
-
-The machine's load is measured from ``/proc/stat``: the CPU time all processes used
-over the timed interval, less this process's own, is what *other* processes used (in
-cores). The machine counts as busy when those leave fewer free cores than the threads
-amped runs (``others > cores - threads``), which is when timings are inflated and vary.
+"""Step times a reader can trust: the repeats' median and quartiles, the ratio range
+their IQRs allow, and how busy the machine was (docs/compare.md, "How to read the
+numbers"). The first step is warm-up and is left out when there are others.
 """
 
 from __future__ import annotations

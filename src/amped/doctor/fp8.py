@@ -1,13 +1,7 @@
 """``amped.doctor.diagnose_fp8``: what an FP8 recipe costs each Linear layer of a model.
 
-One training step in float32 records, for every layer the recipe would convert, the
-input it saw and the gradient that reached its output. Each layer is then run alone
-on exactly those tensors three ways (float32, bfloat16 autocast, the FP8 recipe), so
-its SQNR on output, grad-input and grad-weight measures *its own* error, not what
-upstream layers passed on. Layers below ``threshold_db`` on any of the three are
-named; the doctor proposes a policy whose module rules keep them in bfloat16, and
-re-runs the whole model under it to check that they stay out and that the model's
-output did not get worse.
+Each layer is run alone on the input and output gradient it saw in a float32 step, so
+its SQNR measures its own error, not its inputs'; docs/fp8.md, "What the doctor says".
 """
 
 from __future__ import annotations

@@ -83,9 +83,8 @@ def run_step(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        # The tracer sits below amped's mode and must see each op after its casts, so
-        # the mode runs even for torch's own rules (which torch's C++ autocast would
-        # otherwise apply, below the tracer).
+        # The tracer, below amped's mode, must see each op after its casts: so the mode
+        # applies even torch's own rules, which torch's C++ autocast would apply unseen.
         with tracer, engine_always(), region:
             output = call_model(private, inputs)
             loss = _check_loss(loss_fn(output))

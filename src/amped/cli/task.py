@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import received
 from amped.cli.errors import UsageError
 from amped.doctor.runs import call_model, input_tensors  # one rule for a model's inputs
 
@@ -109,10 +110,7 @@ def _check_details(task: Task, source: str) -> None:
     for name in ("name", "description"):
         value = getattr(task, name)
         if not isinstance(value, str):
-            raise UsageError(
-                f"Task.{name} from {source} must be a string. "
-                f"Received: {name}={value!r} (of type {type(value).__name__})"
-            )
+            raise UsageError(f"Task.{name} from {source} must be a string. {received(name, value)}")
     if not isinstance(task.details, dict):
         raise UsageError(
             f"Task.details from {source} must be a dict. "
@@ -135,7 +133,7 @@ def _check_threads(threads: object, source: str) -> None:
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
         raise UsageError(
             f"Task.threads from {source} must be None (torch's default) or an int >= 1. "
-            f"Received: threads={threads!r} (of type {type(threads).__name__})"
+            + received("threads", threads)
         )
 
 

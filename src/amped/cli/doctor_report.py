@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import html
-import io
 import math
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,8 @@ def doctor_plot_png(report: Report) -> bytes | None:
     """The dynamic-range plot as PNG bytes (None without matplotlib)."""
     try:
         from matplotlib.figure import Figure
+
+        from amped.cli.plots import figure_png
     except ImportError:
         return None
     dtype = getattr(torch, report.dtype)
@@ -66,10 +67,7 @@ def doctor_plot_png(report: Report) -> bytes | None:
     axes.set_yticks(range(len(names)), names, fontsize=8, parse_math=False)
     axes.set_xlabel("log2 |value| produced by the module's ops (red: overflow, inf or NaN)")
     axes.set_title(f"Dynamic range per module in the {report.dtype} run", pad=18)
-    figure.tight_layout()
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=100)
-    return buffer.getvalue()
+    return figure_png(figure, dpi=100)
 
 
 def _draw_limits(axes: Any, dtype: torch.dtype, left: float, right: float) -> None:

@@ -1,0 +1,165 @@
+"""One GPU check: CUDA op-list conformance, every ``-m gpu`` test and the benchmarks on CUDA.
+
+Runs these parts in order, each in its own subprocess under its own time budget, and
+writes one JSON file (rewritten after every part, so a killed run leaves what it had):
+
+- ``setup``: finds the test and benchmark packages the interpreter lacks and installs
+  them into ``<work>/site`` from ``.whl/`` (wheels carried to an offline machine) or PyPI,
+  pinned by ``constraints.txt`` (torch left as installed). amped itself runs from
+  ``src/`` (pure Python, no install).
+- ``op_lists``: ``tests/test_autocast_op_lists.py::test_cuda_lists_match_torch``.
+- ``gpu_tests``: every other ``-m gpu`` test, in the test files that mark any.
+- ``recipes``, ``fp8``, ``autocast_overhead``, ``scaler_overhead``: ``benchmarks/*.py``
+  with ``--device cuda`` (fp8: its GPU part) and ``--json``.
+
+A part that fails or runs out of time is recorded (status, exit code, output tail) and
+the next part runs; the run stops starting parts once ``--total`` seconds are spent.
+The ``targets`` section evaluates the issue's targets (gpu_targets.py). Exit status: 0
+when every part passed (skips allowed in a dry run), 1 otherwise; missed targets are in
+the JSON, not the exit status.
+
+``--dry-run`` (or ``AMPED_GPU_CHECK_DRY_RUN=1``) runs the same parts on the CPU with the
+benchmarks' smallest settings and no setup, writing the same JSON shape.
+
+Usage: bash benchmarks/gpu_check.sh [--out gpu_check.json] [--work .gpu-check] [--dry-run]
+           [--parts op_lists,recipes,...] [--budget PART=SECONDS ...] [--total 450]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+# The helpers are scripts beside this one: importable also when this file is imported.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check_parts import (
+    PARTS,
+    Part,
+    environment,
+    parts_for,
+    read_junit,
+    run_command,
+)
+from gpu_targets import evaluate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="gpu_check.json", help="the JSON file to write")
+    parser.add_argument("--work", default=str(ROOT / ".gpu-check"), help="logs, site, temp")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, smallest settings")
+    parser.add_argument("--parts", default=",".join(PARTS), help="comma-separated subset")
+    parser.add_argument(
+        "--budget", action="append", default=[], metavar="PART=SECONDS", help="override"
+    )
+    parser.add_argument("--total", type=float, default=450.0, help="seconds for all parts")
+    args = parser.parse_args(argv)
+    args.dry_run = args.dry_run or os.environ.get("AMPED_GPU_CHECK_DRY_RUN") == "1"
+    chosen = args.parts.split(",")
+    unknown = sorted(set(chosen) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown parts {unknown}; choose from {list(PARTS)}")
+    args.parts = chosen
+    args.budgets = {}
+    for item in args.budget:
+        name, _, seconds = item.partition("=")
+        if name not in PARTS or not seconds.replace(".", "", 1).isdigit():
+            parser.error(f"--budget takes PART=SECONDS with a part of {list(PARTS)}: {item!r}")
+        args.budgets[name] = float(seconds)
+    return args
+
+
+def child_env(site: Path | None) -> dict[str, str]:
+    """The parts' environment: this checkout's ``src`` (and the setup's site) first."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    paths = [str(ROOT / "src")] + ([str(site)] if site is not None and site.is_dir() else [])
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def run_part(part: Part, timeout: float, work: Path, env: dict[str, str]) -> dict:
+    """Run one part; its section of the JSON. Never raises for the part's own failure."""
+    log = work / f"{part.name}.log"
+    result_file = work / f"{part.name}.{'xml' if part.kind == 'pytest' else 'json'}"
+    result_file.unlink(missing_ok=True)
+    extra = [f"--junitxml={result_file}"] if part.kind == "pytest" else ["--json", str(result_file)]
+    command = [sys.executable, *part.args, *extra]
+    section: dict = {"kind": part.kind, "command": command[1:], "budget_s": round(timeout, 1)}
+    section.update(run_command(command, timeout, env, log, cwd=ROOT))
+    if part.kind == "pytest":
+        section["tests"] = read_junit(result_file)
+        section["status"] = pytest_status(section)
+    else:
+        section["figures"] = json.loads(result_file.read_text()) if result_file.exists() else None
+        if section["status"] == "passed" and section["figures"] is None:
+            section["status"], section["reason"] = "failed", "the script wrote no figures"
+    return section
+
+
+def pytest_status(section: dict) -> str:
+    """passed: some ran, none failed; skipped: none ran (nor failed); else the run's."""
+    tests = section["tests"]
+    if section["status"] == "timeout":
+        return "timeout"
+    if tests is None or tests["failed"] or tests["errors"]:
+        return "failed"
+    if section["returncode"] not in (0, 5):  # 5: pytest selected no test
+        return "failed"
+    if tests["passed"]:
+        return "passed"
+    if not tests["skipped"]:  # the CUDA cases of a parametrized test exist only with CUDA
+        section["reason"] = "pytest selected no test on this machine"
+    return "skipped"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    work = Path(args.work).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    began = time.monotonic()
+    report: dict = {"dry_run": args.dry_run, "environment": environment(ROOT, args.dry_run)}
+    cuda = report["environment"]["cuda_available"]
+    site = work / "site"
+    for part in parts_for(args.dry_run, site, ROOT):
+        left = args.total - (time.monotonic() - began)
+        budget = min(args.budgets.get(part.name, part.budget_s), left)
+        if part.name not in args.parts:
+            report[part.name] = {"status": "not run", "reason": "not chosen by --parts"}
+        elif part.skip_reason is not None:
+            report[part.name] = {"status": "skipped", "reason": part.skip_reason}
+        elif not args.dry_run and not cuda:
+            report[part.name] = {"status": "not run", "reason": "no CUDA device; try --dry-run"}
+        elif budget < 1:
+            report[part.name] = {"status": "not run", "reason": f"--total {args.total}s spent"}
+        else:
+            print(f"[gpu_check] {part.name}: running (budget {budget:.0f} s)", flush=True)
+            report[part.name] = run_part(part, budget, work, child_env(site))
+        print(f"[gpu_check] {part.name}: {report[part.name]['status']}", flush=True)
+        report["targets"] = evaluate(report)
+        report["seconds"] = round(time.monotonic() - began, 1)
+        write(Path(args.out), report)
+    allowed = {"passed", "skipped"} if args.dry_run else {"passed"}
+    chosen_ok = all(report[name]["status"] in allowed for name in args.parts)
+    report["ok"] = chosen_ok
+    write(Path(args.out), report)
+    print(f"[gpu_check] wrote {args.out} in {report['seconds']} s; ok={chosen_ok}")
+    return 0 if chosen_ok else 1
+
+
+def write(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    temporary.replace(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

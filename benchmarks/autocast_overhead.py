@@ -53,6 +53,7 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from device_sync import synchronize
 
 import amped
 from amped.autocast_mode import dispatch, engine_always, state
@@ -81,7 +82,7 @@ def clock() -> float:
     """The thread's CPU time on the CPU; on CUDA wall time once queued kernels are done."""
     if DEVICE == "cpu":
         return time.thread_time()
-    torch.cuda.synchronize()
+    synchronize(DEVICE)
     return time.perf_counter()
 
 

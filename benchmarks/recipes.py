@@ -45,6 +45,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
+from device_sync import synchronize
 
 import amped
 
@@ -66,12 +67,6 @@ def set_device(device: str) -> None:
     """Set the device the model factories build their models and data on."""
     global DEVICE
     DEVICE = device
-
-
-def sync() -> None:
-    """Wait for the device's queued work, so that a timer sees it (no-op on the CPU)."""
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 def encoder() -> tuple[nn.Module, Loss]:
@@ -149,10 +144,10 @@ def memory_rows(make: Callable[[], tuple[nn.Module, Loss]]) -> dict[str, tuple[f
 
 
 def timed(step: Callable[[], None]) -> float:
-    sync()
+    synchronize(DEVICE)
     start = time.perf_counter()
     step()
-    sync()
+    synchronize(DEVICE)
     return time.perf_counter() - start
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from device_sync import synchronize
 
 import amped
 
@@ -41,12 +42,6 @@ def set_device(device: str) -> None:
     """Set the device the scalers, parameters and gradients live on."""
     global DEVICE
     DEVICE = device
-
-
-def sync() -> None:
-    """Wait for the device's queued work, so that a timer sees it (no-op on the CPU)."""
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
 
 
 class NoStep:
@@ -88,10 +83,10 @@ class Side:
 
     def timed_iteration(self) -> int:
         self.reset()
-        sync()
+        synchronize(DEVICE)
         start = time.perf_counter_ns()
         self.iteration()
-        sync()
+        synchronize(DEVICE)
         return time.perf_counter_ns() - start
 
 

@@ -132,7 +132,7 @@ def targets_not_measured(report: dict, name: str, reason: str) -> bool:
 
 def test_a_failing_script_is_recorded_with_its_output(tmp_path):
     gpu_check = _driver()
-    part = gpu_check.Part("recipes", "script", ("-c", "raise SystemExit('no figures here')"))
+    part = gpu_check.Part("recipes", "script", ("-c", "raise SystemExit('no figures here')"), 60)
     section = gpu_check.run_part(part, 60, tmp_path, gpu_check.child_env(None))
     assert section["status"] == "failed" and section["returncode"] == 1
     assert section["figures"] is None and "no figures here" in section["output_tail"]
@@ -142,7 +142,7 @@ def test_a_failing_test_is_counted_with_its_message(tmp_path):
     gpu_check = _driver()
     test = tmp_path / "test_planted.py"
     test.write_text("def test_fails():\n    assert 1 == 2, 'planted'\n\ndef test_ok():\n    pass\n")
-    part = gpu_check.Part("gpu_tests", "pytest", ("-m", "pytest", "-q", str(test)))
+    part = gpu_check.Part("gpu_tests", "pytest", ("-m", "pytest", "-q", str(test)), 120)
     section = gpu_check.run_part(part, 120, tmp_path, gpu_check.child_env(None))
     assert section["status"] == "failed"
     assert {key: section["tests"][key] for key in COUNTS} == {

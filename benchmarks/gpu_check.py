@@ -127,6 +127,19 @@ def pytest_status(section: dict) -> str:
     return "skipped"
 
 
+def not_run(part: Part, args: argparse.Namespace, cuda: bool, budget: float) -> dict | None:
+    """The section of a part that will not run, and why; None for a part to run."""
+    if part.name not in args.parts:
+        return {"status": "not run", "reason": "not chosen by --parts"}
+    if part.skip_reason is not None:
+        return {"status": "skipped", "reason": part.skip_reason}
+    if not args.dry_run and not cuda:
+        return {"status": "not run", "reason": "no CUDA device; try --dry-run"}
+    if budget < 1:
+        return {"status": "not run", "reason": f"--total {args.total}s spent"}
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = Path(args.work).resolve()
@@ -138,15 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     for part in parts_for(args.dry_run, site, ROOT):
         left = args.total - (time.monotonic() - began)
         budget = min(args.budgets.get(part.name, part.budget_s), left)
-        if part.name not in args.parts:
-            report[part.name] = {"status": "not run", "reason": "not chosen by --parts"}
-        elif part.skip_reason is not None:
-            report[part.name] = {"status": "skipped", "reason": part.skip_reason}
-        elif not args.dry_run and not cuda:
-            report[part.name] = {"status": "not run", "reason": "no CUDA device; try --dry-run"}
-        elif budget < 1:
-            report[part.name] = {"status": "not run", "reason": f"--total {args.total}s spent"}
-        else:
+        report[part.name] = not_run(part, args, cuda, budget)
+        if report[part.name] is None:
             print(f"[gpu_check] {part.name}: running (budget {budget:.0f} s)", flush=True)
             report[part.name] = run_part(part, budget, work, child_env(site))
         print(f"[gpu_check] {part.name}: {report[part.name]['status']}", flush=True)

@@ -4,5 +4,4 @@
 #   bash benchmarks/gpu_check.sh [--out gpu_check.json] [--dry-run] [...]
 # PYTHON picks the interpreter (default: python3, the one that holds torch).
 set -euo pipefail
-cd "$(dirname "$0")/.."
-exec "${PYTHON:-python3}" benchmarks/gpu_check.py "$@"
+exec "${PYTHON:-python3}" "$(dirname "$0")/gpu_check.py" "$@"

@@ -62,7 +62,9 @@ def evaluate(report: dict) -> dict:
     env = report.get("environment", {})
     if report.get("dry_run"):
         note = "dry run: CPU figures at the smallest sizes; the targets are for an H200"
-    elif "H200" not in (env.get("gpu") or ""):
+    elif not env.get("gpu"):
+        note = "no CUDA device"
+    elif "H200" not in env["gpu"]:
         note = f"measured on {env.get('gpu')}; the targets are set for an H200"
     else:
         note = None

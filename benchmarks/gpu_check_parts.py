@@ -163,9 +163,12 @@ print(json.dumps({
 
 def environment(root: Path, dry_run: bool) -> dict:
     """GPU, torch and CUDA versions (read in a child, so this process needs no torch)."""
-    found = subprocess.run(
-        [sys.executable, "-c", ENVIRONMENT], capture_output=True, text=True, timeout=120
-    )
+    try:
+        found = subprocess.run(
+            [sys.executable, "-c", ENVIRONMENT], capture_output=True, text=True, timeout=60
+        )
+    except subprocess.TimeoutExpired:
+        found = subprocess.CompletedProcess([], 1, "", "reading torch's environment took > 60 s")
     env = (
         json.loads(found.stdout.splitlines()[-1])
         if found.returncode == 0

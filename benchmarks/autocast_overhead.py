@@ -45,10 +45,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from device_sync import synchronize
 
 import amped
+from amped._internal.jsonio import to_json
 from amped.autocast_mode import dispatch, engine_always, state
 from amped.autocast_mode.mode import AutocastMode
 
@@ -370,8 +371,9 @@ def main() -> None:
         print(f"  compiled      {compiled:.3f} (target <= 1.02)")
     if args.json:
         figures = {"per_call_us": calls, "per_region_us": region_cost, "train_step_ratio": steps}
-        with open(args.json, "w") as file:
-            json.dump({"device": DEVICE, **figures, "compiled_ratio": compiled}, file)
+        Path(args.json).write_text(
+            to_json({"device": DEVICE, **figures, "compiled_ratio": compiled})
+        )
 
 
 if __name__ == "__main__":

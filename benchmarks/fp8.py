@@ -35,16 +35,17 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 import amped
+from amped._internal.jsonio import to_json
 from amped.fp8 import FP8_CONFIGS, convert_to_fp8
 
 TORCHAO_NAME = {
@@ -251,8 +252,9 @@ def main() -> None:
         args.gpu_dim, args.gpu_layers, args.gpu_tokens, args.gpu_repeats, args.gpu_steps, gpu
     )
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"cpu": cpu, "gpu": gpu if ran else None, "gpu_ran": ran}, file)
+        Path(args.json).write_text(
+            to_json({"cpu": cpu, "gpu": gpu if ran else None, "gpu_ran": ran})
+        )
 
 
 if __name__ == "__main__":

@@ -29,13 +29,14 @@ Usage: bash benchmarks/gpu_check.sh [--out gpu_check.json] [--work .gpu-check] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
-# The helpers are scripts beside this one: importable also when this file is imported.
+# The helpers are scripts beside this one, and amped runs from this checkout's src/:
+# importable also when this file is imported.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_parts import (
     DRY_SLACK,
@@ -48,6 +49,9 @@ from gpu_check_parts import (
     run_command,
 )
 from gpu_targets import evaluate
+
+from amped._internal.files import write_files
+from amped._internal.jsonio import from_json, to_json
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -105,7 +109,7 @@ def run_part(part: Part, timeout: float, work: Path, env: dict[str, str]) -> dic
         section["tests"] = read_junit(result_file)
         section["status"] = pytest_status(section)
     else:
-        section["figures"] = json.loads(result_file.read_text()) if result_file.exists() else None
+        section["figures"] = from_json(result_file.read_text()) if result_file.exists() else None
         if section["status"] == "passed" and section["figures"] is None:
             section["status"], section["reason"] = "failed", "the script wrote no figures"
     return section
@@ -169,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def write(path: Path, report: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(json.dumps(report, indent=2, default=str) + "\n")
-    temporary.replace(path)
+    write_files([(path, to_json(report, indent=2) + "\n")])
 
 
 if __name__ == "__main__":

@@ -38,16 +38,17 @@ Usage: python benchmarks/recipes.py [--repeats 10] [--warmup 2] [--threads N]
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 from device_sync import synchronize
 
 import amped
+from amped._internal.jsonio import to_json
 
 BATCH, SEQ = 4, 32
 MEMORY_RECIPES = ("fp32", "bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
@@ -228,8 +229,9 @@ def main() -> None:
             f"skipping them can give: {1 - casts:.3f}"
         )
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"device": DEVICE, "batch": BATCH, "seq": SEQ, "models": figures}, file)
+        Path(args.json).write_text(
+            to_json({"device": DEVICE, "batch": BATCH, "seq": SEQ, "models": figures})
+        )
 
 
 if __name__ == "__main__":

@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
 from device_sync import synchronize
 
 import amped
+from amped._internal.jsonio import to_json
 
 SIZES = (10, 100, 1000)
 ELEMENTS = 256
@@ -174,8 +175,9 @@ def main() -> None:
         for count in SIZES:
             figures.setdefault(label, {})[str(count)] = compare(label, make, count, args)
     if args.json:
-        with open(args.json, "w") as file:
-            json.dump({"device": DEVICE, "repeats": args.repeats, "scalers": figures}, file)
+        Path(args.json).write_text(
+            to_json({"device": DEVICE, "repeats": args.repeats, "scalers": figures})
+        )
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -103,7 +104,7 @@ def run_command(
     command: list[str], timeout: float, env: dict[str, str], log: Path, cwd: Path
 ) -> dict:
     """Run ``command`` in its own process group, output to ``log``, killed at ``timeout``."""
-    began = time.monotonic()
+    began, cpu = time.monotonic(), _children_cpu()
     with log.open("wb") as out:
         process = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True
@@ -115,10 +116,17 @@ def run_command(
             os.killpg(process.pid, signal.SIGKILL)  # the part and anything it started
             code, status = process.wait(), "timeout"
     result = {"status": status, "returncode": code, "seconds": round(time.monotonic() - began, 1)}
+    result["cpu_seconds"] = round(_children_cpu() - cpu, 1)
     result["log"] = str(log)
     lines = log.read_text(errors="replace").splitlines()
     result["output_tail"] = "\n".join(lines[-TAIL_LINES:])
     return result
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user and system) of this process's finished children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def read_junit(path: Path) -> dict | None:

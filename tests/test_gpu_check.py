@@ -119,6 +119,7 @@ def test_a_part_out_of_time_is_recorded_and_the_run_goes_on(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     assert report["ok"] is False
     assert report["recipes"]["status"] == "timeout" and report["recipes"]["seconds"] < 30
+    assert report["recipes"]["returncode"] == -9  # killed, with its process group
     assert report["scaler_overhead"]["status"] == "passed"  # the part after it ran
     assert report["fp8"] == {"status": "not run", "reason": "not chosen by --parts"}
     assert targets_not_measured(report, "bf16_mixed_over_torch_o1", "part 'recipes' timeout")
@@ -136,6 +137,7 @@ def test_a_failing_script_is_recorded_with_its_output(tmp_path):
     section = gpu_check.run_part(part, 60, tmp_path, gpu_check.child_env(None))
     assert section["status"] == "failed" and section["returncode"] == 1
     assert section["figures"] is None and "no figures here" in section["output_tail"]
+    assert isinstance(section["cpu_seconds"], float) and section["cpu_seconds"] >= 0
 
 
 def test_a_failing_test_is_counted_with_its_message(tmp_path):

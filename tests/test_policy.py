@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.policy import TORCH_OP_TABLES, Cast, registered_autocast_ops
+from amped.policy import Cast
+from amped.policy.ops import TORCH_OP_TABLES, registered_autocast_ops
 from tolerances import BITWISE
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

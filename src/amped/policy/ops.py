@@ -17,9 +17,15 @@ from __future__ import annotations
 import enum
 import functools
 
-import torch
+from amped._internal.torch_compat import aten_op_names, has_kernel_for
 
-__all__ = ["TORCH_OP_TABLES", "Cast", "registered_autocast_ops", "torch_default_rules"]
+__all__ = [
+    "TORCH_OP_TABLES",
+    "Cast",
+    "known_aten_ops",
+    "registered_autocast_ops",
+    "torch_default_rules",
+]
 
 
 class Cast(enum.Enum):
@@ -160,17 +166,24 @@ TORCH_OP_TABLES: dict[str, dict[str, Cast]] = {
 _DISPATCH_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
 
+def _aten_name(qualified: str) -> str:
+    """``"aten::norm.ScalarOpt_dtype"`` -> ``"norm"``."""
+    return qualified[len("aten::") :].split(".")[0]
+
+
+@functools.cache
+def known_aten_ops() -> frozenset[str]:
+    """Every ATen op (no overload) the installed torch registers."""
+    return frozenset(_aten_name(n) for n in aten_op_names() if n.startswith("aten::"))
+
+
 @functools.cache
 def registered_autocast_ops(device_type: str) -> frozenset[str]:
     """ATen ops (no overload) for which the installed torch registers an autocast kernel."""
     key = _DISPATCH_KEYS[device_type]
-    found = set()
-    for qualified in torch._C._dispatch_get_all_op_names():
-        if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(
-            qualified, key
-        ):
-            found.add(qualified[len("aten::") :].split(".")[0])
-    return frozenset(found)
+    return frozenset(
+        _aten_name(n) for n in aten_op_names() if n.startswith("aten::") and has_kernel_for(n, key)
+    )
 
 
 def torch_default_rules(device_type: str) -> dict[str, Cast]:

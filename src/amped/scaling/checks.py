@@ -33,7 +33,7 @@ __all__ = [
 
 
 # float32's smallest normal number, 2**-126: below it 1/scale overflows float32, and at
-# 0.0 a clean step turns every parameter into NaN (see docs/gradscaler.md, "The floor").
+# 0.0 a clean step turns every parameter into NaN (see docs/robustness.md).
 SCALE_FLOOR = float(torch.finfo(torch.float32).tiny)
 
 _SCALE_RULE = (

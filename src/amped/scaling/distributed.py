@@ -58,9 +58,8 @@ __all__ = [
     "wait_until_released",
 ]
 
-# How long gather_objects waits for gloo's worker threads to drop the tensors of a
-# finished collective. They do so microseconds after it completes unless descheduled;
-# the bound only matters for a process group that is already broken.
+# How long gather_objects waits for gloo's workers to drop a finished collective's
+# tensors (microseconds, normally); it matters only for a broken process group.
 RELEASE_DEADLINE_S = 5.0
 
 

@@ -62,9 +62,8 @@ def group_grads(
             if not allow_fp16 and grad.dtype == torch.float16:
                 raise ValueError(FP16_GRADS_MESSAGE)
             if grad.is_sparse:
-                # An uncoalesced sparse gradient may hold several values for one index;
-                # their float16 sum can overflow where each part did not, so check the
-                # coalesced values (as torch does).
+                # Duplicate indices' float16 values may overflow only once summed: check
+                # the coalesced values, as torch does.
                 if grad.dtype is torch.float16:
                     grad = param.grad = grad.coalesce()
                 grad = sparse_values(grad)

@@ -25,7 +25,7 @@ from typing import Any, overload
 
 import torch
 
-from amped._internal.errors import value_error
+from amped._internal.errors import received, value_error
 from amped._internal.torch_compat import steps_with_amp_scaling
 from amped.scaling import state_dict as layout
 from amped.scaling.checks import (
@@ -394,7 +394,7 @@ class GradScaler:
         if self._history is None:
             raise RuntimeError(
                 "This GradScaler keeps no history; construct it with record_history=True. "
-                "Received: record_history=False"
+                + received("record_history", False)
             )
         return self._history.records()
 

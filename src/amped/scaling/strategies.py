@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
@@ -262,7 +263,7 @@ def describe_strategy(strategy: ScaleStrategy) -> dict[str, object] | None:
 
 
 def choose_strategy(
-    strategy: object, keywords: dict[str, object], init_scale: float
+    strategy: object, keywords: Mapping[str, object], init_scale: float
 ) -> ScaleStrategy:
     """A scaler's strategy: ``strategy`` (a :class:`ScaleStrategy` or None) or, if None,
     the one its ``keywords`` (:func:`make_strategy`'s) compose; ``init_scale`` must lie

@@ -27,7 +27,6 @@ import torch
 
 from amped._internal.errors import received, value_error
 from amped._internal.torch_compat import steps_with_amp_scaling
-from amped.scaling import state_dict as layout
 from amped.scaling.checks import (
     SCALE_FLOOR,
     ScalerOrderError,
@@ -41,6 +40,7 @@ from amped.scaling.checks import (
 from amped.scaling.distributed import agree_found_inf_, agreement_groups, check_process_group
 from amped.scaling.optimizer_state import OptimizerState, OptState
 from amped.scaling.records import History, ScaleRecord
+from amped.scaling.state_dict import AMPED_KEY, amped_entry, read_state_dict
 from amped.scaling.strategies import (
     DynamicScale,
     GrowthFactors,
@@ -443,7 +443,7 @@ class GradScaler:
     def set_growth_interval(self, new_interval: int) -> None:
         self._growth_interval = check_growth_interval(new_interval)
 
-    # --- state_dict and pickling (layout: amped.scaling.state_dict) ---------------
+    # --- state_dict (layout: amped.scaling.state_dict) and pickling ---------------
 
     def state_dict(self) -> dict[str, Any]:
         """torch's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
@@ -462,7 +462,7 @@ class GradScaler:
         }
         if self._strategy != DynamicScale() or self._history is not None:
             counters = self._counter_values()
-            state[layout.AMPED_KEY] = layout.amped_entry(self._strategy, counters, self._updates)
+            state[AMPED_KEY] = amped_entry(self._strategy, counters, self._updates)
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -479,7 +479,7 @@ class GradScaler:
         """
         if not self._enabled:
             return
-        loaded = layout.read(state_dict, self._strategy)
+        loaded = read_state_dict(state_dict, self._strategy)
         self._growth_factor, self._backoff_factor = loaded.growth_factor, loaded.backoff_factor
         self._growth_interval = loaded.growth_interval
         self._set_strategy(loaded.strategy)

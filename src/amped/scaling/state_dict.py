@@ -30,7 +30,14 @@ from amped.scaling.checks import (
 )
 from amped.scaling.strategies import ScaleStrategy, describe_strategy, make_strategy
 
-__all__ = ["AMPED_KEY", "FORMAT_VERSION", "TORCH_KEYS", "LoadedState", "amped_entry", "read"]
+__all__ = [
+    "AMPED_KEY",
+    "FORMAT_VERSION",
+    "TORCH_KEYS",
+    "LoadedState",
+    "amped_entry",
+    "read_state_dict",
+]
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 AMPED_KEY = "amped"
@@ -63,7 +70,7 @@ def amped_entry(strategy: ScaleStrategy, counters: dict[str, int], updates: int)
     }
 
 
-def read(state_dict: object, current: ScaleStrategy) -> LoadedState:
+def read_state_dict(state_dict: object, current: ScaleStrategy) -> LoadedState:
     """Check a state dict from amped's or torch's ``GradScaler.state_dict()``.
 
     ``current`` is the loading scaler's strategy, kept for torch's dict and for a

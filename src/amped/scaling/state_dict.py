@@ -28,7 +28,12 @@ from amped.scaling.checks import (
     check_int,
     check_loaded_scale,
 )
-from amped.scaling.strategies import ScaleStrategy, describe_strategy, make_strategy
+from amped.scaling.strategies import (
+    KEYWORD_DEFAULTS,
+    ScaleStrategy,
+    describe_strategy,
+    make_strategy,
+)
 
 __all__ = [
     "AMPED_KEY",
@@ -42,7 +47,6 @@ __all__ = [
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 AMPED_KEY = "amped"
 FORMAT_VERSION = 1
-_STRATEGY_KEYS = ("dynamic", "hysteresis", "min_scale", "max_scale")
 _COUNTS_RULE = "Strategy counters and the update count count iterations."
 
 
@@ -153,7 +157,7 @@ def _read_strategy(described: object, entry: Mapping[str, Any]) -> ScaleStrategy
     ``update(new_scale=...)`` may have set it outside them on purpose."""
     if not isinstance(described, Mapping):
         raise value_error("Malformed 'amped' entry: bad strategy", AMPED_KEY, entry)
-    missing = sorted(set(_STRATEGY_KEYS) - set(described))
+    missing = sorted(set(KEYWORD_DEFAULTS) - set(described))
     if missing:
         raise value_error(
             f"The 'amped' entry of this GradScaler state_dict lacks {missing}; it was not "
@@ -161,4 +165,4 @@ def _read_strategy(described: object, entry: Mapping[str, Any]) -> ScaleStrategy
             AMPED_KEY,
             entry,
         )
-    return make_strategy(**{key: described[key] for key in _STRATEGY_KEYS})
+    return make_strategy(**{key: described[key] for key in KEYWORD_DEFAULTS})

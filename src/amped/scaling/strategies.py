@@ -56,6 +56,7 @@ from amped._internal.torch_compat import amp_update_scale_
 from amped.scaling.checks import check_bool, check_int, check_scale_bound
 
 __all__ = [
+    "KEYWORD_DEFAULTS",
     "Bounded",
     "DynamicScale",
     "GrowthFactors",
@@ -69,6 +70,13 @@ __all__ = [
     "make_strategy",
 ]
 
+# make_strategy's arguments (GradScaler's keywords) that compose torch's rule alone.
+KEYWORD_DEFAULTS: dict[str, object] = {
+    "dynamic": True,
+    "hysteresis": 1,
+    "min_scale": None,
+    "max_scale": None,
+}
 _HYSTERESIS_RULE = (
     "The scale backs off on the `hysteresis`-th overflow in a row; 1 is torch's rule, 2 "
     "tolerates one (DeepSpeed's and Megatron's default)."
@@ -244,13 +252,11 @@ def make_strategy(
 def describe_strategy(strategy: ScaleStrategy) -> dict[str, object] | None:
     """The :func:`make_strategy` arguments that compose ``strategy``; None if none do
     (a strategy of the user's own, or wrappers in another order)."""
-    found: dict[str, object] = {"dynamic": True, "hysteresis": 1}
+    found = dict(KEYWORD_DEFAULTS)
     layer = strategy
     if isinstance(layer, Bounded):
         found.update(min_scale=layer.min_scale, max_scale=layer.max_scale)
         layer = layer.inner
-    found.setdefault("min_scale", None)
-    found.setdefault("max_scale", None)
     if isinstance(layer, Hysteresis):
         found["hysteresis"] = layer.hysteresis
     found["dynamic"] = not isinstance(layer, StaticScale)
@@ -272,8 +278,7 @@ def choose_strategy(
         chosen = make_strategy(**keywords)
     else:
         chosen = check_strategy("strategy", strategy)
-        defaults = {"dynamic": True, "hysteresis": 1, "min_scale": None, "max_scale": None}
-        given = {k: v for k, v in keywords.items() if v is not defaults[k] and v != defaults[k]}
+        given = {k: v for k, v in keywords.items() if v != KEYWORD_DEFAULTS[k]}
         if given:
             raise value_error(
                 f"strategy= replaces the keywords {sorted(given)} (given {given}); pass "

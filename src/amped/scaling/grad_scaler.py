@@ -130,8 +130,12 @@ class GradScaler:
         self._growth_factor = check_factor("growth_factor", growth_factor)
         self._backoff_factor = check_factor("backoff_factor", backoff_factor)
         self._growth_interval = check_growth_interval(growth_interval)
-        keywords = dict(dynamic=dynamic, hysteresis=hysteresis, min_scale=min_scale)
-        keywords["max_scale"] = max_scale
+        keywords: dict[str, object] = {
+            "dynamic": dynamic,
+            "hysteresis": hysteresis,
+            "min_scale": min_scale,
+            "max_scale": max_scale,
+        }
         self._set_strategy(choose_strategy(strategy, keywords, self._init_scale))
         self._init_growth_tracker = 0
         # The scale and counters live on the device of the first tensor scale() sees.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import textwrap
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
@@ -20,15 +20,9 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped.policy.created import notify_created
-from amped.policy.ops import TORCH_OP_TABLES, Cast, known_aten_ops, torch_default_rules
+from amped.policy.ops import TORCH_OP_TABLES, Cast, OpKey, check_op, op_label, torch_default_rules
 
-__all__ = ["LOW_DTYPES", "ModuleRule", "OpKey", "Policy", "Precision", "op_label"]
-
-OpKey = str | Callable[..., Any]
-"""An op: its ATen name (``"mm"``, ``"softmax"``), a custom op's qualified name
-(``"mylib::fused_gelu"``), or a Python callable (a function decorated with
-:func:`amped.autocast_op`, a ``torch.library.custom_op``, a ``torch.ops`` packet),
-matched by identity."""
+__all__ = ["LOW_DTYPES", "ModuleRule", "Policy", "Precision"]
 
 Precision = Literal["fp32", "low", "skip"]
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -61,49 +55,6 @@ class ModuleRule:
     def __str__(self) -> str:
         sel = self.selector if isinstance(self.selector, str) else self.selector.__qualname__
         return f"{sel} -> {self.precision}"
-
-
-def op_label(op: OpKey) -> str:
-    """A readable name for an op key: the ATen name, or module.qualname of a callable."""
-    if isinstance(op, str):
-        return op
-    module = getattr(op, "__module__", None)
-    name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
-    return f"{module}.{name}" if module else name
-
-
-def _custom_op_exists(qualified: str) -> bool:
-    namespace, _, name = qualified.partition("::")
-    try:
-        getattr(getattr(torch.ops, namespace), name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def _check_op(op: object) -> OpKey:
-    if isinstance(op, str) and "::" in op:
-        if not _custom_op_exists(op):
-            raise value_error(
-                f"No custom op {op!r} is registered; define it with torch.library first, "
-                "or pass the op object itself",
-                "op",
-                op,
-            )
-        return op
-    if isinstance(op, str):
-        if op not in known_aten_ops():
-            raise value_error(
-                f"Unknown op name {op!r}: a policy names ops by their ATen name without "
-                "overload (e.g. 'mm', 'softmax', 'layer_norm', 'linalg_vecdot') or by the "
-                "Python callable itself",
-                "op",
-                op,
-            )
-        return op
-    if not callable(op):
-        raise type_error("A policy op must be an ATen op name or a callable", "op", op)
-    return op
 
 
 def _check_dtype(dtype: object) -> torch.dtype:
@@ -164,7 +115,7 @@ class Policy:
                 device_type,
             )
         for op, cast in rules.items():
-            _check_op(op)
+            check_op(op)
             if not isinstance(cast, Cast):
                 message = f"The rule for {op_label(op)} must be a Cast, such as Cast.FP32"
                 raise type_error(message, "rule", cast)
@@ -297,7 +248,7 @@ class Policy:
                     ops,
                 )
             for op in ops:
-                moves[_check_op(op)] = cast
+                moves[check_op(op)] = cast
         rules = dict(self._rules)
         dtype_rules = {d: dict(r) for d, r in self._dtype_rules.items()}
         if dtype is None:

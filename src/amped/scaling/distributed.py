@@ -48,8 +48,10 @@ from amped._internal.torch_compat import (
     process_group_device_types,
     tensor_use_count,
 )
+from amped.scaling.unscale import combine_on
 
 __all__ = [
+    "agree_across_ranks",
     "agree_found_inf_",
     "agreement_groups",
     "check_process_group",
@@ -117,6 +119,26 @@ def agree_found_inf_(found_inf: torch.Tensor, groups: list[Any]) -> torch.Tensor
     for group in groups:
         dist.all_reduce(found_inf, op=dist.ReduceOp.MAX, group=group)
     return found_inf
+
+
+def agree_across_ranks(
+    process_group: Any,
+    optimizer: torch.optim.Optimizer,
+    flags: dict[torch.device, torch.Tensor],
+    device: torch.device,
+) -> dict[torch.device, torch.Tensor]:
+    """This rank's per-device inf/NaN ``flags`` for ``optimizer``, replaced by the one flag
+    every rank agrees on (one all-reduce per group, usually one), so that they skip
+    alike. No sync."""
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    groups = agreement_groups(process_group, params)
+    if not groups:
+        return flags
+    # Every rank must join the collective, even one with no gradients (whose step()
+    # then raises its own error rather than leaving the others waiting).
+    found = combine_on(device, list(flags.values()))
+    agree_found_inf_(found, groups)
+    return {device: found} if flags else flags
 
 
 def check_scaler_agreement(scaler: Any, process_group: Any = None) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from amped.scaling.checks import (
     check_new_scale,
     check_scale,
 )
-from amped.scaling.distributed import agree_found_inf_, agreement_groups, check_process_group
+from amped.scaling.distributed import agree_across_ranks, check_process_group
 from amped.scaling.optimizer_state import OptimizerState, OptState
 from amped.scaling.records import History, ScaleRecord
 from amped.scaling.state_dict import AMPED_KEY, amped_entry, read_state_dict
@@ -235,7 +235,9 @@ class GradScaler:
         state.found_inf_per_device = unscale_grads_(
             optimizer, inv_scale, found_inf, allow_fp16=False
         )
-        self._agree_across_ranks(optimizer, state, scale.device)
+        state.found_inf_per_device = agree_across_ranks(
+            self._process_group, optimizer, state.found_inf_per_device, scale.device
+        )
         state.stage = OptState.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -546,7 +548,9 @@ class GradScaler:
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         state = self._per_optimizer_states[id(optimizer)]
         state.found_inf_per_device = unscale_grads_(optimizer, unit, found_inf, allow_fp16=True)
-        self._agree_across_ranks(optimizer, state, scale.device)
+        state.found_inf_per_device = agree_across_ranks(
+            self._process_group, optimizer, state.found_inf_per_device, scale.device
+        )
         return state.found_inf_per_device
 
     def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
@@ -605,22 +609,6 @@ class GradScaler:
         if self._scale is None:
             return dict(self._init_counters)
         return {name: int(tensor.item()) for name, tensor in self._counters.items()}
-
-    def _agree_across_ranks(
-        self, optimizer: torch.optim.Optimizer, state: OptimizerState, device: torch.device
-    ) -> None:
-        """Replace this rank's inf/NaN flags by the flag all the ranks agree on (one
-        all-reduce per group, usually one), so that they skip alike. No sync."""
-        params = (p for group in optimizer.param_groups for p in group["params"])
-        groups = agreement_groups(self._process_group, params)
-        if not groups:
-            return
-        # Every rank must join the collective, even one with no gradients (whose step()
-        # then raises its own error rather than leaving the others waiting).
-        found = combine_on(device, list(state.found_inf_per_device.values()))
-        agree_found_inf_(found, groups)
-        if state.found_inf_per_device:
-            state.found_inf_per_device = {device: found}
 
 
 def _cuda_definitely_unavailable() -> bool:

@@ -26,12 +26,17 @@ vocabulary), batch 4 x sequence 32, AdamW.
 The skipped casts' share, and with it what O2 can gain, grows as the matmuls shrink:
 ``--batch`` and ``--seq`` change the input (the issue's figures are at 4 x 32).
 
+On CUDA (``--device cuda``) the models, data and autocast are on the GPU and each timed
+step ends with ``torch.cuda.synchronize()``. ``--json PATH`` also writes the figures to
+a file (for ``benchmarks/gpu_check.py``); ``--models`` picks models by their key.
+
 4. With ``--phases``: where bf16-pure's step time goes. torch O1 and bf16-pure run
    again, interleaved, each step timed in three parts: forward, backward, and the
    optimizer step with zero_grad; the ratios are medians over repeats, per part.
 
 Usage: python benchmarks/recipes.py [--repeats 10] [--warmup 2] [--threads N]
-                                    [--batch 4] [--seq 32] [--phases]
+                                    [--batch 4] [--seq 32] [--models encoder,gpt2]
+                                    [--device cpu] [--json PATH] [--phases]
 """
 
 from __future__ import annotations
@@ -40,15 +45,19 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
+from device_sync import synchronize
 
 import amped
+from amped._internal.jsonio import to_json
 
 BATCH, SEQ = 4, 32
 MEMORY_RECIPES = ("fp32", "bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
 TIMED = ("amped bf16-mixed", "bf16-master", "bf16-pure")
+DEVICE = "cpu"
 
 Loss = Callable[[nn.Module], torch.Tensor]
 
@@ -59,11 +68,17 @@ def set_input(batch: int, seq: int) -> None:
     BATCH, SEQ = batch, seq
 
 
+def set_device(device: str) -> None:
+    """Set the device the model factories build their models and data on."""
+    global DEVICE
+    DEVICE = device
+
+
 def encoder() -> tuple[nn.Module, Loss]:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(256, 4, dim_feedforward=1024, batch_first=True)
-    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-    x = torch.randn(BATCH, SEQ, 256, generator=torch.Generator().manual_seed(1))
+    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).to(DEVICE)
+    x = torch.randn(BATCH, SEQ, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     return model, lambda m: m(x).float().pow(2).mean()
 
 
@@ -82,10 +97,12 @@ def gpt2() -> tuple[nn.Module, Loss]:
         attn_implementation="sdpa",
     )
     ids = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    return GPT2LMHeadModel(config), lambda m: m(input_ids=ids, labels=ids).loss
+    ids = ids.to(DEVICE)
+    return GPT2LMHeadModel(config).to(DEVICE), lambda m: m(input_ids=ids, labels=ids).loss
 
 
 MODELS = {"TransformerEncoder d=256 x4": encoder, "GPT-2 tiny d=256 x4": gpt2}
+KEYS = {"encoder": "TransformerEncoder d=256 x4", "gpt2": "GPT-2 tiny d=256 x4"}
 
 
 class TorchO1:
@@ -95,24 +112,23 @@ class TorchO1:
         self.model, self.loss = model, loss
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-    def step(self) -> None:
-        self.phases()
+    def forward(self) -> torch.Tensor:
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            return self.loss(self.model)
 
-    def phases(self) -> tuple[float, float, float]:
-        """The step, timed: forward, backward, optimizer step with zero_grad."""
-        start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = self.loss(self.model)
-        forward = time.perf_counter()
+    def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        backward = time.perf_counter()
+
+    def optimizer_step(self) -> None:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        end = time.perf_counter()
-        return forward - start, backward - forward, end - backward
+
+    def step(self) -> None:
+        self.backward(self.forward())
+        self.optimizer_step()
 
 
-class Recipe:
+class Recipe(TorchO1):
     """One amped recipe through amped.prepare and the setup's loop."""
 
     def __init__(self, model: nn.Module, loss: Loss, recipe: str) -> None:
@@ -120,21 +136,31 @@ class Recipe:
         self.setup = amped.prepare(model, optimizer, recipe)
         self.loss = loss
 
-    def step(self) -> None:
-        self.phases()
-
-    def phases(self) -> tuple[float, float, float]:
-        """The step, timed: forward, backward, optimizer step with zero_grad."""
-        start = time.perf_counter()
+    def forward(self) -> torch.Tensor:
         with self.setup.autocast():
-            loss = self.loss(self.setup.model)
-        forward = time.perf_counter()
+            return self.loss(self.setup.model)
+
+    def backward(self, loss: torch.Tensor) -> None:
         self.setup.backward(loss)
-        backward = time.perf_counter()
+
+    def optimizer_step(self) -> None:
         self.setup.step()
         self.setup.zero_grad()
-        end = time.perf_counter()
-        return forward - start, backward - forward, end - backward
+
+
+def phases(side: TorchO1) -> tuple[float, float, float]:
+    """One step of ``side``, timed in parts: forward, backward, optimizer with zero_grad."""
+    synchronize(DEVICE)
+    start = time.perf_counter()
+    loss = side.forward()
+    synchronize(DEVICE)
+    forward = time.perf_counter()
+    side.backward(loss)
+    synchronize(DEVICE)
+    backward = time.perf_counter()
+    side.optimizer_step()
+    synchronize(DEVICE)
+    return forward - start, backward - forward, time.perf_counter() - backward
 
 
 def memory_rows(make: Callable[[], tuple[nn.Module, Loss]]) -> dict[str, tuple[float, float]]:
@@ -150,8 +176,10 @@ def memory_rows(make: Callable[[], tuple[nn.Module, Loss]]) -> dict[str, tuple[f
 
 
 def timed(step: Callable[[], None]) -> float:
+    synchronize(DEVICE)
     start = time.perf_counter()
     step()
+    synchronize(DEVICE)
     return time.perf_counter() - start
 
 
@@ -201,14 +229,17 @@ PHASES = ("forward", "backward", "optimizer")
 
 def phase_ratios(make: Callable[[], tuple[nn.Module, Loss]], repeats: int, warmup: int):
     """Median phase times of torch O1 and bf16-pure, interleaved, and their ratios."""
-    sides = {"torch O1": TorchO1(*make()), "bf16-pure": Recipe(*make(), "bf16-pure")}
+    sides: dict[str, TorchO1] = {
+        "torch O1": TorchO1(*make()),
+        "bf16-pure": Recipe(*make(), "bf16-pure"),
+    }
     for _ in range(warmup):
         for side in sides.values():
             side.step()
     times: dict[str, list[tuple[float, float, float]]] = {name: [] for name in sides}
     for r in range(repeats):
         for name in list(sides)[r % 2 :] + list(sides)[: r % 2]:
-            times[name].append(sides[name].phases())
+            times[name].append(phases(sides[name]))
     medians = {
         name: [statistics.median(t[i] for t in rows) for i in range(3)]
         for name, rows in times.items()
@@ -229,20 +260,29 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batch", type=int, default=BATCH)
     parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--models", default=",".join(KEYS), help="keys: encoder, gpt2")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument(
         "--phases", action="store_true", help="also time forward, backward and optimizer"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     set_input(args.batch, args.seq)
+    set_device(args.device)
     print(f"torch {torch.__version__}, {args.threads} threads, batch {BATCH} x seq {SEQ}, AdamW")
-    for label, make in MODELS.items():
+    if DEVICE != "cpu":
+        print(f"device: {torch.cuda.get_device_name()}, steps timed to torch.cuda.synchronize()")
+    figures = {}
+    for label, make in ((KEYS[key], MODELS[KEYS[key]]) for key in args.models.split(",")):
         print(f"\n{label}")
         print("  bytes/param, AdamW        between steps   in the step")
-        for recipe, (total, peak) in memory_rows(make).items():
+        memory = memory_rows(make)
+        for recipe, (total, peak) in memory.items():
             print(f"  {recipe:<24} {total:14.2f} {peak:13.2f}")
         print("  (torch O1 = bf16-mixed, plus a bf16 copy of each weight during the forward)")
         base, ratios = time_ratios(make, args.repeats, args.warmup)
+        figures[label] = {"bytes_per_param": memory, "o1_step_s": base, "ratios": dict(ratios)}
         casts = ratios.pop("casts")
         print(f"  step time torch O1 (median)  {base * 1e3:8.1f} ms")
         for name, ratio in ratios.items():
@@ -258,6 +298,10 @@ def main() -> None:
                 print(f"  {name} phases (ms): {line}")
             line = ", ".join(f"{p} {r:.3f}" for p, r in zip(PHASES, phase, strict=True))
             print(f"  ratio bf16-pure/torch O1 per phase: {line}")
+    if args.json:
+        Path(args.json).write_text(
+            to_json({"device": DEVICE, "batch": BATCH, "seq": SEQ, "models": figures})
+        )
 
 
 if __name__ == "__main__":

@@ -187,11 +187,14 @@ def test_bad_input_is_refused():
 
 
 def test_recipes_are_validated():
+    loop: dict = dict(autocast=True, loss_scaling=False, aliases=(), summary="")
     with pytest.raises(ValueError, match=r"needs a low dtype.*Received: dtype=None"):
-        amped.Recipe("x", None, "low", True, False, (), "", compensation="kahan")
+        amped.Recipe("x", dtype=None, weights="low", compensation="kahan", **loop)
     with pytest.raises(ValueError, match=r"compensation .* is required for weights='low'"):
-        amped.Recipe("x", torch.bfloat16, "low", True, False, (), "")
+        amped.Recipe("x", dtype=torch.bfloat16, weights="low", **loop)
     with pytest.raises(ValueError, match=r"Received: weights='half'"):
-        amped.Recipe("x", torch.bfloat16, "half", True, False, (), "")  # type: ignore[arg-type]
+        amped.Recipe("x", dtype=torch.bfloat16, weights="half", **loop)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="positional"):
+        amped.Recipe("x", torch.bfloat16, "fp32", True, False, (), "")  # type: ignore[misc]
     assert amped.recipes.resolve_recipe("O2").name == "fp16-master"
     assert amped.recipes.resolve_recipe("bf16-kahan").name == "bf16-pure"

@@ -45,7 +45,8 @@ from amped.integrations.common import (
 )
 from amped.integrations.driver import RecipeDriver, to_dtype
 from amped.policy import Policy
-from amped.recipes import MasterSetup, Recipe, TrainSetup
+from amped.recipes import Recipe, TrainSetup
+from amped.recipes.o2 import MasterSetup
 from amped.scaling import GradScaler
 
 __all__ = ["FSDPPrecision", "FabricFSDPPrecision", "FabricPrecision", "Precision"]
@@ -60,7 +61,43 @@ def _lightning_name(recipe: Recipe) -> _PRECISION_INPUT_STR:
     return "32-true"
 
 
-class Precision(RecipeDriver, _LightningBase):
+class _Plugin(RecipeDriver):
+    """What the four plugins share: arguments, the parameters clipping sees, the recipe's
+    state and teardown. The FSDP ones (``_fsdp``) take the autocast recipes only."""
+
+    _fsdp = False
+
+    def __init__(
+        self,
+        recipe: str | Recipe = "bf16-mixed",
+        *,
+        policy: Policy | str | None = None,
+        device: str | None = None,
+        scaler: GradScaler | None = None,
+    ) -> None:
+        self._init_recipe(recipe, policy, device, scaler)
+        self.precision = _lightning_name(self.recipe)
+        if self._fsdp:
+            _check_fsdp_recipe(self.recipe)
+            self._desired_input_dtype = torch.float32  # FSDP's init contexts: float32 weights
+
+    def main_params(self, optimizer: Any) -> Any:
+        """The parameters clipping must see: the float32 masters under O2."""
+        if self.setup is not None and optimizer is self.setup.optimizer:
+            return self.setup.main_params()
+        return super().main_params(optimizer)  # type: ignore[misc]  # the framework's
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (Lightning: on resume, after the setup is built)."""
+        self._load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        """Undo what the recipe installed (Lightning calls it when fit ends); the model
+        gets float32 weights back."""
+        self._teardown()
+
+
+class Precision(_Plugin, _LightningBase):
     """A Lightning precision plugin that trains with an amped recipe.
 
     Pass it in ``plugins=`` and leave ``precision=`` unset (Lightning refuses both).
@@ -82,17 +119,6 @@ class Precision(RecipeDriver, _LightningBase):
     which learning-rate schedulers are re-pointed. The model returns to float32 when
     ``fit`` ends.
     """
-
-    def __init__(
-        self,
-        recipe: str | Recipe = "bf16-mixed",
-        *,
-        policy: Policy | str | None = None,
-        device: str | None = None,
-        scaler: GradScaler | None = None,
-    ) -> None:
-        self._init_recipe(recipe, policy, device, scaler)
-        self.precision = _lightning_name(self.recipe)
 
     def connect(
         self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
@@ -158,12 +184,6 @@ class Precision(RecipeDriver, _LightningBase):
         else:
             super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
-    def main_params(self, optimizer: Any) -> Any:
-        """The parameters clipping must see: the float32 masters under O2."""
-        if self.setup is not None and optimizer is self.setup.optimizer:
-            return self.setup.main_params()
-        return super().main_params(optimizer)
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save the model at the recipe's full precision: O2's float32 masters as the weights."""
         if isinstance(self.setup, MasterSetup) and "state_dict" in checkpoint:
@@ -175,14 +195,6 @@ class Precision(RecipeDriver, _LightningBase):
         state = self._state_dict()
         state.pop("masters", None)
         return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (on resume, after the setup is built)."""
-        self._load_state_dict(state_dict)
-
-    def teardown(self) -> None:
-        """Undo what the recipe installed (Lightning calls it when fit ends)."""
-        self._teardown()
 
 
 class FSDPPrecision(Precision, _LightningFSDP):  # type: ignore[misc]  # scaler: amped's, not ShardedGradScaler
@@ -200,17 +212,7 @@ class FSDPPrecision(Precision, _LightningFSDP):  # type: ignore[misc]  # scaler:
             another device.
     """
 
-    def __init__(
-        self,
-        recipe: str | Recipe = "bf16-mixed",
-        *,
-        policy: Policy | str | None = None,
-        device: str | None = None,
-        scaler: GradScaler | None = None,
-    ) -> None:
-        super().__init__(recipe, policy=policy, device=device, scaler=scaler)
-        _check_fsdp_recipe(self.recipe)
-        self._desired_input_dtype = torch.float32  # FSDP's init contexts: float32 weights
+    _fsdp = True
 
     def connect(
         self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
@@ -220,7 +222,7 @@ class FSDPPrecision(Precision, _LightningFSDP):  # type: ignore[misc]  # scaler:
         return super().connect(model, optimizers, lr_schedulers)
 
 
-class FabricPrecision(RecipeDriver, _FabricBase):
+class FabricPrecision(_Plugin, _FabricBase):
     """A Fabric precision plugin that trains with an amped recipe.
 
     Arguments as :class:`Precision`. Recipes that change the model or optimizer
@@ -230,17 +232,6 @@ class FabricPrecision(RecipeDriver, _FabricBase):
     scaler; O2's float32 masters, which the model's state dict has only rounded).
     Outputs come back in float32, as Fabric's own mixed precision returns them.
     """
-
-    def __init__(
-        self,
-        recipe: str | Recipe = "bf16-mixed",
-        *,
-        policy: Policy | str | None = None,
-        device: str | None = None,
-        scaler: GradScaler | None = None,
-    ) -> None:
-        self._init_recipe(recipe, policy, device, scaler)
-        self.precision = _lightning_name(self.recipe)
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -292,12 +283,6 @@ class FabricPrecision(RecipeDriver, _FabricBase):
         check_clipping(setup, 1.0)
         setup.unscale_()
 
-    def main_params(self, optimizer: Any) -> Any:
-        """The parameters clipping must see: the float32 masters under O2."""
-        if self.setup is not None and optimizer is self.setup.optimizer:
-            return self.setup.main_params()
-        return super().main_params(optimizer)
-
     def _setup_for(self, optimizer: Any) -> TrainSetup:
         """The setup stepping ``optimizer``; for the autocast recipes, built on first use."""
         if self.setup is None and self.recipe.weights == "fp32":
@@ -311,14 +296,6 @@ class FabricPrecision(RecipeDriver, _FabricBase):
         """The recipe's name, its scaler's state and O2's float32 masters."""
         return self._state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self._load_state_dict(state_dict)
-
-    def teardown(self) -> None:
-        """Undo what the recipe installed."""
-        self._teardown()
-
 
 class FabricFSDPPrecision(FabricPrecision, _FabricFSDP):  # type: ignore[misc]  # amped's scaler
     """:class:`FabricPrecision` for Fabric's ``FSDPStrategy``, which takes only plugins of
@@ -330,17 +307,7 @@ class FabricFSDPPrecision(FabricPrecision, _FabricFSDP):  # type: ignore[misc]  
             another device.
     """
 
-    def __init__(
-        self,
-        recipe: str | Recipe = "bf16-mixed",
-        *,
-        policy: Policy | str | None = None,
-        device: str | None = None,
-        scaler: GradScaler | None = None,
-    ) -> None:
-        super().__init__(recipe, policy=policy, device=device, scaler=scaler)
-        _check_fsdp_recipe(self.recipe)
-        self._desired_input_dtype = torch.float32
+    _fsdp = True
 
     def convert_input(self, data: Any) -> Any:
         """Floating inputs to float32, as Fabric's FSDP mixed precision does."""

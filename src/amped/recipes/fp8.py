@@ -34,10 +34,9 @@ from amped.fp8 import (
 )
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, register, resolve_recipe
-from amped.recipes.setup import TrainSetup, prepare
-from amped.scaling import GradScaler
+from amped.recipes.setup import TrainSetup
 
-__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "build_fp8_setup", "ruled_modules"]
+__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "Fp8Plan", "ruled_modules"]
 
 FP8_BASES = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
 """Base recipes an FP8 recipe can keep its weights and optimizer state by."""
@@ -53,12 +52,12 @@ FP8_RECIPE_NAMES = tuple(
     register(
         Recipe(
             f"fp8-{scaling}",
-            torch.bfloat16,
-            "fp32",
-            True,
-            False,
-            aliases,
-            f"FP8 Linear GEMMs ({FP8_CONFIGS[scaling]}), bfloat16 autocast elsewhere",
+            dtype=torch.bfloat16,
+            weights="fp32",
+            autocast=True,
+            loss_scaling=False,
+            aliases=aliases,
+            summary=f"FP8 Linear GEMMs ({FP8_CONFIGS[scaling]}), bfloat16 autocast elsewhere",
             fp8=scaling,
         ),
         opt_in=True,
@@ -134,44 +133,65 @@ def _already_converted(
     return Fp8Layers(layers, config)
 
 
-def build_fp8_setup(
-    recipe: Recipe,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: GradScaler | None,
-    device_type: str,
-    policy: Policy | None,
-    base: str | Recipe | None = None,
-    module_filter: ModuleFilter | None = None,
-) -> TrainSetup:
-    """Build the base recipe's setup, then convert the chosen Linear layers to FP8.
+@dataclasses.dataclass(frozen=True)
+class Fp8Plan:
+    """What an FP8 recipe will do, checked before its base recipe changes anything.
 
-    Returns the setup (of the base recipe's class) with ``recipe`` set to the FP8
-    recipe (its ``weights`` and ``compensation`` those of the base) and ``fp8_layers``
-    to the converted layers, which :meth:`~amped.recipes.TrainSetup.step` updates.
+    :func:`~amped.prepare` calls :meth:`check`, builds the base recipe's setup, then
+    :meth:`apply` converts the chosen Linear layers.
+
+    Attributes:
+        recipe: the FP8 recipe.
+        base: the recipe that keeps the weights and optimizer state.
+        policy: the user's policy, whose module rules keep modules out of FP8.
+        module_filter: the user's filter (None: :func:`amped.fp8.default_module_filter`).
+        converted: layers the model had converted before ``prepare`` (FSDP2), else None.
     """
-    if recipe.fp8 is None:
-        raise ValueError(f"{recipe.name!r} is not an FP8 recipe. Received: recipe={recipe!r}")
-    base_recipe = _base_recipe(recipe, base)
-    _check_model(recipe, model, device_type)
-    if scaler is not None and scaler.is_enabled():
-        raise ValueError(
-            f"Recipe {recipe.name!r} does not scale the loss (bfloat16 gradients do not "
-            "underflow, FP8 casts have their own scales); pass no scaler. Received: an "
-            "enabled GradScaler"
+
+    recipe: Recipe
+    base: Recipe
+    policy: Policy | None
+    module_filter: ModuleFilter | None
+    converted: Fp8Layers | None
+
+    @classmethod
+    def check(
+        cls, plain: TrainSetup, base: str | Recipe | None, module_filter: ModuleFilter | None
+    ) -> Fp8Plan:
+        """Refuse what ``plain.recipe`` cannot run (base, model, scaler, no layer to convert)."""
+        recipe, model = plain.recipe, plain.model
+        if recipe.fp8 is None:
+            raise ValueError(f"{recipe.name!r} is not an FP8 recipe. Received: recipe={recipe!r}")
+        base_recipe = _base_recipe(recipe, base)
+        _check_model(recipe, model, plain.device_type)
+        if plain.scaler.is_enabled():
+            raise ValueError(
+                f"Recipe {recipe.name!r} does not scale the loss (bfloat16 gradients do not "
+                "underflow, FP8 casts have their own scales); pass no scaler. Received: an "
+                "enabled GradScaler"
+            )
+        config = FP8_CONFIGS[recipe.fp8]
+        converted = _already_converted(recipe, model, config)
+        if converted is None and not plan_fp8(
+            model, module_filter, ruled_modules(model, plain.policy)
+        ):
+            convert_to_fp8(model, config, [])  # raises: no layer to convert
+        return cls(recipe, base_recipe, plain.policy, module_filter, converted)
+
+    def apply(self, setup: TrainSetup) -> TrainSetup:
+        """Convert the chosen layers of the base recipe's ``setup``; returns ``setup`` with
+        ``recipe`` the FP8 recipe (``weights`` and ``compensation`` the base's) and
+        ``fp8_layers`` the converted layers, which :meth:`~amped.recipes.TrainSetup.step`
+        updates."""
+        assert self.recipe.fp8 is not None  # check() refused the others
+        converted = self.converted
+        if converted is None:
+            model = setup.model
+            keep = ruled_modules(model, self.policy) | ruled_modules(model, setup.policy)
+            names = plan_fp8(model, self.module_filter, keep)
+            converted = convert_to_fp8(model, FP8_CONFIGS[self.recipe.fp8], names)
+        setup.fp8_layers = converted
+        setup.recipe = dataclasses.replace(
+            self.recipe, weights=self.base.weights, compensation=self.base.compensation
         )
-    config = FP8_CONFIGS[recipe.fp8]
-    converted = _already_converted(recipe, model, config)
-    keep = ruled_modules(model, policy)
-    names = plan_fp8(model, module_filter, keep)
-    if not names and converted is None:  # before the base recipe changes anything
-        convert_to_fp8(model, config, names)
-    setup = prepare(model, optimizer, base_recipe, policy=policy, scaler=scaler)
-    if converted is None:
-        names = plan_fp8(model, module_filter, keep | ruled_modules(model, setup.policy))
-        converted = convert_to_fp8(model, config, names)
-    setup.fp8_layers = converted
-    setup.recipe = dataclasses.replace(
-        recipe, weights=base_recipe.weights, compensation=base_recipe.compensation
-    )
-    return setup
+        return setup

@@ -20,10 +20,8 @@ import torch
 
 from amped.policy import Policy
 from amped.recipes.master import MasterWeightOptimizer, check_wrappable
-from amped.recipes.registry import Recipe
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import lower_model_, with_norms_in_fp32
-from amped.scaling import GradScaler
 
 __all__ = ["MasterSetup", "build_master_setup"]
 
@@ -138,18 +136,12 @@ def o2_policy(policy: Policy | None, model: torch.nn.Module, device_type: str) -
     return with_norms_in_fp32(policy or Policy.preset("torch", device_type), model)
 
 
-def build_master_setup(
-    recipe: Recipe,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: GradScaler,
-    device_type: str,
-    policy: Policy | None,
-) -> MasterSetup:
-    """Lower ``model`` in place and put float32 masters under ``optimizer``."""
-    check_wrappable(optimizer)  # before the model is touched
-    assert recipe.dtype is not None  # Recipe.__post_init__ guarantees it
-    policy = o2_policy(policy, model, device_type)
-    originals = lower_model_(model, recipe.dtype, policy)
-    wrapped = MasterWeightOptimizer(optimizer, originals)
-    return MasterSetup(recipe, model, wrapped, scaler, device_type, policy)
+def build_master_setup(plain: TrainSetup) -> MasterSetup:
+    """Lower ``plain.model`` in place and put float32 masters under ``plain.optimizer``."""
+    check_wrappable(plain.optimizer)  # before the model is touched
+    dtype = plain.recipe.dtype
+    assert dtype is not None  # Recipe.__post_init__ guarantees it
+    policy = o2_policy(plain.policy, plain.model, plain.device_type)
+    originals = lower_model_(plain.model, dtype, policy)
+    wrapped = MasterWeightOptimizer(plain.optimizer, originals)
+    return MasterSetup(plain.recipe, plain.model, wrapped, plain.scaler, plain.device_type, policy)

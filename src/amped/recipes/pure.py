@@ -16,12 +16,10 @@ from typing import Any
 
 import torch
 
-from amped.policy import Policy
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
-from amped.recipes.registry import Compensation, Recipe
+from amped.recipes.registry import Compensation
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import lower_model_
-from amped.scaling import GradScaler
 
 __all__ = ["PureSetup", "build_pure_setup", "compensated_twin"]
 
@@ -131,25 +129,19 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) else value
 
 
-def build_pure_setup(
-    recipe: Recipe,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: GradScaler,
-    device_type: str,
-    policy: Policy | None,
-) -> PureSetup:
-    """Lower ``model`` in place and replace ``optimizer`` by its compensated twin."""
+def build_pure_setup(plain: TrainSetup) -> PureSetup:
+    """Lower ``plain.model`` in place and replace its optimizer by the compensated twin."""
+    recipe = plain.recipe
     assert recipe.dtype is not None and recipe.compensation is not None  # Recipe checks
-    twin = compensated_twin(optimizer, recipe.compensation)  # before the model is touched
-    if scaler.is_enabled():
+    twin = compensated_twin(plain.optimizer, recipe.compensation)  # before the model is touched
+    if plain.scaler.is_enabled():
         warnings.warn(
             f"Recipe {recipe.name!r} needs no loss scaling: bfloat16 has float32's exponent "
             "range, so gradients do not underflow, and scaling only adds work and skipped "
             "steps. Pass no scaler (prepare() then uses a disabled one). "
             "Received: scaler=GradScaler(enabled=True)",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # prepare()'s caller
         )
-    lower_model_(model, recipe.dtype, policy)
-    return PureSetup(recipe, model, twin, scaler, device_type, policy)
+    lower_model_(plain.model, recipe.dtype, plain.policy)
+    return PureSetup(recipe, plain.model, twin, plain.scaler, plain.device_type, plain.policy)

@@ -7,7 +7,7 @@ weights are kept; aliases give the names other tools use (Apex's "O1"/"O2").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
 import torch
@@ -52,6 +52,7 @@ class Recipe:
     """
 
     name: str
+    _: KW_ONLY
     dtype: torch.dtype | None
     weights: Weights
     autocast: bool
@@ -88,64 +89,76 @@ class Recipe:
         return self.name
 
 
+def _builtin(
+    name: str,
+    dtype: torch.dtype | None,
+    weights: Weights,
+    aliases: tuple[str, ...],
+    summary: str,
+    compensation: Compensation | None = None,
+) -> Recipe:
+    """A built-in recipe: autocast whenever it has a low dtype, loss scaling for float16."""
+    return Recipe(
+        name,
+        dtype=dtype,
+        weights=weights,
+        autocast=dtype is not None,
+        loss_scaling=dtype is torch.float16,
+        aliases=aliases,
+        summary=summary,
+        compensation=compensation,
+    )
+
+
+_BF16, _FP16 = torch.bfloat16, torch.float16
+_PURE = "bfloat16 weights, gradients and optimizer state; "
+
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
-        Recipe("fp32", None, "fp32", False, False, ("O0", "float32"), "float32 throughout"),
-        Recipe(
+        _builtin("fp32", None, "fp32", ("O0", "float32"), "float32 throughout"),
+        _builtin(
             "bf16-mixed",
-            torch.bfloat16,
+            _BF16,
             "fp32",
-            True,
-            False,
             ("bf16", "O1-bf16"),
             "autocast to bfloat16, float32 weights",
         ),
-        Recipe(
+        _builtin(
             "fp16-mixed",
-            torch.float16,
+            _FP16,
             "fp32",
-            True,
-            True,
             ("fp16", "O1", "amp"),
             "autocast to float16 with dynamic loss scaling, float32 weights",
         ),
-        Recipe(
+        _builtin(
             "bf16-master",
-            torch.bfloat16,
+            _BF16,
             "low-with-masters",
-            True,
-            False,
             ("O2-bf16", "bf16-O2"),
             "bfloat16 weights and gradients, float32 master weights in the optimizer",
         ),
-        Recipe(
+        _builtin(
             "fp16-master",
-            torch.float16,
+            _FP16,
             "low-with-masters",
-            True,
-            True,
             ("O2", "fp16-O2"),
             "float16 weights and gradients, float32 master weights, dynamic loss scaling",
         ),
-        Recipe(
+        _builtin(
             "bf16-pure",
-            torch.bfloat16,
+            _BF16,
             "low",
-            True,
-            False,
             ("pure-bf16", "bf16-kahan"),
-            "bfloat16 weights, gradients and optimizer state; Kahan-compensated updates",
+            _PURE + "Kahan-compensated updates",
             compensation="kahan",
         ),
-        Recipe(
+        _builtin(
             "bf16-pure-sr",
-            torch.bfloat16,
+            _BF16,
             "low",
-            True,
-            False,
             ("pure-bf16-sr", "bf16-stochastic"),
-            "bfloat16 weights, gradients and optimizer state; stochastically rounded updates",
+            _PURE + "stochastically rounded updates",
             compensation="stochastic",
         ),
     )

@@ -39,8 +39,8 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-import amped
 from amped.fp8 import FP8_CONFIGS, convert_to_fp8
+from amped.fp8.delayed import update_delayed_scaling
 
 TORCHAO_NAME = {
     "tensorwise": "tensorwise",
@@ -128,7 +128,7 @@ def run_cpu(args: argparse.Namespace) -> None:
                 ours = amped_model(base, scaling, emulate)
                 layers = [m for m in ours.modules() if hasattr(m, "fp8_config")]
                 update = (
-                    (lambda layers=layers: amped.fp8.update_delayed_scaling(layers))
+                    (lambda layers=layers: update_delayed_scaling(layers))
                     if scaling == "delayed"
                     else None
                 )
@@ -172,7 +172,7 @@ def run_gpu(
         ours = amped_model(base, scaling, None)
         layers_ = [m for m in ours.modules() if hasattr(m, "fp8_config")]
         update = (
-            (lambda layers_=layers_: amped.fp8.update_delayed_scaling(layers_))
+            (lambda layers_=layers_: update_delayed_scaling(layers_))
             if scaling == "delayed"
             else None
         )

@@ -32,12 +32,9 @@ __all__ = ["has_scaled_mm", "pad_inner", "scaled_mm"]
 def has_scaled_mm(device: torch.device) -> bool:
     """Whether ``device`` has FP8 GEMM hardware that ``torch._scaled_mm`` uses.
 
-    CUDA: compute capability 8.9 (Ada) or 9.0+ (Hopper, Blackwell). CPUs: no. torch's
-    CPU ``_scaled_mm`` is itself a dequantize-and-multiply in float32, the same numbers
-    as :func:`scaled_mm`'s emulation, except on AMX-INT8 CPUs, where torch sends
-    e4m3 x e4m3 GEMMs to oneDNN: a different float32 summation order, and on this
-    project's test machine about 700 times slower than the emulation (4.7 s against
-    6 ms for a 256 x 256 x 688 GEMM). So FP8 layers emulate on CPU unless told not to.
+    CUDA: compute capability 8.9 (Ada) or 9.0+ (Hopper, Blackwell). CPUs: no; torch's
+    CPU ``_scaled_mm`` gains nothing over the emulation and on AMX-INT8 CPUs is far
+    slower (docs/fp8.md), so FP8 layers emulate on CPU unless told not to.
     """
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_capability(device) >= (8, 9)

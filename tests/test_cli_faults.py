@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from amped.cli import files
+from amped._internal import files
 from amped.cli.main import main
 from amped.cli.schema import validate
 from cli_fault_helpers import (

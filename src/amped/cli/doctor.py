@@ -4,7 +4,7 @@ The task comes from the same factory contract as ``amped compare`` (``--model
 module:factory``); the doctor checks one training step on its first batch. It prints
 a table (the ops with the widest range, inf/NaN or underflow, the culprits and the
 verified fix) and writes ``doctor.json`` and ``doctor.html`` into ``--out``, as one
-set, atomically (:func:`amped.cli.files.write_files`); a write error is exit code 1.
+set, atomically (:func:`amped._internal.files.write_files`); a write error is exit code 1.
 
 Like a linter, it exits 0 when the step is free of inf/NaN or the doctor found a fix
 and verified it by re-running, and :data:`~amped.cli.errors.EXIT_UNFIXED` (3) when it
@@ -21,12 +21,12 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from amped._internal.files import write_files
 from amped.cli.command import resolve_out
 from amped.cli.dtypes import parse_low_dtype
 from amped.cli.environment import default_device, resolve_device
 from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
-from amped.cli.files import write_files
 from amped.cli.task import to_device
 from amped.doctor import Report, diagnose
 from amped.doctor.report import OpStat

@@ -37,6 +37,7 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 from lightning.pytorch.plugins.precision import FSDPPrecision as _LightningFSDP
 from lightning.pytorch.plugins.precision import Precision as _LightningBase
 
+from amped._internal.errors import received, value_error
 from amped.integrations.common import (
     SkipAwareScheduler,
     check_clipping,
@@ -127,18 +128,21 @@ class Precision(_Plugin, _LightningBase):
         if not optimizers:  # validate / test / predict: the forward context alone
             return model, optimizers, lr_schedulers
         if len(optimizers) != 1:
-            raise ValueError(
+            raise value_error(
                 "amped's Lightning plugin trains one optimizer; configure_optimizers "
                 "returned several. Use one optimizer over all parameters (parameter "
-                f"groups for different settings). Received: {len(optimizers)} optimizers"
+                "groups for different settings)",
+                "len(optimizers)",
+                len(optimizers),
             )
         if self.recipe.weights != "fp32" and not isinstance(model, pl.LightningModule):
-            raise ValueError(
+            raise value_error(
                 f"Recipe {self.recipe.name!r} lowers the model's weights, which a strategy "
                 "that wraps the model (DDP, FSDP, DeepSpeed) has already bucketed or "
                 "sharded. Use a single-device strategy, or an autocast recipe "
-                "('bf16-mixed', 'fp16-mixed'). Received: a model wrapped in "
-                f"{type(model).__name__}"
+                "('bf16-mixed', 'fp16-mixed')",
+                "type(model)",
+                type(model),
             )
         user = optimizers[0]
         setup = self._prepare(model, user)
@@ -246,8 +250,7 @@ class FabricPrecision(_Plugin, _FabricBase):
             raise RuntimeError(
                 f"Recipe {self.recipe.name!r} changes the model and the optimizer together; "
                 "call model, optimizer = precision.prepare(model, optimizer) before "
-                "fabric.setup(model, optimizer). Received: an unprepared "
-                f"{type(module).__name__}"
+                "fabric.setup(model, optimizer). " + received("type(module)", type(module))
             )
         return module
 
@@ -320,10 +323,12 @@ class FabricFSDPPrecision(FabricPrecision, _FabricFSDP):  # type: ignore[misc]  
 
 def _check_fsdp_recipe(recipe: Recipe) -> None:
     if recipe.weights != "fp32":
-        raise ValueError(
+        raise value_error(
             "Under FSDP use an autocast recipe ('bf16-mixed', 'fp16-mixed', 'fp32'): FSDP keeps "
             "float32 flat shards as the masters and casts them itself, so recipe "
-            f"{recipe.name!r} has no weights to lower. Received: recipe={recipe.name!r}"
+            f"{recipe.name!r} has no weights to lower",
+            "recipe",
+            recipe.name,
         )
 
 

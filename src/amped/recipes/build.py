@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from amped._internal.errors import type_error, value_error
 from amped.fp8 import ModuleFilter
 from amped.policy import Policy
 from amped.recipes.fp8 import Fp8Plan
@@ -11,6 +12,7 @@ from amped.recipes.o2 import build_master_setup
 from amped.recipes.pure import build_pure_setup
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
+from amped.recipes.weights import require_float32
 from amped.scaling import GradScaler
 from amped.scaling.distributed import dtensor_type
 
@@ -66,9 +68,11 @@ def prepare(
     """
     chosen = resolve_recipe(recipe)
     if chosen.fp8 is None and (base is not None or module_filter is not None):
-        raise ValueError(
-            f"base and module_filter apply to the FP8 recipes only; {chosen.name!r} is not "
-            f"one. Received: base={base!r}, module_filter={module_filter!r}"
+        name, value = ("base", base) if base is not None else ("module_filter", module_filter)
+        raise value_error(
+            f"base and module_filter apply to the FP8 recipes only; {chosen.name!r} is not one",
+            name,
+            value,
         )
     device_type = _device_type(model)
     optimizer = _check_optimizer(model, optimizer)
@@ -87,7 +91,7 @@ def _build(plain: TrainSetup) -> TrainSetup:
     """The setup of ``plain.recipe``: ``plain`` itself for the autocast recipes."""
     if plain.recipe.weights == "fp32":
         return plain
-    _check_float32(plain.model, plain.recipe)
+    _check_lowerable(plain.model, plain.recipe)
     if plain.recipe.weights == "low-with-masters":
         return build_master_setup(plain)
     return build_pure_setup(plain)
@@ -96,18 +100,21 @@ def _build(plain: TrainSetup) -> TrainSetup:
 def _device_type(model: torch.nn.Module) -> str:
     devices = {p.device.type for p in model.parameters()}
     if len(devices) != 1:
-        raise ValueError(
-            "prepare() needs a model whose parameters are all on one device type. "
-            f"Received: parameters on {sorted(devices) or 'no device (no parameters)'}"
+        raise value_error(
+            "prepare() needs a model whose parameters are all on one device type (and at "
+            "least one parameter); move it with model.to(device)",
+            "parameter device types",
+            sorted(devices),
         )
     return devices.pop()
 
 
 def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.Optimizer:
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "prepare() takes a torch.optim.Optimizer over the model's parameters. "
-            f"Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})"
+        raise type_error(
+            "prepare() takes a torch.optim.Optimizer over the model's parameters",
+            "optimizer",
+            optimizer,
         )
     model_params = {id(p) for p in model.parameters()}
     for group in optimizer.param_groups:
@@ -120,23 +127,23 @@ def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.O
     return optimizer
 
 
-def _check_float32(model: torch.nn.Module, recipe: Recipe) -> None:
+def _check_lowerable(model: torch.nn.Module, recipe: Recipe) -> None:
     dtensor = dtensor_type()
     for name, param in model.named_parameters():
         if dtensor is not None and isinstance(param, dtensor):
             # Lowering a DTensor changes its metadata, not FSDP2's float32 local shards.
-            raise ValueError(
+            raise value_error(
                 f"Recipe {recipe.name!r} lowers the model's weights, but its parameters are "
                 "DTensors (sharded by fully_shard, or tensor parallel); lowering one leaves "
                 "the float32 shards FSDP2 keeps. For master weights under FSDP2, pass mp_policy="
                 "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32) to "
                 "fully_shard (the float32 shards are the masters) and use a '-mixed' "
-                "recipe; see the README's 'Distributed' section. "
-                f"Received: parameter {name!r} of type {type(param).__name__}"
+                "recipe; see the README's 'Distributed' section",
+                f"type({name})",
+                type(param),
             )
-        if param.is_floating_point() and param.dtype is not torch.float32:
-            raise ValueError(
-                f"Recipe {recipe.name!r} lowers a float32 model's weights itself (and keeps "
-                "float32 copies where it needs them); pass the model in float32. "
-                f"Received: parameter {name!r} of dtype {param.dtype}"
-            )
+    require_float32(
+        model,
+        f"Recipe {recipe.name!r} lowers a float32 model's weights itself (and keeps float32 "
+        "copies where it needs them)",
+    )

@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from amped._internal.errors import value_error
 from amped.fp8 import (
     FP8_CONFIGS,
     Float8Linear,
@@ -35,6 +36,7 @@ from amped.fp8 import (
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, register, resolve_recipe
 from amped.recipes.setup import TrainSetup
+from amped.recipes.weights import require_float32
 
 __all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "Fp8Plan", "ruled_modules"]
 
@@ -65,22 +67,20 @@ FP8_RECIPE_NAMES = tuple(
     for scaling, aliases in _ALIASES.items()
 )
 
-_SUPPORTED_PARAM_DTYPES = (torch.float32,)
-
 
 def _check_model(recipe: Recipe, model: torch.nn.Module, device_type: str) -> None:
     if device_type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"Recipe {recipe.name!r} runs on cpu (emulated or torch's CPU FP8 GEMM) and cuda. "
-            f"Received: a model on {device_type!r}"
+        raise value_error(
+            f"Recipe {recipe.name!r} runs on cpu (emulated or torch's CPU FP8 GEMM) and cuda; "
+            "move the model to one of them",
+            "device_type",
+            device_type,
         )
-    for name, param in model.named_parameters():
-        if param.is_floating_point() and param.dtype not in _SUPPORTED_PARAM_DTYPES:
-            raise ValueError(
-                f"Recipe {recipe.name!r} casts float32 weights to FP8 (the base recipe lowers "
-                f"them where it should); pass the model in float32. Received: parameter "
-                f"{name!r} of dtype {param.dtype}"
-            )
+    require_float32(
+        model,
+        f"Recipe {recipe.name!r} casts float32 weights to FP8 (the base recipe lowers them "
+        "where it should)",
+    )
 
 
 def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
@@ -91,9 +91,11 @@ def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
             if chosen.dtype is torch.float16
             else "it is not a bfloat16 recipe"
         )
-        raise ValueError(
+        raise value_error(
             f"Recipe {recipe.name!r} cannot take base={chosen.name!r} ({why}); bases are "
-            f"{', '.join(FP8_BASES)}. Received: base={base!r}"
+            f"{', '.join(FP8_BASES)}",
+            "base",
+            base,
         )
     return chosen
 
@@ -125,10 +127,11 @@ def _already_converted(
         own = layer.fp8_config
         same_kind = (own.delayed is None) == (config.delayed is None)
         if not same_kind or dataclasses.replace(config, delayed=own.delayed) != own:
-            raise ValueError(
+            raise value_error(
                 f"Recipe {recipe.name!r} found layer {name!r} converted to FP8 with other "
-                f"rules; convert with amped.fp8.FP8_CONFIGS[{recipe.fp8!r}]. Received: "
-                f"fp8={layer.fp8_config}"
+                f"rules; convert with amped.fp8.FP8_CONFIGS[{recipe.fp8!r}]",
+                f"{name}.fp8_config",
+                str(own),
             )
     return Fp8Layers(layers, config)
 
@@ -161,14 +164,15 @@ class Fp8Plan:
         """Refuse what ``plain.recipe`` cannot run (base, model, scaler, no layer to convert)."""
         recipe, model = plain.recipe, plain.model
         if recipe.fp8 is None:
-            raise ValueError(f"{recipe.name!r} is not an FP8 recipe. Received: recipe={recipe!r}")
+            raise value_error("Fp8Plan is for the FP8 recipes only", "recipe", recipe.name)
         base_recipe = _base_recipe(recipe, base)
         _check_model(recipe, model, plain.device_type)
         if plain.scaler.is_enabled():
-            raise ValueError(
+            raise value_error(
                 f"Recipe {recipe.name!r} does not scale the loss (bfloat16 gradients do not "
-                "underflow, FP8 casts have their own scales); pass no scaler. Received: an "
-                "enabled GradScaler"
+                "underflow, FP8 casts have their own scales); pass no scaler",
+                "scaler.is_enabled()",
+                True,
             )
         config = FP8_CONFIGS[recipe.fp8]
         converted = _already_converted(recipe, model, config)

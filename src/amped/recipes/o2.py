@@ -18,9 +18,10 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import value_error
 from amped.policy import Policy
 from amped.recipes.master import MasterWeightOptimizer, check_wrappable
-from amped.recipes.setup import TrainSetup
+from amped.recipes.setup import TrainSetup, check_recipe_state
 from amped.recipes.weights import lower_model_, with_norms_in_fp32
 
 __all__ = ["MasterSetup", "build_master_setup"]
@@ -60,7 +61,7 @@ class MasterSetup(TrainSetup):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: masters exactly, model weights rounded from them."""
-        self._check_recipe(state)
+        check_recipe_state(state, self.recipe)
         model_state = state["model"]
         self.model.load_state_dict(model_state)  # rounds into the low-precision weights
         masters = {id(param): master for param, master in self.optimizer.pairs}
@@ -95,10 +96,11 @@ class MasterSetup(TrainSetup):
             return
         pairs = self.optimizer.pairs
         if len(masters) != len(pairs):
-            raise ValueError(
+            raise value_error(
                 f"This recipe state holds {len(masters)} master weights, the setup has "
-                f"{len(pairs)}: it was saved from another model. Received: "
-                f"{len(masters)} masters"
+                f"{len(pairs)}: it was saved from another model",
+                "len(state['masters'])",
+                len(masters),
             )
         with torch.no_grad():
             for (param, master), saved in zip(pairs, masters, strict=True):

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import received, type_error, value_error
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
 from amped.recipes.registry import Compensation
 from amped.recipes.setup import TrainSetup
@@ -77,12 +78,13 @@ def compensated_twin(
         return optimizer
     kind = type(optimizer)
     if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-        raise TypeError(
+        raise type_error(
             f"bf16-pure replaces the optimizer by a compensated bfloat16 one, which exists "
             f"for SGD, Adam and AdamW; {kind.__name__} has none, and stepping bfloat16 "
             "weights plainly rounds small updates away. Use recipe='bf16-master' (float32 "
-            "masters, any optimizer). "
-            f"Received: optimizer of type {kind.__name__}"
+            "masters, any optimizer)",
+            "type(optimizer)",
+            kind,
         )
     _check_fresh(optimizer)
     groups = [_twin_group(group, kind) for group in optimizer.param_groups]
@@ -96,19 +98,23 @@ def compensated_twin(
 
 def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
     if any(optimizer.state.values()):
-        raise ValueError(
+        raise value_error(
             "bf16-pure starts a new bfloat16 optimizer state; this optimizer has stepped "
             "already and its float32 state would be dropped. Call prepare() before the "
-            f"first step. Received: an optimizer with state for {len(optimizer.state)} "
-            "parameters"
+            "first step",
+            "len(optimizer.state)",
+            len(optimizer.state),
         )
 
 
 def _twin_group(group: dict[str, Any], kind: type) -> dict[str, Any]:
     for flag in ("amsgrad", "differentiable"):
         if group.get(flag):
-            raise ValueError(
-                f"The compensated {kind.__name__} has no {flag} mode. Received: {flag}=True"
+            raise value_error(
+                f"Use recipe='bf16-master' for {flag}: the compensated {kind.__name__} has "
+                f"no {flag} mode",
+                flag,
+                group[flag],
             )
     keys = _SGD_KEYS if kind is torch.optim.SGD else _ADAM_KEYS
     twin: dict[str, Any] = {"params": group["params"]}
@@ -139,7 +145,7 @@ def build_pure_setup(plain: TrainSetup) -> PureSetup:
             f"Recipe {recipe.name!r} needs no loss scaling: bfloat16 has float32's exponent "
             "range, so gradients do not underflow, and scaling only adds work and skipped "
             "steps. Pass no scaler (prepare() then uses a disabled one). "
-            "Received: scaler=GradScaler(enabled=True)",
+            + received("scaler.is_enabled()", True),
             UserWarning,
             stacklevel=4,  # prepare()'s caller
         )

@@ -12,6 +12,8 @@ from typing import Literal
 
 import torch
 
+from amped._internal.errors import type_error, value_error
+
 __all__ = [
     "OPT_IN_RECIPES",
     "RECIPES",
@@ -64,25 +66,29 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if self.fp8 is not None and self.dtype is not torch.bfloat16:
-            raise ValueError(
-                "An FP8 recipe runs its non-GEMM ops under bfloat16 autocast: its dtype is "
-                f"torch.bfloat16. Received: dtype={self.dtype!r}, fp8={self.fp8!r}"
+            raise value_error(
+                f"An FP8 recipe (fp8={self.fp8!r}) runs its non-GEMM ops under bfloat16 "
+                "autocast: give it dtype=torch.bfloat16",
+                "dtype",
+                self.dtype,
             )
         if self.weights not in ("fp32", "low-with-masters", "low"):
-            raise ValueError(
-                "Recipe weights are 'fp32', 'low-with-masters' or 'low'. "
-                f"Received: weights={self.weights!r}"
+            raise value_error(
+                "Recipe weights are 'fp32', 'low-with-masters' or 'low'", "weights", self.weights
             )
         if self.weights != "fp32" and self.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(
+            raise value_error(
                 f"A recipe with weights={self.weights!r} needs a low dtype, torch.float16 or "
-                f"torch.bfloat16. Received: dtype={self.dtype!r}"
+                "torch.bfloat16",
+                "dtype",
+                self.dtype,
             )
         if (self.weights == "low") != (self.compensation is not None):
-            raise ValueError(
+            raise value_error(
                 "compensation ('kahan' or 'stochastic') is required for weights='low' and "
-                f"meaningless otherwise. Received: weights={self.weights!r}, "
-                f"compensation={self.compensation!r}"
+                f"meaningless otherwise; this recipe has weights={self.weights!r}",
+                "compensation",
+                self.compensation,
             )
 
     def __str__(self) -> str:
@@ -175,7 +181,11 @@ def register(recipe: Recipe, *, opt_in: bool = False) -> Recipe:
     taken = {n for r in _all_recipes() for n in (r.name, *r.aliases)}
     clash = {recipe.name, *recipe.aliases} & taken
     if clash:
-        raise ValueError(f"Recipe names already taken: {sorted(clash)}")
+        raise value_error(
+            f"Recipe names and aliases are unique; {sorted(clash)} are taken. Choose others",
+            "recipe",
+            recipe,
+        )
     (OPT_IN_RECIPES if opt_in else RECIPES)[recipe.name] = recipe
     return recipe
 
@@ -194,15 +204,10 @@ def resolve_recipe(name: str | Recipe) -> Recipe:
     if isinstance(name, Recipe):
         return name
     if not isinstance(name, str):
-        raise TypeError(
-            f"recipe must be a name such as 'bf16-mixed'. Received: recipe={name!r} "
-            f"(of type {type(name).__name__})"
-        )
+        raise type_error("recipe must be a name such as 'bf16-mixed'", "recipe", name)
     wanted = name.lower()
     for recipe in _all_recipes():
         if wanted == recipe.name or wanted in (a.lower() for a in recipe.aliases):
             return recipe
     known = ", ".join(f"{r.name} ({', '.join(r.aliases)})" for r in _all_recipes())
-    raise ValueError(
-        f"Unknown recipe {name!r}. Recipes (aliases): {known}. Received: recipe={name!r}"
-    )
+    raise value_error(f"Unknown recipe {name!r}. Recipes (aliases): {known}", "recipe", name)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
 from amped.fp8 import Fp8Layers
 from amped.policy import Policy
@@ -27,7 +28,7 @@ from amped.recipes.registry import Recipe
 from amped.recipes.weights import Lowering, installed_on, restore_model_
 from amped.scaling import GradScaler
 
-__all__ = ["TrainSetup"]
+__all__ = ["TrainSetup", "check_recipe_state"]
 
 
 class TrainSetup:
@@ -128,7 +129,7 @@ class TrainSetup:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` written by a setup of the same recipe."""
-        self._check_recipe(state)
+        check_recipe_state(state, self.recipe)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
@@ -144,13 +145,6 @@ class TrainSetup:
             k: v.to(torch.float32) if v.is_floating_point() else v
             for k, v in self.model.state_dict().items()
         }
-
-    def _check_recipe(self, state: dict[str, Any]) -> None:
-        if state.get("recipe") != self.recipe.name:
-            raise ValueError(
-                f"This checkpoint was written by recipe {state.get('recipe')!r}, this setup "
-                f"runs {self.recipe.name!r}. Received: recipe={state.get('recipe')!r}"
-            )
 
     # --- what training frameworks drive (amped.integrations) ---------------------------
 
@@ -192,7 +186,7 @@ class TrainSetup:
 
     def load_recipe_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`recipe_state_dict`."""
-        self._check_recipe(state)
+        check_recipe_state(state, self.recipe)
         self.scaler.load_state_dict(state["scaler"])
 
     def teardown(self) -> None:
@@ -213,3 +207,15 @@ class TrainSetup:
 
     def __repr__(self) -> str:
         return f"TrainSetup(recipe={self.recipe.name!r}, device_type={self.device_type!r})"
+
+
+def check_recipe_state(state: dict[str, Any], recipe: Recipe) -> None:
+    """Refuse a checkpoint or recipe state that another recipe wrote."""
+    saved = state.get("recipe")
+    if saved != recipe.name:
+        raise value_error(
+            f"This state was written by recipe {saved!r}, this setup runs {recipe.name!r}; "
+            "load it where that recipe runs",
+            "state['recipe']",
+            saved,
+        )

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from amped._internal.errors import value_error
+from amped._internal.trees import map_tensors
 from amped.policy import ModuleRule, Policy
 
 __all__ = [
@@ -33,6 +35,7 @@ __all__ = [
     "lower_",
     "lower_model_",
     "norm_classes",
+    "require_float32",
     "restore_model_",
     "with_norms_in_fp32",
 ]
@@ -46,6 +49,13 @@ _TORCH_NORMS: tuple[type[torch.nn.Module], ...] = (
     torch.nn.GroupNorm,
     *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()),
 )
+
+
+def require_float32(model: torch.nn.Module, why: str) -> None:
+    """Refuse a model with floating parameters not in float32; ``why`` starts the message."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype is not torch.float32:
+            raise value_error(f"{why}; pass the model in float32", f"{name}.dtype", param.dtype)
 
 
 def norm_classes(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
@@ -138,28 +148,18 @@ def lower_(
 
 
 def cast_inputs(model: torch.nn.Module, dtype: torch.dtype) -> RemovableHandle:
-    """Cast float32 tensors among ``model``'s call arguments (nested in lists, tuples and
-    dicts too) to ``dtype``, on every call. Returns the hook's handle."""
+    """Cast float32 tensors among ``model``'s call arguments (nested in lists, tuples,
+    namedtuples and dicts too) to ``dtype``, on every call. Returns the hook's handle."""
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if tensor.dtype is torch.float32 else tensor
 
     def hook(
         module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Any]:
-        return _cast(args, dtype), _cast(kwargs, dtype)
+        return map_tensors(cast, args), map_tensors(cast, kwargs)
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _cast(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.dtype is torch.float32 else value
-    if isinstance(value, list):
-        return [_cast(v, dtype) for v in value]
-    if isinstance(value, tuple):
-        cast = [_cast(v, dtype) for v in value]
-        return type(value)(*cast) if hasattr(value, "_fields") else tuple(cast)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
 
 
 def lower_model_(

@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from amped._internal import torch_compat
 from amped.fp8.cast import Fp8Tensor
 
 __all__ = ["has_scaled_mm", "pad_inner", "scaled_mm"]
@@ -100,12 +101,5 @@ def scaled_mm(
             a, b = pad_inner(a, b)
         a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
         b_data = b.data if b.data.t().is_contiguous() else b.data.t().contiguous().t()
-        out = torch._scaled_mm(
-            a_data,
-            b_data,
-            scale_a=inv_a,
-            scale_b=inv_b,
-            out_dtype=gemm_dtype,
-            use_fast_accum=use_fast_accum,
-        )
+        out = torch_compat.scaled_mm(a_data, b_data, inv_a, inv_b, gemm_dtype, use_fast_accum)
     return out if out.dtype is out_dtype else out.to(out_dtype)

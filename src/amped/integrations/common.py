@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from amped._internal.errors import received, type_error, value_error
+from amped._internal.torch_compat import steps_with_amp_scaling, track_step_for_scheduler
 from amped.policy import Policy
 from amped.recipes import Recipe, TrainSetup, resolve_recipe
 from amped.scaling import GradScaler
@@ -63,8 +64,7 @@ def default_scaler(recipe: Recipe, device: str, scaler: GradScaler | None) -> Gr
 
 def optimizer_unscales_itself(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` (or the one it wraps) unscales inside ``step()`` (fused)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return bool(getattr(inner, "_step_supports_amp_scaling", False))
+    return steps_with_amp_scaling(getattr(optimizer, "optimizer", optimizer))
 
 
 def check_clipping(setup: TrainSetup, clip_val: float) -> None:
@@ -103,17 +103,7 @@ def rebind_scheduler(
             if key in old_group:
                 new_group[key] = old_group[key]
     scheduler.optimizer = new
-    step = new.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        new._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    new.step = wrapper  # type: ignore[method-assign]
-    new._opt_called = getattr(old, "_opt_called", False)  # type: ignore[attr-defined]
+    track_step_for_scheduler(new, replaces=old)
 
 
 class SkipAwareScheduler:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error, value_error
+from amped._internal.torch_compat import init_optimizer_hooks
 
 __all__ = ["MasterWeightOptimizer", "check_wrappable"]
 
@@ -99,9 +100,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 if param in optimizer.state:  # state built before wrapping moves over
                     optimizer.state[master] = optimizer.state.pop(param)
                 self._pairs.append((param, master))
-        # torch's own initialiser of the hook tables and the step profiling wrapper,
-        # without Optimizer.__init__'s param groups: those are the inner optimizer's.
-        torch.optim.Optimizer.__setstate__(self, {})
+        init_optimizer_hooks(self)  # not Optimizer.__init__: the groups are the inner's
 
     # --- the inner optimizer's data, shared ------------------------------------------
 
@@ -227,7 +226,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        torch.optim.Optimizer.__setstate__(self, {})
+        init_optimizer_hooks(self)
 
     def __repr__(self) -> str:
         return f"MasterWeightOptimizer({len(self._pairs)} masters, {self.optimizer!r})"

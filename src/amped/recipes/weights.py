@@ -24,6 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from amped._internal.errors import value_error
+from amped._internal.torch_compat import BATCH_NORM_BASE
 from amped._internal.trees import map_tensors
 from amped.policy import ModuleRule, Policy
 
@@ -44,10 +45,10 @@ __all__ = [
 # reductions (mean, variance) lose most in low precision, which is why Apex O2
 # ("keep_batchnorm_fp32"), Megatron and DeepSpeed keep them in float32.
 _TORCH_NORMS: tuple[type[torch.nn.Module], ...] = (
-    torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm*
+    BATCH_NORM_BASE,  # BatchNorm*, SyncBatchNorm, InstanceNorm*
     torch.nn.LayerNorm,
     torch.nn.GroupNorm,
-    *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()),
+    torch.nn.RMSNorm,
 )
 
 

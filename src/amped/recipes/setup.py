@@ -90,10 +90,8 @@ class TrainSetup:
         ``model.parameters()`` would miss. Returns the total norm before clipping.
         No sync (``torch.nn.utils.clip_grad_norm_`` does not read it on the host).
         """
-        self._prepare_grads()
-        self.scaler.unscale_(self.optimizer)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        self.unscale_()
+        return torch.nn.utils.clip_grad_norm_(self.main_params(), max_norm, norm_type)
 
     def step(self) -> bool:
         """Step the optimizer (unless the gradients overflowed) and update the scale.

@@ -32,6 +32,9 @@ Compensation = Literal["kahan", "stochastic"]
 class Recipe:
     """One way to train with (or without) mixed precision.
 
+    Every field after ``name`` is keyword-only, so that a definition says what each
+    setting is (``autocast=True, loss_scaling=False``, not ``True, False``).
+
     Attributes:
         name: canonical name, e.g. ``"bf16-mixed"``.
         dtype: the low dtype, or None for plain float32.

@@ -36,9 +36,9 @@ from amped.fp8 import (
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, register, resolve_recipe
 from amped.recipes.setup import TrainSetup
-from amped.recipes.weights import require_float32
+from amped.recipes.weights import require_float32, ruled_modules
 
-__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "Fp8Plan", "ruled_modules"]
+__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "Fp8Plan"]
 
 FP8_BASES = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
 """Base recipes an FP8 recipe can keep its weights and optimizer state by."""
@@ -98,19 +98,6 @@ def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
             base,
         )
     return chosen
-
-
-def ruled_modules(model: torch.nn.Module, policy: Policy | None) -> set[str]:
-    """Qualified names of the modules a module rule of ``policy`` matches, and their children."""
-    if policy is None or not policy.module_rules:
-        return set()
-    ruled: set[str] = set()
-    for name, module in model.named_modules():
-        parent = name.rpartition(".")[0]
-        matched = any(rule.matches(module, name) for rule in policy.module_rules)
-        if matched or (name and parent in ruled):
-            ruled.add(name)
-    return ruled
 
 
 def _already_converted(

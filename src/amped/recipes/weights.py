@@ -17,6 +17,7 @@ user's rules, so a user rule on the same module wins.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "norm_classes",
     "require_float32",
     "restore_model_",
+    "ruled_modules",
     "with_norms_in_fp32",
 ]
 
@@ -92,17 +94,30 @@ def kept_in_fp32(model: torch.nn.Module, policy: Policy | None) -> set[str]:
     no rule of its own, when its parent does. Names are relative to ``model``, as the
     engine names them when ``model`` is the outermost module called in the region.
     """
+    return _ruled(model, policy, lambda rule: rule.precision in ("fp32", "skip"))
+
+
+def ruled_modules(model: torch.nn.Module, policy: Policy | None) -> set[str]:
+    """Qualified names of the modules a module rule of ``policy`` matches, and their children."""
+    return _ruled(model, policy, lambda rule: True)
+
+
+def _ruled(
+    model: torch.nn.Module, policy: Policy | None, counts: Callable[[ModuleRule], bool]
+) -> set[str]:
+    """Modules whose last matching rule ``counts``, and those with no rule of their own
+    whose parent is one, as the engine applies rules to submodules."""
     if policy is None or not policy.module_rules:
         return set()
-    kept: set[str] = set()
+    found: set[str] = set()
     for name, module in model.named_modules():
         rule = _last_match(policy, module, name)
         if rule is not None:
-            if rule.precision in ("fp32", "skip"):
-                kept.add(name)
-        elif name and _parent(name) in kept:
-            kept.add(name)
-    return kept
+            if counts(rule):
+                found.add(name)
+        elif name and _parent(name) in found:
+            found.add(name)
+    return found
 
 
 def _last_match(policy: Policy, module: torch.nn.Module, name: str) -> ModuleRule | None:

@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-import amped
 from amped._internal.jsonio import to_json
 from amped.fp8 import FP8_CONFIGS, convert_to_fp8
+from amped.fp8.delayed import update_delayed_scaling
 
 TORCHAO_NAME = {
     "tensorwise": "tensorwise",
@@ -143,7 +143,7 @@ def run_cpu(args: argparse.Namespace, figures: dict | None = None) -> None:
                 ours = amped_model(base, scaling, emulate)
                 layers = [m for m in ours.modules() if hasattr(m, "fp8_config")]
                 update = (
-                    (lambda layers=layers: amped.fp8.update_delayed_scaling(layers))
+                    (lambda layers=layers: update_delayed_scaling(layers))
                     if scaling == "delayed"
                     else None
                 )
@@ -203,7 +203,7 @@ def run_gpu(
         ours = amped_model(base, scaling, None)
         layers_ = [m for m in ours.modules() if hasattr(m, "fp8_config")]
         update = (
-            (lambda layers_=layers_: amped.fp8.update_delayed_scaling(layers_))
+            (lambda layers_=layers_: update_delayed_scaling(layers_))
             if scaling == "delayed"
             else None
         )

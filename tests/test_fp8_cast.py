@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from amped.fp8 import Fp8Tensor, amax_to_scale, quantize, scaled_mm, sqnr
-from amped.fp8.cast import amax_of, cast_saturated
+from amped.fp8 import Fp8Tensor, quantize, scaled_mm, sqnr
+from amped.fp8.cast import amax_of, amax_to_scale, cast_saturated
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

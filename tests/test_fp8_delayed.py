@@ -16,9 +16,9 @@ from amped.fp8 import (
     Fp8Config,
     quantize,
     scaled_mm,
-    update_delayed_scaling,
 )
 from amped.fp8.config import CastRule
+from amped.fp8.delayed import update_delayed_scaling
 
 FP8_MAX = (448.0, 448.0, 57344.0)  # e4m3 input, e4m3 weight, e5m2 grad_output
 

@@ -3,6 +3,8 @@ hand-written loop, and Lightning's checkpointing."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -222,6 +224,37 @@ def test_fabric_matches_its_own_mixed_precision_bitwise(recipe, theirs):
     ours = fabric_run(FabricPrecision(recipe, device="cpu"), recipe)
     assert _equal(ref[0], ours[0])
     assert _equal(ref[1], ours[1])
+
+
+Pair = collections.namedtuple("Pair", "x ids")
+
+
+def _structure(data):
+    """Container types, tensor dtypes and other leaves, for comparing two walks."""
+    if isinstance(data, torch.Tensor):
+        return data.dtype
+    if isinstance(data, dict):
+        return type(data), {k: _structure(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data), [_structure(v) for v in data]
+    return data
+
+
+@pytest.mark.parametrize(
+    ("recipe", "theirs"), [("bf16-mixed", "bf16-mixed"), ("fp16-mixed", "16-mixed")]
+)
+def test_fabric_converts_nested_inputs_and_outputs_as_its_own_mixed_precision(recipe, theirs):
+    f64, ids = torch.ones(2, dtype=torch.float64), torch.arange(2)
+    data = {
+        "pair": Pair(torch.ones(2), ids),
+        "list": [torch.ones(2, dtype=torch.float16), (f64, "tag", None)],
+        "ordered": collections.OrderedDict(a=torch.ones(2), n=3),
+    }
+    ours, ref = FabricPrecision(recipe, device="cpu"), FabricMixed(theirs, "cpu")
+    cast_in = ours.convert_input(data)
+    assert _structure(cast_in) == _structure(ref.convert_input(data))
+    assert type(cast_in["pair"]) is Pair and cast_in["pair"].ids is ids
+    assert _structure(ours.convert_output(cast_in)) == _structure(ref.convert_output(cast_in))
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -35,6 +35,16 @@ def test_map_tensors_keeps_structure_and_other_leaves() -> None:
     assert [t.numel() for t in trees.iter_tensors(data)] == [1, 2, 3]
 
 
+def test_map_tensors_keeps_dict_subclasses() -> None:
+    ordered = collections.OrderedDict(b=torch.ones(1), a=torch.ones(2))
+    out = trees.map_tensors(torch.neg, ordered)
+    assert type(out) is collections.OrderedDict and list(out) == ["b", "a"]
+    counts = collections.defaultdict(list, x=torch.ones(1))
+    out = trees.map_tensors(torch.neg, counts)
+    assert type(out) is collections.defaultdict and out.default_factory is list
+    assert torch.equal(out["x"], -torch.ones(1)) and out["missing"] == []
+
+
 def test_quartiles_match_linear_interpolation() -> None:
     values = [4.0, 1.0, 3.0, 2.0, 10.0]
     q1, q2, q3 = stats.quartiles(values)

@@ -3,6 +3,8 @@ its compensated twin with the same hyper-parameters, and clear refusals."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 import torch.nn as nn
@@ -165,6 +167,26 @@ def test_cast_inputs_reaches_nested_and_keyword_arguments():
     assert seen == [torch.bfloat16, torch.bfloat16, torch.float64, torch.long]
 
 
+def test_cast_inputs_casts_float32_only_and_keeps_every_container():
+    Batch = collections.namedtuple("Batch", "x mask names")
+    seen = {}
+
+    class Probe(nn.Module):
+        def forward(self, batch, rest):
+            seen.update(batch=batch, rest=rest)
+            return batch.x
+
+    probe = Probe()
+    cast_inputs(probe, torch.bfloat16)
+    half, ids = torch.ones(1, dtype=torch.float16), torch.arange(2)
+    probe(Batch(torch.ones(1), half, ["a"]), [ids, (None, 3, torch.ones(1))])
+    batch, rest = seen["batch"], seen["rest"]
+    assert type(batch) is Batch and batch.x.dtype is torch.bfloat16
+    assert batch.mask is half and batch.names == ["a"]  # float16: not float32, untouched
+    assert type(rest) is list and rest[0] is ids and rest[1][:2] == (None, 3)
+    assert rest[1][2].dtype is torch.bfloat16
+
+
 def test_bad_input_is_refused():
     model = mlp()
     with pytest.raises(TypeError, match=r"SGD, Adam and AdamW; RMSprop has none.*bf16-master"):
@@ -177,7 +199,9 @@ def test_bad_input_is_refused():
     stepped.step()
     with pytest.raises(ValueError, match=r"has stepped already.*before the\s+first step"):
         amped.prepare(model, stepped, "bf16-pure")
-    with pytest.warns(UserWarning, match=r"needs no loss scaling.*Received: scaler=GradScaler"):
+    with pytest.warns(
+        UserWarning, match=r"needs no loss scaling.*Received: scaler.is_enabled\(\)=True"
+    ):
         amped.prepare(
             model,
             torch.optim.SGD(model.parameters(), lr=0.1),
@@ -187,11 +211,14 @@ def test_bad_input_is_refused():
 
 
 def test_recipes_are_validated():
+    loop: dict = dict(autocast=True, loss_scaling=False, aliases=(), summary="")
     with pytest.raises(ValueError, match=r"needs a low dtype.*Received: dtype=None"):
-        amped.Recipe("x", None, "low", True, False, (), "", compensation="kahan")
+        amped.Recipe("x", dtype=None, weights="low", compensation="kahan", **loop)
     with pytest.raises(ValueError, match=r"compensation .* is required for weights='low'"):
-        amped.Recipe("x", torch.bfloat16, "low", True, False, (), "")
+        amped.Recipe("x", dtype=torch.bfloat16, weights="low", **loop)
     with pytest.raises(ValueError, match=r"Received: weights='half'"):
-        amped.Recipe("x", torch.bfloat16, "half", True, False, (), "")  # type: ignore[arg-type]
+        amped.Recipe("x", dtype=torch.bfloat16, weights="half", **loop)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="positional"):
+        amped.Recipe("x", torch.bfloat16, "fp32", True, False, (), "")  # type: ignore[misc]
     assert amped.recipes.resolve_recipe("O2").name == "fp16-master"
     assert amped.recipes.resolve_recipe("bf16-kahan").name == "bf16-pure"

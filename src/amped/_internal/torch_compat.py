@@ -90,7 +90,7 @@ def sparse_values(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._values()
 
 
-def steps_with_amp_scaling(optimizer: torch.optim.Optimizer) -> bool:
+def steps_with_amp_scaling(optimizer: object) -> bool:
     """Whether the optimizer unscales and skips inside its own step (torch's fused and
     capturable ones declare it with this private flag)."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
@@ -123,6 +123,26 @@ def tensor_use_count(tensor: torch.Tensor) -> int:
 
 # --- fp8 ---
 
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool,
+) -> torch.Tensor:
+    """torch's FP8 GEMM kernel: private (``torch._scaled_mm``), with no public equivalent."""
+    return torch._scaled_mm(
+        a,
+        b,
+        scale_a=scale_a,
+        scale_b=scale_b,
+        out_dtype=out_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+
+
 # --- recipes ---
 # torch's multi-tensor ops (what torch.optim's foreach paths use; public in effect but
 # underscore-named): one call copies or adds a list of tensors, where a Python loop
@@ -139,8 +159,39 @@ def foreach_add_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_add_(dst, src)
 
 
+BATCH_NORM_BASE: type[torch.nn.Module] = torch.nn.modules.batchnorm._NormBase
+"""The common base of BatchNorm*, SyncBatchNorm and InstanceNorm*: private, no public name."""
+
+
+def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Give an optimizer that shares another's param groups torch's hook tables and step
+    profiling wrapper: ``Optimizer.__setstate__({})`` sets up just those."""
+    torch.optim.Optimizer.__setstate__(optimizer, {})
+
+
 # --- doctor ---
 
 # --- integrations ---
+
+# steps_with_amp_scaling: see the scaling section.
+
+
+def track_step_for_scheduler(
+    optimizer: torch.optim.Optimizer, replaces: torch.optim.Optimizer
+) -> None:
+    """Wrap ``optimizer.step`` as torch's LR schedulers do (once), for an optimizer swapped
+    in under a scheduler: they read the private marks to warn of a scheduler stepped first.
+    It counts as stepped if the optimizer it ``replaces`` had."""
+    step = optimizer.step
+    if not hasattr(step, "_wrapped_by_lr_sched"):
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            optimizer._opt_called = True  # type: ignore[attr-defined]
+            return step(*args, **kwargs)
+
+        wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+        optimizer.step = wrapper  # type: ignore[method-assign]
+        optimizer._opt_called = getattr(replaces, "_opt_called", False)  # type: ignore[attr-defined]
+
 
 # --- cli ---

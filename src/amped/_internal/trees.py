@@ -7,6 +7,7 @@ them handles explicitly.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,9 +31,9 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
     """``obj`` with the same structure and each tensor replaced by ``fn(tensor)``.
 
-    Lists stay lists, dicts keep their type and key order, namedtuples are rebuilt with
-    their own class, other tuples (and tuple subclasses) become plain tuples of their
-    type where it can be built from an iterable.
+    Lists stay lists; dicts keep their type (a defaultdict its factory) and key order;
+    namedtuples are rebuilt with their own class; other tuple subclasses are rebuilt from
+    an iterable of their items.
     """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
@@ -45,5 +46,7 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], obj: Any) -> Any:
         return tuple(items) if type(obj) is tuple else type(obj)(items)
     if isinstance(obj, dict):
         mapped = {key: map_tensors(fn, value) for key, value in obj.items()}
+        if isinstance(obj, defaultdict):  # its constructor takes the factory first
+            return type(obj)(obj.default_factory, mapped)
         return mapped if type(obj) is dict else type(obj)(mapped)
     return obj

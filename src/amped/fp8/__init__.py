@@ -7,9 +7,13 @@ Below the recipes layer; :mod:`amped.recipes.fp8` builds the ``fp8-*`` recipes o
 - :mod:`.config`: :class:`Fp8Config`, the named configs :data:`FP8_CONFIGS`;
 - :mod:`.delayed`: delayed (amax-history) scaling state and its per-step update;
 - :mod:`.linear`: :class:`Float8Linear`; :mod:`.convert`: which layers convert.
+
+Exported here is what converting a model and checking its numerics needs; the
+building blocks (``amax_to_scale``, ``has_scaled_mm``, ``update_delayed_scaling``, ...)
+are importable from their modules.
 """
 
-from amped.fp8.cast import FP8_DTYPES, Fp8Tensor, amax_to_scale, quantize, sqnr
+from amped.fp8.cast import Fp8Tensor, quantize, sqnr
 from amped.fp8.config import FP8_CONFIGS, CastRule, DelayedScaling, Fp8Config
 from amped.fp8.convert import (
     Fp8Layers,
@@ -18,13 +22,11 @@ from amped.fp8.convert import (
     default_module_filter,
     plan_fp8,
 )
-from amped.fp8.delayed import update_delayed_scaling
-from amped.fp8.gemm import has_scaled_mm, scaled_mm
+from amped.fp8.gemm import scaled_mm
 from amped.fp8.linear import Float8Linear
 
 __all__ = [
     "FP8_CONFIGS",
-    "FP8_DTYPES",
     "CastRule",
     "DelayedScaling",
     "Float8Linear",
@@ -32,13 +34,10 @@ __all__ = [
     "Fp8Layers",
     "Fp8Tensor",
     "ModuleFilter",
-    "amax_to_scale",
     "convert_to_fp8",
     "default_module_filter",
-    "has_scaled_mm",
     "plan_fp8",
     "quantize",
     "scaled_mm",
     "sqnr",
-    "update_delayed_scaling",
 ]

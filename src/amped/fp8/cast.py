@@ -23,6 +23,8 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from amped._internal.errors import value_error
+
 __all__ = [
     "EPS",
     "FP8_DTYPES",
@@ -31,6 +33,8 @@ __all__ = [
     "amax_of",
     "amax_to_scale",
     "cast_saturated",
+    "check_fp8_dtype",
+    "check_granularity",
     "quantize",
     "sqnr",
 ]
@@ -61,10 +65,19 @@ class Fp8Tensor(NamedTuple):
         return (self.data.to(torch.float32) / self.scale).to(dtype)
 
 
-def _check_fp8(dtype: torch.dtype) -> None:
+def check_fp8_dtype(dtype: torch.dtype) -> None:
+    """Refuse a dtype that is not an FP8 one."""
     if dtype not in FP8_DTYPES:
         names = ", ".join(str(d) for d in FP8_DTYPES)
-        raise ValueError(f"FP8 casts target {names}. Received: dtype={dtype}")
+        raise value_error(f"FP8 casts target {names}", "dtype", dtype)
+
+
+def check_granularity(granularity: str) -> None:
+    """Refuse a scaling granularity other than ``"tensorwise"`` and ``"rowwise"``."""
+    if granularity not in ("tensorwise", "rowwise"):
+        raise value_error(
+            "FP8 scaling granularity is 'tensorwise' or 'rowwise'", "granularity", granularity
+        )
 
 
 @torch.no_grad()
@@ -75,13 +88,10 @@ def amax_of(
 
     Computed in ``x``'s own dtype: the maximum of magnitudes is exact in any dtype.
     """
+    check_granularity(granularity)
     if granularity == "tensorwise":
         return x.abs().max()
-    if granularity == "rowwise":
-        return x.abs().amax(dim=dim, keepdim=True)
-    raise ValueError(
-        f"FP8 scaling granularity is 'tensorwise' or 'rowwise'. Received: {granularity!r}"
-    )
+    return x.abs().amax(dim=dim, keepdim=True)
 
 
 @torch.no_grad()
@@ -98,7 +108,7 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = Fal
         >>> amax_to_scale(torch.tensor(2.0), torch.float8_e4m3fn)
         tensor(224.)
     """
-    _check_fp8(dtype)
+    check_fp8_dtype(dtype)
     fp8_max = torch.finfo(dtype).max
     scale = (fp8_max / amax.to(torch.float64).clamp(min=EPS)).to(torch.float32)
     if power_of_2:
@@ -112,7 +122,7 @@ def cast_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     Saturating first matters: a plain ``.to(float8_e4m3fn)`` of a value past the
     largest finite one gives NaN on older torch, and e5m2 would give inf.
     """
-    _check_fp8(dtype)
+    check_fp8_dtype(dtype)
     fp8_max = torch.finfo(dtype).max
     return (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(dtype)
 

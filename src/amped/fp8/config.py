@@ -18,7 +18,8 @@ from typing import Literal
 
 import torch
 
-from amped.fp8.cast import FP8_DTYPES, Granularity
+from amped._internal.errors import value_error
+from amped.fp8.cast import Granularity, check_fp8_dtype, check_granularity
 
 __all__ = ["FP8_CONFIGS", "CastRule", "DelayedScaling", "Fp8Config"]
 
@@ -34,16 +35,8 @@ class CastRule:
     granularity: Granularity = "tensorwise"
 
     def __post_init__(self) -> None:
-        if self.dtype not in FP8_DTYPES:
-            raise ValueError(
-                "A cast rule's dtype is torch.float8_e4m3fn or torch.float8_e5m2. "
-                f"Received: dtype={self.dtype!r}"
-            )
-        if self.granularity not in ("tensorwise", "rowwise"):
-            raise ValueError(
-                "A cast rule's granularity is 'tensorwise' or 'rowwise'. "
-                f"Received: granularity={self.granularity!r}"
-            )
+        check_fp8_dtype(self.dtype)
+        check_granularity(self.granularity)
 
     def __str__(self) -> str:
         return f"{str(self.dtype).removeprefix('torch.float8_')}/{self.granularity}"
@@ -75,16 +68,13 @@ class DelayedScaling:
 
     def __post_init__(self) -> None:
         if not isinstance(self.history_len, int) or self.history_len < 1:
-            raise ValueError(
-                f"history_len is a positive int. Received: history_len={self.history_len!r}"
-            )
+            raise value_error("history_len is a positive int", "history_len", self.history_len)
         if self.amax_compute not in ("max", "most_recent"):
-            raise ValueError(
-                "amax_compute is 'max' or 'most_recent'. "
-                f"Received: amax_compute={self.amax_compute!r}"
+            raise value_error(
+                "amax_compute is 'max' or 'most_recent'", "amax_compute", self.amax_compute
             )
         if not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin is an int >= 0. Received: margin={self.margin!r}")
+            raise value_error("margin is an int >= 0", "margin", self.margin)
 
 
 @dataclass(frozen=True)
@@ -115,10 +105,13 @@ class Fp8Config:
             object.__setattr__(self, "weight_for_grad_input", self.weight)
         if self.delayed is not None:
             rules = (self.input, self.weight, self.grad_output, self.weight_for_grad_input)
-            if any(r is not None and r.granularity != "tensorwise" for r in rules):
-                raise ValueError(
+            rowwise = [r for r in rules if r is not None and r.granularity != "tensorwise"]
+            if rowwise:
+                raise value_error(
                     "Delayed scaling keeps one amax history per tensor, so every cast rule "
-                    "must be tensorwise. Received: a rowwise rule with delayed scaling"
+                    "must be tensorwise",
+                    "rule",
+                    rowwise[0],
                 )
 
     @property

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from amped._internal.errors import type_error, value_error
 from amped.fp8.config import Fp8Config
 from amped.fp8.delayed import update_delayed_scaling
 from amped.fp8.linear import Float8Linear
@@ -113,17 +114,22 @@ def convert_to_fp8(
             for n, m in model.named_modules()
             if isinstance(m, torch.nn.Linear)
         ]
-        raise ValueError(
+        raise value_error(
             "FP8 found no nn.Linear layer to convert: it converts layers whose dims are "
             "multiples of 16 with at least 64x64 weights, except the output head (the last "
-            "Linear) and those a policy module rule names; pass module_filter to choose. "
-            f"Received: Linear layers {sizes or 'none'}"
+            "Linear) and those a policy module rule names; pass module_filter to choose",
+            "Linear layers",
+            sizes,
         )
     modules = dict(model.named_modules())
     layers = {}
     for name in names:
         linear = modules[name]
         if not isinstance(linear, torch.nn.Linear):
-            raise TypeError(f"{name!r} is not an nn.Linear. Received: {type(linear).__name__}")
+            raise type_error(
+                f"convert_to_fp8 converts nn.Linear layers; {name!r} is not one",
+                f"type({name})",
+                type(linear),
+            )
         layers[name] = Float8Linear.convert_(linear, config, emulate)
     return Fp8Layers(layers, config)

@@ -23,6 +23,7 @@ import functools
 
 import torch
 
+from amped._internal import torch_compat
 from amped.fp8.cast import Fp8Tensor
 
 __all__ = ["has_scaled_mm", "pad_inner", "scaled_mm"]
@@ -32,12 +33,9 @@ __all__ = ["has_scaled_mm", "pad_inner", "scaled_mm"]
 def has_scaled_mm(device: torch.device) -> bool:
     """Whether ``device`` has FP8 GEMM hardware that ``torch._scaled_mm`` uses.
 
-    CUDA: compute capability 8.9 (Ada) or 9.0+ (Hopper, Blackwell). CPUs: no. torch's
-    CPU ``_scaled_mm`` is itself a dequantize-and-multiply in float32, the same numbers
-    as :func:`scaled_mm`'s emulation, except on AMX-INT8 CPUs, where torch sends
-    e4m3 x e4m3 GEMMs to oneDNN: a different float32 summation order, and on this
-    project's test machine about 700 times slower than the emulation (4.7 s against
-    6 ms for a 256 x 256 x 688 GEMM). So FP8 layers emulate on CPU unless told not to.
+    CUDA: compute capability 8.9 (Ada) or 9.0+ (Hopper, Blackwell). CPUs: no; torch's
+    CPU ``_scaled_mm`` gains nothing over the emulation and on AMX-INT8 CPUs is far
+    slower (docs/fp8.md), so FP8 layers emulate on CPU unless told not to.
     """
     if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_capability(device) >= (8, 9)
@@ -103,12 +101,5 @@ def scaled_mm(
             a, b = pad_inner(a, b)
         a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
         b_data = b.data if b.data.t().is_contiguous() else b.data.t().contiguous().t()
-        out = torch._scaled_mm(
-            a_data,
-            b_data,
-            scale_a=inv_a,
-            scale_b=inv_b,
-            out_dtype=gemm_dtype,
-            use_fast_accum=use_fast_accum,
-        )
+        out = torch_compat.scaled_mm(a_data, b_data, inv_a, inv_b, gemm_dtype, use_fast_accum)
     return out if out.dtype is out_dtype else out.to(out_dtype)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import type_error
 from amped.autocast_mode import autocast
 from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
 from amped.fp8.config import CastRule, Fp8Config
@@ -113,10 +114,11 @@ class Float8Linear(torch.nn.Linear):
                 where the device has no FP8 GEMM.
         """
         if type(linear) is not torch.nn.Linear:
-            raise TypeError(
+            raise type_error(
                 "Float8Linear converts torch.nn.Linear modules only (a subclass may not call "
-                "its own forward, as nn.MultiheadAttention's out_proj). "
-                f"Received: {type(linear).__name__}"
+                "its own forward, as nn.MultiheadAttention's out_proj)",
+                "type(linear)",
+                type(linear),
             )
         device = linear.weight.device
         linear.__class__ = cls

@@ -40,6 +40,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import convert_outputs_to_fp32
 
 import amped
+from amped._internal.errors import received, type_error, value_error
 from amped.autocast_mode import autocast
 from amped.integrations.common import default_scaler, rebind_scheduler, resolve_arguments
 from amped.policy import Policy
@@ -79,9 +80,11 @@ class Accelerator(accelerate.Accelerator):
         chosen, _, _ = resolve_arguments(recipe, None, "cpu")  # unknown recipes fail first
         mixed = kwargs.pop("mixed_precision", None)
         if mixed not in (None, "no"):
-            raise ValueError(
+            raise value_error(
                 "amped's Accelerator takes recipe= instead of mixed_precision= (the recipe "
-                f"says the dtype); drop mixed_precision. Received: mixed_precision={mixed!r}"
+                "says the dtype); drop mixed_precision",
+                "mixed_precision",
+                mixed,
             )
         super().__init__(*args, mixed_precision="no", **kwargs)
         self.recipe, self.policy, self.device_type = resolve_arguments(
@@ -108,10 +111,11 @@ class Accelerator(accelerate.Accelerator):
             models = list(self._models)  # prepared by an earlier prepare(model) call
         if optimizers:
             if len(models) != 1 or len(optimizers) != 1:
-                raise ValueError(
+                raise value_error(
                     "amped's Accelerator prepares one model with its optimizer (in one "
-                    "prepare() call, or the model first). Received: "
-                    f"{len(models)} models and {len(optimizers)} optimizers"
+                    "prepare() call, or the model first)",
+                    "(models, optimizers)",
+                    (len(models), len(optimizers)),
                 )
             user = optimizers[0]
             setup = self._prepare_recipe(models[0], user)
@@ -126,7 +130,8 @@ class Accelerator(accelerate.Accelerator):
         if self.setup is not None:
             raise RuntimeError(
                 f"This Accelerator already runs recipe {self.recipe.name!r} on a model; "
-                "prepare one model and optimizer per Accelerator. Received: a second one"
+                "prepare one model and optimizer per Accelerator. "
+                + received("type(model)", type(model))
             )
         self.setup = amped.prepare(
             model, optimizer, self.recipe, policy=self.policy, scaler=self.recipe_scaler
@@ -252,9 +257,10 @@ class RecipeOptimizer(AcceleratedOptimizer):
     def step(self, closure: Any = None) -> None:
         """Step through the recipe when gradients are synchronised (end of accumulation)."""
         if closure is not None:
-            raise TypeError(
-                "amped's recipes step without a closure; call backward before step(). "
-                f"Received: closure={closure!r}"
+            raise type_error(
+                "amped's recipes step without a closure; call backward before step()",
+                "closure",
+                closure,
             )
         if self.gradient_state.sync_gradients:
             self._is_overflow = not self.setup.step()

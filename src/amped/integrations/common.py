@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import received, type_error, value_error
+from amped._internal.torch_compat import steps_with_amp_scaling, track_step_for_scheduler
 from amped.policy import Policy
 from amped.recipes import Recipe, TrainSetup, resolve_recipe
 from amped.scaling import GradScaler
@@ -21,31 +23,30 @@ def resolve_arguments(
     for the device the plugin runs on. Returns ``(recipe, policy, device_type)``."""
     chosen = resolve_recipe(recipe)
     if device is not None and not isinstance(device, str):
-        raise TypeError(
-            "device is a device type such as 'cpu' or 'cuda'. "
-            f"Received: device={device!r} (of type {type(device).__name__})"
-        )
+        raise type_error("device is a device type such as 'cpu' or 'cuda'", "device", device)
     if isinstance(policy, Policy):
         if device is not None and policy.device_type != device:
-            raise ValueError(
+            raise value_error(
                 f"The policy is for device {policy.device_type!r} but the plugin runs on "
                 f"{device!r}; pass a policy built for {device!r} (amped.Policy.preset(name, "
-                f"{device!r})). Received: policy for {policy.device_type!r}, device={device!r}"
+                f"{device!r}))",
+                "policy.device_type",
+                policy.device_type,
             )
         device = device or policy.device_type
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError(
+        raise value_error(
             "The plugin would run on 'cuda' (its device, or its policy's), but CUDA is not "
-            "available here; pass device='cpu' and a policy built for 'cpu'. "
-            f"Received: device={device!r}"
+            "available here; pass device='cpu' and a policy built for 'cpu'",
+            "device",
+            device,
         )
     if isinstance(policy, str):
         policy = Policy.preset(policy, device)
     elif policy is not None and not isinstance(policy, Policy):
-        raise TypeError(
-            "policy is an amped.Policy or a preset name such as 'torch'. "
-            f"Received: policy={policy!r} (of type {type(policy).__name__})"
+        raise type_error(
+            "policy is an amped.Policy or a preset name such as 'torch'", "policy", policy
         )
     return chosen, policy, device
 
@@ -55,17 +56,15 @@ def default_scaler(recipe: Recipe, device: str, scaler: GradScaler | None) -> Gr
     if scaler is None:
         return GradScaler(device, enabled=recipe.loss_scaling)
     if not isinstance(scaler, GradScaler):
-        raise TypeError(
-            "scaler is an amped.GradScaler (amped drives its strategy and state). "
-            f"Received: scaler of type {type(scaler).__name__}"
+        raise type_error(
+            "scaler is an amped.GradScaler (amped drives its strategy and state)", "scaler", scaler
         )
     return scaler
 
 
 def optimizer_unscales_itself(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` (or the one it wraps) unscales inside ``step()`` (fused)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return bool(getattr(inner, "_step_supports_amp_scaling", False))
+    return steps_with_amp_scaling(getattr(optimizer, "optimizer", optimizer))
 
 
 def check_clipping(setup: TrainSetup, clip_val: float) -> None:
@@ -77,7 +76,7 @@ def check_clipping(setup: TrainSetup, clip_val: float) -> None:
             f"Gradient clipping cannot run with {name}(fused=True) under loss scaling: a "
             "fused optimizer unscales inside step(), so clipping before it sees scaled "
             "gradients. Build the optimizer with fused=False, or turn clipping off. "
-            f"Received: clip value {clip_val} with a fused {name}"
+            + received("clip_val", clip_val)
         )
 
 
@@ -104,17 +103,7 @@ def rebind_scheduler(
             if key in old_group:
                 new_group[key] = old_group[key]
     scheduler.optimizer = new
-    step = new.step
-    if hasattr(step, "_wrapped_by_lr_sched"):
-        return
-
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        new._opt_called = True  # type: ignore[attr-defined]
-        return step(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    new.step = wrapper  # type: ignore[method-assign]
-    new._opt_called = getattr(old, "_opt_called", False)  # type: ignore[attr-defined]
+    track_step_for_scheduler(new, replaces=old)
 
 
 class SkipAwareScheduler:

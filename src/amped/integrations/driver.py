@@ -9,10 +9,13 @@ from typing import Any
 import torch
 
 import amped
+from amped._internal.errors import received, value_error
+from amped._internal.trees import map_tensors
 from amped.autocast_mode import autocast
 from amped.integrations.common import default_scaler, resolve_arguments
 from amped.policy import Policy
 from amped.recipes import MemoryReport, Recipe, TrainSetup, memory_report
+from amped.recipes.setup import check_recipe_state
 from amped.scaling import GradScaler
 
 __all__ = ["RecipeDriver", "to_dtype"]
@@ -46,13 +49,16 @@ class RecipeDriver:
         if self.setup is not None and self.setup.installed is not None:
             raise RuntimeError(
                 f"This plugin already runs recipe {self.recipe.name!r} on a model; use one "
-                "plugin per model (or call teardown() first). Received: a second prepare()"
+                "plugin per model (or call teardown() first). "
+                + received("type(model)", type(model))
             )
         types = {p.device.type for p in model.parameters()}
         if types and types != {self.device}:
-            raise ValueError(
+            raise value_error(
                 f"The plugin was built for device {self.device!r} but the model is on "
-                f"{sorted(types)}; pass device= to match. Received: device={self.device!r}"
+                f"{sorted(types)}; pass device= to match",
+                "device",
+                self.device,
             )
         self.setup = amped.prepare(
             model, optimizer, self.recipe, policy=self.policy, scaler=self.scaler
@@ -69,7 +75,7 @@ class RecipeDriver:
                 f"Recipe {self.recipe.name!r} steps the optimizer amped prepared "
                 "(Fabric: pass precision.prepare(model, optimizer)'s results to "
                 "fabric.setup; Lightning: one optimizer from configure_optimizers). "
-                f"Received: an optimizer of type {type(optimizer).__name__}"
+                + received("type(optimizer)", type(optimizer))
             )
         return setup
 
@@ -96,11 +102,7 @@ class RecipeDriver:
         if self.setup is not None:
             self.setup.load_recipe_state_dict(state)
             return
-        if state.get("recipe") != self.recipe.name:
-            raise ValueError(
-                f"This state was written by recipe {state.get('recipe')!r}, this plugin "
-                f"runs {self.recipe.name!r}. Received: recipe={state.get('recipe')!r}"
-            )
+        check_recipe_state(state, self.recipe)
         # The scaler scales the next backward, possibly before the setup exists.
         self.scaler.load_state_dict(state["scaler"])
         if "masters" in state:
@@ -112,11 +114,6 @@ class RecipeDriver:
 
 
 def to_dtype(data: Any, dtype: torch.dtype) -> Any:
-    """Floating tensors in ``data`` (nested in lists, tuples, dicts) cast to ``dtype``."""
-    if isinstance(data, torch.Tensor):
-        return data.to(dtype) if data.is_floating_point() else data
-    if isinstance(data, (list, tuple)):
-        return type(data)(to_dtype(v, dtype) for v in data)
-    if isinstance(data, dict):
-        return {k: to_dtype(v, dtype) for k, v in data.items()}
-    return data
+    """Floating tensors in ``data`` (nested in lists, tuples, namedtuples and dicts) cast
+    to ``dtype``; other tensors and leaves as they are."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, data)

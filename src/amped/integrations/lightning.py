@@ -37,6 +37,7 @@ from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 from lightning.pytorch.plugins.precision import FSDPPrecision as _LightningFSDP
 from lightning.pytorch.plugins.precision import Precision as _LightningBase
 
+from amped._internal.errors import received, value_error
 from amped.integrations.common import (
     SkipAwareScheduler,
     check_clipping,
@@ -45,7 +46,8 @@ from amped.integrations.common import (
 )
 from amped.integrations.driver import RecipeDriver, to_dtype
 from amped.policy import Policy
-from amped.recipes import MasterSetup, Recipe, TrainSetup
+from amped.recipes import Recipe, TrainSetup
+from amped.recipes.o2 import MasterSetup
 from amped.scaling import GradScaler
 
 __all__ = ["FSDPPrecision", "FabricFSDPPrecision", "FabricPrecision", "Precision"]
@@ -60,7 +62,43 @@ def _lightning_name(recipe: Recipe) -> _PRECISION_INPUT_STR:
     return "32-true"
 
 
-class Precision(RecipeDriver, _LightningBase):
+class _Plugin(RecipeDriver):
+    """What the four plugins share: arguments, the parameters clipping sees, the recipe's
+    state and teardown. The FSDP ones (``_fsdp``) take the autocast recipes only."""
+
+    _fsdp = False
+
+    def __init__(
+        self,
+        recipe: str | Recipe = "bf16-mixed",
+        *,
+        policy: Policy | str | None = None,
+        device: str | None = None,
+        scaler: GradScaler | None = None,
+    ) -> None:
+        self._init_recipe(recipe, policy, device, scaler)
+        self.precision = _lightning_name(self.recipe)
+        if self._fsdp:
+            _check_fsdp_recipe(self.recipe)
+            self._desired_input_dtype = torch.float32  # FSDP's init contexts: float32 weights
+
+    def main_params(self, optimizer: Any) -> Any:
+        """The parameters clipping must see: the float32 masters under O2."""
+        if self.setup is not None and optimizer is self.setup.optimizer:
+            return self.setup.main_params()
+        return super().main_params(optimizer)  # type: ignore[misc]  # the framework's
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (Lightning: on resume, after the setup is built)."""
+        self._load_state_dict(state_dict)
+
+    def teardown(self) -> None:
+        """Undo what the recipe installed (Lightning calls it when fit ends); the model
+        gets float32 weights back."""
+        self._teardown()
+
+
+class Precision(_Plugin, _LightningBase):
     """A Lightning precision plugin that trains with an amped recipe.
 
     Pass it in ``plugins=`` and leave ``precision=`` unset (Lightning refuses both).
@@ -83,17 +121,6 @@ class Precision(RecipeDriver, _LightningBase):
     ``fit`` ends.
     """
 
-    def __init__(
-        self,
-        recipe: str | Recipe = "bf16-mixed",
-        *,
-        policy: Policy | str | None = None,
-        device: str | None = None,
-        scaler: GradScaler | None = None,
-    ) -> None:
-        self._init_recipe(recipe, policy, device, scaler)
-        self.precision = _lightning_name(self.recipe)
-
     def connect(
         self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
     ) -> tuple[torch.nn.Module, list[Any], list[Any]]:
@@ -101,18 +128,21 @@ class Precision(RecipeDriver, _LightningBase):
         if not optimizers:  # validate / test / predict: the forward context alone
             return model, optimizers, lr_schedulers
         if len(optimizers) != 1:
-            raise ValueError(
+            raise value_error(
                 "amped's Lightning plugin trains one optimizer; configure_optimizers "
                 "returned several. Use one optimizer over all parameters (parameter "
-                f"groups for different settings). Received: {len(optimizers)} optimizers"
+                "groups for different settings)",
+                "len(optimizers)",
+                len(optimizers),
             )
         if self.recipe.weights != "fp32" and not isinstance(model, pl.LightningModule):
-            raise ValueError(
+            raise value_error(
                 f"Recipe {self.recipe.name!r} lowers the model's weights, which a strategy "
                 "that wraps the model (DDP, FSDP, DeepSpeed) has already bucketed or "
                 "sharded. Use a single-device strategy, or an autocast recipe "
-                "('bf16-mixed', 'fp16-mixed'). Received: a model wrapped in "
-                f"{type(model).__name__}"
+                "('bf16-mixed', 'fp16-mixed')",
+                "type(model)",
+                type(model),
             )
         user = optimizers[0]
         setup = self._prepare(model, user)
@@ -158,12 +188,6 @@ class Precision(RecipeDriver, _LightningBase):
         else:
             super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
-    def main_params(self, optimizer: Any) -> Any:
-        """The parameters clipping must see: the float32 masters under O2."""
-        if self.setup is not None and optimizer is self.setup.optimizer:
-            return self.setup.main_params()
-        return super().main_params(optimizer)
-
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Save the model at the recipe's full precision: O2's float32 masters as the weights."""
         if isinstance(self.setup, MasterSetup) and "state_dict" in checkpoint:
@@ -175,14 +199,6 @@ class Precision(RecipeDriver, _LightningBase):
         state = self._state_dict()
         state.pop("masters", None)
         return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (on resume, after the setup is built)."""
-        self._load_state_dict(state_dict)
-
-    def teardown(self) -> None:
-        """Undo what the recipe installed (Lightning calls it when fit ends)."""
-        self._teardown()
 
 
 class FSDPPrecision(Precision, _LightningFSDP):  # type: ignore[misc]  # scaler: amped's, not ShardedGradScaler
@@ -200,17 +216,7 @@ class FSDPPrecision(Precision, _LightningFSDP):  # type: ignore[misc]  # scaler:
             another device.
     """
 
-    def __init__(
-        self,
-        recipe: str | Recipe = "bf16-mixed",
-        *,
-        policy: Policy | str | None = None,
-        device: str | None = None,
-        scaler: GradScaler | None = None,
-    ) -> None:
-        super().__init__(recipe, policy=policy, device=device, scaler=scaler)
-        _check_fsdp_recipe(self.recipe)
-        self._desired_input_dtype = torch.float32  # FSDP's init contexts: float32 weights
+    _fsdp = True
 
     def connect(
         self, model: torch.nn.Module, optimizers: list[Any], lr_schedulers: list[Any]
@@ -220,7 +226,7 @@ class FSDPPrecision(Precision, _LightningFSDP):  # type: ignore[misc]  # scaler:
         return super().connect(model, optimizers, lr_schedulers)
 
 
-class FabricPrecision(RecipeDriver, _FabricBase):
+class FabricPrecision(_Plugin, _FabricBase):
     """A Fabric precision plugin that trains with an amped recipe.
 
     Arguments as :class:`Precision`. Recipes that change the model or optimizer
@@ -230,17 +236,6 @@ class FabricPrecision(RecipeDriver, _FabricBase):
     scaler; O2's float32 masters, which the model's state dict has only rounded).
     Outputs come back in float32, as Fabric's own mixed precision returns them.
     """
-
-    def __init__(
-        self,
-        recipe: str | Recipe = "bf16-mixed",
-        *,
-        policy: Policy | str | None = None,
-        device: str | None = None,
-        scaler: GradScaler | None = None,
-    ) -> None:
-        self._init_recipe(recipe, policy, device, scaler)
-        self.precision = _lightning_name(self.recipe)
 
     def prepare(
         self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
@@ -255,8 +250,7 @@ class FabricPrecision(RecipeDriver, _FabricBase):
             raise RuntimeError(
                 f"Recipe {self.recipe.name!r} changes the model and the optimizer together; "
                 "call model, optimizer = precision.prepare(model, optimizer) before "
-                "fabric.setup(model, optimizer). Received: an unprepared "
-                f"{type(module).__name__}"
+                "fabric.setup(model, optimizer). " + received("type(module)", type(module))
             )
         return module
 
@@ -292,12 +286,6 @@ class FabricPrecision(RecipeDriver, _FabricBase):
         check_clipping(setup, 1.0)
         setup.unscale_()
 
-    def main_params(self, optimizer: Any) -> Any:
-        """The parameters clipping must see: the float32 masters under O2."""
-        if self.setup is not None and optimizer is self.setup.optimizer:
-            return self.setup.main_params()
-        return super().main_params(optimizer)
-
     def _setup_for(self, optimizer: Any) -> TrainSetup:
         """The setup stepping ``optimizer``; for the autocast recipes, built on first use."""
         if self.setup is None and self.recipe.weights == "fp32":
@@ -311,14 +299,6 @@ class FabricPrecision(RecipeDriver, _FabricBase):
         """The recipe's name, its scaler's state and O2's float32 masters."""
         return self._state_dict()
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        self._load_state_dict(state_dict)
-
-    def teardown(self) -> None:
-        """Undo what the recipe installed."""
-        self._teardown()
-
 
 class FabricFSDPPrecision(FabricPrecision, _FabricFSDP):  # type: ignore[misc]  # amped's scaler
     """:class:`FabricPrecision` for Fabric's ``FSDPStrategy``, which takes only plugins of
@@ -330,17 +310,7 @@ class FabricFSDPPrecision(FabricPrecision, _FabricFSDP):  # type: ignore[misc]  
             another device.
     """
 
-    def __init__(
-        self,
-        recipe: str | Recipe = "bf16-mixed",
-        *,
-        policy: Policy | str | None = None,
-        device: str | None = None,
-        scaler: GradScaler | None = None,
-    ) -> None:
-        super().__init__(recipe, policy=policy, device=device, scaler=scaler)
-        _check_fsdp_recipe(self.recipe)
-        self._desired_input_dtype = torch.float32
+    _fsdp = True
 
     def convert_input(self, data: Any) -> Any:
         """Floating inputs to float32, as Fabric's FSDP mixed precision does."""
@@ -353,10 +323,12 @@ class FabricFSDPPrecision(FabricPrecision, _FabricFSDP):  # type: ignore[misc]  
 
 def _check_fsdp_recipe(recipe: Recipe) -> None:
     if recipe.weights != "fp32":
-        raise ValueError(
+        raise value_error(
             "Under FSDP use an autocast recipe ('bf16-mixed', 'fp16-mixed', 'fp32'): FSDP keeps "
             "float32 flat shards as the masters and casts them itself, so recipe "
-            f"{recipe.name!r} has no weights to lower. Received: recipe={recipe.name!r}"
+            f"{recipe.name!r} has no weights to lower",
+            "recipe",
+            recipe.name,
         )
 
 

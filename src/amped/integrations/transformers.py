@@ -29,6 +29,7 @@ import torch
 import transformers
 import transformers.trainer as trainer_module
 
+from amped._internal.errors import value_error
 from amped.integrations.accelerate import Accelerator
 from amped.integrations.common import resolve_arguments
 from amped.policy import Policy
@@ -69,10 +70,11 @@ class Trainer(transformers.Trainer):
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         for flag in ("bf16", "fp16"):
             if getattr(training_args, flag, False):
-                raise ValueError(
+                raise value_error(
                     f"amped's Trainer takes recipe= and leaves TrainingArguments({flag}=False); "
-                    f"the recipe says the dtype. Received: {flag}=True with "
-                    f"recipe={self.amped_recipe.name!r}"
+                    f"the recipe ({self.amped_recipe.name!r}) says the dtype",
+                    flag,
+                    getattr(training_args, flag),
                 )
         super().__init__(*args, **kwargs)
 

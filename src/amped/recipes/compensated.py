@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import received, type_error, value_error
 from amped._internal.torch_compat import foreach_add_, foreach_copy_
 from amped.recipes.chunks import Chunk, Plan
 from amped.recipes.noise import draw_keys, hashed_noise_
@@ -65,12 +66,10 @@ _GRAD, _WEIGHT = 0, 1  # the float32 work rows every chunk has (see Chunk)
 
 def _check(name: str, value: float, low: float = 0.0, high: float | None = None) -> float:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise TypeError(
-            f"{name} must be a number. Received: {name}={value!r} (of type {type(value).__name__})"
-        )
+        raise type_error(f"{name} must be a number", name, value)
     if value < low or (high is not None and value >= high):
         bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound}. Received: {name}={value!r}")
+        raise value_error(f"{name} must be {bound}", name, value)
     return float(value)
 
 
@@ -103,9 +102,10 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], seed: int) -> None:
         if defaults["compensation"] not in _COMPENSATIONS:
-            raise ValueError(
-                f"compensation must be one of {list(_COMPENSATIONS)}. "
-                f"Received: compensation={defaults['compensation']!r}"
+            raise value_error(
+                f"compensation must be one of {list(_COMPENSATIONS)}",
+                "compensation",
+                defaults["compensation"],
             )
         super().__init__(params, defaults)
         self.seed = seed
@@ -244,7 +244,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         if param.grad is not None and param.grad.is_sparse:
             raise RuntimeError(
                 f"{type(self).__name__} does not support sparse gradients. "
-                f"Received: a sparse gradient for a parameter of shape {tuple(param.shape)}"
+                + received("grad.layout", param.grad.layout)
             )
         if group["compensation"] == "stochastic" and param.dtype in _LOW_DTYPES:
             require_bfloat16(param.dtype)
@@ -312,10 +312,8 @@ class CompensatedSGD(_CompensatedOptimizer):
         seed: int = 0,
     ) -> None:
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError(
-                "Nesterov momentum requires momentum > 0 and dampening = 0. "
-                f"Received: momentum={momentum!r}, dampening={dampening!r}"
-            )
+            wrong = ("momentum", momentum) if momentum <= 0 else ("dampening", dampening)
+            raise value_error("Nesterov momentum requires momentum > 0 and dampening = 0", *wrong)
         defaults = dict(
             lr=_check("lr", lr),
             momentum=_check("momentum", momentum),

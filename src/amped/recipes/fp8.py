@@ -23,6 +23,7 @@ import dataclasses
 
 import torch
 
+from amped._internal.errors import value_error
 from amped.fp8 import (
     FP8_CONFIGS,
     Float8Linear,
@@ -34,10 +35,10 @@ from amped.fp8 import (
 )
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, register, resolve_recipe
-from amped.recipes.setup import TrainSetup, prepare
-from amped.scaling import GradScaler
+from amped.recipes.setup import TrainSetup
+from amped.recipes.weights import require_float32, ruled_modules
 
-__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "build_fp8_setup", "ruled_modules"]
+__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "Fp8Plan"]
 
 FP8_BASES = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
 """Base recipes an FP8 recipe can keep its weights and optimizer state by."""
@@ -53,12 +54,12 @@ FP8_RECIPE_NAMES = tuple(
     register(
         Recipe(
             f"fp8-{scaling}",
-            torch.bfloat16,
-            "fp32",
-            True,
-            False,
-            aliases,
-            f"FP8 Linear GEMMs ({FP8_CONFIGS[scaling]}), bfloat16 autocast elsewhere",
+            dtype=torch.bfloat16,
+            weights="fp32",
+            autocast=True,
+            loss_scaling=False,
+            aliases=aliases,
+            summary=f"FP8 Linear GEMMs ({FP8_CONFIGS[scaling]}), bfloat16 autocast elsewhere",
             fp8=scaling,
         ),
         opt_in=True,
@@ -66,22 +67,20 @@ FP8_RECIPE_NAMES = tuple(
     for scaling, aliases in _ALIASES.items()
 )
 
-_SUPPORTED_PARAM_DTYPES = (torch.float32,)
-
 
 def _check_model(recipe: Recipe, model: torch.nn.Module, device_type: str) -> None:
     if device_type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"Recipe {recipe.name!r} runs on cpu (emulated or torch's CPU FP8 GEMM) and cuda. "
-            f"Received: a model on {device_type!r}"
+        raise value_error(
+            f"Recipe {recipe.name!r} runs on cpu (emulated or torch's CPU FP8 GEMM) and cuda; "
+            "move the model to one of them",
+            "device_type",
+            device_type,
         )
-    for name, param in model.named_parameters():
-        if param.is_floating_point() and param.dtype not in _SUPPORTED_PARAM_DTYPES:
-            raise ValueError(
-                f"Recipe {recipe.name!r} casts float32 weights to FP8 (the base recipe lowers "
-                f"them where it should); pass the model in float32. Received: parameter "
-                f"{name!r} of dtype {param.dtype}"
-            )
+    require_float32(
+        model,
+        f"Recipe {recipe.name!r} casts float32 weights to FP8 (the base recipe lowers them "
+        "where it should)",
+    )
 
 
 def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
@@ -92,24 +91,13 @@ def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
             if chosen.dtype is torch.float16
             else "it is not a bfloat16 recipe"
         )
-        raise ValueError(
+        raise value_error(
             f"Recipe {recipe.name!r} cannot take base={chosen.name!r} ({why}); bases are "
-            f"{', '.join(FP8_BASES)}. Received: base={base!r}"
+            f"{', '.join(FP8_BASES)}",
+            "base",
+            base,
         )
     return chosen
-
-
-def ruled_modules(model: torch.nn.Module, policy: Policy | None) -> set[str]:
-    """Qualified names of the modules a module rule of ``policy`` matches, and their children."""
-    if policy is None or not policy.module_rules:
-        return set()
-    ruled: set[str] = set()
-    for name, module in model.named_modules():
-        parent = name.rpartition(".")[0]
-        matched = any(rule.matches(module, name) for rule in policy.module_rules)
-        if matched or (name and parent in ruled):
-            ruled.add(name)
-    return ruled
 
 
 def _already_converted(
@@ -126,52 +114,75 @@ def _already_converted(
         own = layer.fp8_config
         same_kind = (own.delayed is None) == (config.delayed is None)
         if not same_kind or dataclasses.replace(config, delayed=own.delayed) != own:
-            raise ValueError(
+            raise value_error(
                 f"Recipe {recipe.name!r} found layer {name!r} converted to FP8 with other "
-                f"rules; convert with amped.fp8.FP8_CONFIGS[{recipe.fp8!r}]. Received: "
-                f"fp8={layer.fp8_config}"
+                f"rules; convert with amped.fp8.FP8_CONFIGS[{recipe.fp8!r}]",
+                f"{name}.fp8_config",
+                str(own),
             )
     return Fp8Layers(layers, config)
 
 
-def build_fp8_setup(
-    recipe: Recipe,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: GradScaler | None,
-    device_type: str,
-    policy: Policy | None,
-    base: str | Recipe | None = None,
-    module_filter: ModuleFilter | None = None,
-) -> TrainSetup:
-    """Build the base recipe's setup, then convert the chosen Linear layers to FP8.
+@dataclasses.dataclass(frozen=True)
+class Fp8Plan:
+    """What an FP8 recipe will do, checked before its base recipe changes anything.
 
-    Returns the setup (of the base recipe's class) with ``recipe`` set to the FP8
-    recipe (its ``weights`` and ``compensation`` those of the base) and ``fp8_layers``
-    to the converted layers, which :meth:`~amped.recipes.TrainSetup.step` updates.
+    :func:`~amped.prepare` calls :meth:`check`, builds the base recipe's setup, then
+    :meth:`apply` converts the chosen Linear layers.
+
+    Attributes:
+        recipe: the FP8 recipe.
+        base: the recipe that keeps the weights and optimizer state.
+        policy: the user's policy, whose module rules keep modules out of FP8.
+        module_filter: the user's filter (None: :func:`amped.fp8.default_module_filter`).
+        converted: layers the model had converted before ``prepare`` (FSDP2), else None.
     """
-    if recipe.fp8 is None:
-        raise ValueError(f"{recipe.name!r} is not an FP8 recipe. Received: recipe={recipe!r}")
-    base_recipe = _base_recipe(recipe, base)
-    _check_model(recipe, model, device_type)
-    if scaler is not None and scaler.is_enabled():
-        raise ValueError(
-            f"Recipe {recipe.name!r} does not scale the loss (bfloat16 gradients do not "
-            "underflow, FP8 casts have their own scales); pass no scaler. Received: an "
-            "enabled GradScaler"
+
+    recipe: Recipe
+    base: Recipe
+    policy: Policy | None
+    module_filter: ModuleFilter | None
+    converted: Fp8Layers | None
+
+    @classmethod
+    def check(
+        cls, plain: TrainSetup, base: str | Recipe | None, module_filter: ModuleFilter | None
+    ) -> Fp8Plan:
+        """Refuse what ``plain.recipe`` cannot run (base, model, scaler, no layer to convert)."""
+        recipe, model = plain.recipe, plain.model
+        if recipe.fp8 is None:
+            raise value_error("Fp8Plan is for the FP8 recipes only", "recipe", recipe.name)
+        base_recipe = _base_recipe(recipe, base)
+        _check_model(recipe, model, plain.device_type)
+        if plain.scaler.is_enabled():
+            raise value_error(
+                f"Recipe {recipe.name!r} does not scale the loss (bfloat16 gradients do not "
+                "underflow, FP8 casts have their own scales); pass no scaler",
+                "scaler.is_enabled()",
+                True,
+            )
+        config = FP8_CONFIGS[recipe.fp8]
+        converted = _already_converted(recipe, model, config)
+        if converted is None and not plan_fp8(
+            model, module_filter, ruled_modules(model, plain.policy)
+        ):
+            convert_to_fp8(model, config, [])  # raises: no layer to convert
+        return cls(recipe, base_recipe, plain.policy, module_filter, converted)
+
+    def apply(self, setup: TrainSetup) -> TrainSetup:
+        """Convert the chosen layers of the base recipe's ``setup``; returns ``setup`` with
+        ``recipe`` the FP8 recipe (``weights`` and ``compensation`` the base's) and
+        ``fp8_layers`` the converted layers, which :meth:`~amped.recipes.TrainSetup.step`
+        updates."""
+        assert self.recipe.fp8 is not None  # check() refused the others
+        converted = self.converted
+        if converted is None:
+            model = setup.model
+            keep = ruled_modules(model, self.policy) | ruled_modules(model, setup.policy)
+            names = plan_fp8(model, self.module_filter, keep)
+            converted = convert_to_fp8(model, FP8_CONFIGS[self.recipe.fp8], names)
+        setup.fp8_layers = converted
+        setup.recipe = dataclasses.replace(
+            self.recipe, weights=self.base.weights, compensation=self.base.compensation
         )
-    config = FP8_CONFIGS[recipe.fp8]
-    converted = _already_converted(recipe, model, config)
-    keep = ruled_modules(model, policy)
-    names = plan_fp8(model, module_filter, keep)
-    if not names and converted is None:  # before the base recipe changes anything
-        convert_to_fp8(model, config, names)
-    setup = prepare(model, optimizer, base_recipe, policy=policy, scaler=scaler)
-    if converted is None:
-        names = plan_fp8(model, module_filter, keep | ruled_modules(model, setup.policy))
-        converted = convert_to_fp8(model, config, names)
-    setup.fp8_layers = converted
-    setup.recipe = dataclasses.replace(
-        recipe, weights=base_recipe.weights, compensation=base_recipe.compensation
-    )
-    return setup
+        return setup

@@ -20,6 +20,9 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import type_error, value_error
+from amped._internal.torch_compat import init_optimizer_hooks
+
 __all__ = ["MasterWeightOptimizer", "check_wrappable"]
 
 # Optimizers whose step() re-evaluates the model through a closure: the closure's
@@ -32,29 +35,25 @@ _OWN_PARAMS = ("ZeroRedundancyOptimizer", "_NamedOptimizer", "PostLocalSGDOptimi
 def check_wrappable(optimizer: object) -> torch.optim.Optimizer:
     """``optimizer`` if master weights can be put under it; a clear error otherwise."""
     if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "Master weights wrap a torch.optim.Optimizer. "
-            f"Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})"
-        )
+        raise type_error("Master weights wrap a torch.optim.Optimizer", "optimizer", optimizer)
     name = type(optimizer).__name__
+    why = None
     if name in _NEEDS_CLOSURE:
-        raise TypeError(
+        why = (
             f"{name} cannot step float32 master weights: its step() re-evaluates the model "
             "through a closure, whose backward pass writes low-precision gradients the "
             "masters never receive. Use a first-order optimizer (SGD, Adam, AdamW, ...), "
-            f"or recipe='fp32'. Received: optimizer of type {name}"
+            "or recipe='fp32'"
         )
-    if name in _OWN_PARAMS:
-        raise TypeError(
+    elif name in _OWN_PARAMS:
+        why = (
             f"{name} shards or re-owns its parameters, so master copies cannot be swapped "
-            "in under it. Wrap the local optimizer it builds instead. "
-            f"Received: optimizer of type {name}"
+            "in under it. Wrap the local optimizer it builds instead"
         )
-    if isinstance(optimizer, MasterWeightOptimizer):
-        raise TypeError(
-            "This optimizer already steps master weights; wrap the plain optimizer once. "
-            f"Received: optimizer of type {name}"
-        )
+    elif isinstance(optimizer, MasterWeightOptimizer):
+        why = "This optimizer already steps master weights; wrap the plain optimizer once"
+    if why is not None:
+        raise type_error(why, "type(optimizer)", type(optimizer))
     return optimizer
 
 
@@ -101,9 +100,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                 if param in optimizer.state:  # state built before wrapping moves over
                     optimizer.state[master] = optimizer.state.pop(param)
                 self._pairs.append((param, master))
-        # torch's own initialiser of the hook tables and the step profiling wrapper,
-        # without Optimizer.__init__'s param groups: those are the inner optimizer's.
-        torch.optim.Optimizer.__setstate__(self, {})
+        init_optimizer_hooks(self)  # not Optimizer.__init__: the groups are the inner's
 
     # --- the inner optimizer's data, shared ------------------------------------------
 
@@ -176,10 +173,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         between :meth:`grads_to_masters` and the end of the step.
         """
         if closure is not None:
-            raise TypeError(
+            raise type_error(
                 "MasterWeightOptimizer.step() takes no closure: a closure's backward "
-                "writes low-precision gradients mid-step. Call backward before step(). "
-                f"Received: closure={closure!r} (of type {type(closure).__name__})"
+                "writes low-precision gradients mid-step. Call backward before step()",
+                "closure",
+                closure,
             )
         self.grads_to_masters()
         self.optimizer.step()
@@ -228,7 +226,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        torch.optim.Optimizer.__setstate__(self, {})
+        init_optimizer_hooks(self)
 
     def __repr__(self) -> str:
         return f"MasterWeightOptimizer({len(self._pairs)} masters, {self.optimizer!r})"
@@ -240,10 +238,11 @@ def _master_for(param: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor
         master = param.detach().to(torch.float32, copy=True)
     else:
         if start.shape != param.shape or start.dtype is not torch.float32:
-            raise ValueError(
+            raise value_error(
                 "A master weight must be a float32 tensor of its parameter's shape "
-                f"{tuple(param.shape)}. Received: master of shape {tuple(start.shape)} "
-                f"and dtype {start.dtype}"
+                f"{tuple(param.shape)}",
+                "(master.shape, master.dtype)",
+                (tuple(start.shape), start.dtype),
             )
         master = start.detach()
     return master.requires_grad_(param.requires_grad)

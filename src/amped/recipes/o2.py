@@ -18,12 +18,11 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import value_error
 from amped.policy import Policy
 from amped.recipes.master import MasterWeightOptimizer, check_wrappable
-from amped.recipes.registry import Recipe
-from amped.recipes.setup import TrainSetup
+from amped.recipes.setup import TrainSetup, check_recipe_state
 from amped.recipes.weights import lower_model_, with_norms_in_fp32
-from amped.scaling import GradScaler
 
 __all__ = ["MasterSetup", "build_master_setup"]
 
@@ -62,7 +61,7 @@ class MasterSetup(TrainSetup):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: masters exactly, model weights rounded from them."""
-        self._check_recipe(state)
+        check_recipe_state(state, self.recipe)
         model_state = state["model"]
         self.model.load_state_dict(model_state)  # rounds into the low-precision weights
         masters = {id(param): master for param, master in self.optimizer.pairs}
@@ -97,10 +96,11 @@ class MasterSetup(TrainSetup):
             return
         pairs = self.optimizer.pairs
         if len(masters) != len(pairs):
-            raise ValueError(
+            raise value_error(
                 f"This recipe state holds {len(masters)} master weights, the setup has "
-                f"{len(pairs)}: it was saved from another model. Received: "
-                f"{len(masters)} masters"
+                f"{len(pairs)}: it was saved from another model",
+                "len(state['masters'])",
+                len(masters),
             )
         with torch.no_grad():
             for (param, master), saved in zip(pairs, masters, strict=True):
@@ -138,18 +138,12 @@ def o2_policy(policy: Policy | None, model: torch.nn.Module, device_type: str) -
     return with_norms_in_fp32(policy or Policy.preset("torch", device_type), model)
 
 
-def build_master_setup(
-    recipe: Recipe,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: GradScaler,
-    device_type: str,
-    policy: Policy | None,
-) -> MasterSetup:
-    """Lower ``model`` in place and put float32 masters under ``optimizer``."""
-    check_wrappable(optimizer)  # before the model is touched
-    assert recipe.dtype is not None  # Recipe.__post_init__ guarantees it
-    policy = o2_policy(policy, model, device_type)
-    originals = lower_model_(model, recipe.dtype, policy)
-    wrapped = MasterWeightOptimizer(optimizer, originals)
-    return MasterSetup(recipe, model, wrapped, scaler, device_type, policy)
+def build_master_setup(plain: TrainSetup) -> MasterSetup:
+    """Lower ``plain.model`` in place and put float32 masters under ``plain.optimizer``."""
+    check_wrappable(plain.optimizer)  # before the model is touched
+    dtype = plain.recipe.dtype
+    assert dtype is not None  # Recipe.__post_init__ guarantees it
+    policy = o2_policy(plain.policy, plain.model, plain.device_type)
+    originals = lower_model_(plain.model, dtype, policy)
+    wrapped = MasterWeightOptimizer(plain.optimizer, originals)
+    return MasterSetup(plain.recipe, plain.model, wrapped, plain.scaler, plain.device_type, policy)

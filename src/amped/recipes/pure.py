@@ -16,12 +16,11 @@ from typing import Any
 
 import torch
 
-from amped.policy import Policy
+from amped._internal.errors import received, type_error, value_error
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
-from amped.recipes.registry import Compensation, Recipe
+from amped.recipes.registry import Compensation
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import lower_model_
-from amped.scaling import GradScaler
 
 __all__ = ["PureSetup", "build_pure_setup", "compensated_twin"]
 
@@ -79,12 +78,13 @@ def compensated_twin(
         return optimizer
     kind = type(optimizer)
     if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
-        raise TypeError(
+        raise type_error(
             f"bf16-pure replaces the optimizer by a compensated bfloat16 one, which exists "
             f"for SGD, Adam and AdamW; {kind.__name__} has none, and stepping bfloat16 "
             "weights plainly rounds small updates away. Use recipe='bf16-master' (float32 "
-            "masters, any optimizer). "
-            f"Received: optimizer of type {kind.__name__}"
+            "masters, any optimizer)",
+            "type(optimizer)",
+            kind,
         )
     _check_fresh(optimizer)
     groups = [_twin_group(group, kind) for group in optimizer.param_groups]
@@ -98,19 +98,23 @@ def compensated_twin(
 
 def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
     if any(optimizer.state.values()):
-        raise ValueError(
+        raise value_error(
             "bf16-pure starts a new bfloat16 optimizer state; this optimizer has stepped "
             "already and its float32 state would be dropped. Call prepare() before the "
-            f"first step. Received: an optimizer with state for {len(optimizer.state)} "
-            "parameters"
+            "first step",
+            "len(optimizer.state)",
+            len(optimizer.state),
         )
 
 
 def _twin_group(group: dict[str, Any], kind: type) -> dict[str, Any]:
     for flag in ("amsgrad", "differentiable"):
         if group.get(flag):
-            raise ValueError(
-                f"The compensated {kind.__name__} has no {flag} mode. Received: {flag}=True"
+            raise value_error(
+                f"Use recipe='bf16-master' for {flag}: the compensated {kind.__name__} has "
+                f"no {flag} mode",
+                flag,
+                group[flag],
             )
     keys = _SGD_KEYS if kind is torch.optim.SGD else _ADAM_KEYS
     twin: dict[str, Any] = {"params": group["params"]}
@@ -131,25 +135,19 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) else value
 
 
-def build_pure_setup(
-    recipe: Recipe,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: GradScaler,
-    device_type: str,
-    policy: Policy | None,
-) -> PureSetup:
-    """Lower ``model`` in place and replace ``optimizer`` by its compensated twin."""
+def build_pure_setup(plain: TrainSetup) -> PureSetup:
+    """Lower ``plain.model`` in place and replace its optimizer by the compensated twin."""
+    recipe = plain.recipe
     assert recipe.dtype is not None and recipe.compensation is not None  # Recipe checks
-    twin = compensated_twin(optimizer, recipe.compensation)  # before the model is touched
-    if scaler.is_enabled():
+    twin = compensated_twin(plain.optimizer, recipe.compensation)  # before the model is touched
+    if plain.scaler.is_enabled():
         warnings.warn(
             f"Recipe {recipe.name!r} needs no loss scaling: bfloat16 has float32's exponent "
             "range, so gradients do not underflow, and scaling only adds work and skipped "
             "steps. Pass no scaler (prepare() then uses a disabled one). "
-            "Received: scaler=GradScaler(enabled=True)",
+            + received("scaler.is_enabled()", True),
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,  # prepare()'s caller
         )
-    lower_model_(model, recipe.dtype, policy)
-    return PureSetup(recipe, model, twin, scaler, device_type, policy)
+    lower_model_(plain.model, recipe.dtype, plain.policy)
+    return PureSetup(recipe, plain.model, twin, plain.scaler, plain.device_type, plain.policy)

@@ -7,10 +7,12 @@ weights are kept; aliases give the names other tools use (Apex's "O1"/"O2").
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
 import torch
+
+from amped._internal.errors import type_error, value_error
 
 __all__ = [
     "OPT_IN_RECIPES",
@@ -29,6 +31,9 @@ Compensation = Literal["kahan", "stochastic"]
 @dataclass(frozen=True)
 class Recipe:
     """One way to train with (or without) mixed precision.
+
+    Every field after ``name`` is keyword-only, so that a definition says what each
+    setting is (``autocast=True, loss_scaling=False``, not ``True, False``).
 
     Attributes:
         name: canonical name, e.g. ``"bf16-mixed"``.
@@ -52,6 +57,7 @@ class Recipe:
     """
 
     name: str
+    _: KW_ONLY
     dtype: torch.dtype | None
     weights: Weights
     autocast: bool
@@ -63,89 +69,105 @@ class Recipe:
 
     def __post_init__(self) -> None:
         if self.fp8 is not None and self.dtype is not torch.bfloat16:
-            raise ValueError(
-                "An FP8 recipe runs its non-GEMM ops under bfloat16 autocast: its dtype is "
-                f"torch.bfloat16. Received: dtype={self.dtype!r}, fp8={self.fp8!r}"
+            raise value_error(
+                f"An FP8 recipe (fp8={self.fp8!r}) runs its non-GEMM ops under bfloat16 "
+                "autocast: give it dtype=torch.bfloat16",
+                "dtype",
+                self.dtype,
             )
         if self.weights not in ("fp32", "low-with-masters", "low"):
-            raise ValueError(
-                "Recipe weights are 'fp32', 'low-with-masters' or 'low'. "
-                f"Received: weights={self.weights!r}"
+            raise value_error(
+                "Recipe weights are 'fp32', 'low-with-masters' or 'low'", "weights", self.weights
             )
         if self.weights != "fp32" and self.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(
+            raise value_error(
                 f"A recipe with weights={self.weights!r} needs a low dtype, torch.float16 or "
-                f"torch.bfloat16. Received: dtype={self.dtype!r}"
+                "torch.bfloat16",
+                "dtype",
+                self.dtype,
             )
         if (self.weights == "low") != (self.compensation is not None):
-            raise ValueError(
+            raise value_error(
                 "compensation ('kahan' or 'stochastic') is required for weights='low' and "
-                f"meaningless otherwise. Received: weights={self.weights!r}, "
-                f"compensation={self.compensation!r}"
+                f"meaningless otherwise; this recipe has weights={self.weights!r}",
+                "compensation",
+                self.compensation,
             )
 
     def __str__(self) -> str:
         return self.name
 
 
+def _builtin(
+    name: str,
+    dtype: torch.dtype | None,
+    weights: Weights,
+    aliases: tuple[str, ...],
+    summary: str,
+    compensation: Compensation | None = None,
+) -> Recipe:
+    """A built-in recipe: autocast whenever it has a low dtype, loss scaling for float16."""
+    return Recipe(
+        name,
+        dtype=dtype,
+        weights=weights,
+        autocast=dtype is not None,
+        loss_scaling=dtype is torch.float16,
+        aliases=aliases,
+        summary=summary,
+        compensation=compensation,
+    )
+
+
+_BF16, _FP16 = torch.bfloat16, torch.float16
+_PURE = "bfloat16 weights, gradients and optimizer state; "
+
 RECIPES: dict[str, Recipe] = {
     r.name: r
     for r in (
-        Recipe("fp32", None, "fp32", False, False, ("O0", "float32"), "float32 throughout"),
-        Recipe(
+        _builtin("fp32", None, "fp32", ("O0", "float32"), "float32 throughout"),
+        _builtin(
             "bf16-mixed",
-            torch.bfloat16,
+            _BF16,
             "fp32",
-            True,
-            False,
             ("bf16", "O1-bf16"),
             "autocast to bfloat16, float32 weights",
         ),
-        Recipe(
+        _builtin(
             "fp16-mixed",
-            torch.float16,
+            _FP16,
             "fp32",
-            True,
-            True,
             ("fp16", "O1", "amp"),
             "autocast to float16 with dynamic loss scaling, float32 weights",
         ),
-        Recipe(
+        _builtin(
             "bf16-master",
-            torch.bfloat16,
+            _BF16,
             "low-with-masters",
-            True,
-            False,
             ("O2-bf16", "bf16-O2"),
             "bfloat16 weights and gradients, float32 master weights in the optimizer",
         ),
-        Recipe(
+        _builtin(
             "fp16-master",
-            torch.float16,
+            _FP16,
             "low-with-masters",
-            True,
-            True,
             ("O2", "fp16-O2"),
             "float16 weights and gradients, float32 master weights, dynamic loss scaling",
         ),
-        Recipe(
+        _builtin(
             "bf16-pure",
-            torch.bfloat16,
+            _BF16,
             "low",
-            True,
-            False,
             ("pure-bf16", "bf16-kahan"),
-            "bfloat16 weights, gradients and optimizer state; Kahan-compensated updates",
+            _PURE + "Kahan-compensated updates",
             compensation="kahan",
         ),
-        Recipe(
+        _builtin(
             "bf16-pure-sr",
-            torch.bfloat16,
+            _BF16,
             "low",
-            True,
-            False,
             ("pure-bf16-sr", "bf16-stochastic"),
-            "bfloat16 weights, gradients and optimizer state; stochastically rounded updates",
+            _PURE + "stochastically rounded updates",
             compensation="stochastic",
         ),
     )
@@ -162,7 +184,11 @@ def register(recipe: Recipe, *, opt_in: bool = False) -> Recipe:
     taken = {n for r in _all_recipes() for n in (r.name, *r.aliases)}
     clash = {recipe.name, *recipe.aliases} & taken
     if clash:
-        raise ValueError(f"Recipe names already taken: {sorted(clash)}")
+        raise value_error(
+            f"Recipe names and aliases are unique; {sorted(clash)} are taken. Choose others",
+            "recipe",
+            recipe,
+        )
     (OPT_IN_RECIPES if opt_in else RECIPES)[recipe.name] = recipe
     return recipe
 
@@ -181,15 +207,10 @@ def resolve_recipe(name: str | Recipe) -> Recipe:
     if isinstance(name, Recipe):
         return name
     if not isinstance(name, str):
-        raise TypeError(
-            f"recipe must be a name such as 'bf16-mixed'. Received: recipe={name!r} "
-            f"(of type {type(name).__name__})"
-        )
+        raise type_error("recipe must be a name such as 'bf16-mixed'", "recipe", name)
     wanted = name.lower()
     for recipe in _all_recipes():
         if wanted == recipe.name or wanted in (a.lower() for a in recipe.aliases):
             return recipe
     known = ", ".join(f"{r.name} ({', '.join(r.aliases)})" for r in _all_recipes())
-    raise ValueError(
-        f"Unknown recipe {name!r}. Recipes (aliases): {known}. Received: recipe={name!r}"
-    )
+    raise value_error(f"Unknown recipe {name!r}. Recipes (aliases): {known}", "recipe", name)

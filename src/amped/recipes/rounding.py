@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import torch
 
+from amped._internal.errors import value_error
+
 __all__ = ["kahan_add_", "stochastic_round_"]
 
 _LOW_BITS = 1 << 16  # bfloat16 is the top 16 bits of a float32
@@ -82,10 +84,11 @@ def stochastic_round_(
 def require_bfloat16(dtype: torch.dtype) -> None:
     """Refuse stochastic rounding into anything but bfloat16."""
     if dtype is not torch.bfloat16:
-        raise ValueError(
+        raise value_error(
             "Stochastic rounding is implemented for bfloat16, whose bits are the top half "
-            "of a float32's; use Kahan compensation for other dtypes. "
-            f"Received: dtype={dtype}"
+            "of a float32's; use Kahan compensation for other dtypes",
+            "dtype",
+            dtype,
         )
 
 

@@ -1,6 +1,7 @@
-"""``amped.prepare``: turn a model and an optimizer into a training setup for a recipe.
+"""``TrainSetup``: what the training loop drives, the same for every recipe.
 
-The setup owns what the loop needs, so one loop serves every recipe::
+:func:`amped.prepare` (:mod:`.build`) builds one; the setup owns what the loop needs,
+so one loop serves every recipe::
 
     setup = amped.prepare(model, optimizer, recipe="bf16-mixed")
     for x, y in batches:
@@ -14,20 +15,20 @@ The setup owns what the loop needs, so one loop serves every recipe::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
-from amped._internal.torch_compat import dtensor_class
+from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
-from amped.fp8 import Fp8Layers, ModuleFilter
+from amped.fp8 import Fp8Layers
 from amped.policy import Policy
-from amped.recipes.registry import Recipe, resolve_recipe
+from amped.recipes.registry import Recipe
 from amped.recipes.weights import Lowering, installed_on, restore_model_
 from amped.scaling import GradScaler
 
-__all__ = ["TrainSetup", "prepare"]
+__all__ = ["TrainSetup", "check_recipe_state"]
 
 
 class TrainSetup:
@@ -89,10 +90,8 @@ class TrainSetup:
         ``model.parameters()`` would miss. Returns the total norm before clipping.
         No sync (``torch.nn.utils.clip_grad_norm_`` does not read it on the host).
         """
-        self._prepare_grads()
-        self.scaler.unscale_(self.optimizer)
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        self.unscale_()
+        return torch.nn.utils.clip_grad_norm_(self.main_params(), max_norm, norm_type)
 
     def step(self) -> bool:
         """Step the optimizer (unless the gradients overflowed) and update the scale.
@@ -128,7 +127,7 @@ class TrainSetup:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` written by a setup of the same recipe."""
-        self._check_recipe(state)
+        check_recipe_state(state, self.recipe)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
@@ -144,13 +143,6 @@ class TrainSetup:
             k: v.to(torch.float32) if v.is_floating_point() else v
             for k, v in self.model.state_dict().items()
         }
-
-    def _check_recipe(self, state: dict[str, Any]) -> None:
-        if state.get("recipe") != self.recipe.name:
-            raise ValueError(
-                f"This checkpoint was written by recipe {state.get('recipe')!r}, this setup "
-                f"runs {self.recipe.name!r}. Received: recipe={state.get('recipe')!r}"
-            )
 
     # --- what training frameworks drive (amped.integrations) ---------------------------
 
@@ -192,7 +184,7 @@ class TrainSetup:
 
     def load_recipe_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`recipe_state_dict`."""
-        self._check_recipe(state)
+        check_recipe_state(state, self.recipe)
         self.scaler.load_state_dict(state["scaler"])
 
     def teardown(self) -> None:
@@ -215,129 +207,13 @@ class TrainSetup:
         return f"TrainSetup(recipe={self.recipe.name!r}, device_type={self.device_type!r})"
 
 
-def _device_type(model: torch.nn.Module) -> str:
-    devices = {p.device.type for p in model.parameters()}
-    if len(devices) != 1:
-        raise ValueError(
-            "prepare() needs a model whose parameters are all on one device type. "
-            f"Received: parameters on {sorted(devices) or 'no device (no parameters)'}"
+def check_recipe_state(state: dict[str, Any], recipe: Recipe) -> None:
+    """Refuse a checkpoint or recipe state that another recipe wrote."""
+    saved = state.get("recipe")
+    if saved != recipe.name:
+        raise value_error(
+            f"This state was written by recipe {saved!r}, this setup runs {recipe.name!r}; "
+            "load it where that recipe runs",
+            "state['recipe']",
+            saved,
         )
-    return devices.pop()
-
-
-def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.Optimizer:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            "prepare() takes a torch.optim.Optimizer over the model's parameters. "
-            f"Received: optimizer={optimizer!r} (of type {type(optimizer).__name__})"
-        )
-    model_params = {id(p) for p in model.parameters()}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in model_params:
-                raise ValueError(
-                    "The optimizer holds a parameter that is not the model's; build the "
-                    "optimizer over model.parameters()."
-                )
-    return optimizer
-
-
-def _check_float32(model: torch.nn.Module, recipe: Recipe) -> None:
-    dtensor = dtensor_class()
-    for name, param in model.named_parameters():
-        if dtensor is not None and isinstance(param, dtensor):
-            # Lowering a DTensor changes its metadata, not FSDP2's float32 local shards.
-            raise ValueError(
-                f"Recipe {recipe.name!r} lowers the model's weights, but its parameters are "
-                "DTensors (sharded by fully_shard, or tensor parallel); lowering one leaves "
-                "the float32 shards FSDP2 keeps. For master weights under FSDP2, pass mp_policy="
-                "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32) to "
-                "fully_shard (the float32 shards are the masters) and use a '-mixed' "
-                "recipe; see the README's 'Distributed' section. "
-                f"Received: parameter {name!r} of type {type(param).__name__}"
-            )
-        if param.is_floating_point() and param.dtype is not torch.float32:
-            raise ValueError(
-                f"Recipe {recipe.name!r} lowers a float32 model's weights itself (and keeps "
-                "float32 copies where it needs them); pass the model in float32. "
-                f"Received: parameter {name!r} of dtype {param.dtype}"
-            )
-
-
-_BUILDERS: dict[str, Callable[..., TrainSetup]] = {}
-
-
-def register_builder(weights: str, builder: Callable[..., TrainSetup]) -> None:
-    """Let a module that implements a weight-changing recipe family build its setups."""
-    _BUILDERS[weights] = builder
-
-
-def prepare(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    recipe: str | Recipe = "bf16-mixed",
-    *,
-    policy: Policy | str | None = None,
-    scaler: GradScaler | None = None,
-    base: str | Recipe | None = None,
-    module_filter: ModuleFilter | None = None,
-) -> TrainSetup:
-    """Turn ``model`` and ``optimizer`` into a :class:`TrainSetup` for ``recipe``.
-
-    The autocast recipes (``fp32``, ``bf16-mixed``, ``fp16-mixed``) leave model and
-    optimizer as they are. The others change them in place: ``*-master`` lowers the
-    weights (except modules the policy keeps in float32; norms by default) and puts
-    float32 masters under the optimizer (``setup.optimizer`` is a
-    :class:`~amped.recipes.MasterWeightOptimizer`); ``bf16-pure*`` lowers every weight
-    and replaces SGD/Adam/AdamW by its compensated twin (``setup.optimizer``). Always
-    step ``setup.optimizer``, through :meth:`TrainSetup.step`.
-
-    Args:
-        model: the model, on its device, in float32.
-        optimizer: a ``torch.optim`` optimizer built over ``model.parameters()``.
-        recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
-        policy: the autocast policy (an :class:`amped.Policy` or preset name).
-        scaler: a GradScaler to use instead of the recipe's default one.
-        base: FP8 recipes only: the recipe that keeps weights and optimizer state
-            (``bf16-mixed`` by default, ``bf16-master``, ``bf16-pure``, ``bf16-pure-sr``).
-        module_filter: FP8 recipes only: ``filter(linear, name) -> bool`` choosing the
-            ``nn.Linear`` layers to convert (default: :func:`amped.fp8.default_module_filter`).
-
-    Raises:
-        ValueError: an unknown recipe, a model on several device types, an optimizer
-            over other parameters, or a weight-changing recipe on a model that is
-            not float32.
-        TypeError: an optimizer the recipe cannot use (it says which, and why).
-
-    Example:
-        >>> import torch, amped
-        >>> model = torch.nn.Linear(4, 2)
-        >>> setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-        >>> with setup.autocast():
-        ...     loss = setup.model(torch.randn(3, 4)).float().pow(2).mean()
-        >>> setup.backward(loss)
-        >>> setup.step()
-        True
-    """
-    chosen = resolve_recipe(recipe)
-    if chosen.fp8 is None and (base is not None or module_filter is not None):
-        raise ValueError(
-            f"base and module_filter apply to the FP8 recipes only; {chosen.name!r} is not "
-            f"one. Received: base={base!r}, module_filter={module_filter!r}"
-        )
-    device_type = _device_type(model)
-    optimizer = _check_optimizer(model, optimizer)
-    if isinstance(policy, str):
-        policy = Policy.preset(policy, device_type)
-    if scaler is None:
-        scaler = GradScaler(device_type, enabled=chosen.loss_scaling)
-    if chosen.fp8 is not None:
-        return _BUILDERS["fp8"](
-            chosen, model, optimizer, scaler, device_type, policy, base, module_filter
-        )
-    if chosen.weights != "fp32":
-        _check_float32(model, chosen)
-    builder = _BUILDERS.get(chosen.weights)
-    if builder is not None:
-        return builder(chosen, model, optimizer, scaler, device_type, policy)
-    return TrainSetup(chosen, model, optimizer, scaler, device_type, policy)

@@ -17,12 +17,16 @@ user's rules, so a user rule on the same module wins.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from amped._internal.errors import value_error
+from amped._internal.torch_compat import BATCH_NORM_BASE
+from amped._internal.trees import map_tensors
 from amped.policy import ModuleRule, Policy
 
 __all__ = [
@@ -33,7 +37,9 @@ __all__ = [
     "lower_",
     "lower_model_",
     "norm_classes",
+    "require_float32",
     "restore_model_",
+    "ruled_modules",
     "with_norms_in_fp32",
 ]
 
@@ -41,11 +47,18 @@ __all__ = [
 # reductions (mean, variance) lose most in low precision, which is why Apex O2
 # ("keep_batchnorm_fp32"), Megatron and DeepSpeed keep them in float32.
 _TORCH_NORMS: tuple[type[torch.nn.Module], ...] = (
-    torch.nn.modules.batchnorm._NormBase,  # BatchNorm*, SyncBatchNorm, InstanceNorm*
+    BATCH_NORM_BASE,  # BatchNorm*, SyncBatchNorm, InstanceNorm*
     torch.nn.LayerNorm,
     torch.nn.GroupNorm,
-    *((torch.nn.RMSNorm,) if hasattr(torch.nn, "RMSNorm") else ()),
+    torch.nn.RMSNorm,
 )
+
+
+def require_float32(model: torch.nn.Module, why: str) -> None:
+    """Refuse a model with floating parameters not in float32; ``why`` starts the message."""
+    for name, param in model.named_parameters():
+        if param.is_floating_point() and param.dtype is not torch.float32:
+            raise value_error(f"{why}; pass the model in float32", f"{name}.dtype", param.dtype)
 
 
 def norm_classes(model: torch.nn.Module) -> list[type[torch.nn.Module]]:
@@ -81,17 +94,30 @@ def kept_in_fp32(model: torch.nn.Module, policy: Policy | None) -> set[str]:
     no rule of its own, when its parent does. Names are relative to ``model``, as the
     engine names them when ``model`` is the outermost module called in the region.
     """
+    return _ruled(model, policy, lambda rule: rule.precision in ("fp32", "skip"))
+
+
+def ruled_modules(model: torch.nn.Module, policy: Policy | None) -> set[str]:
+    """Qualified names of the modules a module rule of ``policy`` matches, and their children."""
+    return _ruled(model, policy, lambda rule: True)
+
+
+def _ruled(
+    model: torch.nn.Module, policy: Policy | None, counts: Callable[[ModuleRule], bool]
+) -> set[str]:
+    """Modules whose last matching rule ``counts``, and those with no rule of their own
+    whose parent is one, as the engine applies rules to submodules."""
     if policy is None or not policy.module_rules:
         return set()
-    kept: set[str] = set()
+    found: set[str] = set()
     for name, module in model.named_modules():
         rule = _last_match(policy, module, name)
         if rule is not None:
-            if rule.precision in ("fp32", "skip"):
-                kept.add(name)
-        elif name and _parent(name) in kept:
-            kept.add(name)
-    return kept
+            if counts(rule):
+                found.add(name)
+        elif name and _parent(name) in found:
+            found.add(name)
+    return found
 
 
 def _last_match(policy: Policy, module: torch.nn.Module, name: str) -> ModuleRule | None:
@@ -138,28 +164,18 @@ def lower_(
 
 
 def cast_inputs(model: torch.nn.Module, dtype: torch.dtype) -> RemovableHandle:
-    """Cast float32 tensors among ``model``'s call arguments (nested in lists, tuples and
-    dicts too) to ``dtype``, on every call. Returns the hook's handle."""
+    """Cast float32 tensors among ``model``'s call arguments (nested in lists, tuples,
+    namedtuples and dicts too) to ``dtype``, on every call. Returns the hook's handle."""
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if tensor.dtype is torch.float32 else tensor
 
     def hook(
         module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, Any]:
-        return _cast(args, dtype), _cast(kwargs, dtype)
+        return map_tensors(cast, args), map_tensors(cast, kwargs)
 
     return model.register_forward_pre_hook(hook, with_kwargs=True)
-
-
-def _cast(value: Any, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.dtype is torch.float32 else value
-    if isinstance(value, list):
-        return [_cast(v, dtype) for v in value]
-    if isinstance(value, tuple):
-        cast = [_cast(v, dtype) for v in value]
-        return type(value)(*cast) if hasattr(value, "_fields") else tuple(cast)
-    if isinstance(value, dict):
-        return {k: _cast(v, dtype) for k, v in value.items()}
-    return value
 
 
 def lower_model_(

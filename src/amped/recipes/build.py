@@ -1,0 +1,149 @@
+"""``amped.prepare``: turn a model and an optimizer into the training setup of a recipe."""
+
+from __future__ import annotations
+
+import torch
+
+from amped._internal.errors import type_error, value_error
+from amped._internal.torch_compat import dtensor_class
+from amped.fp8 import ModuleFilter
+from amped.policy import Policy
+from amped.recipes.fp8 import Fp8Plan
+from amped.recipes.o2 import build_master_setup
+from amped.recipes.pure import build_pure_setup
+from amped.recipes.registry import Recipe, resolve_recipe
+from amped.recipes.setup import TrainSetup
+from amped.recipes.weights import require_float32
+from amped.scaling import GradScaler
+
+__all__ = ["prepare"]
+
+
+def prepare(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    recipe: str | Recipe = "bf16-mixed",
+    *,
+    policy: Policy | str | None = None,
+    scaler: GradScaler | None = None,
+    base: str | Recipe | None = None,
+    module_filter: ModuleFilter | None = None,
+) -> TrainSetup:
+    """Turn ``model`` and ``optimizer`` into a :class:`TrainSetup` for ``recipe``.
+
+    The autocast recipes (``fp32``, ``bf16-mixed``, ``fp16-mixed``) leave model and
+    optimizer as they are. The others change them in place: ``*-master`` lowers the
+    weights (except modules the policy keeps in float32; norms by default) and puts
+    float32 masters under the optimizer (``setup.optimizer`` is a
+    :class:`~amped.recipes.MasterWeightOptimizer`); ``bf16-pure*`` lowers every weight
+    and replaces SGD/Adam/AdamW by its compensated twin (``setup.optimizer``). Always
+    step ``setup.optimizer``, through :meth:`TrainSetup.step`.
+
+    Args:
+        model: the model, on its device, in float32.
+        optimizer: a ``torch.optim`` optimizer built over ``model.parameters()``.
+        recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
+        policy: the autocast policy (an :class:`amped.Policy` or preset name).
+        scaler: a GradScaler to use instead of the recipe's default one.
+        base: FP8 recipes only: the recipe that keeps weights and optimizer state
+            (``bf16-mixed`` by default, ``bf16-master``, ``bf16-pure``, ``bf16-pure-sr``).
+        module_filter: FP8 recipes only: ``filter(linear, name) -> bool`` choosing the
+            ``nn.Linear`` layers to convert (default: :func:`amped.fp8.default_module_filter`).
+
+    Raises:
+        ValueError: an unknown recipe, a model on several device types, an optimizer
+            over other parameters, or a weight-changing recipe on a model that is
+            not float32.
+        TypeError: an optimizer the recipe cannot use (it says which, and why).
+
+    Example:
+        >>> import torch, amped
+        >>> model = torch.nn.Linear(4, 2)
+        >>> setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> with setup.autocast():
+        ...     loss = setup.model(torch.randn(3, 4)).float().pow(2).mean()
+        >>> setup.backward(loss)
+        >>> setup.step()
+        True
+    """
+    chosen = resolve_recipe(recipe)
+    if chosen.fp8 is None and (base is not None or module_filter is not None):
+        name, value = ("base", base) if base is not None else ("module_filter", module_filter)
+        raise value_error(
+            f"base and module_filter apply to the FP8 recipes only; {chosen.name!r} is not one",
+            name,
+            value,
+        )
+    device_type = _device_type(model)
+    optimizer = _check_optimizer(model, optimizer)
+    if isinstance(policy, str):
+        policy = Policy.preset(policy, device_type)
+    if scaler is None:
+        scaler = GradScaler(device_type, enabled=chosen.loss_scaling)
+    plain = TrainSetup(chosen, model, optimizer, scaler, device_type, policy)
+    if chosen.fp8 is None:
+        return _build(plain)
+    fp8 = Fp8Plan.check(plain, base, module_filter)  # before anything changes
+    return fp8.apply(_build(TrainSetup(fp8.base, model, optimizer, scaler, device_type, policy)))
+
+
+def _build(plain: TrainSetup) -> TrainSetup:
+    """The setup of ``plain.recipe``: ``plain`` itself for the autocast recipes."""
+    if plain.recipe.weights == "fp32":
+        return plain
+    _check_lowerable(plain.model, plain.recipe)
+    if plain.recipe.weights == "low-with-masters":
+        return build_master_setup(plain)
+    return build_pure_setup(plain)
+
+
+def _device_type(model: torch.nn.Module) -> str:
+    devices = {p.device.type for p in model.parameters()}
+    if len(devices) != 1:
+        raise value_error(
+            "prepare() needs a model whose parameters are all on one device type (and at "
+            "least one parameter); move it with model.to(device)",
+            "parameter device types",
+            sorted(devices),
+        )
+    return devices.pop()
+
+
+def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.Optimizer:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise type_error(
+            "prepare() takes a torch.optim.Optimizer over the model's parameters",
+            "optimizer",
+            optimizer,
+        )
+    model_params = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in model_params:
+                raise ValueError(
+                    "The optimizer holds a parameter that is not the model's; build the "
+                    "optimizer over model.parameters()."
+                )
+    return optimizer
+
+
+def _check_lowerable(model: torch.nn.Module, recipe: Recipe) -> None:
+    dtensor = dtensor_class()
+    for name, param in model.named_parameters():
+        if dtensor is not None and isinstance(param, dtensor):
+            # Lowering a DTensor changes its metadata, not FSDP2's float32 local shards.
+            raise value_error(
+                f"Recipe {recipe.name!r} lowers the model's weights, but its parameters are "
+                "DTensors (sharded by fully_shard, or tensor parallel); lowering one leaves "
+                "the float32 shards FSDP2 keeps. For master weights under FSDP2, pass mp_policy="
+                "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32) to "
+                "fully_shard (the float32 shards are the masters) and use a '-mixed' "
+                "recipe; see the README's 'Distributed' section",
+                f"type({name})",
+                type(param),
+            )
+    require_float32(
+        model,
+        f"Recipe {recipe.name!r} lowers a float32 model's weights itself (and keeps float32 "
+        "copies where it needs them)",
+    )

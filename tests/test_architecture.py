@@ -145,7 +145,9 @@ def _torch_aliases(tree: ast.Module) -> dict[str, str]:
                 if alias.name.split(".")[0] == "torch":
                     local = alias.asname or alias.name.split(".")[0]
                     aliases[local] = alias.name if alias.asname else local
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch":
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            if node.module.split(".")[0] != "torch":
+                continue
             for alias in node.names:
                 aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
     return aliases

@@ -29,8 +29,15 @@ Reported, with the issue's targets:
 * train-step ratio engine/torch on three models               target <= 1.02
 * compiled train-step ratio, engine vs compiled torch.autocast target <= 1.02
 
+On CUDA (``--device cuda``) models, data and regions are on the GPU, autocast's
+default dtype there is float16, and times are wall time between two
+``torch.cuda.synchronize()`` calls (the kernels are the work there, on another
+processor). ``--json PATH`` also writes the figures to a file (for
+``benchmarks/gpu_check.py``).
+
     python benchmarks/autocast_overhead.py [--repeats 15] [--models encoder,gpt2,cnn]
         [--compile-model encoder] [--compile-backend inductor] [--no-compile]
+        [--device cpu] [--json PATH] [--calls 2000]
 """
 
 from __future__ import annotations
@@ -41,17 +48,43 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from device_sync import synchronize
 
 import amped
+from amped._internal.jsonio import to_json
 from amped.autocast_mode import dispatch, engine_always, state
 from amped.autocast_mode.mode import AutocastMode
 
 SIDES = ("torch", "engine", "fast", "kernels", "amped")
 CHANGED = amped.Policy.preset("torch", "cpu").with_ops(lower=["cdist"])  # torch: fp32
+DEVICE = "cpu"
+CALLS = 2000  # calls (or regions) per timed sample
+
+
+def set_device(device: str) -> None:
+    """Run everything on ``device``: its regions, its policy, its models and data."""
+    global CHANGED, DEVICE
+    DEVICE = device
+    CHANGED = amped.Policy.preset("torch", device).with_ops(lower=["cdist"])
+
+
+def set_calls(calls: int) -> None:
+    """Set how many calls (or regions) one timed sample makes."""
+    global CALLS
+    CALLS = calls
+
+
+def clock() -> float:
+    """The thread's CPU time on the CPU; on CUDA wall time once queued kernels are done."""
+    if DEVICE == "cpu":
+        return time.thread_time()
+    synchronize(DEVICE)
+    return time.perf_counter()
 
 
 def prepare(side: str) -> None:
@@ -60,7 +93,7 @@ def prepare(side: str) -> None:
     dispatch.release_kernels()
     dispatch.route_all = side == "kernels"
     if side in ("fast", "kernels"):
-        with amped.autocast("cpu", policy=CHANGED):
+        with amped.autocast(DEVICE, policy=CHANGED):
             assert state._state.regions[-1].fast
     gc.collect()  # registering allocates: collect now, not inside the timed part
 
@@ -68,22 +101,22 @@ def prepare(side: str) -> None:
 @contextlib.contextmanager
 def amped_engine():
     """amped.autocast with the default policy, through amped's Python engine."""
-    with engine_always(), amped.autocast("cpu"):
+    with engine_always(), amped.autocast(DEVICE):
         yield
 
 
 def region(side: str) -> contextlib.AbstractContextManager:
     if side == "torch":
-        return torch.autocast("cpu")
+        return torch.autocast(DEVICE)
     if side in ("fast", "kernels"):
-        return amped.autocast("cpu", policy=CHANGED)
-    return amped_engine() if side == "engine" else amped.autocast("cpu")
+        return amped.autocast(DEVICE, policy=CHANGED)
+    return amped_engine() if side == "engine" else amped.autocast(DEVICE)
 
 
 def encoder(layers: int = 4) -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
     layer = nn.TransformerEncoderLayer(256, 8, 1024, dropout=0.1, batch_first=True)
-    model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).train()
-    x = torch.randn(8, 32, 256)
+    model = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False).train().to(DEVICE)
+    x = torch.randn(8, 32, 256, device=DEVICE)
     return model, lambda m: m(x).float().pow(2).mean()
 
 
@@ -99,8 +132,8 @@ def gpt2() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
         bos_token_id=0,
         eos_token_id=0,
     )
-    model = GPT2LMHeadModel(config).train()
-    ids = torch.randint(0, 1024, (4, 64))
+    model = GPT2LMHeadModel(config).train().to(DEVICE)
+    ids = torch.randint(0, 1024, (4, 64), device=DEVICE)
     return model, lambda m: m(input_ids=ids, labels=ids).loss
 
 
@@ -110,8 +143,8 @@ def cnn() -> tuple[nn.Module, Callable[[nn.Module], torch.Tensor]]:
         nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
         nn.Conv2d(64, 128, 3, padding=1), nn.BatchNorm2d(128), nn.ReLU(),
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, 10),
-    ).train()  # fmt: skip
-    x, y = torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,))
+    ).train().to(DEVICE)  # fmt: skip
+    x, y = torch.randn(32, 3, 32, 32, device=DEVICE), torch.randint(0, 10, (32,), device=DEVICE)
     return model, lambda m: F.cross_entropy(m(x), y)
 
 
@@ -143,23 +176,23 @@ def ratio(samples: dict[str, list[float]], side: str) -> float:
 
 def per_call(repeats: int) -> dict[str, float]:
     """Added microseconds per call, for the calls the engine sees."""
-    a, w = torch.randn(8, 8), torch.randn(8, 8, requires_grad=True)
+    a, w = torch.randn(8, 8, device=DEVICE), torch.randn(8, 8, device=DEVICE, requires_grad=True)
     kinds = {
         "listed op (F.linear)": lambda: F.linear(a, w),
         "untouched op (torch.add)": lambda: torch.add(a, a),
         "Python composite (F.softmax)": lambda: F.softmax(a, dim=-1),
     }
-    n = 2000
+    n = CALLS
     out = {}
     for label, call in kinds.items():
 
         def measure(side: str, call=call) -> float:
             with region(side):
                 call()  # the cast of w is cached from here on, in both regions
-                start = time.thread_time()
+                start = clock()
                 for _ in range(n):
                     call()
-                return (time.thread_time() - start) / n * 1e6
+                return (clock() - start) / n * 1e6
 
         samples = interleaved(measure, SIDES, repeats)
         t = statistics.median(samples["torch"])
@@ -173,22 +206,22 @@ def per_call(repeats: int) -> dict[str, float]:
 
 def per_region(repeats: int) -> dict[str, float]:
     """Added microseconds per enter+exit of a region with a non-default policy."""
-    n = 2000
+    n = CALLS
     make = {
-        "torch": lambda: torch.autocast("cpu"),
-        "engine": lambda: amped.autocast("cpu", policy=CHANGED),
-        "fast": lambda: amped.autocast("cpu", policy=CHANGED),
+        "torch": lambda: torch.autocast(DEVICE),
+        "engine": lambda: amped.autocast(DEVICE, policy=CHANGED),
+        "fast": lambda: amped.autocast(DEVICE, policy=CHANGED),
     }
 
     def measure(side: str) -> float:
         new = make[side]
         state.FAST_PATH = side != "engine"
-        start = time.thread_time()
+        start = clock()
         for _ in range(n):
             with new():
                 pass
         state.FAST_PATH = True
-        return (time.thread_time() - start) / n * 1e6
+        return (clock() - start) / n * 1e6
 
     samples = interleaved(measure, ("torch", "engine", "fast"), repeats)
     cost = {side: added(samples, side) for side in ("engine", "fast")}
@@ -219,13 +252,13 @@ def count_intercepted(model: nn.Module, run: Callable[[nn.Module], torch.Tensor]
 
 
 def step_time(model, run, opt, side: str) -> float:
-    start = time.thread_time()
+    start = clock()
     with region(side):
         loss = run(model)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return time.thread_time() - start
+    return clock() - start
 
 
 def train_step(name: str, repeats: int) -> dict[str, float]:
@@ -258,7 +291,9 @@ def compiled_step(name: str, backend: str, repeats: int) -> float:
         # cdist, which these models never call): the same computation as torch's.
         def forward_loss():
             with (
-                torch.autocast("cpu") if side == "torch" else amped.autocast("cpu", policy=CHANGED)
+                torch.autocast(DEVICE)
+                if side == "torch"
+                else amped.autocast(DEVICE, policy=CHANGED)
             ):
                 return run(model)
 
@@ -268,12 +303,12 @@ def compiled_step(name: str, backend: str, repeats: int) -> float:
     compiled = {side: make(side) for side in sides}
 
     def measure(side: str) -> float:
-        start = time.thread_time()
+        start = clock()
         loss = compiled[side]()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return time.thread_time() - start
+        return clock() - start
 
     for side in sides:  # compile, then warm up
         for _ in range(3):
@@ -294,9 +329,20 @@ def main() -> None:
     parser.add_argument("--compile-model", default="encoder", choices=list(MODELS))
     parser.add_argument("--compile-backend", default="inductor")
     parser.add_argument("--no-compile", action="store_true")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
+    parser.add_argument("--calls", type=int, default=CALLS, help="calls per timed sample")
     args = parser.parse_args()
+    set_device(args.device)
+    set_calls(args.calls)
     torch.set_num_threads(1)
-    print(f"torch {torch.__version__}, 1 thread, CPU bfloat16, thread CPU time, medians")
+    if DEVICE == "cpu":
+        print(f"torch {torch.__version__}, 1 thread, CPU bfloat16, thread CPU time, medians")
+    else:
+        print(
+            f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+            f"{torch.get_autocast_dtype(DEVICE)}, synchronized wall time, medians"
+        )
     print("per call (added to torch.autocast's time; target listed <= 5, untouched <= 0.5):")
     calls = per_call(max(5, args.repeats))
     print("per region (target <= 10):")
@@ -323,6 +369,11 @@ def main() -> None:
         )
     if compiled is not None:
         print(f"  compiled      {compiled:.3f} (target <= 1.02)")
+    if args.json:
+        figures = {"per_call_us": calls, "per_region_us": region_cost, "train_step_ratio": steps}
+        Path(args.json).write_text(
+            to_json({"device": DEVICE, **figures, "compiled_ratio": compiled})
+        )
 
 
 if __name__ == "__main__":

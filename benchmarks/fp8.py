@@ -20,11 +20,15 @@ tensorwise recipe, the closest one.
 
 **GPU** (only on a CUDA device of compute capability >= 8.9; skipped otherwise): a stack
 of large Linear layers (``--gpu-dim``, default 8192, ``--gpu-tokens`` 16384), each FP8
-recipe against bf16-mixed (target >= 1.3x) and against torchao's same recipe (<= 1.05).
-:func:`run_gpu` is importable for a one-call GPU script.
+recipe against bf16-mixed (target >= 1.3x) and against torchao's same recipe (<= 1.05;
+left out, with a line, where torchao does not import). :func:`run_gpu` is importable for
+a one-call GPU script; ``--json PATH`` also writes the figures to a file (for
+``benchmarks/gpu_check.py``).
 
 Usage: python benchmarks/fp8.py [--repeats 9] [--steps 3] [--dim 256] [--layers 2]
                                 [--tokens 512] [--threads N] [--gpu-only]
+                                [--gpu-dim 8192] [--gpu-layers 4] [--gpu-tokens 16384]
+                                [--gpu-repeats 7] [--gpu-steps 5] [--json PATH]
 """
 
 from __future__ import annotations
@@ -35,11 +39,13 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 
 import amped
+from amped._internal.jsonio import to_json
 from amped.fp8 import FP8_CONFIGS, convert_to_fp8
 
 TORCHAO_NAME = {
@@ -109,7 +115,16 @@ def ratio(times: dict[str, list[float]], a: str, b: str) -> float:
     return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
-def run_cpu(args: argparse.Namespace) -> None:
+def torchao_missing() -> str | None:
+    """Why torchao's float8 training cannot be imported here, or None if it can."""
+    try:
+        torchao_model(nn.Linear(16, 16), "tensorwise")
+    except Exception as error:  # an old or mismatched torchao fails in many ways
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def run_cpu(args: argparse.Namespace, figures: dict | None = None) -> None:
     base = stack(args.dim, args.layers)
     x = torch.randn(args.tokens, args.dim, dtype=torch.bfloat16)
     d, h = args.dim, 4 * args.dim
@@ -142,16 +157,32 @@ def run_cpu(args: argparse.Namespace) -> None:
                 ratio(times, "emulated", "torchao"),
             )
             print(f"{name:<18}{real:>27.3f}{emulated:>26.3f}{ms:>17.1f}")
+            if figures is not None:
+                figures[f"fp8-{scaling}"] = {
+                    "scaled_mm/torchao": real,
+                    "emulated/torchao": emulated,
+                    "torchao_ms_per_step": ms,
+                }
     print("* against torchao's tensorwise recipe (torchao has no delayed scaling)")
 
 
 def run_gpu(
-    dim: int = 8192, layers: int = 4, tokens: int = 16384, repeats: int = 7, steps: int = 5
+    dim: int = 8192,
+    layers: int = 4,
+    tokens: int = 16384,
+    repeats: int = 7,
+    steps: int = 5,
+    figures: dict | None = None,
 ) -> bool:
-    """FP8 recipes vs bf16-mixed and vs torchao on an FP8 GPU; False (and a line) if none."""
+    """FP8 recipes vs bf16-mixed and vs torchao on an FP8 GPU; False (and a line) if none.
+
+    ``figures``, if given, receives each recipe's speed-up and ratio by name."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
         print("GPU: skipped (no CUDA device with FP8 GEMMs, compute capability >= 8.9)")
         return False
+    no_torchao = torchao_missing()
+    if no_torchao is not None:
+        print(f"GPU: torchao left out ({no_torchao})")
     device = torch.device("cuda")
     base = stack(dim, layers).to(device)
     x = torch.randn(tokens, dim, device=device)
@@ -177,15 +208,19 @@ def run_gpu(
             else None
         )
         variants = {"amped": under_bf16(stepper(ours, x, update)), "bf16": bf16}
-        variants["torchao"] = under_bf16(
-            stepper(torchao_model(base, "tensorwise" if scaling == "delayed" else scaling), x)
-        )
+        if no_torchao is None:
+            variants["torchao"] = under_bf16(
+                stepper(torchao_model(base, "tensorwise" if scaling == "delayed" else scaling), x)
+            )
         times = interleaved(variants, repeats, steps, torch.cuda.synchronize)
         speedup = 1 / ratio(times, "amped", "bf16")
+        vs_torchao = ratio(times, "amped", "torchao") if no_torchao is None else None
         print(
             f"fp8-{scaling:<16} speed-up over bf16-mixed {speedup:.2f}x   "
-            f"amped/torchao {ratio(times, 'amped', 'torchao'):.3f}"
+            f"amped/torchao {'-' if vs_torchao is None else f'{vs_torchao:.3f}'}"
         )
+        if figures is not None:
+            figures[f"fp8-{scaling}"] = {"speedup/bf16": speedup, "amped/torchao": vs_torchao}
     return True
 
 
@@ -200,12 +235,26 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--gpu-only", action="store_true")
+    parser.add_argument("--gpu-dim", type=int, default=8192)
+    parser.add_argument("--gpu-layers", type=int, default=4)
+    parser.add_argument("--gpu-tokens", type=int, default=16384)
+    parser.add_argument("--gpu-repeats", type=int, default=7)
+    parser.add_argument("--gpu-steps", type=int, default=5)
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    cpu: dict = {}
     if not args.gpu_only:
-        run_cpu(args)
-    run_gpu()
+        run_cpu(args, cpu)
+    gpu: dict = {}
+    ran = run_gpu(
+        args.gpu_dim, args.gpu_layers, args.gpu_tokens, args.gpu_repeats, args.gpu_steps, gpu
+    )
+    if args.json:
+        Path(args.json).write_text(
+            to_json({"cpu": cpu, "gpu": gpu if ran else None, "gpu_ran": ran})
+        )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,13 @@ vocabulary), batch 4 x sequence 32, AdamW.
 The skipped casts' share, and with it what O2 can gain, grows as the matmuls shrink:
 ``--batch`` and ``--seq`` change the input (the issue's figures are at 4 x 32).
 
+On CUDA (``--device cuda``) the models, data and autocast are on the GPU and each timed
+step ends with ``torch.cuda.synchronize()``. ``--json PATH`` also writes the figures to
+a file (for ``benchmarks/gpu_check.py``); ``--models`` picks models by their key.
+
 Usage: python benchmarks/recipes.py [--repeats 10] [--warmup 2] [--threads N]
-                                    [--batch 4] [--seq 32]
+                                    [--batch 4] [--seq 32] [--models encoder,gpt2]
+                                    [--device cpu] [--json PATH]
 """
 
 from __future__ import annotations
@@ -36,15 +41,19 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn as nn
+from device_sync import synchronize
 
 import amped
+from amped._internal.jsonio import to_json
 
 BATCH, SEQ = 4, 32
 MEMORY_RECIPES = ("fp32", "bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
 TIMED = ("amped bf16-mixed", "bf16-master", "bf16-pure")
+DEVICE = "cpu"
 
 Loss = Callable[[nn.Module], torch.Tensor]
 
@@ -55,11 +64,17 @@ def set_input(batch: int, seq: int) -> None:
     BATCH, SEQ = batch, seq
 
 
+def set_device(device: str) -> None:
+    """Set the device the model factories build their models and data on."""
+    global DEVICE
+    DEVICE = device
+
+
 def encoder() -> tuple[nn.Module, Loss]:
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(256, 4, dim_feedforward=1024, batch_first=True)
-    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
-    x = torch.randn(BATCH, SEQ, 256, generator=torch.Generator().manual_seed(1))
+    model = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False).to(DEVICE)
+    x = torch.randn(BATCH, SEQ, 256, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     return model, lambda m: m(x).float().pow(2).mean()
 
 
@@ -78,10 +93,12 @@ def gpt2() -> tuple[nn.Module, Loss]:
         attn_implementation="sdpa",
     )
     ids = torch.randint(0, 2048, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    return GPT2LMHeadModel(config), lambda m: m(input_ids=ids, labels=ids).loss
+    ids = ids.to(DEVICE)
+    return GPT2LMHeadModel(config).to(DEVICE), lambda m: m(input_ids=ids, labels=ids).loss
 
 
 MODELS = {"TransformerEncoder d=256 x4": encoder, "GPT-2 tiny d=256 x4": gpt2}
+KEYS = {"encoder": "TransformerEncoder d=256 x4", "gpt2": "GPT-2 tiny d=256 x4"}
 
 
 class TorchO1:
@@ -92,7 +109,7 @@ class TorchO1:
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(self) -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = self.loss(self.model)
         loss.backward()
         self.optimizer.step()
@@ -128,8 +145,10 @@ def memory_rows(make: Callable[[], tuple[nn.Module, Loss]]) -> dict[str, tuple[f
 
 
 def timed(step: Callable[[], None]) -> float:
+    synchronize(DEVICE)
     start = time.perf_counter()
     step()
+    synchronize(DEVICE)
     return time.perf_counter() - start
 
 
@@ -181,17 +200,26 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--batch", type=int, default=BATCH)
     parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--models", default=",".join(KEYS), help="keys: encoder, gpt2")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--json", default=None, help="also write the figures to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     set_input(args.batch, args.seq)
+    set_device(args.device)
     print(f"torch {torch.__version__}, {args.threads} threads, batch {BATCH} x seq {SEQ}, AdamW")
-    for label, make in MODELS.items():
+    if DEVICE != "cpu":
+        print(f"device: {torch.cuda.get_device_name()}, steps timed to torch.cuda.synchronize()")
+    figures = {}
+    for label, make in ((KEYS[key], MODELS[KEYS[key]]) for key in args.models.split(",")):
         print(f"\n{label}")
         print("  bytes/param, AdamW        between steps   in the step")
-        for recipe, (total, peak) in memory_rows(make).items():
+        memory = memory_rows(make)
+        for recipe, (total, peak) in memory.items():
             print(f"  {recipe:<24} {total:14.2f} {peak:13.2f}")
         print("  (torch O1 = bf16-mixed, plus a bf16 copy of each weight during the forward)")
         base, ratios = time_ratios(make, args.repeats, args.warmup)
+        figures[label] = {"bytes_per_param": memory, "o1_step_s": base, "ratios": dict(ratios)}
         casts = ratios.pop("casts")
         print(f"  step time torch O1 (median)  {base * 1e3:8.1f} ms")
         for name, ratio in ratios.items():
@@ -199,6 +227,10 @@ def main() -> None:
         print(
             f"  weight casts in the O1 step: {casts:.1%} of it; the best ratio that "
             f"skipping them can give: {1 - casts:.3f}"
+        )
+    if args.json:
+        Path(args.json).write_text(
+            to_json({"device": DEVICE, "batch": BATCH, "seq": SEQ, "models": figures})
         )
 
 

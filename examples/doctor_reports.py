@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from amped.cli import save_doctor_html, save_doctor_plot
 from amped.doctor import Report, diagnose
 
 
@@ -136,8 +137,8 @@ def _gpt2_report() -> Report:
 
 
 def _save(report: Report, stem: Path) -> None:
-    report.save_html(stem.with_suffix(".html"))
-    report.save_plot(stem.with_suffix(".png"))
+    save_doctor_html(report, stem.with_suffix(".html"))
+    save_doctor_plot(report, stem.with_suffix(".png"))
     stem.with_suffix(".json").write_text(report.to_json())
     print(f"{stem.name}:\n{report.summary()}\n")
 

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from amped.cli.schema import validate
+from results_schema import validate
 
 ROOT = Path(__file__).resolve().parent.parent
 FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"

@@ -21,8 +21,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import amped
 import amped.scaling.distributed as scaling_distributed
+from amped._internal.torch_compat import tensor_use_count
 from amped.scaling import load_checkpoint, save_checkpoint
-from amped.scaling.distributed import check_scaler_agreement, gather_objects, references
+from amped.scaling.distributed import check_scaler_agreement, gather_objects
 from dist_models import (
     global_batch,
     local_rows,
@@ -249,7 +250,7 @@ def gathered(rank: int, options: Options) -> dict[str, Any]:
         deadline_s: float = scaling_distributed.RELEASE_DEADLINE_S,
     ) -> bool:
         def back() -> bool:
-            return all(references(t) == n for t, n in zip(tensors, counts, strict=True))
+            return all(tensor_use_count(t) == n for t, n in zip(tensors, counts, strict=True))
 
         released = original(tensors, counts, deadline_s)
         waits.append({"released": released, "back": back()})

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from amped.scaling import GrowthFactors, ScaleState, ScaleStrategy
+
 # Soak test: SGD on a least-squares problem with a known optimum, learning rate decayed
 # to zero. The poisoned run skips ~5% of its 1000 steps (and its scheduler skips with
 # it), so it ends on the same optimum a little less settled. Stated bound: the two
@@ -112,3 +114,16 @@ def count_host_syncs() -> Iterator[list[str]]:
     finally:
         for name, original in originals.items():
             setattr(torch.Tensor, name, original)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackoffOnly(ScaleStrategy):
+    """A strategy of a user's own: halve on every overflow, never grow, count overflows."""
+
+    def counters(self) -> dict[str, int]:
+        return {"overflows": 0}
+
+    def update(self, state: ScaleState, found_inf: torch.Tensor, factors: GrowthFactors) -> None:
+        overflow = found_inf > 0
+        state.counters["overflows"].add_(overflow.int())
+        state.scale.mul_(torch.where(overflow, 0.5, 1.0))

@@ -16,7 +16,8 @@ import torch.nn.functional as F
 
 import amped
 from amped.autocast_mode import dispatch, state
-from amped.policy import Cast, torch_default_rules
+from amped.policy import Cast
+from amped.policy.ops import torch_default_rules
 from test_autocast_op_lists import LOW_DTYPES, _assert_same, _cpu_cases, _run, _variants
 
 _TORCH = amped.Policy.preset("torch", "cpu")

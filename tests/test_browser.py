@@ -23,6 +23,7 @@ import torch
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 
+from amped.cli import save_doctor_html
 from amped.cli.main import main
 from amped.doctor import diagnose
 
@@ -122,7 +123,7 @@ def test_doctor_report_renders_readable_and_whole(tmp_path):
 
     model, x, _, _ = doctor_models.norm_variance_overflow()
     report = diagnose(model, x, lambda out: out.float().mean(), dtype=torch.float16)
-    page = report.save_html(tmp_path / "doctor.html")
+    page = save_doctor_html(report, tmp_path / "doctor.html")
     dom, probe, shot = _render(page, tmp_path, 2400)
     _check_layout(probe)
     _check_picture(shot, 2400)

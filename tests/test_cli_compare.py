@@ -17,14 +17,14 @@ pytest.importorskip("matplotlib")
 from rich.console import Console
 
 from amped.cli.compare import run_comparison
+from amped.cli.compare_report import render_html
 from amped.cli.factory import load_factory
 from amped.cli.progress import LineProgress, RichProgress
-from amped.cli.report import render_html
 from amped.cli.results import to_dict
 from amped.cli.run import CompareConfig
-from amped.cli.schema import validate
 from amped.cli.summary import findings, rows
 from amped.recipes import resolve_recipe
+from results_schema import validate
 
 FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"
 

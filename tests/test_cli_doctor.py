@@ -1,5 +1,9 @@
-"""``amped doctor`` end to end: the built-in task is healthy, a broken factory is named,
-and bad input gets a one-line error with exit code 2."""
+"""``amped doctor``: the built-in task is healthy, a broken factory is named, and bad
+input gets a one-line error with exit code 2.
+
+In process (fast): main() is called with argv and its output read. One test runs the
+installed entry point in a subprocess to show the same holds end to end.
+"""
 
 from __future__ import annotations
 
@@ -14,26 +18,32 @@ from pathlib import Path
 import pytest
 import torch
 
+from amped.cli.main import main
+
 pytest.importorskip("rich")
+pytest.importorskip("matplotlib")
 TESTS = Path(__file__).resolve().parent
 
 
-def _doctor(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path}
-    return subprocess.run(
-        [sys.executable, "-m", "amped", "doctor", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-        env=env,
-    )
+def _doctor(capsys, tmp_path: Path, *args: str) -> tuple[int, str, str]:
+    """``amped doctor`` in process, its report in ``tmp_path/rep``: (exit code, out, err)."""
+    code = main(["doctor", "--out", str(tmp_path / "rep"), *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _report(tmp_path: Path) -> dict:
+    return json.loads((tmp_path / "rep" / "doctor.json").read_text())
 
 
 @pytest.mark.slow
 def test_doctor_on_the_builtin_task_is_healthy(tmp_path):
-    result = _doctor("--out", "rep", "--json", cwd=tmp_path)
+    path = os.pathsep.join(p for p in (str(TESTS), os.environ.get("PYTHONPATH")) if p)
+    result = subprocess.run(
+        [sys.executable, "-m", "amped", "doctor", "--out", "rep", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["healthy"] is True and data["dtype"] == "float16"
@@ -41,11 +51,11 @@ def test_doctor_on_the_builtin_task_is_healthy(tmp_path):
     assert json.loads((tmp_path / "rep" / "doctor.json").read_text()) == data
 
 
-def test_doctor_names_the_culprit_of_a_user_factory(tmp_path):
-    result = _doctor("--model", "doctor_factories:exp_overflow", "--out", "rep", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "first non-finite value, forward: exp in head" in " ".join(result.stdout.split())
-    data = json.loads((tmp_path / "rep" / "doctor.json").read_text())
+def test_doctor_names_the_culprit_of_a_user_factory(capsys, tmp_path):
+    code, out, err = _doctor(capsys, tmp_path, "--model", "doctor_factories:exp_overflow")
+    assert code == 0, err
+    assert "first non-finite value, forward: exp in head" in " ".join(out.split())
+    data = _report(tmp_path)
     assert data["forward_culprit"]["op"] == "exp" and data["suggestion"]["verified"]
 
 
@@ -59,14 +69,31 @@ def test_doctor_names_the_culprit_of_a_user_factory(tmp_path):
         ),
         (["--loss-scale", "0"], "--loss-scale must be > 0"),
         (["--device", "tpu"], "--device"),
+        (["--batch-size", "0"], "argument --batch-size: expected a positive integer, got '0'"),
+        (["--batch-size", "two"], "argument --batch-size: expected a positive integer"),
+        (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
     ],
-    ids=["bad-model", "bad-dtype", "bad-scale", "bad-device"],
-)
-def test_bad_input_exits_2_with_one_line(tmp_path, args, message):
-    result = _doctor(*args, cwd=tmp_path)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
+    ids=["bad-model", "bad-dtype", "bad-scale", "bad-device", "zero-batch", "word-batch",
+         "bad-seed"],
+)  # fmt: skip
+def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, message):
+    code, out, err = _doctor(capsys, tmp_path, *args)
+    assert code == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("amped: error:") and message in lines[0]
+    assert out == "" and not (tmp_path / "rep").exists()  # refused before anything ran
+
+
+@pytest.mark.parametrize("command", ["compare", "doctor"])
+@pytest.mark.parametrize("flag", ["--batch-size", "--seed"])
+def test_both_commands_refuse_the_same_values_with_the_same_message(capsys, flag, command):
+    value = "0" if flag == "--batch-size" else "1.5"
+    assert main([command, flag, value]) == 2
+    message = capsys.readouterr().err.strip().partition("(see")[0]
+    assert message.startswith(f"amped: error: argument {flag}: ")
+    other = "doctor" if command == "compare" else "compare"
+    assert main([other, flag, value]) == 2
+    assert capsys.readouterr().err.strip().partition("(see")[0] == message
 
 
 @pytest.mark.parametrize(
@@ -80,32 +107,32 @@ def test_dtype_takes_torch_names_and_short_aliases(spelling, dtype):
     assert parse_low_dtype(spelling) is dtype
 
 
-def test_doctor_runs_bfloat16_spelled_as_torch_spells_it(tmp_path):
-    args = ("--model", "doctor_factories:exp_overflow", "--out", "rep", "--json")
-    result = _doctor(*args, "--dtype", "bfloat16", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout)["dtype"] == "bfloat16"
+def test_doctor_runs_bfloat16_spelled_as_torch_spells_it(capsys, tmp_path):
+    args = ("--model", "doctor_factories:exp_overflow", "--json", "--dtype", "bfloat16")
+    code, out, err = _doctor(capsys, tmp_path, *args)
+    assert code == 0, err
+    assert json.loads(out)["dtype"] == "bfloat16"
+    assert json.loads(out) == _report(tmp_path)
 
 
-def test_bfloat16_summary_has_no_loss_scale_lines(tmp_path):
-    args = ("--model", "doctor_factories:exp_overflow", "--out", "rep", "--dtype", "bf16")
-    result = _doctor(*args, cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "loss scale" not in result.stdout  # bfloat16 has float32's range: nothing to scale
-    float16 = _doctor("--model", "doctor_factories:exp_overflow", "--out", "rep", cwd=tmp_path)
-    assert "loss scale 65536" in float16.stdout  # the control: float16 reports its scale
+def test_bfloat16_summary_has_no_loss_scale_lines(capsys, tmp_path):
+    args = ("--model", "doctor_factories:exp_overflow")
+    code, out, err = _doctor(capsys, tmp_path, *args, "--dtype", "bf16")
+    assert code == 0, err
+    assert "loss scale" not in out  # bfloat16 has float32's range: nothing to scale
+    _, float16, _ = _doctor(capsys, tmp_path, *args)
+    assert "loss scale 65536" in float16  # the control: float16 reports its scale
 
 
-def test_an_unfixed_nonfinite_value_exits_3_like_a_linter(tmp_path):
-    result = _doctor("--model", "doctor_factories:two_overflows", "--out", "rep", cwd=tmp_path)
-    assert result.returncode == 3, result.stderr
-    assert "no verified fix: exit status 3" in result.stderr
-    data = json.loads((tmp_path / "rep" / "doctor.json").read_text())
+def test_an_unfixed_nonfinite_value_exits_3_like_a_linter(capsys, tmp_path):
+    code, _, err = _doctor(capsys, tmp_path, "--model", "doctor_factories:two_overflows")
+    assert code == 3, err
+    assert "no verified fix: exit status 3" in err
+    data = _report(tmp_path)
     assert data["forward_culprit"] is not None and not data["suggestion"]["verified"]
 
 
 def test_doctor_table_fits_80_columns_with_one_line_per_op():
-
     from rich.console import Console
 
     import doctor_factories
@@ -129,7 +156,6 @@ def test_doctor_table_fits_80_columns_with_one_line_per_op():
 
 def test_version_prints_amped_and_torch():
     from amped import __version__
-    from amped.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -138,15 +164,16 @@ def test_version_prints_amped_and_torch():
         f"{sys.version.split()[0]})\n"  # fmt: skip
 
 
-def test_missing_extra_names_the_command_that_needs_it(tmp_path):
-    code = (
-        "import sys; sys.modules['matplotlib'] = None\n"
-        "from amped.cli.main import main\n"
-        "sys.exit(main(['doctor']))"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=tmp_path, timeout=120)  # fmt: skip
-    assert result.returncode == 1
+def test_missing_extra_names_the_command_that_needs_it(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
+    assert main(["doctor"]) == 1
     assert "amped doctor needs the optional 'cli' dependencies (matplotlib missing)" in (
-        result.stderr
+        capsys.readouterr().err
     )
+
+
+def test_cli_exports_the_task_and_the_doctor_page():
+    import amped.cli
+
+    assert set(amped.cli.__all__) == {"Task", "save_doctor_html", "save_doctor_plot"}
+    assert all(hasattr(amped.cli, name) for name in amped.cli.__all__)

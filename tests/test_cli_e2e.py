@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from amped.cli.main import main
-from amped.cli.schema import validate
 from amped.recipes import RECIPES
+from results_schema import validate
 
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from amped.cli import files
+from amped._internal import files
 from amped.cli.main import main
-from amped.cli.schema import validate
 from cli_fault_helpers import (
     ENV,
     FACTORIES,
@@ -36,6 +35,7 @@ from cli_fault_helpers import (
     one_line,
     pair_state,
 )
+from results_schema import validate
 
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")

@@ -131,17 +131,17 @@ def test_sigterm_and_sigint_at_random_moments(tmp_path):
 def test_a_signal_while_the_report_renders_still_writes_it(capsys, tmp_path, monkeypatch, signum):
     """In process: Ctrl-C or SIGTERM arrives while report.html renders; the pair is
     still written, and the exit code is 130 or 143."""
-    from amped.cli import report
+    from amped.cli import compare_report
 
     out = tmp_path / "out"
     old_pair(out)
-    render = report.render_html
+    render = compare_report.render_html
 
     def render_then_signal(results):
         os.kill(os.getpid(), signum)
         return render(results)
 
-    monkeypatch.setattr(report, "render_html", render_then_signal)
+    monkeypatch.setattr(compare_report, "render_html", render_then_signal)
     code = main(["compare", *TINY, "--recipes", "fp32", "--steps", "2", "--out", str(out)])
     err = capsys.readouterr().err
     assert code == 128 + signum, err

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 import amped
+from amped._internal.torch_compat import tensor_use_count
 from amped.scaling.checks import ScalerOrderError
 from amped.scaling.distributed import (
     agreement_groups,
     check_scaler_agreement,
     gather_objects,
-    references,
     wait_until_released,
 )
 from dist_launch import one_rank_group
@@ -155,18 +155,18 @@ def test_gather_objects_returns_each_rank_s_object(world_of_one, obj):
     assert gather_objects(obj, world_of_one) == [obj]
 
 
-def test_references_count_the_python_object_and_what_c_plus_plus_holds():
+def test_use_count_counts_the_python_object_and_what_c_plus_plus_holds():
     tensor = torch.zeros(3, requires_grad=True)
-    assert references(tensor) == 1  # the Python object alone
+    assert tensor_use_count(tensor) == 1  # the Python object alone
     graph = tensor * tensor  # autograd saves `tensor` for the backward
-    assert references(tensor) > 1
+    assert tensor_use_count(tensor) > 1
     del graph
-    assert references(tensor) == 1
+    assert tensor_use_count(tensor) == 1
 
 
 def test_wait_until_released_waits_for_another_thread_to_let_go():
     tensor = torch.zeros(3, requires_grad=True)
-    counts = [references(tensor)]
+    counts = [tensor_use_count(tensor)]
     holder = {"graph": tensor * tensor}
     released_at: list[float] = []
 
@@ -180,12 +180,12 @@ def test_wait_until_released_waits_for_another_thread_to_let_go():
     assert wait_until_released([tensor], counts)
     returned_at = time.monotonic()
     thread.join()
-    assert references(tensor) == counts[0] and returned_at >= released_at[0]
+    assert tensor_use_count(tensor) == counts[0] and returned_at >= released_at[0]
 
 
 def test_wait_until_released_gives_up_at_the_deadline():
     tensor = torch.zeros(3, requires_grad=True)
-    counts = [references(tensor)]
+    counts = [tensor_use_count(tensor)]
     graph = tensor * tensor
     assert not wait_until_released([tensor], counts, deadline_s=0.01)
     del graph

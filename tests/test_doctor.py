@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,7 +13,8 @@ import torch.nn as nn
 
 import amped
 import doctor_models
-from amped.doctor import check_gradient, diagnose, recommended_scale
+from amped.doctor import diagnose
+from amped.doctor.gradients import check_gradient, recommended_scale
 
 FP16, BF16 = torch.float16, torch.bfloat16
 
@@ -131,6 +135,8 @@ def test_bad_input_gets_clear_errors():
 
 def test_json_and_html_outputs(tmp_path):
     pytest.importorskip("matplotlib")
+    from amped.cli import save_doctor_html
+
     model, x, module, op = doctor_models.exp_overflow()
     report = diagnose(model, x, _mean_loss, dtype=FP16)
     data = json.loads(report.to_json())
@@ -138,7 +144,7 @@ def test_json_and_html_outputs(tmp_path):
     assert (data["forward_culprit"]["module"], data["forward_culprit"]["op"]) == (module, op)
     assert data["suggestion"]["verified"] is True
     assert {"module", "op", "amax", "n_inf", "underflow", "sqnr_db"} <= set(data["ops"][0])
-    page = report.save_html(tmp_path / "doctor.html").read_text()
+    page = save_doctor_html(report, tmp_path / "doctor.html").read_text()
     assert "data:image/png;base64," in page and "head" in page
     assert "first non-finite value" in report.summary()
 
@@ -150,3 +156,40 @@ def test_module_by_type_root_model_is_named_root():
     report = diagnose(lin, torch.randn(2, 4) * 10, _mean_loss, dtype=FP16)
     assert report.forward_culprit is not None and report.forward_culprit.module == ""
     assert report.suggestion is not None and report.suggestion.verified
+
+
+_IMPORT_AND_RENDER = """
+import sys, torch
+state = lambda: (torch.get_default_dtype(), torch.get_num_threads(), torch.is_grad_enabled(),
+                 torch.are_deterministic_algorithms_enabled(), torch.get_float32_matmul_precision())
+before = state()
+import amped.doctor
+assert "matplotlib" not in sys.modules, "importing amped.doctor imported matplotlib"
+assert state() == before, (before, state())
+import matplotlib
+from amped.cli import doctor_report
+model = torch.nn.Linear(4, 4)
+report = amped.doctor.diagnose(model, torch.randn(2, 4), lambda y: y.float().mean())
+assert doctor_report.doctor_plot_png(report).startswith(bytes([0x89]) + b"PNG")
+assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
+assert "matplotlib.pyplot" not in sys.modules
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_import_and_plot_leave_matplotlib_and_torch_settings_alone():
+    """Importing the doctor loads no matplotlib and changes no torch setting; drawing its
+    plot keeps the user's matplotlib backend (no ``matplotlib.use``, no pyplot)."""
+    pytest.importorskip("matplotlib")
+    env = {**os.environ, "MPLBACKEND": "svg"}
+    result = subprocess.run([sys.executable, "-c", _IMPORT_AND_RENDER], capture_output=True,
+                            text=True, timeout=300, env=env)  # fmt: skip
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_exports_are_the_checks_their_reports_and_fixes():
+    assert set(amped.doctor.__all__) == {
+        "Fp8Report", "Fp8Suggestion", "Report", "Suggestion", "diagnose", "diagnose_fp8",
+    }  # fmt: skip
+    assert all(hasattr(amped.doctor, name) for name in amped.doctor.__all__)

@@ -1,4 +1,4 @@
-"""The seed tutorial's autocast examples, rewritten with amped, print what the seed shows."""
+"""The tutorial's autocast examples, rewritten with amped, print what the tutorial shows."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
-def test_seed_autocast_example_prints_what_the_seed_shows():
+def test_tutorial_autocast_example_prints_what_the_tutorial_shows():
     out = subprocess.run(
-        [sys.executable, str(EXAMPLES / "seed_autocast.py")],
+        [sys.executable, str(EXAMPLES / "tutorial_autocast.py")],
         capture_output=True,
         text=True,
         check=True,
@@ -70,8 +70,8 @@ def _cli_only_venv(root: Path) -> Path:
 
 
 COMMANDS = {
-    "seed_autocast.py": [],
-    "seed_gradscaler.py": [],
+    "tutorial_autocast.py": [],
+    "tutorial_gradscaler.py": [],
     "compare_factory.py": ["--recipes", "fp32,bf16", "--steps", "3", "--max-time", "0",
                            "--peak-memory", "in-process", "--no-progress", "--out", "{out}"],
     "doctor_reports.py": [],

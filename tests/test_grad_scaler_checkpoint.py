@@ -16,7 +16,16 @@ import pytest
 import torch
 
 import amped
-from amped.scaling import CheckpointError, load_checkpoint, save_checkpoint
+from amped.scaling import (
+    Bounded,
+    CheckpointError,
+    DynamicScale,
+    Hysteresis,
+    StaticScale,
+    load_checkpoint,
+    save_checkpoint,
+)
+from scaler_helpers import BackoffOnly
 
 TESTS = Path(__file__).parent
 WORKER = TESTS / "scaler_train_worker.py"
@@ -53,6 +62,8 @@ EXTRAS = {
     "default": {},
     "hysteresis": dict(hysteresis=3),
     "bounds-history": dict(min_scale=2.0, max_scale=64.0, record_history=True),
+    "strategy": dict(strategy=Bounded(Hysteresis(DynamicScale(), 3), min_scale=2.0)),
+    "strategy-static": dict(strategy=StaticScale()),
 }
 
 
@@ -71,6 +82,47 @@ def test_round_trip_mid_run_continues_identically(extras, how: str) -> None:
         second.load_state_dict(through_bytes(first.state_dict()))
     assert second.strategy == first.strategy
     assert head + loop.run(second, FLAGS[5:]) == whole
+
+
+# Strategies no keyword arguments describe: state_dict cannot rebuild them, so the
+# loading scaler must be built with the same one.
+UNDESCRIBED = {
+    "own-class": BackoffOnly(),
+    "inside-out": Hysteresis(Bounded(DynamicScale(), max_scale=64.0), 2),
+}
+
+
+@pytest.mark.parametrize("strategy", UNDESCRIBED.values(), ids=UNDESCRIBED.keys())
+@pytest.mark.parametrize("how", ["state_dict", "pickle"])
+def test_round_trip_of_a_strategy_no_keywords_describe(strategy, how: str) -> None:
+    args = dict(init_scale=8.0, growth_interval=2, strategy=strategy)
+    whole = Loop().run(amped.GradScaler("cpu", **args), FLAGS)
+    loop = Loop()
+    first = amped.GradScaler("cpu", **args)
+    head = loop.run(first, FLAGS[:5])
+    if how == "pickle":
+        second = pickle.loads(pickle.dumps(first))
+    else:
+        state = through_bytes(first.state_dict())
+        assert state["amped"]["strategy"] is None
+        second = amped.GradScaler("cpu", strategy=strategy)
+        second.load_state_dict(state)
+    assert second.strategy == strategy
+    assert head + loop.run(second, FLAGS[5:]) == whole
+
+
+def test_undescribed_strategy_needs_the_same_kind_of_scaler() -> None:
+    source = amped.GradScaler("cpu", strategy=BackoffOnly())
+    Loop().run(source, FLAGS[:3])
+    target = amped.GradScaler("cpu", hysteresis=2)
+    before = target.state_dict()
+    with pytest.raises(ValueError, match="strategy of your own"):
+        target.load_state_dict(source.state_dict())
+    assert target.state_dict() == before
+    with pytest.raises(ValueError, match="holds counters"):  # another strategy of one's own
+        amped.GradScaler("cpu", strategy=UNDESCRIBED["inside-out"]).load_state_dict(
+            source.state_dict()
+        )
 
 
 def test_pickle_keeps_history_and_skip_flag() -> None:
@@ -120,6 +172,12 @@ def test_amped_checkpoint_brings_its_strategy() -> None:
     target = amped.GradScaler("cpu")
     target.load_state_dict(source.state_dict())
     assert target.strategy == source.strategy
+    # A strategy passed as an object is saved as the keywords that compose it.
+    same = amped.GradScaler("cpu", strategy=Bounded(Hysteresis(DynamicScale(), 4), None, 2.0**20))
+    assert same.state_dict() == source.state_dict()
+    assert amped.GradScaler("cpu", strategy=DynamicScale()).state_dict() == (
+        amped.GradScaler("cpu").state_dict()
+    )
 
 
 def test_loading_after_scale_refills_in_place() -> None:

@@ -4,6 +4,7 @@ identical, bit for bit."""
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import amped
+from amped.scaling import DynamicScale
 from scaler_helpers import (
     Trace,
     batch,
@@ -31,7 +33,12 @@ POISON_AT[100] = "grad_inf"
 SCALER_ARGS = dict(init_scale=2.0**120, growth_interval=3)
 ROUND_TRIP_AT = 60
 
-SCALERS = {"torch": torch.amp.GradScaler, "amped": amped.GradScaler}
+SCALERS = {
+    "torch": torch.amp.GradScaler,
+    "amped": amped.GradScaler,
+    # The default strategy passed as an object: still torch's run, bit for bit.
+    "amped-strategy": functools.partial(amped.GradScaler, strategy=DynamicScale()),
+}
 
 
 def through_bytes(state: dict[str, Any]) -> dict[str, Any]:
@@ -113,6 +120,12 @@ def test_same_scales_skips_and_params_as_torch(optimizer: str, variant: str) -> 
     assert backoffs > len(POISON_AT) and growths > 5
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adam_fused"])
+def test_default_strategy_object_is_torch_bitwise(optimizer: str) -> None:
+    ours = train("amped-strategy", optimizer=optimizer, variant="clip")
+    assert_same_run(ours, train("torch", optimizer=optimizer, variant="clip"))
+
+
 def test_two_optimizers_skip_separately() -> None:
     """A gradient poisoned in the first optimizer's parameters skips only that one."""
     trace = train("amped", optimizer="adam+two")
@@ -122,8 +135,8 @@ def test_two_optimizers_skip_separately() -> None:
 
 @pytest.mark.parametrize(
     ("first", "then"),
-    [("amped", "amped"), ("torch", "amped"), ("amped", "torch")],
-    ids=["amped-to-amped", "torch-to-amped", "amped-to-torch"],
+    [("amped", "amped"), ("torch", "amped"), ("amped", "torch"), ("amped-strategy", "torch")],
+    ids=["amped-to-amped", "torch-to-amped", "amped-to-torch", "strategy-to-torch"],
 )
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_state_dict_round_trip_mid_training_continues_bitwise(

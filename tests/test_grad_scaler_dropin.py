@@ -26,16 +26,12 @@ EXPECTED_SCALING_EXPORTS = {
     "GradScaler",
     "GrowthFactors",
     "Hysteresis",
-    "OptState",
     "ScaleRecord",
     "ScaleState",
     "ScaleStrategy",
     "StaticScale",
-    "StrategyConfig",
     "load_checkpoint",
-    "make_strategy",
     "save_checkpoint",
-    "SCALE_FLOOR",
 }
 # What the scaling layer adds to amped's top-level __all__.
 EXPECTED_TOP_LEVEL_FROM_SCALING = {"GradScaler", "ScaleRecord"}

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import amped
+from amped.scaling import Bounded, DynamicScale, Hysteresis, StaticScale
 
 BAD_VALUES = {
     "init_scale-zero": (dict(init_scale=0.0), "init_scale=0.0 (of type float)"),
@@ -81,6 +82,45 @@ def test_bad_setter_value(setter: str, value, error) -> None:
     scaler = amped.GradScaler("cpu")
     with pytest.raises(error, match="Received: "):
         getattr(scaler, setter)(value)
+
+
+def scaler(**kwargs):
+    return lambda: amped.GradScaler("cpu", **kwargs)
+
+
+# strategy= and the strategy wrappers: (what to call, the error, its message).
+BAD_STRATEGIES = {
+    "with-hysteresis": (scaler(strategy=DynamicScale(), hysteresis=2), ValueError, "replaces"),
+    "with-static": (scaler(strategy=StaticScale(), dynamic=False), ValueError, "replaces"),
+    "with-bound": (scaler(strategy=DynamicScale(), min_scale=1.0), ValueError, "replaces"),
+    "a-class": (scaler(strategy=DynamicScale), TypeError, r"strategy=DynamicScale\(\)"),
+    "a-string": (scaler(strategy="dynamic"), TypeError, "strategy='dynamic' "),
+    "init-above-bound": (
+        scaler(strategy=Bounded(DynamicScale(), max_scale=1024.0)),
+        ValueError,
+        "init_scale=65536.0",
+    ),
+    "bounded-without-bounds": (lambda: Bounded(DynamicScale()), ValueError, "needs `min_scale`"),
+    "bounded-below-floor": (lambda: Bounded(DynamicScale(), 0.0), ValueError, "min_scale=0.0"),
+    "bounded-min-above-max": (lambda: Bounded(DynamicScale(), 8.0, 4.0), ValueError, "exceed"),
+    "bounded-inner-class": (lambda: Bounded(DynamicScale, 1.0), TypeError, "pass an instance"),
+    "hysteresis-zero": (lambda: Hysteresis(DynamicScale(), 0), ValueError, "hysteresis=0 "),
+    "hysteresis-float": (lambda: Hysteresis(DynamicScale(), 2.0), TypeError, "hysteresis=2.0"),
+    "hysteresis-inner-str": (lambda: Hysteresis("dynamic", 2), TypeError, "inner='dynamic'"),
+    "counter-clash": (
+        lambda: Hysteresis(Hysteresis(DynamicScale(), 2), 3).counters(),
+        ValueError,
+        "own the counter",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"), BAD_STRATEGIES.values(), ids=BAD_STRATEGIES.keys()
+)
+def test_bad_strategy_is_refused(make, error, message) -> None:
+    with pytest.raises(error, match=message):
+        make()
 
 
 def scaled_iteration(make):

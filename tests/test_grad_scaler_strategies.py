@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import amped
 from amped.scaling import Bounded, DynamicScale, Hysteresis, StaticScale
+from scaler_helpers import BackoffOnly
 
 FLAGS = st.lists(st.booleans(), min_size=1, max_size=40)
 
@@ -98,9 +99,10 @@ def test_closed_form_for_any_sequence(flags: list[bool]) -> None:
     backoff_factor=st.floats(0.05, 0.95),
     growth_interval=st.integers(1, 4),
     init_scale=st.floats(1.0, 2.0**120),
+    explicit=st.booleans(),
 )
 def test_default_rule_equals_torch(
-    flags, growth_factor, backoff_factor, growth_interval, init_scale
+    flags, growth_factor, backoff_factor, growth_interval, init_scale, explicit
 ) -> None:
     args = dict(
         init_scale=init_scale,
@@ -108,7 +110,9 @@ def test_default_rule_equals_torch(
         backoff_factor=backoff_factor,
         growth_interval=growth_interval,
     )
-    ours = drive(amped.GradScaler("cpu", **args), flags)
+    # explicit: the default strategy passed as an object, strategy=DynamicScale().
+    strategy = dict(strategy=DynamicScale()) if explicit else {}
+    ours = drive(amped.GradScaler("cpu", **args, **strategy), flags)
     theirs = drive(torch.amp.GradScaler("cpu", **args), flags)
     assert ours == theirs
     assert ours[0] == reference_scales(flags, **args)
@@ -193,6 +197,36 @@ def test_static_scale_never_moves_but_still_skips() -> None:
 )
 def test_keywords_compose_the_strategy(kwargs, expected) -> None:
     assert amped.GradScaler("cpu", **kwargs).strategy == expected
+    # The same object passed as strategy= moves the scale exactly as the keywords do.
+    flags = [False, True, True, False, False, True, True, True, False, False, False]
+    by_keywords = drive(amped.GradScaler("cpu", init_scale=8.0, growth_interval=2, **kwargs), flags)
+    by_object = drive(
+        amped.GradScaler("cpu", init_scale=8.0, growth_interval=2, strategy=expected), flags
+    )
+    assert by_object == by_keywords
+
+
+def test_a_strategy_of_ones_own() -> None:
+    flags = [False, True, False, False, True, True, False]
+    scaler = amped.GradScaler("cpu", init_scale=64.0, growth_interval=1, strategy=BackoffOnly())
+    scales, skipped = drive(scaler, flags)
+    assert scales == [64.0, 32.0, 32.0, 32.0, 16.0, 8.0, 8.0]
+    assert skipped == flags
+    assert scaler.state_dict()["amped"]["counters"] == {"overflows": 3}
+
+
+def test_wrappers_compose_in_any_order() -> None:
+    # Hysteresis outside Bounded: no keyword spells it, and it moves the scale as the
+    # keywords' order (Bounded outside) does whenever the scale starts inside the bounds.
+    flags = [True, True, True, True, False, False, True, False, False, False]
+    inside_out = Hysteresis(Bounded(DynamicScale(), min_scale=2.0, max_scale=16.0), 2)
+    args = dict(init_scale=8.0, growth_interval=1)
+    ours = drive(amped.GradScaler("cpu", **args, strategy=inside_out), flags)
+    keywords = drive(
+        amped.GradScaler("cpu", **args, hysteresis=2, min_scale=2.0, max_scale=16.0), flags
+    )
+    assert ours == keywords
+    assert ours[0] == reference_scales(flags, **args, hysteresis=2, min_scale=2.0, max_scale=16.0)
 
 
 def test_scheduler_skips_with_the_optimizer_without_torch_warning() -> None:

@@ -12,7 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.policy import TORCH_OP_TABLES, Cast, registered_autocast_ops
+from amped.policy import Cast
+from amped.policy.ops import TORCH_OP_TABLES, registered_autocast_ops
 from tolerances import BITWISE
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -249,6 +250,9 @@ def test_bad_arguments_are_refused_with_clear_errors(cpu_policy):
         amped.Policy("tpu", {})
     with pytest.raises(ValueError, match="Unknown policy preset"):
         amped.Policy.preset("fastest", "cpu")
+    # No default device type, as torch.autocast has none: a policy holds one device's lists.
+    with pytest.raises(TypeError, match="device_type"):
+        amped.Policy.preset("torch")  # type: ignore[call-arg]
 
 
 # --- CUDA's categories, exercised on the CPU through a policy ------------------------------

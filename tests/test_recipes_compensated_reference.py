@@ -22,7 +22,9 @@ from amped.recipes import CompensatedAdamW, CompensatedSGD, compensated
 STEPS = 3  # the third brings the late gradient: chunks of fresh and stepped state
 # On CUDA too, where there is one: the chunks run torch's elementwise kernels over a
 # flat buffer, which must not depend on where an element sits in it.
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + (
+    [pytest.param("cuda", marks=pytest.mark.gpu)] if torch.cuda.is_available() else []
+)
 SLOW_DECAY = 2.0**-6
 
 

@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from amped.autocast_mode import casting
-from amped.policy import LOW_DTYPES, Cast, Policy, torch_default_rules
+from amped.policy import Cast, Policy
+from amped.policy.ops import torch_default_rules
+from amped.policy.policy import LOW_DTYPES
 
 __all__ = ["active_tables", "plan", "register", "registered_ops", "release_kernels"]
 

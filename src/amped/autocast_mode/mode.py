@@ -25,7 +25,9 @@ from torch.overrides import TorchFunctionMode
 
 from amped.autocast_mode import casting, compiling, transparent
 from amped.autocast_mode.targets import callables_for
-from amped.policy import LOW_DTYPES, Cast, Policy, torch_default_rules
+from amped.policy import Cast, Policy
+from amped.policy.ops import torch_default_rules
+from amped.policy.policy import LOW_DTYPES
 
 __all__ = ["AutocastMode", "compiled_rules", "merged_rules", "prepare"]
 

@@ -10,7 +10,8 @@ from typing import Any, TypeVar
 import torch
 
 from amped.autocast_mode import state
-from amped.policy import TORCH_OP_TABLES, Policy
+from amped.policy import Policy
+from amped.policy.ops import TORCH_OP_TABLES
 
 __all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
 

@@ -27,8 +27,10 @@ import torch
 from amped.autocast_mode import compiling, dispatch, freshness, transparent
 from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
-from amped.policy import LOW_DTYPES, Policy, torch_default_rules
+from amped.policy import Policy
 from amped.policy.created import add_creation_listener
+from amped.policy.ops import torch_default_rules
+from amped.policy.policy import LOW_DTYPES
 
 __all__ = ["Region", "current_policy", "engine_always", "enter", "exit", "needs_engine"]
 

@@ -1,10 +1,11 @@
-"""The ``amped`` command line (``amped compare``).
+"""The face: the ``amped`` command line (``amped compare``, ``amped doctor``) and its pages.
 
-Importing ``amped`` never imports this package. The modules that draw (``progress``,
-``table``, ``plots``, ``report``, ``command``) need the ``cli`` extra (rich, matplotlib);
-:class:`Task` and the built-in task (:mod:`amped.cli.default_task`) need only torch.
+Importing ``amped`` never imports this package. The modules that draw the terminal and
+the compare report need the ``cli`` extra (rich, matplotlib); :class:`Task`, the
+built-in task and the doctor's page (whose plot alone needs matplotlib) need only torch.
 """
 
+from amped.cli.doctor_report import save_doctor_html, save_doctor_plot
 from amped.cli.task import Task
 
-__all__ = ["Task"]
+__all__ = ["Task", "save_doctor_html", "save_doctor_plot"]

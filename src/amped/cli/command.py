@@ -14,15 +14,15 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from amped._internal.files import check_writable
 from amped.cli import interrupt
 from amped.cli.compare import Comparison, baseline_first, run_comparison
+from amped.cli.compare_report import write_report
 from amped.cli.dtypes import recipe_for_dtype
 from amped.cli.environment import default_device, describe, resolve_device
 from amped.cli.errors import EXIT_DIVERGED, EXIT_OK, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
-from amped.cli.files import check_writable
 from amped.cli.progress import LineProgress, RichProgress
-from amped.cli.report import write_report
 from amped.cli.results import dumps, to_dict
 from amped.cli.run import CompareConfig
 from amped.cli.table import print_summary

@@ -1,12 +1,7 @@
 """Run the comparison: the same task trained once per recipe, float32 first.
 
-Every recipe starts from the same weights and sees the same batches (the factory is
-called afresh after ``torch.manual_seed(seed)``), and all train the same number of
-steps (:mod:`amped.cli.plan` fits it to the time budget), so the loss at any step and
-the held-out metrics are comparable across recipes. Recipes run one after another, so
-only one model is in memory at a time; on a busy machine, absolute timings drift,
-which the recorded CPU load (:mod:`amped.cli.timing`) lets the report say. On a CPU,
-each recipe's peak memory comes from a process of its own (:mod:`amped.cli.probe`).
+Every recipe starts from the same weights, sees the same batches and trains the same
+number of steps; recipes run one after another, so one model is in memory at a time.
 """
 
 from __future__ import annotations

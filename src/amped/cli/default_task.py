@@ -1,18 +1,8 @@
 """The built-in task of ``amped compare``: a tiny GPT learning the standard library's source.
 
-Nothing is downloaded: the text is a fixed list of Python standard-library modules read
-from the running interpreter's own install, as bytes (a 256-symbol vocabulary, so no
-vocabulary is built and none can differ between machines). Each file's first 90% is
-training text and its last 10% held-out text. The model is a character-level GPT:
-token and position embeddings, pre-norm ``nn.TransformerEncoder`` blocks under a
-causal mask, a final norm and a linear head.
-
-Everything is fixed by ``seed``: the weights (``torch.manual_seed``), the order of the
-training windows (a seeded ``torch.Generator``) and the held-out windows (evenly spaced).
-The corpus itself is whatever the installed Python ships, so results are reproducible
-per Python version; :attr:`Corpus.sha256` in the results says which text was used.
-
-Pure torch: importable without the CLI extra (the recipes' convergence tests use it).
+Nothing is downloaded: the text is a fixed list of standard-library modules read as
+bytes from the running Python (a 256-symbol vocabulary), 90% for training and 10% held
+out per file. Everything else is fixed by ``seed``. Pure torch: no CLI extra needed.
 """
 
 from __future__ import annotations
@@ -179,10 +169,7 @@ def build(batch_size: int = 16, seed: int = 0, device: torch.device | str = "cpu
         ),
         evaluate=_evaluator(corpus.held_out, batch_size, device),
         name="tiny-gpt-stdlib",
-        # Matmuls this small gain little from intra-op threads, and on a busy machine
-        # they lose a lot: each op's OpenMP barrier waits for a preempted thread. On
-        # 2 shared cores a step took 40 ms with 1 thread and 0.1-3 s with 2.
-        threads=1,
+        threads=1,  # small matmuls: more threads only wait on each other (docs/compare.md)
         description=(
             f"character-level GPT (d={D_MODEL}, {N_LAYERS} layers, context {SEQ_LEN}) "
             f"on {len(corpus.files)} Python standard-library source files"

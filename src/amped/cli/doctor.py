@@ -1,14 +1,8 @@
-"""``amped doctor``: run the numerics doctor on the built-in task or a user's factory.
+"""``amped doctor``: the numerics doctor on the built-in task or a user's factory.
 
-The task comes from the same factory contract as ``amped compare`` (``--model
-module:factory``); the doctor checks one training step on its first batch. It prints
-a table (the ops with the widest range, inf/NaN or underflow, the culprits and the
-verified fix) and writes ``doctor.json`` and ``doctor.html`` into ``--out``, as one
-set, atomically (:func:`amped.cli.files.write_files`); a write error is exit code 1.
-
-Like a linter, it exits 0 when the step is free of inf/NaN or the doctor found a fix
-and verified it by re-running, and :data:`~amped.cli.errors.EXIT_UNFIXED` (3) when it
-found a non-finite value and no verified fix, so a script or CI job can gate on it.
+It checks one training step on the task's first batch, prints the worst ops, writes
+``doctor.json`` and ``doctor.html`` as one set, and exits like a linter: 0 healthy or
+fixed by a verified fix, :data:`~amped.cli.errors.EXIT_UNFIXED` (3) otherwise.
 """
 
 from __future__ import annotations
@@ -21,12 +15,13 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from amped._internal.files import write_files
 from amped.cli.command import resolve_out
+from amped.cli.doctor_report import doctor_html
 from amped.cli.dtypes import parse_low_dtype
 from amped.cli.environment import default_device, resolve_device
 from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
-from amped.cli.files import write_files
 from amped.cli.task import to_device
 from amped.doctor import Report, diagnose
 from amped.doctor.report import OpStat
@@ -65,7 +60,7 @@ def run_doctor(args: argparse.Namespace) -> int:
         raise RunError(f"The doctor failed: {type(error).__name__}: {error}") from error
     html = out / "doctor.html"
     try:
-        document, page = report.to_json(), report.to_html()
+        document, page = report.to_json(), doctor_html(report)
     except Exception as error:
         raise RunError(
             f"Could not render the doctor's report: {type(error).__name__}: {error}"

@@ -15,9 +15,8 @@ from amped.cli.errors import UsageError
 
 __all__ = ["default_device", "describe", "resolve_device", "synchronize"]
 
-# CPU feature flags (as /proc/cpuinfo spells them) that give native low-precision
-# matmuls. Without them torch emulates bf16/fp16 math through float32 conversions,
-# which is why low precision can run slower than float32 on such CPUs.
+# /proc/cpuinfo flags of native low-precision matmul units; without them torch emulates
+# bf16/fp16 through float32, which is why low precision can be slower than float32.
 _NATIVE_CPU_FLAGS = {
     "bfloat16": ("avx512_bf16", "amx_bf16"),
     "float16": ("avx512_fp16", "amx_fp16"),

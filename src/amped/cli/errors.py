@@ -25,11 +25,8 @@ EXIT_TERMINATED = 143  # SIGTERM (128 + 15), handled like Ctrl-C
 
 
 class UsageError(Exception):
-    """Bad arguments or a task that breaks the factory contract (exit code 2).
-
-    The message is one line, Keras-style: what happened, what was expected, how to
-    fix it, ending with ``Received: ...``.
-    """
+    """Bad arguments or a task that breaks the factory contract (exit code 2); one line,
+    ending with ``Received: ...``."""
 
 
 class RunError(Exception):

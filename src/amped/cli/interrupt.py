@@ -1,20 +1,8 @@
 """Ctrl-C and SIGTERM that stop a comparison cleanly, at a step boundary.
 
-SIGTERM (what ``timeout``, Slurm and Kubernetes send) is handled exactly like Ctrl-C
-(SIGINT). Inside :func:`graceful_interrupts` the first of either only sets a flag; the
-training loop checks it after every step and raises KeyboardInterrupt there, from
-Python, where the comparison catches it and writes the partial results; rendering and
-writing the report also run inside it, so a signal then is noted and the report is
-still written. A second signal raises KeyboardInterrupt at once. Outside that region
-(parsing arguments, importing and checking the task) either signal raises
-KeyboardInterrupt at once. The CLI exits with 128 + the number of the first signal:
-130 for SIGINT, 143 for SIGTERM.
-
-Why not let the first one raise: an asynchronous KeyboardInterrupt can land inside C++
-code that runs Python through pybind11 (torch runs some while importing its compiler
-stack during the first optimizer construction). CPython then records the interrupt as
-unhandled, and although the CLI catches it and exits with 130, the interpreter kills
-itself with SIGINT on the way out.
+Inside :func:`graceful_interrupts` the first signal only sets a flag, which the training
+loop checks after each step (a KeyboardInterrupt raised inside torch's C++ can kill the
+interpreter; docs/robustness.md); a second one raises at once. Exit code: 128 + signal.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
-"""Fit a comparison into its time budget: time a few steps of each recipe, then fix
-one step count for all of them.
-
-Every recipe trains the same number of steps, so loss curves, final losses and
-held-out metrics compare like with like. With a budget (``--max-time``), each recipe
-first runs :data:`TIMING_STEPS` steps that are not kept (the first is warm-up, so the
-estimate is the mean of the others), and then::
+"""Fit a comparison into ``--max-time``: time a few steps of each recipe, then one step
+count for all, so losses compare like with like::
 
     steps = clamp(floor((max_time - time spent timing) / sum of step estimates),
                   MIN_STEPS, requested steps)
-
-On hardware without native low-precision units (most CPUs) the low-precision recipes
-are several times slower than fp32, and set the step count; the results say so.
-The estimate is a plan, not a hard stop: a machine that slows down mid-run overruns.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
 
@@ -40,6 +32,17 @@ class Plan:
     @property
     def shortened(self) -> bool:
         return self.steps < self.requested
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as recorded in ``results.json`` (``plan``)."""
+        return {
+            "steps": self.steps,
+            "shortened": self.shortened,
+            "max_time_s": self.max_time,
+            "timing_s": round(self.timing_s, 3),
+            "step_s": self.step_s,
+            "note": self.note(),
+        }
 
     def note(self) -> str:
         if not self.shortened:

@@ -12,7 +12,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-__all__ = ["PLOTS", "render_all"]
+__all__ = ["PLOTS", "figure_png", "render_all"]
 
 _PALETTE = ("#222222", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
             "#e377c2", "#17becf", "#bcbd22")  # fmt: skip
@@ -73,11 +73,12 @@ def _label(name: str, same: dict[str, str]) -> str:
     return f"{name} (= {same[name]})" if name in same else name
 
 
-def _png(figure: Figure) -> bytes:
+def figure_png(figure: Figure, dpi: int = _DPI) -> bytes:
+    """``figure`` as PNG bytes, laid out tight unless it has a layout engine."""
     if figure.get_layout_engine() is None:
         figure.tight_layout()
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=_DPI)
+    figure.savefig(buffer, format="png", dpi=dpi)
     return buffer.getvalue()
 
 
@@ -125,7 +126,7 @@ def loss_curves(results: dict[str, Any]) -> bytes | None:
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small", ncol=2)
     (gap if gap is not None else axes).set_xlabel("step")
-    return _png(figure)
+    return figure_png(figure)
 
 
 def _loss_gap(axes: Any, runs: list[dict[str, Any]], base: dict[str, Any], styles: Any) -> None:
@@ -161,7 +162,7 @@ def loss_scale(results: dict[str, Any]) -> bytes | None:
     axes.set(xlabel="step", ylabel="loss scale", title="Dynamic loss scale")
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small")
-    return _png(figure)
+    return figure_png(figure)
 
 
 def throughput(results: dict[str, Any]) -> bytes | None:
@@ -200,7 +201,7 @@ def throughput(results: dict[str, Any]) -> bytes | None:
         title="Throughput (hatched: slow on this hardware)",
     )
     axes.grid(axis="x", alpha=0.3)
-    return _png(figure)
+    return figure_png(figure)
 
 
 def memory(results: dict[str, Any]) -> bytes | None:
@@ -230,7 +231,7 @@ def memory(results: dict[str, Any]) -> bytes | None:
     peak.set(xlabel="MiB", title=titles.get(kind, "Peak RSS growth"))
     for axes in (state, peak):
         axes.grid(axis="x", alpha=0.3)
-    return _png(figure)
+    return figure_png(figure)
 
 
 PLOTS = (

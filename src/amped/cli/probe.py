@@ -1,20 +1,8 @@
 """Each recipe's peak memory, measured in a process that runs nothing else.
 
-Within one process the C allocator keeps freed pages, earlier recipes leave caches
-behind, and a small model's growth is lost in that noise: the in-process figure can
-order recipes the wrong way round (fp32 lower than a recipe that holds less state).
-So on a CPU every recipe is also run in a fresh Python process of its own
-(``python -m amped.cli.probe``), for :data:`PROBE_STEPS` steps, with the same
-threads, seed and batches:
-
-    peak = the process's peak resident size during training
-           - its resident size once the float32 task is built, before ``prepare``
-
-The kernel keeps the peak (``VmHWM``); it is reset after the task is built (writing
-``5`` to ``/proc/self/clear_refs``), so it covers ``prepare`` and the training steps
-only. Where that is not available the peak since the process started is used
-(``ru_maxrss``), which is then a bound from above. The probe's step times also serve
-the time budget's plan (:mod:`amped.cli.plan`).
+In one process freed pages and earlier recipes' caches drown a small model's growth, so
+on a CPU each recipe also runs :data:`PROBE_STEPS` steps in ``python -m amped.cli.probe``:
+its kernel peak (``VmHWM``, reset once the float32 task is built) less its size then.
 """
 
 from __future__ import annotations
@@ -108,7 +96,7 @@ def _reset_peak() -> bool:
 def _measure(request: dict[str, Any]) -> dict[str, Any]:
     import amped
     from amped.cli.factory import load_factory
-    from amped.cli.memory import PeakMemory, _release_freed_memory
+    from amped.cli.footprint import PeakMemory, release_freed_memory
     from amped.cli.run import _train_step
     from amped.cli.task import to_device
     from amped.recipes import resolve_recipe
@@ -122,7 +110,7 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     task = factory.build(batch_size=config.batch_size, seed=config.seed, device=device)
     model = task.model.to(device)
     batches = iter(task.batches)
-    _release_freed_memory()
+    release_freed_memory()
     before = _status_kib("VmRSS")
     reset = _reset_peak()
     setup = amped.prepare(model, task.optimizer(model), run.recipe)

@@ -20,6 +20,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from amped._internal.stats import median
 from amped.cli.run import Observer, RecipeRun
 
 __all__ = ["LineProgress", "RichProgress"]
@@ -30,9 +31,8 @@ _RECENT = 10  # steps the displayed throughput is the median over
 def _recent_speed(run: RecipeRun) -> float | None:
     if not run.step_times:
         return None
-    recent = sorted(run.step_times[-_RECENT:])
-    median = recent[len(recent) // 2]
-    return run.samples / len(run.step_times) / median if median > 0 else None
+    step = median(run.step_times[-_RECENT:])
+    return run.samples / len(run.step_times) / step if step > 0 else None
 
 
 def _outcome(run: RecipeRun) -> str:

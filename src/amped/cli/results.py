@@ -1,31 +1,17 @@
-"""A comparison as data: the ``results.json`` document (schema in :mod:`amped.cli.schema`).
+"""A comparison as data: the ``results.json`` document (fields: docs/results-schema.md).
 
-Derived figures are computed here, once, so the console table, the HTML report and
-any program reading ``results.json`` agree:
-
-- ``timing``: the step times' median, quartiles and extremes over the timed steps
-  (warm-up left out; :mod:`amped.cli.timing`); ``samples_per_s`` is the batch over the
-  median, ``samples_per_s_iqr`` the batch over the quartiles.
-- ``throughput_vs_baseline``: samples/s over the fp32 run's samples/s, and
-  ``throughput_vs_baseline_range`` the range the two interquartile ranges allow.
-- ``slow_on_this_hardware``: a median step at least :data:`SLOW_RATIO` times the fp32
-  one. Low precision is slower than float32 where the hardware has no native units for
-  it (CPUs without AVX512-BF16/AMX, and fp16 on any CPU).
-- ``common_step``: the most steps every recipe with losses got through (all of them,
-  unless one was interrupted or ran out of data); the train loss there
-  (``train_loss_at_common_step``, mean of the :data:`LOSS_WINDOW` steps up to it)
-  compares recipes on the same batches.
+Derived figures (medians, ratios, divergence, the common step) are computed here, once,
+so the console table, the HTML report and any program reading ``results.json`` agree.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from datetime import datetime, timezone
 from typing import Any
 
+from amped._internal.jsonio import to_json
 from amped.cli.compare import BASELINE, Comparison
-from amped.cli.plan import Plan
 from amped.cli.run import RecipeRun
 from amped.cli.timing import StepStats, ratio_range, step_stats
 
@@ -37,7 +23,7 @@ LOSS_WINDOW = 10
 
 
 def _finite(value: float | None) -> float | None:
-    """JSON has no NaN or infinity: a non-finite number is written as null."""
+    """The schema's numbers are finite: a loss that is not is recorded as null (no value)."""
     return value if value is not None and math.isfinite(value) else None
 
 
@@ -78,7 +64,7 @@ def to_dict(
         "environment": environment,
         "machine": comparison.machine,
         "task": comparison.task,
-        "plan": _plan(comparison.plan),
+        "plan": comparison.plan.as_dict() if comparison.plan else None,
         "baseline": baseline.recipe.name if baseline else None,
         "common_step": common,
         "identical_losses": identical_losses(comparison.runs),
@@ -146,19 +132,6 @@ def _recipe(
     }
 
 
-def _plan(plan: Plan | None) -> dict[str, Any] | None:
-    if plan is None:
-        return None
-    return {
-        "steps": plan.steps,
-        "shortened": plan.shortened,
-        "max_time_s": plan.max_time,
-        "timing_s": round(plan.timing_s, 3),
-        "step_s": plan.step_s,
-        "note": plan.note(),
-    }
-
-
 def _memory(run: RecipeRun) -> dict[str, Any] | None:
     state = run.state
     if state is None:
@@ -210,5 +183,5 @@ def _notes(run: RecipeRun, slowdown: float | None, diverged: int | None) -> list
 
 
 def dumps(data: dict[str, Any]) -> str:
-    """``data`` as JSON text (strict: no NaN or infinity)."""
-    return json.dumps(data, indent=2, allow_nan=False) + "\n"
+    """``data`` as JSON text, by amped's one JSON rule (:mod:`amped._internal.jsonio`)."""
+    return to_json(data, indent=2) + "\n"

@@ -2,7 +2,7 @@
 
 A step's time covers forward, backward, optimizer step and fetching the loss (one
 device sync), not producing the batch. Memory is measured on the first step (training
-state, exactly) and throughout (peak); see :mod:`amped.cli.memory`.
+state, exactly) and throughout (peak); see :mod:`amped.cli.footprint`.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 import amped
+from amped._internal.stats import median
 from amped.cli import interrupt
 from amped.cli.environment import synchronize
 from amped.cli.errors import UsageError
 from amped.cli.factory import TaskFactory
-from amped.cli.memory import PeakMemory, StateBytes, grad_bytes, state_bytes
+from amped.cli.footprint import PeakMemory, StateBytes, grad_bytes, state_bytes
 from amped.cli.task import Task, call_model, check_loss, count_samples, to_device
 from amped.recipes import Recipe
 
@@ -70,9 +71,8 @@ class RecipeRun:
         """Throughput: mean samples per step over the median step time (robust to warm-up)."""
         if not self.step_times:
             return None
-        times = sorted(self.step_times)
-        median = times[len(times) // 2]
-        return self.samples / len(self.step_times) / median if median > 0 else None
+        step = median(self.step_times)
+        return self.samples / len(self.step_times) / step if step > 0 else None
 
 
 class Observer:

@@ -31,8 +31,9 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import received
 from amped.cli.errors import UsageError
-from amped.doctor.runs import call_model  # one rule for calling a model with inputs
+from amped.doctor.runs import call_model, input_tensors  # one rule for a model's inputs
 
 __all__ = ["Task", "as_task", "call_model", "check_loss", "count_samples", "to_device"]
 
@@ -109,10 +110,7 @@ def _check_details(task: Task, source: str) -> None:
     for name in ("name", "description"):
         value = getattr(task, name)
         if not isinstance(value, str):
-            raise UsageError(
-                f"Task.{name} from {source} must be a string. "
-                f"Received: {name}={value!r} (of type {type(value).__name__})"
-            )
+            raise UsageError(f"Task.{name} from {source} must be a string. {received(name, value)}")
     if not isinstance(task.details, dict):
         raise UsageError(
             f"Task.details from {source} must be a dict. "
@@ -135,7 +133,7 @@ def _check_threads(threads: object, source: str) -> None:
     if isinstance(threads, bool) or not isinstance(threads, numbers.Integral) or threads < 1:
         raise UsageError(
             f"Task.threads from {source} must be None (torch's default) or an int >= 1. "
-            f"Received: threads={threads!r} (of type {type(threads).__name__})"
+            + received("threads", threads)
         )
 
 
@@ -194,14 +192,8 @@ def _peek_checked(batches: Iterable[Any], source: str) -> Iterable[Any]:
 
 def count_samples(inputs: Any) -> int | None:
     """The first dimension of the first tensor in ``inputs`` (None if there is none)."""
-    if isinstance(inputs, torch.Tensor):
-        return int(inputs.shape[0]) if inputs.dim() else 1
-    values = inputs.values() if isinstance(inputs, Mapping) else inputs
-    if isinstance(values, Iterable) and not isinstance(values, str | bytes):
-        for value in values:
-            if isinstance(value, torch.Tensor):
-                return count_samples(value)
-    return None
+    first = next(iter(input_tensors(inputs)), None)
+    return None if first is None else (int(first.shape[0]) if first.dim() else 1)
 
 
 def to_device(data: Any, device: torch.device) -> Any:

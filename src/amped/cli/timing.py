@@ -1,20 +1,6 @@
-"""Step times a reader can trust: repeats, their spread, and how busy the machine was.
-
-Every timed step of a recipe is a repeat. The first step is warm-up (allocator,
-autocast caches, lazy initialisation) and is left out when there are others. A speed
-is reported as the median with the interquartile range (IQR) of the repeats, and a
-ratio to fp32 with the range those IQRs allow::
-
-    ratio low  = speed at the slow quartile / fp32's speed at its fast quartile
-    ratio high = speed at the fast quartile / fp32's speed at its slow quartile
-
-A recipe is called *fastest* only when its slow quartile beats every other recipe's
-fast quartile: when the ranges overlap, the data cannot order them.
-
-The machine's load is measured from ``/proc/stat``: the CPU time all processes used
-over the timed interval, less this process's own, is what *other* processes used (in
-cores). The machine counts as busy when those leave fewer free cores than the threads
-amped runs (``others > cores - threads``), which is when timings are inflated and vary.
+"""Step times a reader can trust: the repeats' median and quartiles, the ratio range
+their IQRs allow, and how busy the machine was (docs/compare.md, "How to read the
+numbers"). The first step is warm-up and is left out when there are others.
 """
 
 from __future__ import annotations
@@ -23,6 +9,8 @@ import os
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from amped._internal.stats import quartiles
 
 __all__ = [
     "WIDE_SPREAD",
@@ -65,28 +53,13 @@ class StepStats:
         }
 
 
-def _quantile(ordered: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default method)."""
-    position = q * (len(ordered) - 1)
-    below = int(position)
-    above = min(below + 1, len(ordered) - 1)
-    return ordered[below] + (ordered[above] - ordered[below]) * (position - below)
-
-
 def step_stats(step_times: list[float]) -> StepStats | None:
     """The statistics of ``step_times``, warm-up (the first step) left out; None if empty."""
     timed = step_times[1:] if len(step_times) > 1 else step_times
     if not timed:
         return None
-    ordered = sorted(timed)
-    return StepStats(
-        repeats=len(ordered),
-        median=_quantile(ordered, 0.5),
-        q1=_quantile(ordered, 0.25),
-        q3=_quantile(ordered, 0.75),
-        low=ordered[0],
-        high=ordered[-1],
-    )
+    q1, median, q3 = quartiles(timed)
+    return StepStats(len(timed), median, q1, q3, low=min(timed), high=max(timed))
 
 
 def ratio_range(speed: dict[str, Any], base: dict[str, Any]) -> tuple[float, float] | None:

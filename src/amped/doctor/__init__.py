@@ -6,27 +6,16 @@ inf/NaN counts, underflow and error against float32; the first op that produced 
 non-finite value (forward or backward, with the user's source line); per-parameter
 gradient underflow at the loss scale; and a fix (a Policy or a loss scale) it re-ran.
 ``amped.doctor.diagnose_fp8`` measures, per Linear layer, what an FP8 recipe costs and
-names the layers to keep in bfloat16, with a policy it re-ran.
+names the layers to keep in bfloat16, with a policy it re-ran. Importing it loads no
+plotting library: the HTML page and plot are the CLI's (:mod:`amped.cli.doctor_report`).
 """
 
 from amped.doctor.diagnose import diagnose
 from amped.doctor.fp8 import diagnose_fp8
-from amped.doctor.fp8_report import CastStat, Fp8LayerStat, Fp8Report, Fp8Suggestion
-from amped.doctor.gradients import GradientCheck, check_gradient, recommended_scale
-from amped.doctor.report import Culprit, OpStat, Report, Suggestion
+from amped.doctor.fp8_report import Fp8Report, Fp8Suggestion
+from amped.doctor.report import Report, Suggestion
 
-__all__ = [
-    "CastStat",
-    "Culprit",
-    "Fp8LayerStat",
-    "Fp8Report",
-    "Fp8Suggestion",
-    "GradientCheck",
-    "OpStat",
-    "Report",
-    "Suggestion",
-    "check_gradient",
-    "diagnose",
-    "diagnose_fp8",
-    "recommended_scale",
-]
+# The two checks, the reports they return and the fixes they propose. The records inside
+# a report (OpStat, Culprit, GradientCheck, Fp8LayerStat, CastStat) are reached through
+# it, and live in amped.doctor.report, .fp8_report and .gradients.
+__all__ = ["Fp8Report", "Fp8Suggestion", "Report", "Suggestion", "diagnose", "diagnose_fp8"]

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from amped._internal.errors import type_error, value_error
 from amped.doctor.gradients import check_gradient, recommended_scale
 from amped.doctor.report import Culprit, OpStat, Report, Suggestion
-from amped.doctor.runs import StepResult, run_step
-from amped.doctor.stats import compare, summarize
+from amped.doctor.runs import StepResult, input_tensors, run_step
+from amped.doctor.stats import measure_error, summarize
 from amped.policy import Cast, Policy
 from amped.policy.policy import LOW_DTYPES
 
@@ -24,39 +25,30 @@ reported; below that, the lost values are too few to bias the update noticeably.
 
 def _check_args(model: object, inputs: Any, device_type: str, dtype: object) -> None:
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(
-            f"model must be a torch.nn.Module. Received: model of type {type(model).__name__}"
-        )
+        raise type_error("model must be a torch.nn.Module", "model", model)
     if dtype not in LOW_DTYPES:
-        raise ValueError(
+        raise value_error(
             "The doctor checks a low-precision dtype against float32: dtype must be "
-            f"torch.float16 or torch.bfloat16. Received: dtype={dtype!r}"
+            "torch.float16 or torch.bfloat16",
+            "dtype",
+            dtype,
         )
     devices = {p.device.type for p in model.parameters()}
     if devices and devices != {device_type}:
-        raise ValueError(
+        raise value_error(
             f"The model's parameters are on {sorted(devices)} but device_type is "
-            f"{device_type!r}. Received: device_type={device_type!r}"
+            f"{device_type!r}; pass the model's device type",
+            "device_type",
+            device_type,
         )
-    for value in _input_tensors(inputs):
+    for value in input_tensors(inputs):
         if value.device.type != device_type:
-            raise ValueError(
+            raise value_error(
                 f"An input tensor is on {value.device.type!r} but the model runs on "
-                f"{device_type!r}; move the inputs with .to({device_type!r}). "
-                f"Received: input on {value.device}"
+                f"{device_type!r}; move the inputs with .to({device_type!r})",
+                "input.device",
+                value.device,
             )
-
-
-def _input_tensors(inputs: Any) -> list[torch.Tensor]:
-    if isinstance(inputs, torch.Tensor):
-        return [inputs]
-    if isinstance(inputs, Mapping):
-        values: Any = inputs.values()
-    elif isinstance(inputs, (tuple, list)):
-        values = inputs
-    else:
-        values = ()
-    return [v for v in values if isinstance(v, torch.Tensor)]
 
 
 def _op_stats(target: StepResult, reference: StepResult) -> list[OpStat]:
@@ -64,7 +56,7 @@ def _op_stats(target: StepResult, reference: StepResult) -> list[OpStat]:
     stats = []
     for call in target.calls:
         ref = ref_by_key.get(call.key)
-        cmp = compare(call.output, ref.output) if ref is not None else None
+        cmp = measure_error(call.output, ref.output) if ref is not None else None
         summary = summarize(call.output)
         stats.append(
             OpStat(
@@ -125,7 +117,7 @@ def _finite(t: torch.Tensor) -> bool:
 def _sqnr(result: StepResult, reference: StepResult) -> float:
     if result.output is None or reference.output is None:
         return math.nan
-    cmp = compare(result.output, reference.output)
+    cmp = measure_error(result.output, reference.output)
     return cmp.sqnr_db if cmp else math.nan
 
 

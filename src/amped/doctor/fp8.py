@@ -1,13 +1,7 @@
 """``amped.doctor.diagnose_fp8``: what an FP8 recipe costs each Linear layer of a model.
 
-One training step in float32 records, for every layer the recipe would convert, the
-input it saw and the gradient that reached its output. Each layer is then run alone
-on exactly those tensors three ways (float32, bfloat16 autocast, the FP8 recipe), so
-its SQNR on output, grad-input and grad-weight measures *its own* error, not what
-upstream layers passed on. Layers below ``threshold_db`` on any of the three are
-named; the doctor proposes a policy whose module rules keep them in bfloat16, and
-re-runs the whole model under it to check that they stay out and that the model's
-output did not get worse.
+Each layer is run alone on the input and output gradient it saw in a float32 step, so
+its SQNR measures its own error, not its inputs'; docs/fp8.md, "What the doctor says".
 """
 
 from __future__ import annotations
@@ -18,9 +12,10 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
 from amped.doctor.fp8_report import CastStat, Fp8LayerStat, Fp8Report, Fp8Suggestion
-from amped.doctor.runs import _model_output, call_model
+from amped.doctor.runs import call_model, model_output
 from amped.fp8 import FP8_CONFIGS, Fp8Config, ModuleFilter, convert_to_fp8, plan_fp8, quantize, sqnr
 from amped.policy import Policy
 from amped.recipes import resolve_recipe
@@ -60,7 +55,7 @@ def _capture(
             f"Layers {missing} were not called, or no gradient reached them, in the step; "
             "the doctor needs every layer it checks in the loss. Received: that model and loss"
         )
-    out = _model_output(output)
+    out = model_output(output)
     return {n: (seen_in[n], seen_grad[n]) for n in names}, None if out is None else out.detach()
 
 
@@ -148,7 +143,7 @@ def _model_sqnr(
         convert_to_fp8(trial, config, names)
     device_type = reference.device.type
     with torch.no_grad(), autocast(device_type, dtype=torch.bfloat16, policy=policy):
-        out = _model_output(call_model(trial, inputs))
+        out = model_output(call_model(trial, inputs))
     return sqnr(reference, out) if out is not None else float("nan")
 
 
@@ -190,9 +185,11 @@ def diagnose_fp8(
     """
     chosen = resolve_recipe(recipe)
     if chosen.fp8 is None:
-        raise ValueError(
-            "diagnose_fp8 checks an FP8 recipe (fp8-tensorwise, fp8-rowwise, "
-            f"fp8-rowwise-gw-hp, fp8-delayed). Received: recipe={recipe!r}"
+        raise value_error(
+            "diagnose_fp8 checks an FP8 recipe: fp8-tensorwise, fp8-rowwise, "
+            "fp8-rowwise-gw-hp or fp8-delayed",
+            "recipe",
+            recipe,
         )
     config = FP8_CONFIGS[chosen.fp8]
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from amped.doctor.stats import limits
+from amped.doctor.stats import smallest_subnormal
 
 __all__ = ["GradientCheck", "check_gradient", "recommended_scale"]
 
@@ -44,7 +44,6 @@ class GradientCheck:
 def check_gradient(
     name: str, grad: torch.Tensor, scale: float, dtype: torch.dtype
 ) -> GradientCheck:
-    lim = limits(dtype)
     g = grad.detach().to(torch.float64).abs()
     g = g[torch.isfinite(g)]
     nonzero = g[g > 0]
@@ -52,7 +51,7 @@ def check_gradient(
         return GradientCheck(name, scale, 0.0, None, False, 0.0, 0.0)
     # Values at or below half the smallest subnormal round to zero (to nearest, ties to
     # even: the tie goes to zero).
-    half = lim.min_subnormal / 2
+    half = smallest_subnormal(dtype) / 2
     lost = int((nonzero * scale <= half).sum())
     amin, amax = float(nonzero.min()), float(nonzero.max())
     min_scale = 2.0 ** math.ceil(math.log2(half / amin))
@@ -63,7 +62,7 @@ def check_gradient(
         scale=scale,
         underflow=lost / nonzero.numel(),
         min_scale=min_scale,
-        overflows=amax * scale > lim.max,
+        overflows=amax * scale > torch.finfo(dtype).max,
         amax=amax,
         amin=amin,
     )
@@ -78,4 +77,4 @@ def recommended_scale(checks: list[GradientCheck], dtype: torch.dtype) -> float 
     amax = max((c.amax for c in checks), default=0.0)
     if amax == 0.0:
         return None
-    return 2.0 ** math.floor(math.log2(limits(dtype).max / amax / 2))
+    return 2.0 ** math.floor(math.log2(torch.finfo(dtype).max / amax / 2))

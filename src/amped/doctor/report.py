@@ -1,26 +1,16 @@
-"""The doctor's report: data, a plain-text summary, JSON, and an HTML page with a plot.
+"""What :func:`amped.doctor.diagnose` found, as data, a plain-text summary and JSON.
 
-The plot (matplotlib, from the ``cli`` extra) draws each module's dynamic range —
-the smallest non-zero and the largest |value| its ops produced — on a log2 axis
-against the limits of float16 and bfloat16, so a reader sees which layer leaves the
-representable range.
+The HTML page and its plot are the CLI's (:mod:`amped.cli.doctor_report`).
 """
 
 from __future__ import annotations
 
-import base64
-import html
-import io
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-import torch
-
+from amped._internal.jsonio import jsonable, to_json
 from amped.doctor.gradients import GradientCheck
-from amped.doctor.stats import limits
 from amped.policy import Policy
 
 __all__ = ["Culprit", "OpStat", "Report", "Suggestion"]
@@ -135,10 +125,10 @@ class Report:
                 "verified": self.suggestion.verified,
                 "sqnr_db": self.suggestion.sqnr_db,
             }
-        return _finite_json(data)
+        return jsonable(data)  # +-inf as "inf"/"-inf", NaN as null: amped's JSON rule
 
     def to_json(self, indent: int = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+        return to_json(self.to_dict(), indent=indent)
 
     # --- text ------------------------------------------------------------------------
 
@@ -171,146 +161,3 @@ class Report:
 
     def __str__(self) -> str:
         return self.summary()
-
-    # --- HTML --------------------------------------------------------------------------
-
-    def module_ranges(self) -> dict[str, tuple[float, float, bool]]:
-        """Per module: (smallest non-zero, largest finite |value|, any inf/NaN) of its ops."""
-        ranges: dict[str, tuple[float, float, bool]] = {}
-        for op in self.ops:
-            name = op.module or "<root>"
-            lo, hi, bad = ranges.get(name, (math.inf, 0.0, False))
-            lo = min(lo, op.amin) if op.amin > 0 else lo
-            ranges[name] = (lo, max(hi, op.amax), bad or bool(op.n_inf or op.n_nan))
-        return ranges
-
-    def plot_png(self) -> bytes | None:
-        """The dynamic-range plot as PNG bytes (None without matplotlib)."""
-        return _range_plot(self.module_ranges(), self.dtype)
-
-    def save_plot(self, path: str | Path) -> Path:
-        """Write the dynamic-range plot to ``path`` as PNG (needs matplotlib)."""
-        png = self.plot_png()
-        if png is None:
-            raise ImportError("The plot needs matplotlib: pip install 'amped[cli]'")
-        path = Path(path)
-        path.write_bytes(png)
-        return path
-
-    def save_html(self, path: str | Path) -> Path:
-        """Write a self-contained HTML page (summary, plot, culprits, tables) to ``path``."""
-        path = Path(path)
-        path.write_text(self.to_html(), encoding="utf-8")
-        return path
-
-    def to_html(self) -> str:
-        """The self-contained HTML page that :meth:`save_html` writes."""
-        png = self.plot_png()
-        plot = (
-            f'<img alt="dynamic range per module" src="data:image/png;base64,'
-            f'{base64.b64encode(png).decode()}">'
-            if png is not None
-            else "<p>(install matplotlib, e.g. <code>pip install amped[cli]</code>, for a plot)</p>"
-        )
-        rows = "".join(
-            f"<tr><td>{o.index}</td><td>{html.escape(o.module or '<root>')}</td>"
-            f"<td>{html.escape(o.op)}</td><td>{o.dtype}</td><td>{o.amax:.3g}</td>"
-            f"<td>{o.n_inf}</td><td>{o.n_nan}</td><td>{_fmt(o.underflow, '.2%')}</td>"
-            f"<td>{_fmt(o.sqnr_db, '.1f')}</td></tr>"
-            for o in self.ops
-        )
-        return _PAGE.format(
-            title=f"amped doctor: {self.dtype} on {self.device_type}",
-            summary=html.escape(self.summary()),
-            plot=plot,
-            rows=rows,
-        )
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "" if value is None or math.isnan(value) else format(value, spec)
-
-
-def _finite_json(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _finite_json(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite_json(v) for v in value]
-    return value
-
-
-def _range_plot(ranges: dict[str, tuple[float, float, bool]], dtype: str) -> bytes | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    lim = limits(getattr(torch, dtype))
-    names = [n for n, (_, hi, bad) in ranges.items() if hi > 0 or bad]
-    fig, ax = plt.subplots(figsize=(9, 0.4 * len(names) + 2.2))
-    lows = [math.log2(lim.min_subnormal)]
-    highs = [math.log2(lim.max)]
-    for i, name in enumerate(names):
-        lo, hi, bad = ranges[name]
-        hi = hi if hi > 0 else lim.max
-        lo = lo if math.isfinite(lo) else hi
-        x0, x1 = math.log2(lo), math.log2(hi)
-        lows.append(x0)
-        highs.append(x1)
-        color = "tab:red" if bad or hi > lim.max else "tab:blue"
-        ax.plot([x0, x1], [i, i], lw=7, color=color, solid_capstyle="butt")
-        if bad:
-            ax.annotate(
-                "inf/NaN",
-                (math.log2(lim.max), i),
-                xytext=(4, -3),
-                textcoords="offset points",
-                color="tab:red",
-                fontsize=8,
-            )
-    for value, label in (
-        (lim.max, "max"),
-        (lim.min_normal, "min normal"),
-        (lim.min_subnormal, "min subnormal"),
-    ):
-        ax.axvline(math.log2(value), color="gray", lw=1, ls="--")
-        ax.annotate(
-            f"{lim.name} {label}",
-            (math.log2(value), 1.0),
-            xycoords=("data", "axes fraction"),
-            xytext=(2, 2),
-            textcoords="offset points",
-            fontsize=8,
-            rotation=0,
-        )
-    ax.axvspan(math.log2(lim.max), max(highs) + 4, color="tab:red", alpha=0.08)
-    ax.axvspan(min(lows) - 4, math.log2(lim.min_subnormal), color="tab:orange", alpha=0.08)
-    ax.set_xlim(min(lows) - 4, max(highs) + 4)
-    ax.set_ylim(-0.7, len(names) - 0.3)
-    # Module names are the user's: "$" in one must not start matplotlib's mathtext.
-    ax.set_yticks(range(len(names)), names, fontsize=8, parse_math=False)
-    ax.set_xlabel("log2 |value| produced by the module's ops (red: overflow, inf or NaN)")
-    ax.set_title(f"Dynamic range per module in the {dtype} run", pad=18)
-    fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    return buffer.getvalue()
-
-
-_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>{title}</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<style>body{{font-family:sans-serif;margin:2em auto;max-width:1100px;padding:0 1em}}
-pre{{background:#f4f4f4;padding:1em;white-space:pre-wrap;overflow-wrap:anywhere}}
-img{{max-width:100%}}
-table{{border-collapse:collapse;font-size:12px}}
-td,th{{border:1px solid #ccc;padding:2px 6px}}</style>
-</head><body><h1>{title}</h1><pre>{summary}</pre>{plot}
-<h2>Ops</h2><table><tr><th>#</th><th>module</th><th>op</th><th>dtype</th><th>max |x|</th>
-<th>inf</th><th>NaN</th><th>underflow</th><th>SQNR dB</th></tr>{rows}</table></body></html>
-"""

@@ -10,11 +10,13 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import value_error
+from amped._internal.trees import iter_tensors
 from amped.autocast_mode import autocast, engine_always
-from amped.doctor.trace import OpCall, Tracer, _first_float_tensor
+from amped.doctor.trace import OpCall, Tracer, float_tensors
 from amped.policy import Policy
 
-__all__ = ["StepResult", "run_step"]
+__all__ = ["StepResult", "call_model", "input_tensors", "model_output", "run_step"]
 
 
 @dataclass
@@ -31,6 +33,8 @@ class StepResult:
 
 
 def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """``model(**inputs)`` for a mapping, ``model(*inputs)`` for a tuple or list, else
+    ``model(inputs)``: the one rule, for the doctor and the CLI's tasks."""
     if isinstance(inputs, Mapping):
         return model(**inputs)
     if isinstance(inputs, (tuple, list)):
@@ -38,13 +42,20 @@ def call_model(model: torch.nn.Module, inputs: Any) -> Any:
     return model(inputs)
 
 
+def input_tensors(inputs: Any) -> list[torch.Tensor]:
+    """Every tensor in what :func:`call_model` passes (any mapping, e.g. a BatchEncoding)."""
+    return list(iter_tensors(dict(inputs) if isinstance(inputs, Mapping) else inputs))
+
+
+_LOSS_RULE = "loss_fn must return a scalar floating tensor (one element) from the model's output"
+
+
 def _check_loss(loss: object) -> torch.Tensor:
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else None
-        raise ValueError(
-            "loss_fn must return a scalar floating tensor (one element) computed from the "
-            f"model's output. Received: loss of type {type(loss).__name__}, shape {shape}"
-        )
+    if not isinstance(loss, torch.Tensor):
+        raise value_error(_LOSS_RULE, "loss_fn(output)", loss)
+    if loss.numel() != 1 or not loss.is_floating_point():
+        dtype = str(loss.dtype).removeprefix("torch.")
+        raise value_error(f"{_LOSS_RULE}; it returned {dtype}", "loss_fn(output).shape", loss.shape)
     return loss
 
 
@@ -72,9 +83,8 @@ def run_step(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        # The tracer sits below amped's mode and must see each op after its casts, so
-        # the mode runs even for torch's own rules (which torch's C++ autocast would
-        # otherwise apply, below the tracer).
+        # The tracer, below amped's mode, must see each op after its casts: so the mode
+        # applies even torch's own rules, which torch's C++ autocast would apply unseen.
         with tracer, engine_always(), region:
             output = call_model(private, inputs)
             loss = _check_loss(loss_fn(output))
@@ -95,7 +105,7 @@ def run_step(
         for name, p in private.named_parameters()
         if p.grad is not None
     }
-    out_tensor = _model_output(output)
+    out_tensor = model_output(output)
     for call in tracer.calls:
         call.live_output = None
     return StepResult(
@@ -107,15 +117,12 @@ def run_step(
     )
 
 
-def _model_output(output: Any) -> torch.Tensor | None:
+def model_output(output: Any) -> torch.Tensor | None:
     """The tensor to compare across runs: the first non-scalar floating tensor the model
-    returned (for a transformers ModelOutput, the logits rather than the loss)."""
-    values = output.values() if isinstance(output, Mapping) else [output]
-    for value in values:
-        found = _first_float_tensor(value)
-        if found is not None and found.dim() > 0:
-            return found
-    return _first_float_tensor(output)
+    returned (for a transformers ModelOutput, the logits rather than the loss), else the
+    first floating one."""
+    found = float_tensors(dict(output) if isinstance(output, Mapping) else output)
+    return next((t for t in found if t.dim() > 0), found[0] if found else None)
 
 
 def _grad_hook(index: int, order: list[tuple[int, bool]]) -> Callable[[torch.Tensor], None]:

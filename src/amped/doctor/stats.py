@@ -11,23 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DtypeLimits", "compare", "limits", "summarize"]
+__all__ = ["ErrorStats", "measure_error", "smallest_subnormal", "summarize"]
 
 
-@dataclass(frozen=True)
-class DtypeLimits:
-    """What a floating dtype can hold: largest finite, smallest normal, smallest subnormal."""
-
-    name: str
-    max: float
-    min_normal: float
-    min_subnormal: float
-
-
-def limits(dtype: torch.dtype) -> DtypeLimits:
+def smallest_subnormal(dtype: torch.dtype) -> float:
+    """The smallest positive value ``dtype`` holds (``torch.finfo`` stops at normals)."""
     info = torch.finfo(dtype)
-    # smallest subnormal = smallest normal * machine epsilon (2**-(mantissa bits))
-    return DtypeLimits(str(dtype).replace("torch.", ""), info.max, info.tiny, info.tiny * info.eps)
+    return info.tiny * info.eps  # smallest normal * 2**-(mantissa bits)
 
 
 @dataclass(frozen=True)
@@ -55,13 +45,15 @@ def summarize(t: torch.Tensor) -> TensorSummary:
 
 
 @dataclass(frozen=True)
-class Comparison:
+class ErrorStats:
+    """A low-precision tensor against its float32 reference."""
+
     underflow: float  # fraction of reference non-zeros that are zero or subnormal here
     rel_error: float  # ||t - ref|| / ||ref|| over positions finite in both
     sqnr_db: float  # 10 log10(||ref||^2 / ||t - ref||^2); inf when identical
 
 
-def compare(t: torch.Tensor, reference: torch.Tensor) -> Comparison | None:
+def measure_error(t: torch.Tensor, reference: torch.Tensor) -> ErrorStats | None:
     """``t`` (low precision) against ``reference`` (float32 run); None if shapes differ."""
     if t.shape != reference.shape:
         return None
@@ -74,7 +66,7 @@ def compare(t: torch.Tensor, reference: torch.Tensor) -> Comparison | None:
     underflow = int(lost.sum()) / n_ref if n_ref else 0.0
     both = torch.isfinite(x) & torch.isfinite(r)
     if bool((torch.isfinite(r) & ~torch.isfinite(x)).any()):  # broke where float32 did not
-        return Comparison(underflow=underflow, rel_error=math.inf, sqnr_db=-math.inf)
+        return ErrorStats(underflow=underflow, rel_error=math.inf, sqnr_db=-math.inf)
     signal = float((r[both] ** 2).sum())
     noise = float(((x[both] - r[both]) ** 2).sum())
     rel_error = math.sqrt(noise / signal) if signal > 0 else (0.0 if noise == 0 else math.inf)
@@ -84,4 +76,4 @@ def compare(t: torch.Tensor, reference: torch.Tensor) -> Comparison | None:
         sqnr = -math.inf
     else:
         sqnr = 10 * math.log10(signal / noise)
-    return Comparison(underflow=underflow, rel_error=rel_error, sqnr_db=sqnr)
+    return ErrorStats(underflow=underflow, rel_error=rel_error, sqnr_db=sqnr)

@@ -20,9 +20,13 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.overrides import TorchFunctionMode
 
+from amped._internal.trees import iter_tensors
 from amped.autocast_mode import transparent
 
-__all__ = ["OpCall", "Tracer"]
+__all__ = ["OpCall", "Tracer", "float_tensors", "user_source"]
+
+Op = Callable[..., Any]
+Args = tuple[Any, ...]
 
 # Calls that only reshape, view, copy or describe: they never create a new value range.
 _NOT_COMPUTE = frozenset(
@@ -120,25 +124,9 @@ class OpCall:
         return (self.module, self.op, self.occurrence)
 
 
-def _first_float_tensor(value: Any) -> torch.Tensor | None:
-    if isinstance(value, torch.Tensor):
-        return value if value.is_floating_point() else None
-    if isinstance(value, (tuple, list)):
-        for v in value:
-            found = _first_float_tensor(v)
-            if found is not None:
-                return found
-    return None
-
-
-def _float_tensors(values: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    for v in values:
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            found.append(v)
-        elif isinstance(v, (tuple, list)):
-            found.extend(_float_tensors(v))
-    return found
+def float_tensors(value: Any) -> list[torch.Tensor]:
+    """The floating-point tensors inside ``value`` (nested tuples, lists, dicts), in order."""
+    return [t for t in iter_tensors(value) if t.is_floating_point()]
 
 
 def user_source(stack: traceback.StackSummary | None) -> str | None:
@@ -161,7 +149,7 @@ class Tracer(TorchFunctionMode):
         self._modules: list[str] = []
         self._counts: dict[tuple[str, str], int] = {}
         self._producer: dict[int, int] = {}  # id(output tensor) -> call index
-        self._running: dict[Callable[..., Any], None] = {}
+        self._running: dict[Op, None] = {}
         self._handles: list[Any] = []
         self._keep_live = keep_live
         self._keep_alive: list[torch.Tensor] = []  # outputs stay alive so their ids stay unique
@@ -191,13 +179,7 @@ class Tracer(TorchFunctionMode):
 
     # --- op recording ----------------------------------------------------------------
 
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types_: tuple[type, ...],
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
+    def __torch_function__(self, func: Op, types_: Any, args: Args = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if type(func) is types.FunctionType and func not in self._running:
             return transparent.run_transparently(self, self._running, func, types_, args, kwargs)
@@ -208,10 +190,10 @@ class Tracer(TorchFunctionMode):
         return out
 
     def _record(self, name: str, inputs: tuple[Any, ...], out: Any) -> None:
-        tensor = _first_float_tensor(out)
-        if tensor is None:
+        outputs = float_tensors(out)
+        if not outputs:
             return
-        tensors = _float_tensors(inputs)
+        tensor, tensors = outputs[0], float_tensors(inputs)
         module = self._modules[-1] if self._modules else ""
         occurrence = self._counts.get((module, name), 0)
         self._counts[(module, name)] = occurrence + 1

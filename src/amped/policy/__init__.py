@@ -1,17 +1,10 @@
-"""Policy layer: what autocast does with each op, as data. Depends on torch only."""
+"""Policy layer: what autocast does with each op, as data. Depends on torch only.
 
-from amped.policy.ops import TORCH_OP_TABLES, Cast, registered_autocast_ops, torch_default_rules
-from amped.policy.policy import LOW_DTYPES, ModuleRule, OpKey, Policy, Precision, op_label
+Exported: the policy value and its parts. torch's op tables
+(:mod:`amped.policy.ops`) and the helpers are importable by module path.
+"""
 
-__all__ = [
-    "LOW_DTYPES",
-    "TORCH_OP_TABLES",
-    "Cast",
-    "ModuleRule",
-    "OpKey",
-    "Policy",
-    "Precision",
-    "op_label",
-    "registered_autocast_ops",
-    "torch_default_rules",
-]
+from amped.policy.ops import Cast
+from amped.policy.policy import ModuleRule, Policy
+
+__all__ = ["Cast", "ModuleRule", "Policy"]

@@ -1,4 +1,4 @@
-"""Cast categories and torch's own autocast op lists, written out as data.
+"""Ops as a policy names them, cast categories, and torch's autocast op lists as data.
 
 torch keeps its autocast lists in C++ (``aten/src/ATen/autocast_mode.cpp``). They are
 copied here by category, one table per device type. The tables name every op that
@@ -16,10 +16,30 @@ from __future__ import annotations
 
 import enum
 import functools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["TORCH_OP_TABLES", "Cast", "registered_autocast_ops", "torch_default_rules"]
+from amped._internal.errors import type_error, value_error
+from amped._internal.torch_compat import aten_op_names, has_kernel_for
+
+__all__ = [
+    "TORCH_OP_TABLES",
+    "Cast",
+    "OpKey",
+    "check_op",
+    "known_aten_ops",
+    "op_label",
+    "registered_autocast_ops",
+    "torch_default_rules",
+]
+
+OpKey = str | Callable[..., Any]
+"""An op: its ATen name (``"mm"``, ``"softmax"``), a custom op's qualified name
+(``"mylib::fused_gelu"``), or a Python callable (a function decorated with
+:func:`amped.autocast_op`, a ``torch.library.custom_op``, a ``torch.ops`` packet),
+matched by identity."""
 
 
 class Cast(enum.Enum):
@@ -160,20 +180,71 @@ TORCH_OP_TABLES: dict[str, dict[str, Cast]] = {
 _DISPATCH_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 
 
+def _aten_name(qualified: str) -> str:
+    """``"aten::norm.ScalarOpt_dtype"`` -> ``"norm"``."""
+    return qualified[len("aten::") :].split(".")[0]
+
+
+@functools.cache
+def known_aten_ops() -> frozenset[str]:
+    """Every ATen op (no overload) the installed torch registers."""
+    return frozenset(_aten_name(n) for n in aten_op_names() if n.startswith("aten::"))
+
+
 @functools.cache
 def registered_autocast_ops(device_type: str) -> frozenset[str]:
     """ATen ops (no overload) for which the installed torch registers an autocast kernel."""
     key = _DISPATCH_KEYS[device_type]
-    found = set()
-    for qualified in torch._C._dispatch_get_all_op_names():
-        if qualified.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(
-            qualified, key
-        ):
-            found.add(qualified[len("aten::") :].split(".")[0])
-    return frozenset(found)
+    return frozenset(
+        _aten_name(n) for n in aten_op_names() if n.startswith("aten::") and has_kernel_for(n, key)
+    )
 
 
 def torch_default_rules(device_type: str) -> dict[str, Cast]:
     """torch's autocast rules for ``device_type`` as the installed release has them."""
     registered = registered_autocast_ops(device_type)
     return {name: cast for name, cast in TORCH_OP_TABLES[device_type].items() if name in registered}
+
+
+def op_label(op: OpKey) -> str:
+    """A readable name for an op key: the ATen name, or module.qualname of a callable."""
+    if isinstance(op, str):
+        return op
+    module = getattr(op, "__module__", None)
+    name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
+    return f"{module}.{name}" if module else name
+
+
+def _custom_op_exists(qualified: str) -> bool:
+    namespace, _, name = qualified.partition("::")
+    try:
+        getattr(getattr(torch.ops, namespace), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def check_op(op: object) -> OpKey:
+    """``op`` if a policy can name it: a registered ATen or custom op name, or a callable."""
+    if isinstance(op, str) and "::" in op:
+        if not _custom_op_exists(op):
+            raise value_error(
+                f"No custom op {op!r} is registered; define it with torch.library first, "
+                "or pass the op object itself",
+                "op",
+                op,
+            )
+        return op
+    if isinstance(op, str):
+        if op not in known_aten_ops():
+            raise value_error(
+                f"Unknown op name {op!r}: a policy names ops by their ATen name without "
+                "overload (e.g. 'mm', 'softmax', 'layer_norm', 'linalg_vecdot') or by the "
+                "Python callable itself",
+                "op",
+                op,
+            )
+        return op
+    if not callable(op):
+        raise type_error("A policy op must be an ATen op name or a callable", "op", op)
+    return op

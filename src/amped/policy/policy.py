@@ -3,7 +3,7 @@
 A :class:`Policy` says, for one device type, what autocast does with each op
 (a :class:`~amped.policy.ops.Cast` per op), optionally differently for float16 and
 bfloat16, and which submodules run in float32, in low precision, or untouched.
-It holds names and objects only; the engine in :mod:`amped.autocast` applies it.
+It holds names and objects only; the engine in :mod:`amped.autocast_mode` applies it.
 """
 
 from __future__ import annotations
@@ -11,23 +11,18 @@ from __future__ import annotations
 import fnmatch
 import functools
 import textwrap
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
 
+from amped._internal.errors import type_error, value_error
 from amped.policy.created import notify_created
-from amped.policy.ops import TORCH_OP_TABLES, Cast, torch_default_rules
+from amped.policy.ops import TORCH_OP_TABLES, Cast, OpKey, check_op, op_label, torch_default_rules
 
-__all__ = ["LOW_DTYPES", "ModuleRule", "OpKey", "Policy", "Precision"]
-
-OpKey = str | Callable[..., Any]
-"""An op: its ATen name (``"mm"``, ``"softmax"``), a custom op's qualified name
-(``"mylib::fused_gelu"``), or a Python callable (a function decorated with
-:func:`amped.autocast_op`, a ``torch.library.custom_op``, a ``torch.ops`` packet),
-matched by identity."""
+__all__ = ["LOW_DTYPES", "ModuleRule", "Policy", "Precision"]
 
 Precision = Literal["fp32", "low", "skip"]
 LOW_DTYPES = (torch.float16, torch.bfloat16)
@@ -62,61 +57,13 @@ class ModuleRule:
         return f"{sel} -> {self.precision}"
 
 
-def op_label(op: OpKey) -> str:
-    """A readable name for an op key: the ATen name, or module.qualname of a callable."""
-    if isinstance(op, str):
-        return op
-    module = getattr(op, "__module__", None)
-    name = getattr(op, "__qualname__", None) or getattr(op, "__name__", None) or repr(op)
-    return f"{module}.{name}" if module else name
-
-
-@functools.cache
-def _known_aten_names() -> frozenset[str]:
-    names = torch._C._dispatch_get_all_op_names()
-    return frozenset(n[len("aten::") :].split(".")[0] for n in names if n.startswith("aten::"))
-
-
-def _custom_op_exists(qualified: str) -> bool:
-    namespace, _, name = qualified.partition("::")
-    try:
-        getattr(getattr(torch.ops, namespace), name)
-    except (AttributeError, RuntimeError):
-        return False
-    return True
-
-
-def _check_op(op: object) -> OpKey:
-    if isinstance(op, str) and "::" in op:
-        if not _custom_op_exists(op):
-            raise ValueError(
-                f"No custom op {op!r} is registered; define it with torch.library first, "
-                f"or pass the op object itself. Received: op={op!r} (of type str)"
-            )
-        return op
-    if isinstance(op, str):
-        if op not in _known_aten_names():
-            raise ValueError(
-                f"Unknown op name {op!r}: a policy names ops by their ATen name without "
-                "overload (e.g. 'mm', 'softmax', 'layer_norm', 'linalg_vecdot') or by the "
-                f"Python callable itself. Received: op={op!r} (of type str)"
-            )
-        return op
-    if not callable(op):
-        raise TypeError(
-            "A policy op must be an ATen op name or a callable. "
-            f"Received: op={op!r} (of type {type(op).__name__})"
-        )
-    return op
-
-
 def _check_dtype(dtype: object) -> torch.dtype:
-    if dtype not in LOW_DTYPES:
-        raise ValueError(
-            "Per-dtype rules apply to autocast's low dtypes, torch.float16 or "
-            f"torch.bfloat16. Received: dtype={dtype!r} (of type {type(dtype).__name__})"
+    if not isinstance(dtype, torch.dtype) or dtype not in LOW_DTYPES:
+        raise value_error(
+            "Per-dtype rules apply to autocast's low dtypes, torch.float16 or torch.bfloat16",
+            "dtype",
+            dtype,
         )
-    assert isinstance(dtype, torch.dtype)
     return dtype
 
 
@@ -162,14 +109,16 @@ class Policy:
         name: str = "custom",
     ) -> None:
         if device_type not in _DEVICE_TYPES:
-            raise ValueError(
-                f"amped has autocast policies for device types {list(_DEVICE_TYPES)}. "
-                f"Received: device_type={device_type!r}"
+            raise value_error(
+                f"amped has autocast policies for device types {list(_DEVICE_TYPES)}",
+                "device_type",
+                device_type,
             )
         for op, cast in rules.items():
-            _check_op(op)
+            check_op(op)
             if not isinstance(cast, Cast):
-                raise TypeError(f"Rule for {op_label(op)} must be a Cast. Received: {cast!r}")
+                message = f"The rule for {op_label(op)} must be a Cast, such as Cast.FP32"
+                raise type_error(message, "rule", cast)
         self.device_type = device_type
         self.name = name
         self._rules = _frozen(rules)
@@ -193,8 +142,12 @@ class Policy:
 
     @classmethod
     @functools.cache
-    def preset(cls, name: str, device_type: str = "cpu") -> Policy:
-        """A named policy.
+    def preset(cls, name: str, device_type: str) -> Policy:
+        """A named policy for ``device_type`` (``"cpu"`` or ``"cuda"``).
+
+        ``device_type`` has no default, as in ``torch.autocast(device_type, ...)``: a
+        policy belongs to one device type, and a wrong guess would silently apply
+        another device's op lists.
 
         Presets:
             ``"torch"``: torch's own lists for ``device_type`` as the installed release
@@ -212,10 +165,11 @@ class Policy:
                 if cast in fp32_kinds and op not in rules:
                     rules[op] = cast
             return cls(device_type, rules, name="strict")
-        raise ValueError(
+        raise value_error(
             f"Unknown policy preset {name!r}; presets are 'torch' (torch's own lists, the "
-            "default) and 'strict' (float32 for softmax, exp, log and norms on every "
-            f"device). Received: name={name!r}"
+            "default) and 'strict' (float32 for softmax, exp, log and norms on every device)",
+            "name",
+            name,
         )
 
     # --- queries ---------------------------------------------------------------
@@ -280,17 +234,21 @@ class Policy:
             try:
                 cast = Cast(category)
             except ValueError:
-                raise TypeError(
+                raise type_error(
                     f"with_ops() got an unknown category {category!r}; categories are "
-                    f"{[c.value for c in Cast]}"
+                    f"{[c.value for c in Cast]}",
+                    category,
+                    ops,
                 ) from None
             if isinstance(ops, str):
-                raise TypeError(
-                    f"with_ops({category}=...) takes a list of ops, not one string. "
-                    f"Received: {category}={ops!r}; write {category}=[{ops!r}]"
+                raise type_error(
+                    f"with_ops({category}=...) takes a list of ops, not one string; write "
+                    f"{category}=[{ops!r}]",
+                    category,
+                    ops,
                 )
             for op in ops:
-                moves[_check_op(op)] = cast
+                moves[check_op(op)] = cast
         rules = dict(self._rules)
         dtype_rules = {d: dict(r) for d, r in self._dtype_rules.items()}
         if dtype is None:
@@ -305,17 +263,18 @@ class Policy:
     def with_module(self, selector: type[torch.nn.Module] | str, precision: Precision) -> Policy:
         """A new policy that runs matching submodules at ``precision`` (see :class:`ModuleRule`)."""
         if precision not in _PRECISIONS:
-            raise ValueError(
-                f"Module precision must be one of {list(_PRECISIONS)}. "
-                f"Received: precision={precision!r}"
+            raise value_error(
+                f"Module precision must be one of {list(_PRECISIONS)}", "precision", precision
             )
         if isinstance(selector, str):
             if not selector:
-                raise ValueError("A module name pattern must not be empty.")
+                message = "A module name pattern must not be empty; pass a glob like 'encoder.*'"
+                raise value_error(message, "selector", selector)
         elif not (isinstance(selector, type) and issubclass(selector, torch.nn.Module)):
-            raise TypeError(
-                "A module selector is a torch.nn.Module subclass or a qualified-name glob. "
-                f"Received: selector={selector!r} (of type {type(selector).__name__})"
+            raise type_error(
+                "A module selector is a torch.nn.Module subclass or a qualified-name glob",
+                "selector",
+                selector,
             )
         rules = (*self._module_rules, ModuleRule(selector, precision))
         return self._derive(module_rules=rules)

@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 
+from amped._internal.torch_compat import dtensor_class
 from amped.autocast_mode import autocast
 from amped.fp8 import Fp8Layers, ModuleFilter
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.weights import Lowering, installed_on, restore_model_
 from amped.scaling import GradScaler
-from amped.scaling.distributed import dtensor_type
 
 __all__ = ["TrainSetup", "prepare"]
 
@@ -243,7 +243,7 @@ def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.O
 
 
 def _check_float32(model: torch.nn.Module, recipe: Recipe) -> None:
-    dtensor = dtensor_type()
+    dtensor = dtensor_class()
     for name, param in model.named_parameters():
         if dtensor is not None and isinstance(param, dtensor):
             # Lowering a DTensor changes its metadata, not FSDP2's float32 local shards.

@@ -1,14 +1,14 @@
 """Scaling layer: ``GradScaler``, loss-scale strategies, records and checkpoints.
 
-Depends on torch only (never on ``amped.autocast`` or the layers above).
+Exported: what a training loop and a strategy of one's own need. Everything else
+(argument checks, the state-dict layout, distributed agreement, the archive reader) is
+importable by module path but not public API. Depends on torch only (never on
+``amped.autocast_mode`` or the layers above).
 """
 
 from amped.scaling.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from amped.scaling.checks import SCALE_FLOOR
-from amped.scaling.config import StrategyConfig
 from amped.scaling.grad_scaler import GradScaler
 from amped.scaling.records import ScaleRecord
-from amped.scaling.scaler_base import OptState
 from amped.scaling.strategies import (
     Bounded,
     DynamicScale,
@@ -17,24 +17,19 @@ from amped.scaling.strategies import (
     ScaleState,
     ScaleStrategy,
     StaticScale,
-    make_strategy,
 )
 
 __all__ = [
-    "SCALE_FLOOR",
     "Bounded",
     "CheckpointError",
     "DynamicScale",
     "GradScaler",
     "GrowthFactors",
     "Hysteresis",
-    "OptState",
     "ScaleRecord",
     "ScaleState",
     "ScaleStrategy",
     "StaticScale",
-    "StrategyConfig",
     "load_checkpoint",
-    "make_strategy",
     "save_checkpoint",
 ]

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO
 
 import torch
 
+from amped._internal.files import fsync_directory
 from amped.scaling.archive import ArchiveError, verify_archive
 
 try:
@@ -215,17 +216,3 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = None) -
 def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0][:300] if lines else ""
-
-
-def fsync_directory(directory: str | os.PathLike[str]) -> None:
-    """Make a rename in ``directory`` durable (where the platform can open a directory)."""
-    try:
-        handle = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(handle)
-    except OSError:
-        pass
-    finally:
-        os.close(handle)

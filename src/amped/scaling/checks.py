@@ -1,16 +1,19 @@
-"""Argument checks for the scaling layer, with errors in one voice.
+"""The scaler's arguments, checked on the way in, with the reason for each bound.
 
-Every message says what was wrong and what is allowed, and ends with
-``Received: name=value (of type T)``. ``TypeError`` for a wrong type, ``ValueError``
-for a wrong value; call-order errors are raised where the order is known.
+``TypeError`` for a wrong type, ``ValueError`` for a wrong value, each message ending
+with ``Received: name=value (of type T)``; call-order errors are raised where the
+order is known, as :class:`ScalerOrderError`.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
+
+from amped._internal.errors import type_error, value_error
 
 __all__ = [
     "SCALE_FLOOR",
@@ -18,31 +21,52 @@ __all__ = [
     "ScalerStateDictError",
     "check_bool",
     "check_device_type",
-    "check_floor",
+    "check_factor",
+    "check_growth_interval",
     "check_int",
+    "check_loaded_scale",
+    "check_new_scale",
     "check_real",
+    "check_scale",
     "check_scale_bound",
-    "received",
 ]
 
 
-# The smallest scale amped lets exist: float32's smallest normal number, 2**-126.
-# Gradients are unscaled by multiplying with the reciprocal of the scale (computed in
-# fp64, then rounded to float32). Below about 2.9e-39 that reciprocal overflows to inf,
-# and at 0.0 the loss is multiplied to 0, the gradients are all finite zeros, the
-# inf/NaN check (which runs before the multiply) passes and 0 * inf = NaN reaches every
-# parameter. A power of two, so halving from 65536 lands on it exactly; normal, so no
-# flush-to-zero mode turns it into 0.
+# float32's smallest normal number, 2**-126: below it 1/scale overflows float32, and at
+# 0.0 a clean step turns every parameter into NaN (see docs/robustness.md).
 SCALE_FLOOR = float(torch.finfo(torch.float32).tiny)
+
+_SCALE_RULE = (
+    "The loss is multiplied by the scale and the gradients divided by it, so it must be "
+    f"finite and at least {SCALE_FLOOR!r} (2**-126; torch's default is 65536.0)."
+)
+_BOUND_RULE = (
+    f"A scale bound is None (unbounded) or a finite number >= {SCALE_FLOOR!r} (2**-126; "
+    "below it the reciprocal of the scale overflows float32)."
+)
+# (exclusive low, exclusive high, why) of torch's two factors of the dynamic rule.
+_FACTOR_RULES = {
+    "growth_factor": (
+        1.0,
+        math.inf,
+        "The scale is multiplied by it after `growth_interval` clean iterations, so it "
+        "must be finite and > 1.0 (default 2.0). For a fixed scale pass dynamic=False.",
+    ),
+    "backoff_factor": (
+        0.0,
+        1.0,
+        "The scale is multiplied by it after an overflow, so it must lie strictly "
+        "between 0.0 and 1.0 (default 0.5).",
+    ),
+}
 
 
 class ScalerOrderError(RuntimeError, AssertionError):
     """A scaler method called out of order (before ``scale()``, ``update()`` before any
     ``step()``, pickling mid-iteration).
 
-    A ``RuntimeError``, amped's type for call-order mistakes, and also an
-    ``AssertionError``, which is what ``torch.amp.GradScaler`` raises in these cases: code
-    written against torch that catches it keeps working.
+    Also an ``AssertionError``, which ``torch.amp.GradScaler`` raises in these cases, so
+    code written against torch that catches it keeps working.
     """
 
 
@@ -54,36 +78,26 @@ class ScalerStateDictError(ValueError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def received(name: str, value: object) -> str:
-    """The closing sentence of every argument error."""
-    return f"Received: {name}={value!r} (of type {type(value).__name__})"
-
-
 def check_real(name: str, value: object, *, low: float, high: float, rule: str) -> float:
     """Return ``value`` as a float if it is a finite real number strictly inside (low, high).
 
-    Args:
-        name: the argument's name, as the user wrote it.
-        value: what the user passed.
-        low: exclusive lower bound.
-        high: exclusive upper bound.
-        rule: why the bounds are what they are, one sentence.
+    ``rule`` says in one sentence why the bounds are what they are.
     """
     # bool is an int to Python; a scale of True is a bug, not a number.
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"`{name}` must be a real number. {rule} {received(name, value)}")
+        raise type_error(f"`{name}` must be a real number. {rule}", name, value)
     number = float(value)
     if not (math.isfinite(number) and low < number < high):
-        raise ValueError(f"`{name}` is out of range. {rule} {received(name, value)}")
+        raise value_error(f"`{name}` is out of range. {rule}", name, value)
     return number
 
 
 def check_int(name: str, value: object, *, minimum: int, rule: str) -> int:
     """Return ``value`` if it is an int (not a bool) of at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be an int. {rule} {received(name, value)}")
+        raise type_error(f"`{name}` must be an int. {rule}", name, value)
     if value < minimum:
-        raise ValueError(f"`{name}` must be >= {minimum}. {rule} {received(name, value)}")
+        raise value_error(f"`{name}` must be >= {minimum}. {rule}", name, value)
     return int(value)
 
 
@@ -93,29 +107,78 @@ def check_bool(name: str, value: object) -> bool:
         return value
     if isinstance(value, numbers.Integral) and value in (0, 1):
         return bool(value)
-    raise TypeError(f"`{name}` must be True or False. {received(name, value)}")
+    raise type_error(f"`{name}` must be True or False", name, value)
+
+
+def _check_floor(name: str, number: float, rule: str) -> float:
+    if number < SCALE_FLOOR:
+        raise value_error(
+            f"`{name}` is below amped's scale floor {SCALE_FLOOR!r} (2**-126): gradients are "
+            "unscaled by 1/scale, which overflows float32 to inf there and turns zero "
+            f"gradients into NaN. {rule}",
+            name,
+            number,
+        )
+    return number
+
+
+def check_scale(name: str, value: object) -> float:
+    """A scale: finite and >= :data:`SCALE_FLOOR`."""
+    number = check_real(name, value, low=0.0, high=math.inf, rule=_SCALE_RULE)
+    return _check_floor(name, number, _SCALE_RULE)
 
 
 def check_scale_bound(name: str, value: object) -> float | None:
-    """Return a ``min_scale``/``max_scale`` bound: None, or a finite float >= SCALE_FLOOR."""
+    """A ``min_scale``/``max_scale`` bound: None, or a finite float >= SCALE_FLOOR."""
     if value is None:
         return None
-    rule = (
-        f"A scale bound is None (unbounded) or a finite number >= {SCALE_FLOOR!r} (2**-126; "
-        "below it the reciprocal of the scale overflows float32)."
-    )
-    return check_floor(name, check_real(name, value, low=0.0, high=math.inf, rule=rule), rule)
+    number = check_real(name, value, low=0.0, high=math.inf, rule=_BOUND_RULE)
+    return _check_floor(name, number, _BOUND_RULE)
 
 
-def check_floor(name: str, number: float, rule: str) -> float:
-    """Refuse a positive scale below :data:`SCALE_FLOOR` (its reciprocal overflows)."""
-    if number < SCALE_FLOOR:
-        raise ValueError(
-            f"`{name}` is below amped's scale floor {SCALE_FLOOR!r} (2**-126): gradients are "
-            "unscaled by 1/scale, which overflows float32 to inf there and turns zero "
-            f"gradients into NaN. {rule} {received(name, number)}"
+def check_loaded_scale(value: object) -> float:
+    """The scale of a state dict: as :func:`check_scale`, except that one in
+    ``[0, SCALE_FLOOR)`` (torch's scaler reaches it after ~166 overflows in a row) loads
+    as the floor, with a warning, so such a run can resume."""
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if real and 0.0 <= value < SCALE_FLOOR:  # type: ignore[operator]
+        warnings.warn(
+            f"The checkpoint's loss scale {value!r} is below amped's scale floor "
+            f"{SCALE_FLOOR!r} (its reciprocal overflows float32); it loads as the floor.",
+            RuntimeWarning,
+            stacklevel=3,
         )
-    return number
+        return SCALE_FLOOR
+    return check_scale("scale", value)
+
+
+def check_factor(name: str, value: object) -> float:
+    """``growth_factor`` (> 1) or ``backoff_factor`` (in (0, 1)), by ``name``."""
+    low, high, rule = _FACTOR_RULES[name]
+    return check_real(name, value, low=low, high=high, rule=rule)
+
+
+def check_growth_interval(value: object) -> int:
+    rule = "It counts the clean iterations in a row before the scale grows (default 2000)."
+    return check_int("growth_interval", value, minimum=1, rule=rule)
+
+
+def check_new_scale(value: object, device_type: str) -> float | torch.Tensor:
+    """``update(new_scale=...)``: a float, or a 1-element float tensor without grad.
+
+    A tensor's value is not checked, since reading it would sync with the device.
+    """
+    if not isinstance(value, torch.Tensor):
+        return check_scale("new_scale", value)
+    rule = (
+        f"new_scale must be a float or a 1-element floating tensor on {device_type!r} "
+        "with requires_grad=False."
+    )
+    if value.device.type != device_type or value.numel() != 1 or value.requires_grad:
+        raise value_error(rule, "new_scale", value)
+    if not value.is_floating_point():
+        raise type_error(rule, "new_scale", value)
+    return value.detach().reshape(())
 
 
 def check_device_type(value: object) -> str:
@@ -127,14 +190,15 @@ def check_device_type(value: object) -> str:
     if isinstance(value, torch.device):
         return value.type
     if not isinstance(value, str):
-        raise TypeError(
-            "`device` must be a device type string such as 'cuda' or 'cpu'. "
-            + received("device", value)
+        raise type_error(
+            "`device` must be a device type string such as 'cuda' or 'cpu'", "device", value
         )
     try:
         return torch.device(value).type
     except RuntimeError as error:
-        raise ValueError(
+        raise value_error(
             f"`device` is not a device torch knows ({error}). Use 'cuda', 'cpu' or another "
-            f"torch device type. {received('device', value)}"
+            "torch device type",
+            "device",
+            value,
         ) from None

@@ -35,7 +35,6 @@ Example:
 from __future__ import annotations
 
 import pickle
-import sys
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -43,36 +42,27 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from amped.scaling.checks import received
+from amped._internal.errors import type_error
+from amped._internal.torch_compat import (
+    dtensor_class,
+    process_group_device_types,
+    tensor_use_count,
+)
+from amped.scaling.unscale import combine_on
 
 __all__ = [
+    "agree_across_ranks",
     "agree_found_inf_",
     "agreement_groups",
     "check_process_group",
     "check_scaler_agreement",
-    "dtensor_type",
     "gather_objects",
-    "references",
     "wait_until_released",
 ]
 
-# How long gather_objects waits for gloo's worker threads to drop the tensors of a
-# finished collective. They do so microseconds after it completes unless descheduled;
-# the bound only matters for a process group that is already broken.
+# How long gather_objects waits for gloo's workers to drop a finished collective's
+# tensors (microseconds, normally); it matters only for a broken process group.
 RELEASE_DEADLINE_S = 5.0
-
-
-def dtensor_type() -> Any:
-    """DTensor's class if its module is loaded, else None (no tensor can be one then).
-
-    Looked up, never imported: importing ``torch.distributed.tensor`` takes a second.
-    Its home was ``torch.distributed._tensor`` before torch 2.5.
-    """
-    for name in ("torch.distributed.tensor", "torch.distributed._tensor"):
-        dtensor = getattr(sys.modules.get(name), "DTensor", None)
-        if dtensor is not None:
-            return dtensor
-    return None
 
 
 def check_process_group(value: object) -> Any:
@@ -80,10 +70,12 @@ def check_process_group(value: object) -> Any:
     if value is None:
         return None
     if not dist.is_available() or not isinstance(value, dist.ProcessGroup):
-        raise TypeError(
+        raise type_error(
             "`process_group` must be None (agree across the ranks that shard the "
             "gradients, found from DTensor gradients) or a torch.distributed.ProcessGroup "
-            f"such as torch.distributed.group.WORLD. {received('process_group', value)}"
+            "such as torch.distributed.group.WORLD",
+            "process_group",
+            value,
         )
     return value
 
@@ -97,7 +89,7 @@ def agreement_groups(process_group: Any, params: Iterable[torch.Tensor]) -> list
     """
     if process_group is not None:
         return [process_group]
-    dtensor = dtensor_type()
+    dtensor = dtensor_class()
     if dtensor is None or not dist.is_available() or not dist.is_initialized():
         return []
     groups: list[Any] = []
@@ -129,6 +121,26 @@ def agree_found_inf_(found_inf: torch.Tensor, groups: list[Any]) -> torch.Tensor
     return found_inf
 
 
+def agree_across_ranks(
+    process_group: Any,
+    optimizer: torch.optim.Optimizer,
+    flags: dict[torch.device, torch.Tensor],
+    device: torch.device,
+) -> dict[torch.device, torch.Tensor]:
+    """This rank's per-device inf/NaN ``flags`` for ``optimizer``, replaced by the one flag
+    every rank agrees on (one all-reduce per group, usually one), so that they skip
+    alike. No sync."""
+    params = (p for group in optimizer.param_groups for p in group["params"])
+    groups = agreement_groups(process_group, params)
+    if not groups:
+        return flags
+    # Every rank must join the collective, even one with no gradients (whose step()
+    # then raises its own error rather than leaving the others waiting).
+    found = combine_on(device, list(flags.values()))
+    agree_found_inf_(found, groups)
+    return {device: found} if flags else flags
+
+
 def check_scaler_agreement(scaler: Any, process_group: Any = None) -> dict[str, Any]:
     """Check that every rank's scaler holds the same state; return this rank's state dict.
 
@@ -150,8 +162,8 @@ def check_scaler_agreement(scaler: Any, process_group: Any = None) -> dict[str, 
         raise RuntimeError(
             "The GradScaler state differs across ranks: they skipped different steps, so "
             "their parameters have diverged. Pass the process group that shards the "
-            "gradients as GradScaler(process_group=...). "
-            f"Received: state on rank 0={states[0]!r}, differing ranks={differ}"
+            f"gradients as GradScaler(process_group=...). State on rank 0: {states[0]!r}; "
+            f"differing ranks={differ}"
         )
     return state
 
@@ -159,38 +171,34 @@ def check_scaler_agreement(scaler: Any, process_group: Any = None) -> dict[str, 
 def gather_objects(obj: Any, process_group: Any = None) -> list[Any]:
     """Every rank's ``obj``, in rank order: ``dist.all_gather_object``, safe at exit.
 
-    gloo runs a collective on a worker thread, which drops its references to the
-    collective's tensors just after the caller sees it finish. A tensor made in Python
-    whose last reference a C++ thread drops takes the GIL to free its Python object, and
-    a thread that takes the GIL while the interpreter shuts down aborts the process
-    ("terminate called without an active exception", pytorch#190489). With
-    ``all_gather_object`` the tensors are torch's, so a rank that gathers and then
-    exits can abort after its work is done (seen here on 1 run in 10 of
-    ``examples/ddp_train.py``, 2 ranks on 2 cores). This gather owns its tensors and
-    returns only once the worker has let go of them (:func:`wait_until_released`).
+    gloo's worker thread drops its references to a collective's tensors just after the
+    caller sees it finish; if that is the last reference to a tensor made in Python and
+    the interpreter is shutting down, the process aborts (pytorch#190489; see
+    docs/distributed.md). So this gather owns its tensors and returns only once the
+    worker has let go of them (:func:`wait_until_released`).
 
     Two all-gathers (lengths, then pickled bytes padded to the longest), on the device
-    the group's backend communicates on. The objects must be picklable; unpickling
-    runs code, so gather only from ranks of your own job, as ``all_gather_object``.
+    the group's backend communicates on. Unpickling runs code, so gather only from ranks
+    of your own job, as ``all_gather_object``.
     """
     group: Any = dist.group.WORLD if process_group is None else process_group
     # The rule of all_gather_object: the CPU if the group has a CPU backend (or none
     # yet), else its one device type (its current device, e.g. NCCL's GPU).
-    kinds = [device.type for device in group._device_types]
+    kinds = process_group_device_types(group)
     device = torch.device("cpu" if not kinds or "cpu" in kinds else kinds[0])
     world = dist.get_world_size(group)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
     lengths = [torch.empty_like(length) for _ in range(world)]
     first = [length, *lengths]
-    first_counts = [references(tensor) for tensor in first]
+    first_counts = [tensor_use_count(tensor) for tensor in first]
     dist.all_gather(lengths, length, group=group)
     sizes = [int(size.item()) for size in lengths]
     padded = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload.to(device)
     gathered = [torch.empty_like(padded) for _ in range(world)]
     second = [padded, *gathered]
-    second_counts = [references(tensor) for tensor in second]
+    second_counts = [tensor_use_count(tensor) for tensor in second]
     dist.all_gather(gathered, padded, group=group)
     objects = [
         pickle.loads(bytes(data[:size].tolist()))
@@ -201,24 +209,18 @@ def gather_objects(obj: Any, process_group: Any = None) -> list[Any]:
     return objects
 
 
-def references(tensor: torch.Tensor) -> int:
-    """How many references hold ``tensor`` (its Python object counts as one; autograd,
-    a pending collective or a C++ container add theirs): ``Tensor._use_count()``."""
-    return int(tensor._use_count())  # type: ignore[attr-defined]  # private, torch>=2.3
-
-
 def wait_until_released(
     tensors: list[torch.Tensor], counts: list[int], deadline_s: float = RELEASE_DEADLINE_S
 ) -> bool:
-    """Wait until each tensor's :func:`references` are back down to its entry in ``counts``
-    (taken before handing the tensors to a collective).
+    """Wait until each tensor's use count is back down to its entry in ``counts`` (taken
+    with :func:`~amped._internal.torch_compat.tensor_use_count` before the collective).
 
     Polls with short sleeps, which release the GIL, so that a worker thread waiting for
     it can finish. Returns True once every count is back, False if ``deadline_s``
     passed first (a worker stuck in a broken process group).
     """
     deadline = time.monotonic() + deadline_s
-    while any(references(t) > count for t, count in zip(tensors, counts, strict=True)):
+    while any(tensor_use_count(t) > count for t, count in zip(tensors, counts, strict=True)):
         if time.monotonic() > deadline:
             return False
         time.sleep(1e-4)

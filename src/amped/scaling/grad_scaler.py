@@ -7,6 +7,11 @@ their own step, such as torch's fused Adam). :meth:`GradScaler.scale`,
 strategy. Reading the scale (``get_scale``, ``state_dict``, pickling) syncs, as in torch.
 Under torch.distributed, ranks that hold different gradients agree on each step with
 one collective (see :mod:`amped.scaling.distributed`), which adds no host sync.
+
+Frameworks read some of torch's private attributes (``_scale``, ``_growth_tracker``,
+``_enabled``, ``_device``, ``_per_optimizer_states[id(opt)]["stage"]``) and call some of
+its private methods (``_lazy_init_scale_growth_tracker``, ``_unscale_grads_``); this
+scaler has them, with torch's types and meaning.
 """
 
 from __future__ import annotations
@@ -14,45 +19,56 @@ from __future__ import annotations
 import inspect
 import warnings
 from collections import abc, defaultdict
+from collections.abc import Mapping
 from importlib.util import find_spec
 from typing import Any, overload
 
 import torch
 
-from amped.scaling import config as cfg
+from amped._internal.errors import received, value_error
+from amped._internal.torch_compat import steps_with_amp_scaling
 from amped.scaling.checks import (
     SCALE_FLOOR,
     ScalerOrderError,
     check_bool,
     check_device_type,
-    received,
+    check_factor,
+    check_growth_interval,
+    check_new_scale,
+    check_scale,
 )
-from amped.scaling.distributed import check_process_group
-from amped.scaling.records import History
-from amped.scaling.scaler_base import OptimizerState, OptState
-from amped.scaling.strategies import GrowthFactors, ScaleState
-from amped.scaling.torch_compat import TorchCompatible
+from amped.scaling.distributed import agree_across_ranks, check_process_group
+from amped.scaling.optimizer_state import OptimizerState, OptState
+from amped.scaling.records import History, ScaleRecord
+from amped.scaling.state_dict import AMPED_KEY, amped_entry, read_state_dict
+from amped.scaling.strategies import (
+    DynamicScale,
+    GrowthFactors,
+    ScaleState,
+    ScaleStrategy,
+    choose_strategy,
+)
 from amped.scaling.unscale import PerDevice, combine_on, unscale_grads_
 
 __all__ = ["GradScaler"]
 
 
-class GradScaler(TorchCompatible):
+class GradScaler:
     """Scales the loss so small float16 gradients survive; skips steps that overflow.
 
     A drop-in for :class:`torch.amp.GradScaler`: same arguments, defaults, methods,
     call-order errors and ``state_dict`` keys, and with the defaults bitwise the same
     scales and parameters. ``scale(loss)`` multiplies the loss by the scale;
     ``step(optimizer)`` unscales the gradients, and calls ``optimizer.step()`` only if
-    none holds an inf or NaN; ``update()`` moves the scale (see
+    none holds an inf or NaN; ``update()`` moves the scale by the strategy (see
     :mod:`amped.scaling.strategies` for the rules).
 
     Args:
-        device: device type of the gradients: ``"cuda"`` (default), ``"cpu"``, ...
-            With ``"cuda"`` and no CUDA, warns and disables itself, as torch does.
+        device: device type of the gradients: ``"cuda"`` (default, as torch's),
+            ``"cpu"``, ... With ``"cuda"`` and no CUDA, warns and disables itself, as
+            torch does.
         init_scale: the first scale, a finite number >= ``SCALE_FLOOR`` (2**-126).
-            Whatever the strategy, the scale never goes below that floor, where
-            1/scale would overflow float32 (see ``docs/robustness.md``).
+            Whatever the strategy, the scale never goes below that floor.
         growth_factor: multiplies the scale after ``growth_interval`` clean
             iterations; > 1.
         backoff_factor: multiplies the scale after an iteration with inf/NaN
@@ -60,6 +76,9 @@ class GradScaler(TorchCompatible):
         growth_interval: clean iterations in a row before the scale grows; >= 1.
         enabled: if False, every method is a pass-through (``step`` just calls
             ``optimizer.step``), so one loop serves fp32, bf16 and fp16.
+        strategy: keyword-only. A :class:`~amped.scaling.ScaleStrategy` that moves the
+            scale (default: torch's rule, :class:`~amped.scaling.DynamicScale`). Give
+            either this or the four keywords below, which compose one.
         dynamic: keyword-only. False fixes the scale at ``init_scale`` (steps with
             inf/NaN gradients are still skipped).
         hysteresis: keyword-only. Back off only on the ``hysteresis``-th overflow in
@@ -97,6 +116,7 @@ class GradScaler(TorchCompatible):
         growth_interval: int = 2000,
         enabled: bool = True,
         *,
+        strategy: ScaleStrategy | None = None,
         dynamic: bool = True,
         hysteresis: int = 1,
         min_scale: float | None = None,
@@ -106,16 +126,19 @@ class GradScaler(TorchCompatible):
     ) -> None:
         self._device = check_device_type(device)
         self._enabled = check_bool("enabled", enabled)
-        self._init_scale = cfg.check_scale("init_scale", init_scale)
-        self._growth_factor = cfg.check_growth_factor(growth_factor)
-        self._backoff_factor = cfg.check_backoff_factor(backoff_factor)
-        self._growth_interval = cfg.check_growth_interval(growth_interval)
-        self._set_strategy(
-            cfg.StrategyConfig.checked(dynamic, hysteresis, min_scale, max_scale, self._init_scale)
-        )
+        self._init_scale = check_scale("init_scale", init_scale)
+        self._growth_factor = check_factor("growth_factor", growth_factor)
+        self._backoff_factor = check_factor("backoff_factor", backoff_factor)
+        self._growth_interval = check_growth_interval(growth_interval)
+        keywords: dict[str, object] = {
+            "dynamic": dynamic,
+            "hysteresis": hysteresis,
+            "min_scale": min_scale,
+            "max_scale": max_scale,
+        }
+        self._set_strategy(choose_strategy(strategy, keywords, self._init_scale))
         self._init_growth_tracker = 0
-        # The scale and counters live on the device of the first tensor scale() sees,
-        # so they are made there, lazily.
+        # The scale and counters live on the device of the first tensor scale() sees.
         self._scale: torch.Tensor | None = None
         self._growth_tracker: torch.Tensor | None = None
         self._counters: dict[str, torch.Tensor] = {}
@@ -132,6 +155,8 @@ class GradScaler(TorchCompatible):
                 stacklevel=2,
             )
             self._enabled = False
+
+    # --- the iteration: scale, unscale_, step, update ------------------------------
 
     @overload
     def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
@@ -171,9 +196,10 @@ class GradScaler(TorchCompatible):
         if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
             scaled = map(lambda item: self._scale_nested(item, replicas), value)
             return type(value)(scaled) if isinstance(value, (list, tuple)) else scaled
-        raise ValueError(
-            "outputs must be a Tensor or an iterable of Tensors (lists and tuples may "
-            f"nest). {received('outputs', value)}"
+        raise value_error(
+            "outputs must be a Tensor or an iterable of Tensors (lists and tuples may nest)",
+            "outputs",
+            value,
         )
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -199,8 +225,8 @@ class GradScaler(TorchCompatible):
             )
         if state.stage is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        # A float32 division may be inexact under some compile options; the reciprocal
-        # is taken in float64 and rounded once (torch does the same). MPS has no float64.
+        # The reciprocal in float64, rounded once: a float32 division may be inexact
+        # under some compile options (as torch does). MPS has no float64.
         if scale.device.type == "mps":
             inv_scale = scale.reciprocal()
         else:
@@ -209,7 +235,9 @@ class GradScaler(TorchCompatible):
         state.found_inf_per_device = unscale_grads_(
             optimizer, inv_scale, found_inf, allow_fp16=False
         )
-        self._agree_across_ranks(optimizer, state, scale.device)
+        state.found_inf_per_device = agree_across_ranks(
+            self._process_group, optimizer, state.found_inf_per_device, scale.device
+        )
         state.stage = OptState.UNSCALED
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
@@ -234,7 +262,7 @@ class GradScaler(TorchCompatible):
         state = self._per_optimizer_states[id(optimizer)]
         if state.stage is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        if getattr(optimizer, "_step_supports_amp_scaling", False):
+        if steps_with_amp_scaling(optimizer):
             return self._step_in_optimizer(optimizer, state, scale, args, kwargs)
         if state.stage is OptState.READY:
             self.unscale_(optimizer)
@@ -322,7 +350,7 @@ class GradScaler(TorchCompatible):
         before = scale.clone() if self._history is not None else None
         found = combine_on(scale.device, found_infs)
         if new_scale is not None:
-            value = cfg.check_new_scale(new_scale, self._device)
+            value = check_new_scale(new_scale, self._device)
             if isinstance(value, float):
                 scale.fill_(value)
             else:
@@ -332,10 +360,8 @@ class GradScaler(TorchCompatible):
                 self._growth_factor, self._backoff_factor, self._growth_interval
             )
             self._strategy.update(ScaleState(scale, tracker, self._counters), found, factors)
-        # The floor, whatever the strategy (or a new_scale tensor) did: below it 1/scale
-        # overflows and a clean step would turn every parameter into NaN (see
-        # SCALE_FLOOR). Clamping an in-range float32 returns it unchanged, so wherever
-        # torch's rule stays sound the scale is still bitwise torch's.
+        # The floor, whatever the strategy or new_scale did. Clamping an in-range float32
+        # returns it unchanged, so wherever torch's rule is sound the scale is torch's.
         scale.clamp_(min=SCALE_FLOOR)
         if before is not None and self._history is not None:
             floats = [before, found, self._skipped_flag(scale.device), scale]
@@ -356,6 +382,233 @@ class GradScaler(TorchCompatible):
                 if state.stage is OptState.STEPPED and state.found_inf_per_device
             ],
         )
+
+    # --- settings and readings -----------------------------------------------------
+
+    @property
+    def strategy(self) -> ScaleStrategy:
+        """The loss-scale strategy (see :mod:`amped.scaling.strategies`)."""
+        return self._strategy
+
+    @property
+    def history(self) -> list[ScaleRecord]:
+        """One :class:`~amped.ScaleRecord` per ``update()``, oldest first.
+
+        Syncs once if the latest records are still on the device (each ``step()``
+        fetches the waiting ones within its own sync). Needs ``record_history=True``.
+        """
+        if self._history is None:
+            raise RuntimeError(
+                "This GradScaler keeps no history; construct it with record_history=True. "
+                + received("record_history", False)
+            )
+        return self._history.records()
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest ``step()`` skipped ``optimizer.step()`` (inf/NaN gradients).
+
+        Lets a learning-rate scheduler skip with the optimizer::
+
+            scaler.step(optimizer)
+            scaler.update()
+            if not scaler.last_step_skipped:
+                scheduler.step()
+
+        No sync, except after an optimizer that skips inside its own step (torch's
+        fused ones): that decision stays on the device until read here.
+        """
+        if isinstance(self._last_skipped, torch.Tensor):
+            self._last_skipped = bool(self._last_skipped.item() > 0)
+        return self._last_skipped
+
+    def get_scale(self) -> float:
+        """The current scale as a float, or 1.0 if disabled. Syncs with the device."""
+        if not self._enabled:
+            return 1.0
+        return self._init_scale if self._scale is None else float(self._scale.item())
+
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def get_growth_factor(self) -> float:
+        return self._growth_factor
+
+    def get_backoff_factor(self) -> float:
+        return self._backoff_factor
+
+    def get_growth_interval(self) -> int:
+        return self._growth_interval
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self._growth_factor = check_factor("growth_factor", new_factor)
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self._backoff_factor = check_factor("backoff_factor", new_factor)
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self._growth_interval = check_growth_interval(new_interval)
+
+    # --- state_dict (layout: amped.scaling.state_dict) and pickling ---------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five entries (``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker``), plus ``"amped"`` (strategy, counters,
+        update count) only when a strategy other than torch's rule or a history is in
+        use. Empty if disabled. Call it after ``update()``. Syncs with the device.
+        """
+        if not self._enabled:
+            return {}
+        state: dict[str, Any] = {
+            "scale": self.get_scale(),
+            "growth_factor": self._growth_factor,
+            "backoff_factor": self._backoff_factor,
+            "growth_interval": self._growth_interval,
+            "_growth_tracker": self._get_growth_tracker(),
+        }
+        if self._strategy != DynamicScale() or self._history is not None:
+            counters = self._counter_values()
+            state[AMPED_KEY] = amped_entry(self._strategy, counters, self._updates)
+        return state
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a state dict from amped's or torch's ``GradScaler.state_dict()``.
+
+        Everything is checked before anything changes. A torch state dict keeps this
+        scaler's strategy and starts its counters afresh; an amped one brings its
+        strategy (or, for a strategy of the user's own, needs this scaler to have it).
+        No-op if disabled.
+
+        Raises:
+            RuntimeError: an empty dict (saved from a disabled scaler), as in torch.
+            TypeError, ValueError: a missing key or a bad value.
+        """
+        if not self._enabled:
+            return
+        loaded = read_state_dict(state_dict, self._strategy)
+        self._growth_factor, self._backoff_factor = loaded.growth_factor, loaded.backoff_factor
+        self._growth_interval = loaded.growth_interval
+        self._set_strategy(loaded.strategy)
+        if loaded.counters is not None:
+            self._init_counters = loaded.counters
+        self._init_scale, self._init_growth_tracker = loaded.scale, loaded.growth_tracker
+        if loaded.updates is not None:
+            self._updates = loaded.updates
+        if self._scale is not None:
+            self._refill(self._scale)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._enabled:
+            if len(self._per_optimizer_states) != 0:
+                raise ScalerOrderError(
+                    "A GradScaler instance may only be pickled at the beginning "
+                    "of an iteration, or at the end after scaler.update()."
+                )
+            # Device tensors are rebuilt lazily on the other side (as torch does), from
+            # their values now (this syncs).
+            state["_init_scale"] = self.get_scale()
+            state["_init_growth_tracker"] = self._get_growth_tracker()
+            state["_init_counters"] = self._counter_values()
+            state["_scale"] = state["_growth_tracker"] = None
+            state["_counters"] = {}
+        # A process group belongs to one process; the copy detects its ranks again.
+        state["_process_group"] = None
+        state["_last_skipped"] = self.last_step_skipped
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state.setdefault("_process_group", None)  # pickled before process_group existed
+        self.__dict__.update(state)
+
+    # --- torch's private methods, which frameworks call --------------------------
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        """Create the scale and growth tracker on ``dev`` (Accelerate calls it after
+        loading an FSDP2 checkpoint); ``scale()`` otherwise does it on the first loss."""
+        if self._growth_tracker is not None:
+            raise RuntimeError("_growth_tracker initialized before _scale")
+        self._lazy_init(torch.device(dev))
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """Multiply ``optimizer``'s gradients by ``inv_scale``; flag inf/NaN per device."""
+        return unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16=allow_fp16)
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        """Flag inf/NaN in the optimizer's gradients without unscaling them (for optimizers
+        that unscale inside their own step). No sync."""
+        scale, _ = self._require_scale("_check_inf_per_device")
+        unit = torch.ones((), dtype=torch.float32, device=scale.device)
+        found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state = self._per_optimizer_states[id(optimizer)]
+        state.found_inf_per_device = unscale_grads_(optimizer, unit, found_inf, allow_fp16=True)
+        state.found_inf_per_device = agree_across_ranks(
+            self._process_group, optimizer, state.found_inf_per_device, scale.device
+        )
+        return state.found_inf_per_device
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[Any, torch.Tensor]:
+        return self._per_optimizer_states[id(optimizer)].found_inf_per_device
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        if not self._enabled:
+            return 0
+        tracker = self._growth_tracker
+        return self._init_growth_tracker if tracker is None else int(tracker.item())
+
+    # --- internals -------------------------------------------------------------------
+
+    def _set_strategy(self, strategy: ScaleStrategy) -> None:
+        self._strategy = strategy
+        self._init_counters = strategy.counters()
+
+    def _lazy_init(self, device: torch.device) -> torch.Tensor:
+        scale = torch.full((), self._init_scale, dtype=torch.float32, device=device)
+        self._scale = scale
+        self._growth_tracker = torch.full(
+            (), self._init_growth_tracker, dtype=torch.int32, device=device
+        )
+        self._counters = {
+            name: torch.full((), value, dtype=torch.int32, device=device)
+            for name, value in self._init_counters.items()
+        }
+        return scale
+
+    def _refill(self, scale: torch.Tensor) -> None:
+        # In place, as torch does: a capturable optimizer or a CUDA graph may hold
+        # these very tensors.
+        scale.fill_(self._init_scale)
+        assert self._growth_tracker is not None  # for mypy: made with the scale
+        self._growth_tracker.fill_(self._init_growth_tracker)
+        counters = {}
+        for name, value in self._init_counters.items():
+            tensor = self._counters.get(name)
+            if tensor is None:
+                tensor = torch.zeros((), dtype=torch.int32, device=scale.device)
+            counters[name] = tensor.fill_(value)
+        self._counters = counters
+
+    def _require_scale(self, method: str) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._scale is None or self._growth_tracker is None:
+            raise ScalerOrderError(
+                f"{method}() was called before scale(): the scale does not exist yet. Call "
+                "scaler.scale(loss).backward() earlier in the iteration."
+            )
+        return self._scale, self._growth_tracker
+
+    def _counter_values(self) -> dict[str, int]:
+        if self._scale is None:
+            return dict(self._init_counters)
+        return {name: int(tensor.item()) for name, tensor in self._counters.items()}
 
 
 def _cuda_definitely_unavailable() -> bool:

@@ -27,9 +27,8 @@ import torch
 
 __all__ = ["History", "ScaleRecord"]
 
-# Optimizers that unscale inside their own step (fused, capturable) never sync in
-# step(); records then wait on the device. Past this many, update() fetches them, in an
-# iteration that had no sync of its own.
+# With optimizers that never sync in step() (fused, capturable), update() fetches the
+# records waiting on the device once this many wait.
 FLUSH_AT = 256
 
 

@@ -22,30 +22,41 @@ saturating counter, in the shape of optax's wrappers. The rules, per update, giv
         run inner;  scale = clamp(scale, min_scale, max_scale)
 
 After every update the scaler clamps the scale to at least
-:data:`~amped.scaling.checks.SCALE_FLOOR` (2**-126, float32's smallest normal
-number), so no strategy, including one written by a user, can reach a scale whose
-reciprocal overflows (at 0.0 a clean step would turn every parameter into NaN).
+:data:`~amped.scaling.checks.SCALE_FLOOR` (2**-126), so no strategy, including one
+written by a user, can reach a scale whose reciprocal overflows.
 
 ``growth_factor``, ``backoff_factor`` and ``growth_interval`` belong to the scaler (torch
 lets you change them between iterations), so they are passed to every update as
 :class:`GrowthFactors` rather than frozen into the strategy.
 
+Pass a strategy as ``GradScaler(strategy=...)``, or let the scaler's keyword arguments
+compose one (:func:`make_strategy`); both give the same object.
+
 Example:
     >>> import amped
-    >>> scaler = amped.GradScaler("cpu", hysteresis=2, min_scale=1.0)
-    >>> scaler.strategy
-    Bounded(inner=Hysteresis(inner=DynamicScale(), hysteresis=2), min_scale=1.0, max_scale=None)
+    >>> from amped.scaling import Bounded, DynamicScale, Hysteresis
+    >>> strategy = Bounded(Hysteresis(DynamicScale(), hysteresis=2), min_scale=1.0)
+    >>> amped.GradScaler("cpu", strategy=strategy).strategy == strategy
+    True
+    >>> amped.GradScaler("cpu", hysteresis=2, min_scale=1.0).strategy == strategy
+    True
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
+from collections.abc import Mapping
 from typing import NamedTuple
 
 import torch
 
+from amped._internal.errors import type_error, value_error
+from amped._internal.torch_compat import amp_update_scale_
+from amped.scaling.checks import check_bool, check_int, check_scale_bound
+
 __all__ = [
+    "KEYWORD_DEFAULTS",
     "Bounded",
     "DynamicScale",
     "GrowthFactors",
@@ -53,8 +64,23 @@ __all__ = [
     "ScaleState",
     "ScaleStrategy",
     "StaticScale",
+    "check_strategy",
+    "choose_strategy",
+    "describe_strategy",
     "make_strategy",
 ]
+
+# make_strategy's arguments (GradScaler's keywords) that compose torch's rule alone.
+KEYWORD_DEFAULTS: dict[str, object] = {
+    "dynamic": True,
+    "hysteresis": 1,
+    "min_scale": None,
+    "max_scale": None,
+}
+_HYSTERESIS_RULE = (
+    "The scale backs off on the `hysteresis`-th overflow in a row; 1 is torch's rule, 2 "
+    "tolerates one (DeepSpeed's and Megatron's default)."
+)
 
 
 class GrowthFactors(NamedTuple):
@@ -109,14 +135,7 @@ class DynamicScale(ScaleStrategy):
     """torch's rule, through torch's own kernel: bitwise identical to ``torch.amp``."""
 
     def update(self, state: ScaleState, found_inf: torch.Tensor, factors: GrowthFactors) -> None:
-        torch._amp_update_scale_(
-            state.scale,
-            state.growth_tracker,
-            found_inf,
-            factors.growth_factor,
-            factors.backoff_factor,
-            factors.growth_interval,
-        )
+        amp_update_scale_(state.scale, state.growth_tracker, found_inf, *factors)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +160,16 @@ class Hysteresis(ScaleStrategy):
     hysteresis: int
     counter: str = dataclasses.field(default="overflow_streak", repr=False)
 
+    def __post_init__(self) -> None:
+        check_strategy("inner", self.inner)
+        check_int("hysteresis", self.hysteresis, minimum=1, rule=_HYSTERESIS_RULE)
+
     def counters(self) -> dict[str, int]:
         return _merge_counters(self.inner.counters(), {self.counter: 0})
 
     def update(self, state: ScaleState, found_inf: torch.Tensor, factors: GrowthFactors) -> None:
         streak, limit = state.counters[self.counter], self.hysteresis
-        # A saturating count of overflows in a row: min(streak + 1, limit), or 0 after a
-        # clean iteration. In place, and no host reads.
+        # min(streak + 1, limit) after an overflow, 0 after a clean iteration; no host reads.
         streak.add_(1).clamp_(max=limit).masked_fill_(found_inf == 0, 0)
         # Tolerated: an overflow (streak > 0) short of the limit-th in a row.
         tolerated = streak.bool() & (streak != limit)
@@ -165,10 +187,19 @@ class Bounded(ScaleStrategy):
     max_scale: float | None = None
 
     def __post_init__(self) -> None:
-        if self.min_scale is None and self.max_scale is None:
-            raise ValueError(
+        check_strategy("inner", self.inner)
+        low = check_scale_bound("min_scale", self.min_scale)
+        high = check_scale_bound("max_scale", self.max_scale)
+        if low is None and high is None:
+            raise value_error(
                 "Bounded needs `min_scale`, `max_scale` or both; without either, use the "
-                "inner strategy alone. Received: min_scale=None, max_scale=None"
+                "inner strategy alone",
+                "max_scale",
+                high,
+            )
+        if low is not None and high is not None and low > high:
+            raise value_error(
+                f"min_scale must not exceed max_scale ({high!r})", "min_scale", self.min_scale
             )
 
     def counters(self) -> dict[str, int]:
@@ -176,39 +207,119 @@ class Bounded(ScaleStrategy):
 
     def update(self, state: ScaleState, found_inf: torch.Tensor, factors: GrowthFactors) -> None:
         self.inner.update(state, found_inf, factors)
-        # Clamping an in-range float32 returns it unchanged, so bounds that are never
-        # reached leave the inner rule's scale bitwise intact.
+        # Clamping an in-range float32 returns it unchanged: unreached bounds leave the
+        # inner rule's scale bitwise intact.
         state.scale.clamp_(min=self.min_scale, max=self.max_scale)
 
 
 def make_strategy(
     *,
-    dynamic: bool = True,
-    hysteresis: int = 1,
-    min_scale: float | None = None,
-    max_scale: float | None = None,
+    dynamic: object = True,
+    hysteresis: object = 1,
+    min_scale: object = None,
+    max_scale: object = None,
 ) -> ScaleStrategy:
     """Compose the strategy that :class:`amped.GradScaler`'s keyword arguments describe.
 
     Only what is asked for is wrapped, so the defaults give the bare
-    :class:`DynamicScale` and torch's numbers. Arguments are assumed valid (the
-    scaler checks them).
+    :class:`DynamicScale` and torch's numbers.
+
+    Raises:
+        TypeError, ValueError: an argument of the wrong type or value, or
+            ``dynamic=False`` with a hysteresis or a bound (which would do nothing).
     """
-    if not dynamic:
+    checked_hysteresis = check_int("hysteresis", hysteresis, minimum=1, rule=_HYSTERESIS_RULE)
+    low = check_scale_bound("min_scale", min_scale)
+    high = check_scale_bound("max_scale", max_scale)
+    if not check_bool("dynamic", dynamic):
+        if checked_hysteresis != 1 or low is not None or high is not None:
+            raise value_error(
+                "With dynamic=False the scale never moves, so hysteresis, min_scale and "
+                "max_scale would do nothing; drop them or pass dynamic=True (here "
+                f"hysteresis={checked_hysteresis!r}, min_scale={low!r}, max_scale={high!r})",
+                "dynamic",
+                dynamic,
+            )
         return StaticScale()
     strategy: ScaleStrategy = DynamicScale()
-    if hysteresis > 1:
-        strategy = Hysteresis(strategy, hysteresis)
-    if min_scale is not None or max_scale is not None:
-        strategy = Bounded(strategy, min_scale, max_scale)
+    if checked_hysteresis > 1:
+        strategy = Hysteresis(strategy, checked_hysteresis)
+    if low is not None or high is not None:
+        strategy = Bounded(strategy, low, high)
     return strategy
 
 
+def describe_strategy(strategy: ScaleStrategy) -> dict[str, object] | None:
+    """The :func:`make_strategy` arguments that compose ``strategy``; None if none do
+    (a strategy of the user's own, or wrappers in another order)."""
+    found = dict(KEYWORD_DEFAULTS)
+    layer = strategy
+    if isinstance(layer, Bounded):
+        found.update(min_scale=layer.min_scale, max_scale=layer.max_scale)
+        layer = layer.inner
+    if isinstance(layer, Hysteresis):
+        found["hysteresis"] = layer.hysteresis
+    found["dynamic"] = not isinstance(layer, StaticScale)
+    try:
+        rebuilt = make_strategy(**found)
+    except (TypeError, ValueError):
+        return None
+    # Dataclass equality compares classes exactly, so subclasses are not described.
+    return found if rebuilt == strategy else None
+
+
+def choose_strategy(
+    strategy: object, keywords: Mapping[str, object], init_scale: float
+) -> ScaleStrategy:
+    """A scaler's strategy: ``strategy`` (a :class:`ScaleStrategy` or None) or, if None,
+    the one its ``keywords`` (:func:`make_strategy`'s) compose; ``init_scale`` must lie
+    inside the outermost bounds."""
+    if strategy is None:
+        chosen = make_strategy(**keywords)
+    else:
+        chosen = check_strategy("strategy", strategy)
+        given = {k: v for k, v in keywords.items() if v != KEYWORD_DEFAULTS[k]}
+        if given:
+            raise value_error(
+                f"strategy= replaces the keywords {sorted(given)} (given {given}); pass "
+                "either a strategy or those keywords, e.g. strategy=Bounded(DynamicScale(), "
+                "min_scale=1.0) instead of min_scale=1.0",
+                "strategy",
+                strategy,
+            )
+    if isinstance(chosen, Bounded):
+        low, high = chosen.min_scale, chosen.max_scale
+        if (low is not None and init_scale < low) or (high is not None and init_scale > high):
+            raise value_error(
+                f"init_scale must lie within [min_scale, max_scale] = [{low!r}, {high!r}]",
+                "init_scale",
+                init_scale,
+            )
+    return chosen
+
+
+def check_strategy(name: str, value: object) -> ScaleStrategy:
+    """A :class:`ScaleStrategy` instance (a class is refused with a hint)."""
+    if isinstance(value, ScaleStrategy):
+        return value
+    hint = ""
+    if isinstance(value, type) and issubclass(value, ScaleStrategy):
+        hint = f"; pass an instance, e.g. {name}={value.__name__}()"
+    raise type_error(
+        f"`{name}` must be a ScaleStrategy such as DynamicScale(), StaticScale(), "
+        f"Hysteresis(...) or Bounded(...){hint}",
+        name,
+        value,
+    )
+
+
 def _merge_counters(inner: dict[str, int], own: dict[str, int]) -> dict[str, int]:
-    clash = inner.keys() & own.keys()
+    clash = sorted(inner.keys() & own.keys())
     if clash:
-        raise ValueError(
-            f"Two strategies in one composition own the counter(s) {sorted(clash)}; give "
-            f"the outer wrapper another `counter` name. Received: counters={sorted(inner)}"
+        raise value_error(
+            f"Two strategies in one composition own the counter(s) {clash}; give the outer "
+            "wrapper another `counter` name",
+            "counters",
+            sorted(inner),
         )
     return {**inner, **own}

@@ -1,18 +1,17 @@
 """Unscale an optimizer's gradients and look for inf/NaN, on the device, without syncs.
 
-Gradients are grouped by device and dtype and each group goes through one
-``torch._amp_foreach_non_finite_check_and_unscale_`` call, which multiplies them by
-the inverse scale and sets ``found_inf`` to 1.0 if any element is inf or NaN. Nothing
-here reads a tensor's value on the host. DTensor gradients (FSDP2, tensor parallel)
-are checked through their local shards; :mod:`amped.scaling.distributed` makes the
-ranks agree.
+Gradients are grouped by device and dtype and each group goes through one call of
+torch's fused kernel, which multiplies them by the inverse scale and sets ``found_inf``
+to 1.0 if any element is inf or NaN. Nothing here reads a tensor's value on the host.
+DTensor gradients (FSDP2, tensor parallel) are checked through their local shards;
+:mod:`amped.scaling.distributed` makes the ranks agree.
 """
 
 from __future__ import annotations
 
 import torch
 
-from amped.scaling.distributed import dtensor_type
+from amped._internal.torch_compat import amp_unscale_and_check_, dtensor_class, sparse_values
 
 __all__ = ["FP16_GRADS_MESSAGE", "PerDevice", "combine_on", "unscale_grads_"]
 
@@ -52,7 +51,7 @@ def group_grads(
         ValueError: a float16 gradient, unless ``allow_fp16``.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    dtensor = dtensor_type()
+    dtensor = dtensor_class()
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
@@ -63,12 +62,11 @@ def group_grads(
             if not allow_fp16 and grad.dtype == torch.float16:
                 raise ValueError(FP16_GRADS_MESSAGE)
             if grad.is_sparse:
-                # An uncoalesced sparse gradient may hold several values for one index;
-                # their float16 sum can overflow where each part did not, so check the
-                # coalesced values (as torch does).
+                # Duplicate indices' float16 values may overflow only once summed: check
+                # the coalesced values, as torch does.
                 if grad.dtype is torch.float16:
                     grad = param.grad = grad.coalesce()
-                grad = grad._values()
+                grad = sparse_values(grad)
             key = (grad.device, grad.dtype)
             bucket = groups.get(key)
             if bucket is None:
@@ -100,9 +98,7 @@ def unscale_grads_(
     found = PerDevice(found_inf)
     with torch.no_grad():
         for (device, _), grads in group_grads(optimizer, allow_fp16=allow_fp16).items():
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                grads, found.get(device), inv.get(device)
-            )
+            amp_unscale_and_check_(grads, found.get(device), inv.get(device))
     return found.copies
 
 

@@ -1,4 +1,4 @@
-"""Every file the CLI writes goes through here: atomic, symlink-safe, errors as OSError.
+"""Atomic, symlink-safe file writes; errors surface as the OSError they are.
 
 :func:`write_files` writes a set of files that belong together (``results.json`` and
 ``report.html``; ``doctor.json`` and ``doctor.html``):
@@ -27,9 +27,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from amped.scaling.checkpoint import fsync_directory
-
-__all__ = ["check_writable", "write_files"]
+__all__ = ["check_writable", "fsync_directory", "write_files"]
 
 _HELD = {signal.SIGINT, signal.SIGTERM}
 
@@ -110,3 +108,17 @@ def _signals_held() -> Iterator[None]:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def fsync_directory(directory: str | os.PathLike[str]) -> None:
+    """Make a rename in ``directory`` durable (where the platform can open a directory)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)

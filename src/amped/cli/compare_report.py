@@ -2,7 +2,7 @@
 
 The HTML file carries everything inline (CSS, and the plots as base64 PNG ``data:``
 URIs), so it can be mailed or attached to a ticket as one file; it loads nothing and
-runs no script. The two are written as one set by :func:`amped.cli.files.write_files`:
+runs no script. The two are written as one set by :func:`amped._internal.files.write_files`:
 atomically, never through a symlink, and never a new file beside an old partner.
 """
 
@@ -13,8 +13,8 @@ import html
 from pathlib import Path
 from typing import Any
 
+from amped._internal.files import write_files
 from amped.cli import plots, summary
-from amped.cli.files import write_files
 from amped.cli.findings import warnings
 from amped.cli.results import dumps
 

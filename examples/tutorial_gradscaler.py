@@ -1,14 +1,14 @@
-"""The seed tutorial's GradScaler examples (test03, test04), with amped.
+"""The tutorial's GradScaler examples (test03, test04), with amped.
 
-The seed runs them on CUDA; this runs on CUDA when it is there and on the CPU
-otherwise. The printed values are the seed's: without a scaler the gradient of
+The tutorial runs them on CUDA; this runs on CUDA when it is there and on the CPU
+otherwise. The printed values are the tutorial's: without a scaler the gradient of
 ``param**2 + 3`` at 2.0 is 4 and SGD (lr 0.1) moves the parameter to 1.6; with one,
 the gradient is scaled by 65536 to 262144, unscaled before the step, and the
 parameter still lands on 1.6.
 
-    python examples/seed_gradscaler.py    # needs only torch and amped
+    python examples/tutorial_gradscaler.py    # needs only torch and amped
 
-It prints the seed's own labels, in Chinese, so its output can be compared line by line:
+It prints the tutorial's own labels, in Chinese, so its output can be compared line by line:
 缩放因子 is "scale factor" and 梯度值 "gradient value". The lines without a label are,
 in order: the loss, the gradient, the parameter after the step; and at the end, the
 scale for the next step.
@@ -50,7 +50,7 @@ def test04(device: str) -> None:
     scaler.step(optimizer)
     print(param)
 
-    # Update the scale for the next iteration (the seed's output ends with it)
+    # Update the scale for the next iteration (the tutorial's output ends with it)
     scaler.update()
     print(scaler.get_scale())
 

@@ -1,4 +1,4 @@
-"""The seed tutorial's GradScaler examples, run with amped, print what the seed shows."""
+"""The tutorial's GradScaler examples, run with amped, print what the tutorial shows."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-EXAMPLE = Path(__file__).parents[1] / "examples" / "seed_gradscaler.py"
+EXAMPLE = Path(__file__).parents[1] / "examples" / "tutorial_gradscaler.py"
 
-# The seed's output on CUDA, without the device suffix the CPU does not print.
-SEED_OUTPUT = """\
+# The tutorial's output on CUDA, without the device suffix the CPU does not print.
+TUTORIAL_OUTPUT = """\
 tensor(7., grad_fn=<AddBackward0>)
 tensor(4.)
 tensor(1.6000, requires_grad=True)
@@ -27,24 +27,24 @@ tensor(1.6000, requires_grad=True)
 
 @pytest.fixture(scope="module")
 def example():
-    spec = importlib.util.spec_from_file_location("seed_gradscaler", EXAMPLE)
+    spec = importlib.util.spec_from_file_location("tutorial_gradscaler", EXAMPLE)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_seed_gradscaler_examples_print_the_seed_output(example, capsys) -> None:
+def test_tutorial_gradscaler_examples_print_the_tutorial_output(example, capsys) -> None:
     example.test03("cpu")
     print("-" * 50)
     example.test04("cpu")
-    assert capsys.readouterr().out == SEED_OUTPUT
+    assert capsys.readouterr().out == TUTORIAL_OUTPUT
 
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA the tensors print their device")
-def test_seed_gradscaler_script_runs_as_the_readme_runs_it() -> None:
+def test_tutorial_gradscaler_script_runs_as_the_readme_runs_it() -> None:
     done = subprocess.run(
         [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=120, check=True
     )
-    assert done.stdout == SEED_OUTPUT
+    assert done.stdout == TUTORIAL_OUTPUT

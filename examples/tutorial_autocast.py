@@ -1,11 +1,11 @@
-"""The seed tutorial's autocast examples (test01, test02), with amped.
+"""The tutorial's autocast examples (test01, test02), with amped.
 
-The seed runs test02 on CUDA; this runs on CUDA when it is there and on the CPU
+The tutorial runs test02 on CUDA; this runs on CUDA when it is there and on the CPU
 otherwise (where autocast's default low dtype is bfloat16 rather than float16).
 
-    python examples/seed_autocast.py      # needs only torch and amped
+    python examples/tutorial_autocast.py      # needs only torch and amped
 
-It prints the seed's own labels, in Chinese, so its output can be compared line by line:
+It prints the tutorial's own labels, in Chinese, so its output can be compared line by line:
 默认张量类型 is "the default dtype", 新创建张量类型 "the dtype of a newly created
 tensor". Then a float32 matmul under autocast comes out in the low dtype (mm is on
 autocast's lower-precision list) while an add stays float32 (add is on no list).

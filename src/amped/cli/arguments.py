@@ -1,0 +1,130 @@
+"""The ``amped`` argument parser: both commands, and the validators they share.
+
+A flag that means the same in ``amped compare`` and ``amped doctor`` is parsed by the
+same validator, so both reject the same values with the same message (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn
+
+from amped.cli.errors import UsageError
+from amped.recipes import recipe_names
+
+__all__ = ["build_parser", "positive_int", "seconds"]
+
+DEFAULT_STEPS = 200
+DEFAULT_MAX_TIME = 120.0
+DEFAULT_OUT = "amped-report"
+DEFAULT_DOCTOR_OUT = "amped-doctor"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as one-line UsageErrors."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (``--steps``, ``--batch-size``, ``--threads``)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A duration in seconds, 0 for no limit (``--max-time``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"expected seconds (0 for no limit), got {text!r}")
+    return value
+
+
+def _add_task_arguments(add: argparse._ActionsContainer, device_help: str, out: str) -> None:
+    """The flags that pick and build the task, the same for both commands."""
+    add.add_argument("--batch-size", type=positive_int, default=None,
+                     help="passed to the factory")  # fmt: skip
+    add.add_argument("--device", default=None, help=device_help)
+    add.add_argument("--seed", type=int, default=0,
+                     help="seed for weights, data and dropout (default: 0)")  # fmt: skip
+    add.add_argument("--out", default=out, help=f"report folder (default: {out}/)")
+
+
+_COMPARE = (
+    "measure what mixed precision buys a model",
+    "Train one task once per precision recipe (fp32 first) and compare speed, memory and "
+    "loss; print a table and write report.html and results.json.",
+)
+_DOCTOR = (
+    "find the op that overflows or underflows in low precision, and a fix",
+    "Run one training step of a task in float32 and in a low dtype; report per module and "
+    "op where values overflow, underflow or lose precision, the first op that produced "
+    "inf/NaN, and a verified fix (a policy or a loss scale).",
+)
+_DOCTOR_EXIT = (
+    "exit status: 0 no non-finite value, or one the doctor fixed (the fix is verified by a "
+    "re-run); 3 a non-finite value (inf/NaN) it could not fix; 1 the doctor failed; 2 bad "
+    "arguments"
+)
+
+
+def _add_compare(compare: argparse.ArgumentParser) -> None:
+    add = compare.add_argument
+    add("--model", default=None, metavar="MODULE:FACTORY",
+        help="task factory returning (model, batches, loss_fn); a module or path/to/file.py "
+        "(default: the built-in tiny GPT on Python's own source)")  # fmt: skip
+    names = ", ".join(recipe_names())
+    add("--recipes", default="all",
+        help=f"comma-separated recipes or aliases (default: all: {names})")  # fmt: skip
+    add("--steps", type=positive_int, default=DEFAULT_STEPS,
+        help=f"train steps per recipe (default: {DEFAULT_STEPS})")  # fmt: skip
+    _add_task_arguments(compare, "cpu, cuda or cuda:N (default: cuda if available)", DEFAULT_OUT)
+    add("--max-time", type=seconds, default=DEFAULT_MAX_TIME, metavar="SECONDS",
+        help="fit the comparison's training into about SECONDS: time a few steps of each "
+        "recipe, then train all for as many steps as fit, at most --steps "
+        f"(default: {DEFAULT_MAX_TIME:g}; 0: no limit)")  # fmt: skip
+    add("--threads", type=positive_int, default=None,
+        help="CPU threads for torch, the same for every recipe (default: the task's "
+        "choice, else torch's; the built-in task uses 1)")  # fmt: skip
+    add("--peak-memory", choices=["own-process", "in-process"], default="own-process",
+        help="on a CPU, measure each recipe's peak memory in a process of its own (default; "
+        "a few seconds per recipe, and its ordering follows the state each recipe holds) "
+        "or in this process (quicker, but noise at small sizes)")  # fmt: skip
+    add("--json", action="store_true", help="print only the results JSON on stdout")
+    add("--no-progress", action="store_true", help="no progress bars (a line per recipe)")
+    add("--traceback", action="store_true", help="print the traceback of failed recipes")
+
+
+def _add_doctor(doctor: argparse.ArgumentParser) -> None:
+    add = doctor.add_argument
+    add("--model", default=None, metavar="MODULE:FACTORY",
+        help="task factory, as for amped compare (default: the built-in tiny GPT)")  # fmt: skip
+    add("--dtype", default="float16", metavar="DTYPE",
+        help="low dtype: float16 (fp16, half) or bfloat16 (bf16) (default: float16)")  # fmt: skip
+    add("--policy", default="torch", choices=["torch", "strict"], help="policy preset")
+    add("--loss-scale", type=float, default=None,
+        help="loss scale to check (default: 65536 for fp16, 1 for bf16)")  # fmt: skip
+    _add_task_arguments(doctor, "cpu or cuda (default: cuda if available)", DEFAULT_DOCTOR_OUT)
+    add("--json", action="store_true", help="print only the report JSON on stdout")
+    add("--traceback", action="store_true", help="print the traceback of a failure")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``amped`` parser with its ``compare`` and ``doctor`` commands."""
+    parser = _Parser(prog="amped", description="Mixed-precision training for PyTorch.")
+    parser.add_argument("--version", action="store_true", help="print amped's version and exit")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    _add_compare(commands.add_parser("compare", help=_COMPARE[0], description=_COMPARE[1]))
+    doctor = commands.add_parser("doctor", help=_DOCTOR[0], description=_DOCTOR[1])
+    doctor.epilog = _DOCTOR_EXIT
+    _add_doctor(doctor)
+    return parser

@@ -139,6 +139,7 @@ def _assert_unchanged(result: dict) -> None:
         assert not changed, f"{stage} changed global state (before, after): {changed}"
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch and amped: seconds
 def test_import_leaves_torch_and_python_globals_untouched():
     result = _probe("")
     _assert_unchanged(result)
@@ -146,6 +147,7 @@ def test_import_leaves_torch_and_python_globals_untouched():
     assert not result["matplotlib loaded"]
 
 
+@pytest.mark.slow
 def test_import_leaves_the_users_matplotlib_backend_alone():
     pytest.importorskip("matplotlib")
     result = _probe(_MATPLOTLIB_SETUP)

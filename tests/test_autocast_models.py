@@ -42,10 +42,11 @@ def _assert_bitwise_step(model, run, dtype):
     assert torch.isfinite(loss)
 
 
-@pytest.fixture(params=[False, True], ids=["with-torch-composites", "amped-casts-only"])
+@pytest.fixture(params=[False, True], ids=["default-policy-passthrough", "engine=forced"])
 def amped_only(request, monkeypatch):
-    """With ``True``, torch's C++ autocast never runs inside amped's region, so every cast
-    in the step is amped's own (see test_autocast_op_lists)."""
+    """``engine=forced``: torch's C++ autocast never runs inside amped's region, so every
+    cast in the step is the engine's own. ``default-policy-passthrough``: the default
+    policy needs no engine and torch's autocast does the casts (see test_autocast_op_lists)."""
     if request.param:
         monkeypatch.setattr(mode, "TORCH_AUTOCAST_ALONGSIDE", False)
     return request.param

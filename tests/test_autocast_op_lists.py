@@ -114,10 +114,15 @@ def _check(device, list_name, op, args, kwargs, dtype):
         _assert_same(expected, actual, f"{label} under {dtype}")
 
 
-@pytest.fixture(params=[False, True], ids=["with-torch-composites", "amped-casts-only"])
+@pytest.fixture(params=[False, True], ids=["default-policy-passthrough", "engine=forced"])
 def amped_only(request, monkeypatch):
-    """With ``True``, torch's C++ autocast never runs inside amped's region: every cast
-    must then come from amped itself, so a pass shows amped reproduced torch."""
+    """Each case runs twice, and the id says which check it is.
+
+    ``engine=forced``: torch's C++ autocast never runs inside amped's region, so every
+    cast comes from amped's engine; a pass shows the engine reproduced torch.
+    ``default-policy-passthrough``: the default policy needs no engine, so the region
+    only switches torch's autocast on; a pass shows that hand-off is exact, nothing more.
+    """
     if request.param:
         monkeypatch.setattr(mode, "TORCH_AUTOCAST_ALONGSIDE", False)
     return request.param

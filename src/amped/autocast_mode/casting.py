@@ -247,14 +247,18 @@ def run(
     if cast is Cast.KEEP:
         return func(*args, **kwargs)
     if cast is Cast.BANNED:
-        if getattr(func, "__name__", "") == "binary_cross_entropy":
-            raise RuntimeError(BINARY_CROSS_ENTROPY_BANNED)
-        raise RuntimeError(
-            f"{getattr(func, '__name__', func)} is banned inside an autocast region by the "
-            "active policy. Run it outside the region, or move it to another category "
-            "with Policy.with_ops()."
-        )
+        raise banned_error(getattr(func, "__name__", str(func)))
     raise AssertionError(f"unhandled cast {cast!r}")  # every Cast member is handled above
+
+
+def banned_error(op_name: str) -> RuntimeError:
+    """The error a banned op raises inside a region (torch's own text for its one)."""
+    if op_name == "binary_cross_entropy":
+        return RuntimeError(BINARY_CROSS_ENTROPY_BANNED)
+    return RuntimeError(
+        f"{op_name} is banned inside an autocast region by the active policy. Run it "
+        "outside the region, or move it to another category with Policy.with_ops()."
+    )
 
 
 def device_type_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

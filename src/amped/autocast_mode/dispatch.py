@@ -216,6 +216,9 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
     dtype_at = _dtype_index(op)
     appended = _APPEND_DTYPE.get(op.name())
     with_dtype = getattr(op.overloadpacket, appended)._op if appended else None
+    positional = [a for a in op._schema.arguments if not a.kwarg_only]
+    defaults = [(a.name, a.default_value) for a in positional if a.has_default_value()]
+    first_default = len(positional) - len(defaults)  # defaults are trailing in a schema
     tls = _tls
     get_dtype = torch.get_autocast_dtype
     run = casting.run
@@ -239,8 +242,11 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
                         return raw(*args, **kwargs)
                     if cast is Cast.FP32_APPEND_DTYPE:
                         if with_dtype is not None and _eligible_first(args, device_type):
-                            return with_dtype(*args, dtype=torch.float32)
+                            missing = defaults[max(len(args) - first_default, 0) :]
+                            return with_dtype(*args, **_append_fp32(missing, kwargs))
                         return raw(*args, **kwargs)
+                    if cast is Cast.BANNED:  # raw (a C++ op) has no name to put in the error
+                        raise casting.banned_error(op._opname)
                     return run(cast, raw, args, kwargs, device_type, low, tls.cache)
         # Not ours here: exactly what torch does.
         if torch_kernel is not None:
@@ -249,6 +255,12 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
 
     kernel.__name__ = op._opname
     return kernel
+
+
+def _append_fp32(missing: list[tuple[str, Any]], kwargs: dict[str, Any]) -> dict[str, Any]:
+    # norm(x) is norm(x, p=2): the dtype overload has no defaults, so spell them out.
+    filled = {name: value for name, value in missing if name not in kwargs}
+    return {**kwargs, **filled, "dtype": torch.float32}
 
 
 def _set_fp32(

@@ -17,11 +17,9 @@ if [ ! -x "$venv/bin/python" ]; then python3 -m venv "$venv"; fi
 "$venv/bin/pip" install -q -c <(grep -E '^(numpy|pytest|pytest-timeout|hypothesis|expecttest)==' constraints.txt) \
     "torch==$floor.*" -e . numpy pytest pytest-timeout hypothesis expecttest
 "$venv/bin/python" -c 'import torch; print("ci: oldest supported torch", torch.__version__)'
-# Files in the suite's own (alphabetical) order. The deselected id: PyPI's build is the
-# CUDA one, whose extra _cudnn_rnn autocast kernel amped's CUDA table does not list yet
-# (docs/architecture.md#supported-torch).
+# Files in the suite's own (alphabetical) order. PyPI's build is the CUDA one, so the
+# CUDA op table is also checked against a build with cuDNN (its _cudnn_rnn kernel).
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" \
-    --deselect "tests/test_policy.py::test_default_lists_exactly_the_ops_torch_registers[cuda]" \
     tests/test_autocast_*.py tests/test_fp8_cast.py tests/test_fp8_numerics.py \
     tests/test_grad_scaler_*.py tests/test_policy.py \
     tests/test_public_api.py tests/test_recipes_*.py

@@ -124,8 +124,10 @@ _CUDA_LOWER = _names("""
     linalg_vecdot linear addbmm baddbmm bmm chain_matmul linalg_multi_dot
     _thnn_fused_lstm_cell _thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell
     rnn_relu_cell _scaled_dot_product_flash_attention scaled_dot_product_attention
-    cudnn_convolution cudnn_convolution_transpose
+    cudnn_convolution cudnn_convolution_transpose _cudnn_rnn
 """)
+# _cudnn_rnn's kernel exists only in CUDA builds with cuDNN; it also re-flattens the cast
+# weights, which is why amped's engine leaves RNN modules to torch (docs/engine.md).
 
 _CUDA_FP32 = _names("""
     acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow

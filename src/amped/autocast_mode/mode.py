@@ -214,6 +214,13 @@ class AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         return func(*args)
 
+    def call_unlisted(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run a call no policy lists with torch's C++ autocast kept out (inside a
+        module rule, or with :data:`TORCH_AUTOCAST_ALONGSIDE` off)."""
+        return call_without_torch_autocast(self.device_types, func, args, kwargs)
+
     def _apply(
         self,
         func: Callable[..., Any],

@@ -106,7 +106,7 @@ call: Callable[..., Any] = _skip_one_hop if _skip_one_hop is not None else call_
 """Call a Python torch function with its own torch-function check skipped once
 (``torch.overrides.redispatch_function`` is a thin wrapper over the C function)."""
 
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = torch.compiler.is_dynamo_compiling  # see mode.py
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 

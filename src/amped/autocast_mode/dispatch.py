@@ -177,7 +177,8 @@ def register(policy: Policy, tables: Tables) -> None:
                 continue
             namespace = op.namespace
             lib = torch.library.Library(namespace, "IMPL")
-            lib.impl(op, _kernel(op, policy.device_type, key), key, with_keyset=True)
+            kernel, with_keyset = _kernel(op, policy.device_type, key)
+            lib.impl(op, kernel, key, with_keyset=with_keyset)
             _libraries[(op.name(), key)] = lib
 
 
@@ -218,7 +219,13 @@ def clear_cache() -> None:
     _tls.cache.clear()
 
 
-def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
+def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
+    """The kernel for ``op`` at ``key``, and whether it takes the dispatch key set.
+
+    torch's own C++ autocast kernels (aten ops) ignore the key set, so their kernels
+    take none (building its Python object costs about a microsecond per call); the
+    others need it to redispatch, or for a ``torch.library`` autocast kernel.
+    """
     raw = op._op
     dispatch_key = getattr(torch._C.DispatchKey, key)
     after = torch._C._dispatch_keyset_full_after(dispatch_key)
@@ -240,7 +247,7 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
     # object costs several times more.
     set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 
-    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         tables = tls.active.get(device_type)
         rule = tables.get(raw) if tables else None  # keyed by op._op: hashed in C
         if rule is not None:
@@ -264,12 +271,27 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
                 finally:
                     set_excluded(dispatch_key, False)
         # Not ours here: exactly what torch does.
+        if aten_kernel is not None:
+            return aten_kernel.call_boxed(_ANY_KEYSET, *args, **kwargs)
+        return _NOT_OURS
+
+    def kernel_with_keyset(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        out = kernel(*args, **kwargs)
+        if out is not _NOT_OURS:
+            return out
         if torch_kernel is not None:
             return torch_kernel.call_boxed(keyset, *args, **kwargs)
         return op.redispatch(keyset & after, *args, **kwargs)
 
-    kernel.__name__ = op._opname
-    return kernel
+    aten_kernel = torch_kernel if op.namespace == "aten" else None
+    kernel.__name__ = kernel_with_keyset.__name__ = op._opname
+    if aten_kernel is not None:
+        return kernel, False
+    return kernel_with_keyset, True
+
+
+_NOT_OURS = object()
+_ANY_KEYSET = torch._C._dispatch_keyset_full()  # torch's autocast kernels ignore it
 
 
 def _set_fp32(

@@ -104,6 +104,60 @@ def test_aot_eager_is_bitwise_eager(name, where):
     assert_close(forward_backward(policy, where, backend="aot_eager"), expected, BITWISE)
 
 
+def attention(layer: str) -> nn.Module:
+    torch.manual_seed(0)
+    if layer == "encoder-layer":
+        return nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    return nn.MultiheadAttention(16, 2, batch_first=True)
+
+
+ATTENTION_POLICIES = {
+    "default": None,  # torch.autocast's own fullgraph compile: the control
+    "module-rule-fp32": _TORCH.with_module(nn.LayerNorm, "fp32"),
+    # F.multi_head_attention_forward under an fp32 override: Tensor.unflatten (a
+    # super()-forwarding method) runs with torch's autocast kept out.
+    "module-rule-attention-fp32": _TORCH.with_module(nn.MultiheadAttention, "fp32"),
+    "strict": amped.Policy.preset("strict", "cpu"),
+}
+
+
+def attention_step(layer: str, policy, where: str, backend: str | None):
+    model = attention(layer)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(1))
+
+    def run(x):
+        out = model(x) if layer == "encoder-layer" else model(x, x, x)[0]
+        return out.float().square().sum()
+
+    def inside(x):
+        with amped.autocast("cpu", policy=policy):
+            return run(x)
+
+    fn = run if where == "outside" else inside
+    if backend is not None:
+        torch._dynamo.reset()
+        fn = torch.compile(fn, backend=backend, fullgraph=True)
+    outer = amped.autocast("cpu", policy=policy) if where == "outside" else contextlib.nullcontext()
+    with outer:
+        out = fn(x)
+    out.backward()
+    return out.detach(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("name", list(ATTENTION_POLICIES))
+@pytest.mark.parametrize("layer", ["multihead-attention", "encoder-layer"])
+def test_attention_layers_compile_fullgraph_like_torch_autocast(layer, name, where):
+    """torch.autocast compiles nn.MultiheadAttention and nn.TransformerEncoderLayer
+    fullgraph; the mode engine must too (F._in_projection_packed calls Tensor.unflatten,
+    whose super() call Dynamo cannot inline)."""
+    policy = ATTENTION_POLICIES[name]
+    assert name == "default" or state.needs_engine(policy)
+    expected = attention_step(layer, policy, where, backend=None)
+    assert_close(attention_step(layer, policy, where, backend="aot_eager"), expected, BITWISE)
+
+
 def test_eager_backend_with_the_engine_forced_on_torch_rules():
     with state.engine_always():
         expected = forward_backward(None, "outside", backend=None)

@@ -26,6 +26,11 @@ _is_cached_tensor = getattr(torch._C, "_is_cached_tensor")  # noqa: B009 - CUDA-
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch._C.is_inference_mode_enabled
 _cache_enabled = torch.is_autocast_cache_enabled
+_CASTABLE = frozenset(
+    d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point
+) - {_FLOAT64}
+"""The dtypes autocast casts: floating, float64 excepted (a set look-up per argument is
+cheaper than ``Tensor.is_floating_point()``)."""
 
 BINARY_CROSS_ENTROPY_BANNED = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
@@ -122,11 +127,24 @@ def _cast_tensor(
 ) -> torch.Tensor:
     # Activations are not leaves and inputs need no grad: both skip the cache at once.
     if cache is not None and dtype is low and t.requires_grad and t.is_leaf:
-        found = cache.lookup(t, dtype)  # a hit skips the eligibility checks below
-        if found is not None:
-            return found
-        if _cacheable(t) and _cache_enabled():
-            return cache.cast(t, dtype)
+        return _cast_weight(t, dtype, cache)
+    return t.to(dtype)
+
+
+def _cast_weight(t: torch.Tensor, dtype: torch.dtype, cache: WeightCache) -> torch.Tensor:
+    entries = cache._entries  # WeightCache.lookup, inlined: this runs per weight use
+    if entries:
+        entry = entries.get((id(t), dtype, _grad_enabled()))
+        if (
+            entry is not None
+            and entry[0] is t
+            and entry[1] == t._version
+            and _cache_enabled()
+            and not _inference_mode()
+        ):
+            return entry[2]  # a hit skips the eligibility checks below
+    if _cacheable(t) and _cache_enabled():
+        return cache.cast(t, dtype)
     return t.to(dtype)
 
 
@@ -160,11 +178,13 @@ def _cast_call(
             t_dtype = a.dtype
             if (
                 t_dtype is not dtype
-                and t_dtype is not _FLOAT64
-                and a.is_floating_point()
+                and t_dtype in _CASTABLE
                 and ((a.is_cpu or a.is_mkldnn) if on_cpu else _on_device(a, device_type))
-            ):
-                a = _cast_tensor(a, dtype, low, cache)
+            ):  # _cast_tensor, inlined
+                if cache is not None and dtype is low and a.requires_grad and a.is_leaf:
+                    a = _cast_weight(a, dtype, cache)
+                else:
+                    a = a.to(dtype)
         elif isinstance(a, (list, tuple)) and a and isinstance(a[0], _Tensor):
             a = _cast(a, dtype, device_type, low, cache)
         cast_args.append(a)

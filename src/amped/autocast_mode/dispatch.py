@@ -36,7 +36,7 @@ from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
 
-__all__ = ["active_tables", "plan", "register", "registered_ops", "release_kernels"]
+__all__ = ["active_tables", "kernel_rules", "plan", "register", "registered_ops", "release_kernels"]
 
 _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 _LOWER = Cast.LOWER
@@ -64,7 +64,7 @@ Tables = dict[torch._ops.OpOverload, dict[torch.dtype, Cast]]
 
 class _Thread(threading.local):
     def __init__(self) -> None:
-        self.active: dict[str, Tables] = {}  # device type -> tables of the innermost policy
+        self.active: dict[str, KernelRules] = {}  # device type -> innermost policy's rules
         self.cache = casting.WeightCache()
 
 
@@ -93,6 +93,21 @@ def plan(policy: Policy) -> Tables | None:
     tables = _plan(policy)
     policy._engine_cache[key] = tables
     return tables
+
+
+KernelRules = dict[Any, dict[torch.dtype, Cast]]
+""":data:`Tables` keyed by each overload's C function (``op._op``), as the kernels look
+their op up per call: hashed in C, where ``OpOverload.__hash__`` is a Python method."""
+
+
+def kernel_rules(policy: Policy) -> KernelRules:
+    """The fast-path tables of ``policy`` (which has some) in the kernels' form."""
+    key = ("kernel_rules", route_all)
+    found = policy._engine_cache.get(key)
+    if found is None:
+        found = {op._op: rules for op, rules in (plan(policy) or {}).items()}
+        policy._engine_cache[key] = found
+    return found
 
 
 def _plan(policy: Policy) -> Tables | None:
@@ -164,7 +179,8 @@ def register(policy: Policy, tables: Tables) -> None:
                 continue
             namespace = op.namespace
             lib = torch.library.Library(namespace, "IMPL")
-            lib.impl(op, _kernel(op, policy.device_type, key), key, with_keyset=True)
+            kernel, with_keyset = _kernel(op, policy.device_type, key)
+            lib.impl(op, kernel, key, with_keyset=with_keyset)
             _libraries[(op.name(), key)] = lib
 
 
@@ -189,12 +205,14 @@ def release_kernels() -> None:
         _libraries.clear()
 
 
-def active_tables() -> dict[str, Tables]:
-    """This thread's active fast-path tables per device type (empty: none active)."""
+def active_tables() -> dict[str, KernelRules]:
+    """This thread's active fast-path rules per device type (empty: none active),
+    keyed by each op overload's C function (``op._op``)."""
     return _tls.active
 
 
-def set_active(active: dict[str, Tables]) -> None:
+def set_active(active: dict[str, KernelRules]) -> None:
+    """Make ``active`` (device type -> :func:`kernel_rules`) this thread's rules."""
     _tls.active = active
 
 
@@ -203,11 +221,16 @@ def clear_cache() -> None:
     _tls.cache.clear()
 
 
-def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
+def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
+    """The kernel for ``op`` at ``key``, and whether it takes the dispatch key set.
+
+    torch's own C++ autocast kernels (aten ops) ignore the key set, so their kernels
+    take none (building its Python object costs about a microsecond per call); the
+    others need it to redispatch, or for a ``torch.library`` autocast kernel.
+    """
     raw = op._op
-    after = torch._C._dispatch_keyset_full_after(getattr(torch._C.DispatchKey, key))
-    exclude = torch._C.DispatchKeySet(getattr(torch._C.DispatchKey, key))
-    guard = torch._C._ExcludeDispatchKeyGuard
+    dispatch_key = getattr(torch._C.DispatchKey, key)
+    after = torch._C._dispatch_keyset_full_after(dispatch_key)
     torch_kernel = (
         torch.library.get_kernel(op, key)
         if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
@@ -223,18 +246,23 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
     get_dtype = torch.get_autocast_dtype
     run = casting.run
     cast_call = casting.cast_call
-    is_compiling = torch.compiler.is_compiling
+    compiler = torch.compiler
+    # The dispatcher calls this kernel only while its key is not excluded, so the key is
+    # excluded for the op and included again after it: two calls, where an exclude-guard
+    # object costs several times more.
+    set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 
-    def kernel(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
         tables = tls.active.get(device_type)
-        rule = tables.get(op) if tables else None
+        rule = tables.get(raw) if tables else None  # keyed by op._op: hashed in C
         if rule is not None:
             low = get_dtype(device_type)
             cast = rule.get(low)
             if cast is not None:
-                if is_compiling():
+                if compiler._is_compiling_flag:  # is_compiling() without its two frames
                     raise RuntimeError(_TRACED_FAST)
-                with guard(exclude):
+                set_excluded(dispatch_key, True)
+                try:
                     if cast is _LOWER:  # the hot path: one frame less than casting.run
                         return cast_call(raw, args, kwargs, low, device_type, low, tls.cache)
                     if cast is Cast.FP32_SET_OPT_DTYPE:
@@ -248,13 +276,30 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> Any:
                     if cast is Cast.BANNED:  # raw (a C++ op) has no name to put in the error
                         raise casting.banned_error(op._opname)
                     return run(cast, raw, args, kwargs, device_type, low, tls.cache)
+                finally:
+                    set_excluded(dispatch_key, False)
         # Not ours here: exactly what torch does.
+        if aten_kernel is not None:
+            return aten_kernel.call_boxed(_ANY_KEYSET, *args, **kwargs)
+        return _NOT_OURS
+
+    def kernel_with_keyset(keyset: Any, *args: Any, **kwargs: Any) -> Any:
+        out = kernel(*args, **kwargs)
+        if out is not _NOT_OURS:
+            return out
         if torch_kernel is not None:
             return torch_kernel.call_boxed(keyset, *args, **kwargs)
         return op.redispatch(keyset & after, *args, **kwargs)
 
-    kernel.__name__ = op._opname
-    return kernel
+    aten_kernel = torch_kernel if op.namespace == "aten" else None
+    kernel.__name__ = kernel_with_keyset.__name__ = op._opname
+    if aten_kernel is not None:
+        return kernel, False
+    return kernel_with_keyset, True
+
+
+_NOT_OURS = object()
+_ANY_KEYSET = torch._C._dispatch_keyset_full()  # torch's autocast kernels ignore it
 
 
 def _append_fp32(missing: list[tuple[str, Any]], kwargs: dict[str, Any]) -> dict[str, Any]:

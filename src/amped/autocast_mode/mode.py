@@ -32,13 +32,26 @@ from amped.policy.policy import LOW_DTYPES
 __all__ = ["AutocastMode", "compiled_rules", "merged_rules", "prepare"]
 
 _FunctionType = types.FunctionType
-_is_compiling = torch.compiler.is_compiling
-_AUTOCAST_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
-for _key in ("AutocastCUDA", "AutocastXPU", "AutocastMPS", "AutocastHPU", "AutocastPrivateUse1"):
-    if hasattr(torch._C.DispatchKey, _key):
-        _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch._C.DispatchKeySet(
-            getattr(torch._C.DispatchKey, _key)
-        )
+# Dynamo folds it to True while tracing; eagerly one frame (is_compiling() costs two).
+_is_compiling = torch.compiler.is_dynamo_compiling
+_AUTOCAST_KEY = {  # device type -> torch's autocast dispatch key for it
+    device_type: getattr(torch._C.DispatchKey, name)
+    for device_type, name in (
+        ("cpu", "AutocastCPU"),
+        ("cuda", "AutocastCUDA"),
+        ("xpu", "AutocastXPU"),
+        ("mps", "AutocastMPS"),
+        ("hpu", "AutocastHPU"),
+        ("privateuseone", "AutocastPrivateUse1"),
+    )
+    if hasattr(torch._C.DispatchKey, name)
+}
+_AUTOCAST_KEYS = torch._C.DispatchKeySet(_AUTOCAST_KEY["cpu"])
+for _key in _AUTOCAST_KEY.values():
+    _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch._C.DispatchKeySet(_key)
+_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+_autocast_enabled = torch.is_autocast_enabled
+_autocast_dtype = torch.get_autocast_dtype
 
 TORCH_AUTOCAST_ALONGSIDE = True
 """Let torch's C++ autocast run alongside amped: inside calls the policy does not name
@@ -216,6 +229,13 @@ class AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         return func(*args)
 
+    def call_unlisted(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run a call no policy lists with torch's C++ autocast kept out (inside a
+        module rule, or with :data:`TORCH_AUTOCAST_ALONGSIDE` off)."""
+        return call_without_torch_autocast(self.device_types, func, args, kwargs)
+
     def _apply(
         self,
         func: Callable[..., Any],
@@ -227,9 +247,9 @@ class AutocastMode(TorchFunctionMode):
         if device_type is None:
             return func(*args, **kwargs)
         tables = per_device.get(device_type)
-        if tables is None or not torch.is_autocast_enabled(device_type):
+        if tables is None or not _autocast_enabled(device_type):
             return func(*args, **kwargs)
-        low = torch.get_autocast_dtype(device_type)
+        low = _autocast_dtype(device_type)
         rule = tables.get(low)
         if rule is None:
             return func(*args, **kwargs)
@@ -246,6 +266,18 @@ class AutocastMode(TorchFunctionMode):
             if cast is _LOWER:  # the hot path: one frame less than casting.run
                 return casting.cast_call(func, args, kwargs, low, device_type, low, cache)
             return casting.run(cast, func, args, kwargs, device_type, low, cache)
-        return call_without_torch_autocast(
-            (device_type,), casting.run, (cast, func, args, kwargs, device_type, low, cache), _EMPTY
-        )
+        key = _AUTOCAST_KEY.get(device_type)
+        if key is None or cache is None:  # (no cache: Dynamo is tracing)
+            return call_without_torch_autocast(
+                (device_type,),
+                casting.run,
+                (cast, func, args, kwargs, device_type, low, cache),
+                _EMPTY,
+            )
+        # Autocast is on for device_type (checked above), so its key is not excluded:
+        # exclude it for the op, include it after (an exclude-guard object costs more).
+        _set_excluded(key, True)
+        try:
+            return casting.run(cast, func, args, kwargs, device_type, low, cache)
+        finally:
+            _set_excluded(key, False)

@@ -240,13 +240,13 @@ def _fast_allowed(st: _ThreadState) -> bool:
 def _publish_fast(st: _ThreadState) -> None:
     # The fast-path tables of the innermost policy per device type; none while the mode
     # runs (it applies every open region's policy itself).
-    active: dict[str, dispatch.Tables] = {}
+    active: dict[str, dispatch.KernelRules] = {}
     if st.mode is None:
         for region in st.regions:
             if region.policy is not None:
-                tables = dispatch.plan(region.policy) if region.fast else None
-                active[region.device_type] = tables or {}
-    dispatch.set_active({dev: tables for dev, tables in active.items() if tables})
+                rules = dispatch.kernel_rules(region.policy) if region.fast else None
+                active[region.device_type] = rules or {}
+    dispatch.set_active({dev: rules for dev, rules in active.items() if rules})
     freshness.set_active(any(r.fast for r in st.regions) and st.mode is None)
 
 

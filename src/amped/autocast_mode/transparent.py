@@ -106,7 +106,7 @@ call: Callable[..., Any] = _skip_one_hop if _skip_one_hop is not None else call_
 """Call a Python torch function with its own torch-function check skipped once
 (``torch.overrides.redispatch_function`` is a thin wrapper over the C function)."""
 
-_is_compiling = torch.compiler.is_compiling
+_is_compiling = torch.compiler.is_dynamo_compiling  # see mode.py
 _push = torch._C._push_on_torch_function_stack
 _pop = torch._C._pop_torch_function_stack
 
@@ -124,6 +124,40 @@ def run_under(
         return call(func, types_, args, kwargs)
     finally:
         _pop()
+
+
+def _super_forwarders() -> tuple[types.FunctionType, ...]:
+    found = []
+    for value in vars(torch.Tensor).values():
+        if isinstance(value, types.FunctionType) and "super" in value.__code__.co_names:
+            found.append(value)
+    return tuple(found)
+
+
+SUPER_FORWARDERS = _super_forwarders()
+"""``torch.Tensor`` methods written in Python that end in ``super().name(...)``
+(``Tensor.unflatten``): Dynamo cannot trace that ``super()`` call, so under
+``torch.compile`` they run as the tensor method they forward to, one graph node."""
+
+
+def _run_traced(
+    mode: Any, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    # Dynamo does not honour the one-hop skip (the function comes straight back to the
+    # mode) and records torch's Python functions as single graph nodes. It inlines the
+    # clone, whose checks are off, with the mode entered again as a context manager.
+    if func in SUPER_FORWARDERS:
+        # Eagerly only its super() call comes back to the mode, as an unlisted op; here
+        # the mode is off while it handles a call, so the method is that op directly.
+        method = getattr(args[0], func.__name__)
+        if mode.exclude_unlisted:
+            return mode.call_unlisted(method, args[1:], kwargs)
+        return method(*args[1:], **kwargs)
+    clone = _CLONES.get(func)
+    if clone is None:
+        clone = _clone_outside_graph(func)
+    with mode:
+        return clone(*args, **kwargs)
 
 
 def run_transparently(
@@ -146,15 +180,7 @@ def run_transparently(
     try:
         if _is_compiling():
             compiling.check_supported()
-            # Dynamo does not honour the one-hop skip (the function comes straight back
-            # to the mode) and records torch's Python functions as single graph nodes.
-            # It inlines the clone, whose checks are off, with the mode entered again as
-            # a context manager, which it traces.
-            clone = _CLONES.get(func)
-            if clone is None:
-                clone = _clone_outside_graph(func)
-            with mode:
-                return clone(*args, **kwargs)
+            return _run_traced(mode, func, args, kwargs)
         _push(mode)  # run_under, inlined: this is a per-call path
         try:
             return call(func, types_, args, kwargs)

@@ -59,6 +59,101 @@ def has_kernel_for(qualified_name: str, dispatch_key: str) -> bool:
 
 
 # --- autocast_mode ---
+# The engine binds these at import and calls most of them per op, so they are the torch
+# objects themselves (aliases), not wrappers: a wrapper would add a frame to every op.
+
+OpOverload = torch._ops.OpOverload
+"""One overload of an op (``torch.ops.aten.mm.default``): what the dispatcher runs."""
+OpOverloadPacket = torch._ops.OpOverloadPacket
+"""An op with all its overloads (``torch.ops.aten.mm``)."""
+DispatchKey = torch._C.DispatchKey
+"""The dispatcher's keys; torch's autocast kernels sit at ``Autocast<Device>``."""
+DispatchKeySet = torch._C.DispatchKeySet
+ExcludeDispatchKeyGuard = torch._C._ExcludeDispatchKeyGuard
+"""Keeps a key set's kernels from running while held: how torch's C++ autocast is kept out."""
+set_dispatch_key_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+"""``(key, bool)``: the guard's effect as two plain calls, several times cheaper per op."""
+dispatch_keyset_full = torch._C._dispatch_keyset_full
+dispatch_keyset_full_after = torch._C._dispatch_keyset_full_after
+"""Every key after one: what a kernel redispatches to, to run the op below its key."""
+dispatch_has_kernel = torch._C._dispatch_has_kernel
+"""Whether an op has a dispatcher entry (TorchScript-only overloads have none)."""
+is_cached_tensor = getattr(torch._C, "_is_cached_tensor")  # noqa: B009 - not in the stubs
+"""Whether a tensor lives in a CUDA-graph pool (torch's autocast never caches those)."""
+is_inference_mode_enabled = torch._C.is_inference_mode_enabled
+"""The C function behind ``torch.is_inference_mode_enabled``, one frame less."""
+len_torch_function_stack = torch._C._len_torch_function_stack
+get_function_stack_at = torch._C._get_function_stack_at
+push_torch_function_mode = torch._C._push_on_torch_function_stack
+pop_torch_function_mode = torch._C._pop_torch_function_stack
+"""The torch-function mode stack itself; ``with mode:`` costs several frames more."""
+skip_one_hop_torch_function: Any = getattr(torch._C, "_skip_one_hop_torch_function", None)
+"""Call a function with its own torch-function check skipped once (torch >= 2.13, else
+None): the C function ``torch.overrides.redispatch_function`` wraps."""
+AUTOCAST_ENTER_EXIT = (
+    torch.amp.autocast_mode._enter_autocast,
+    torch.amp.autocast_mode._exit_autocast,
+)
+"""What ``torch.autocast`` calls under torch.compile to enter and leave; the engine lets
+them pass."""
+OP_NAMESPACES: tuple[Any, ...] = (
+    torch._C._VariableFunctions,
+    torch._C._nn,
+    getattr(torch._C, "_linalg"),  # noqa: B009 - not in torch's type stubs
+    getattr(torch._C, "_fft"),  # noqa: B009
+    getattr(torch._C, "_special"),  # noqa: B009
+    torch._C.TensorBase,
+)
+"""The C-level namespaces whose functions are bound to ATen ops by name."""
+dynamo_disable = torch._dynamo.disable
+"""Decorator: Dynamo runs the function eagerly, outside the graph."""
+assume_constant_result = torch._dynamo.assume_constant_result
+"""Decorator: Dynamo calls the function once while tracing and folds its result."""
+dynamo_callbacks = torch._dynamo.callback_handler
+"""Dynamo's compile start/end callbacks (``torch._dynamo.reset()`` clears them)."""
+
+
+def dynamo_skip_code() -> Any:
+    """Dynamo's ``skip_code(code)`` (never start a frame at ``code``), or None: the only
+    way to keep Dynamo from compiling a function it would otherwise make a root frame."""
+    eval_frame = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
+    return getattr(eval_frame, "skip_code", None)
+
+
+def _functorch_config() -> Any:
+    try:
+        import torch._functorch.config as config
+    except ImportError:  # pragma: no cover - every supported torch has it
+        return None
+    return config
+
+
+FUNCTORCH_CONFIG: Any = _functorch_config()
+"""``torch._functorch.config`` or None: its ``backward_pass_autocast`` sets the autocast
+state compiled backward passes are traced with, and has no public setter."""
+
+
+def config_entry(config: Any, name: str) -> Any:
+    """The entry of torch's config module holding ``name``'s override in a ContextVar
+    (``entry.user_override``), or None where the layout differs: setting the var costs a
+    tenth of the module's ``__setattr__``, paid once per training step."""
+    entry = getattr(config, "_config", {}).get(name) if config is not None else None
+    known = (
+        entry is not None
+        and hasattr(entry, "user_override")
+        and hasattr(config, "_hash_dirty_var")
+        and hasattr(config, "_mark_get_dict_dirty")
+        and getattr(entry, "alias", None) is None
+    )
+    return entry if known else None
+
+
+def mark_config_changed(config: Any, name: str) -> None:
+    """Tell torch's config module that ``name`` changed behind its ``__setattr__`` (its
+    cached hash and dict are rebuilt)."""
+    config._hash_dirty_var.set(True)
+    config._mark_get_dict_dirty(name)
+
 
 # --- scaling ---
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from amped._internal import torch_compat
 from amped.policy import Cast
 
 __all__ = ["WeightCache", "cast_call", "device_type_of", "run"]
@@ -22,9 +23,9 @@ __all__ = ["WeightCache", "cast_call", "device_type_of", "run"]
 _Tensor = torch.Tensor
 _FLOAT32 = torch.float32
 _FLOAT64 = torch.float64
-_is_cached_tensor = getattr(torch._C, "_is_cached_tensor")  # noqa: B009 - CUDA-graph pools
+_is_cached_tensor = torch_compat.is_cached_tensor  # CUDA-graph pools
 _grad_enabled = torch.is_grad_enabled
-_inference_mode = torch._C.is_inference_mode_enabled
+_inference_mode = torch_compat.is_inference_mode_enabled
 _cache_enabled = torch.is_autocast_cache_enabled
 _CASTABLE = frozenset(
     d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point

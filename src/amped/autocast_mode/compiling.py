@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from amped._internal import torch_compat
+
 __all__ = [
     "COMPILE_SUPPORTED",
     "MIN_TORCH_FOR_COMPILE",
@@ -57,21 +59,9 @@ def check_supported() -> None:
 
 
 _NAME = "backward_pass_autocast"
-_config: Any
-try:
-    import torch._functorch.config as _config
-except ImportError:  # pragma: no cover - every supported torch has it
-    _config = None
-_entry = getattr(_config, "_config", {}).get(_NAME) if _config is not None else None
-# torch's config module keeps each override in a ContextVar; setting it through that
-# var costs a tenth of the module's __setattr__, which matters once per training step.
-_fast = (
-    _entry is not None
-    and hasattr(_entry, "user_override")
-    and hasattr(_config, "_hash_dirty_var")
-    and hasattr(_config, "_mark_get_dict_dirty")
-    and getattr(_entry, "alias", None) is None
-)
+_config = torch_compat.FUNCTORCH_CONFIG
+_entry = torch_compat.config_entry(_config, _NAME)
+_fast = _entry is not None  # set through its ContextVar, not the module's __setattr__
 
 
 class _Saved(threading.local):
@@ -82,17 +72,12 @@ class _Saved(threading.local):
 _saved_per_thread = _Saved()
 
 
-def _mark_changed() -> None:
-    _config._hash_dirty_var.set(True)
-    _config._mark_get_dict_dirty(_NAME)
-
-
 def backward_autocast_off() -> None:
     """Trace compiled backward passes with autocast off while the engine is active."""
     if _fast:
-        override = _entry.user_override  # type: ignore[union-attr]
+        override = _entry.user_override
         _saved_per_thread.stack.append((override.set("off"), override))
-        _mark_changed()
+        torch_compat.mark_config_changed(_config, _NAME)
         return
     if _config is None or not hasattr(_config, _NAME):
         _saved_per_thread.stack.append((None, None))
@@ -111,13 +96,13 @@ def restore_backward_autocast() -> None:
         return
     if isinstance(token, contextvars.Token):
         try:
-            _entry.user_override.reset(token)  # type: ignore[union-attr]
+            _entry.user_override.reset(token)
         except ValueError:  # exited in another context (a task other than the entering one)
             old = token.old_value
             if old is contextvars.Token.MISSING:
-                old = _entry.default  # type: ignore[union-attr]
-            _entry.user_override.set(old)  # type: ignore[union-attr]
-        _mark_changed()
+                old = _entry.default
+            _entry.user_override.set(old)
+        torch_compat.mark_config_changed(_config, _NAME)
         return
     setattr(_config, _NAME, previous)
 
@@ -133,8 +118,7 @@ def never_root_frames(*modules: object) -> None:
     Marking their code "skip" affects only frames Dynamo would start from; a traced
     function still inlines them, so fullgraph compilation is unchanged.
     """
-    skip = getattr(getattr(torch, "_dynamo", None), "eval_frame", None)
-    skip_code = getattr(skip, "skip_code", None)
+    skip_code = torch_compat.dynamo_skip_code()
     if skip_code is None:
         return
     for module in modules:

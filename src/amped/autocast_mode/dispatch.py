@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from amped._internal import torch_compat
+from amped._internal.torch_compat import OpOverload
 from amped.autocast_mode import casting
 from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
@@ -58,7 +60,7 @@ _APPEND_DTYPE = {
     "aten::norm.ScalarOpt_dim": "ScalarOpt_dim_dtype",
 }
 
-Tables = dict[torch._ops.OpOverload, dict[torch.dtype, Cast]]
+Tables = dict[OpOverload, dict[torch.dtype, Cast]]
 """op overload -> low dtype -> amped's cast, for the ops whose rule differs from torch's."""
 
 
@@ -136,16 +138,16 @@ def _plan(policy: Policy) -> Tables | None:
     return tables
 
 
-def _overloads(op: Any) -> list[torch._ops.OpOverload] | None:
+def _overloads(op: Any) -> list[OpOverload] | None:
     packet: Any
     if isinstance(op, str):
         namespace, _, name = op.rpartition("::")
         packet = getattr(getattr(torch.ops, namespace or "aten"), name, None)
     else:
         packet = getattr(op, "_opoverload", op)  # torch.library.custom_op's CustomOpDef
-        if isinstance(packet, torch._ops.OpOverload):
+        if isinstance(packet, OpOverload):
             packet = packet.overloadpacket
-    if not isinstance(packet, torch._ops.OpOverloadPacket):
+    if not isinstance(packet, torch_compat.OpOverloadPacket):
         return None
     overloads = [getattr(packet, name) for name in packet.overloads()]
     # TorchScript-only overloads (aten::sum.int) have no dispatcher entry; out= and
@@ -153,11 +155,11 @@ def _overloads(op: Any) -> list[torch._ops.OpOverload] | None:
     return [
         op
         for op in overloads
-        if torch._C._dispatch_has_kernel(op.name()) and not op._schema.is_mutable
+        if torch_compat.dispatch_has_kernel(op.name()) and not op._schema.is_mutable
     ]
 
 
-def _dtype_index(overload: torch._ops.OpOverload) -> int | None:
+def _dtype_index(overload: OpOverload) -> int | None:
     # The position of the optional dtype argument (-1: keyword-only), None: it has none.
     for i, arg in enumerate(overload._schema.arguments):
         if arg.name == "dtype":
@@ -221,7 +223,7 @@ def clear_cache() -> None:
     _tls.cache.clear()
 
 
-def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
+def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
     """The kernel for ``op`` at ``key``, and whether it takes the dispatch key set.
 
     torch's own C++ autocast kernels (aten ops) ignore the key set, so their kernels
@@ -229,12 +231,10 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> tuple[Any,
     others need it to redispatch, or for a ``torch.library`` autocast kernel.
     """
     raw = op._op
-    dispatch_key = getattr(torch._C.DispatchKey, key)
-    after = torch._C._dispatch_keyset_full_after(dispatch_key)
+    dispatch_key = getattr(torch_compat.DispatchKey, key)
+    after = torch_compat.dispatch_keyset_full_after(dispatch_key)
     torch_kernel = (
-        torch.library.get_kernel(op, key)
-        if torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key)
-        else None
+        torch.library.get_kernel(op, key) if torch_compat.has_kernel_for(op.name(), key) else None
     )
     dtype_at = _dtype_index(op)
     appended = _APPEND_DTYPE.get(op.name())
@@ -250,7 +250,7 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> tuple[Any,
     # The dispatcher calls this kernel only while its key is not excluded, so the key is
     # excluded for the op and included again after it: two calls, where an exclude-guard
     # object costs several times more.
-    set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+    set_excluded = torch_compat.set_dispatch_key_excluded
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         tables = tls.active.get(device_type)
@@ -299,7 +299,7 @@ def _kernel(op: torch._ops.OpOverload, device_type: str, key: str) -> tuple[Any,
 
 
 _NOT_OURS = object()
-_ANY_KEYSET = torch._C._dispatch_keyset_full()  # torch's autocast kernels ignore it
+_ANY_KEYSET = torch_compat.dispatch_keyset_full()  # torch's autocast kernels ignore it
 
 
 def _append_fp32(missing: list[tuple[str, Any]], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -357,5 +357,5 @@ def _on_compile_start(args: Any) -> None:
         state.switch_to_engine()
 
 
-_callbacks = torch._dynamo.callback_handler
+_callbacks = torch_compat.dynamo_callbacks
 watch_compiles()

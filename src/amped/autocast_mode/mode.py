@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from amped._internal import torch_compat
 from amped.autocast_mode import casting, compiling, transparent
 from amped.autocast_mode.targets import callables_for
 from amped.policy import Cast, Policy
@@ -35,7 +36,7 @@ _FunctionType = types.FunctionType
 # Dynamo folds it to True while tracing; eagerly one frame (is_compiling() costs two).
 _is_compiling = torch.compiler.is_dynamo_compiling
 _AUTOCAST_KEY = {  # device type -> torch's autocast dispatch key for it
-    device_type: getattr(torch._C.DispatchKey, name)
+    device_type: getattr(torch_compat.DispatchKey, name)
     for device_type, name in (
         ("cpu", "AutocastCPU"),
         ("cuda", "AutocastCUDA"),
@@ -44,12 +45,13 @@ _AUTOCAST_KEY = {  # device type -> torch's autocast dispatch key for it
         ("hpu", "AutocastHPU"),
         ("privateuseone", "AutocastPrivateUse1"),
     )
-    if hasattr(torch._C.DispatchKey, name)
+    if hasattr(torch_compat.DispatchKey, name)
 }
-_AUTOCAST_KEYS = torch._C.DispatchKeySet(_AUTOCAST_KEY["cpu"])
+_AUTOCAST_KEYS = torch_compat.DispatchKeySet(_AUTOCAST_KEY["cpu"])
 for _key in _AUTOCAST_KEY.values():
-    _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch._C.DispatchKeySet(_key)
-_set_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
+    _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch_compat.DispatchKeySet(_key)
+_set_excluded = torch_compat.set_dispatch_key_excluded
+_exclude_guard = torch_compat.ExcludeDispatchKeyGuard
 _autocast_enabled = torch.is_autocast_enabled
 _autocast_dtype = torch.get_autocast_dtype
 
@@ -129,18 +131,18 @@ def _custom_targets(op: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
     # A custom op reaches the mode as its packet (torch.ops.ns.name) or as an overload
     # (torch.ops.ns.name.default, which is what calling a @custom_op function does).
     opdef = getattr(op, "_opoverload", None)  # torch.library.custom_op's CustomOpDef
-    if isinstance(opdef, torch._ops.OpOverload):
+    if isinstance(opdef, torch_compat.OpOverload):
         op = opdef.overloadpacket
-    if isinstance(op, torch._ops.OpOverload):
+    if isinstance(op, torch_compat.OpOverload):
         op = op.overloadpacket
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, torch_compat.OpOverloadPacket):
         return (op, *(getattr(op, name) for name in op.overloads()))
     return (op,)
 
 
 def exclude_torch_autocast() -> Any:
     """A guard under which torch's C++ autocast kernels do not run (one per use)."""
-    return torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_KEYS)
+    return _exclude_guard(_AUTOCAST_KEYS)
 
 
 def call_without_torch_autocast(
@@ -164,7 +166,7 @@ def call_without_torch_autocast(
 
 _EMPTY: dict[str, Any] = {}
 _LOWER = Cast.LOWER
-_OPAQUE = (torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast)
+_OPAQUE = torch_compat.AUTOCAST_ENTER_EXIT
 
 
 class AutocastMode(TorchFunctionMode):

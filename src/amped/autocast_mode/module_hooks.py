@@ -13,6 +13,7 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
+from amped._internal import torch_compat
 from amped.autocast_mode import state
 from amped.policy import ModuleRule, Policy
 
@@ -121,7 +122,7 @@ class _GlobalHooks:
 hooks = _GlobalHooks()
 
 
-@torch._dynamo.assume_constant_result
+@torch_compat.assume_constant_result
 def _install_while_tracing() -> bool:
     with hooks._lock:
         hooks.install()

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from amped._internal import torch_compat
 from amped.autocast_mode import state
 from amped.policy import Policy
 from amped.policy.ops import TORCH_OP_TABLES
@@ -59,7 +60,7 @@ def _preset(name: str, device_type: str) -> Policy:
     return found
 
 
-@torch._dynamo.disable
+@torch_compat.dynamo_disable
 def _build_preset(name: str, device_type: str) -> Policy:
     found = Policy.preset(name, device_type)
     _PRESETS[(name, device_type)] = found

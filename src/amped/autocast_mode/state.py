@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import torch
 
+from amped._internal import torch_compat
 from amped.autocast_mode import compiling, dispatch, freshness, transparent
 from amped.autocast_mode import mode as engine
 from amped.autocast_mode.mode import AutocastMode
@@ -293,8 +294,8 @@ def _pop_mode(st: _ThreadState) -> None:
     if torch.compiler.is_compiling():
         mode.__exit__(None, None, None)
         return
-    depth = torch._C._len_torch_function_stack()
-    if depth == 0 or torch._C._get_function_stack_at(depth - 1) is not mode:
+    depth = torch_compat.len_torch_function_stack()
+    if depth == 0 or torch_compat.get_function_stack_at(depth - 1) is not mode:
         raise RuntimeError(
             "amped's autocast mode was not on top of the torch-function mode stack when "
             "its last region closed: a mode entered inside the region is still open. "
@@ -304,8 +305,8 @@ def _pop_mode(st: _ThreadState) -> None:
     compiling.restore_backward_autocast()
 
 
-_push = torch._C._push_on_torch_function_stack
-_pop = torch._C._pop_torch_function_stack
+_push = torch_compat.push_torch_function_mode
+_pop = torch_compat.pop_torch_function_mode
 
 
 def _index(regions: list[Region], region: Region) -> int:

@@ -19,17 +19,12 @@ from typing import Any
 
 import torch
 
+from amped._internal import torch_compat
+
 __all__ = ["callables_for"]
 
 # C-level namespaces whose functions are bound to ATen ops by name.
-_NAMESPACES: tuple[Any, ...] = (
-    torch._C._VariableFunctions,
-    torch._C._nn,
-    getattr(torch._C, "_linalg"),  # noqa: B009 - not in torch's type stubs
-    getattr(torch._C, "_fft"),  # noqa: B009
-    getattr(torch._C, "_special"),  # noqa: B009
-    torch._C.TensorBase,
-)
+_NAMESPACES = torch_compat.OP_NAMESPACES
 
 # Operator methods of Tensor implemented in C that bind an op under another name.
 _DUNDERS = {

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch.overrides
 
+from amped._internal import torch_compat
 from amped.autocast_mode import compiling
 
 __all__ = ["call", "call_with_clone", "run_transparently", "run_under"]
@@ -71,7 +72,7 @@ def _clone_or_same(func: Any) -> Any:
     return clone
 
 
-@torch._dynamo.disable
+@torch_compat.dynamo_disable
 def _clone_outside_graph(func: Any) -> Any:
     return _clone_or_same(func)
 
@@ -101,14 +102,14 @@ def call_with_clone(
     return func(*args, **kwargs)
 
 
-_skip_one_hop = getattr(torch._C, "_skip_one_hop_torch_function", None)
+_skip_one_hop = torch_compat.skip_one_hop_torch_function
 call: Callable[..., Any] = _skip_one_hop if _skip_one_hop is not None else call_with_clone
 """Call a Python torch function with its own torch-function check skipped once
 (``torch.overrides.redispatch_function`` is a thin wrapper over the C function)."""
 
 _is_compiling = torch.compiler.is_dynamo_compiling  # see mode.py
-_push = torch._C._push_on_torch_function_stack
-_pop = torch._C._pop_torch_function_stack
+_push = torch_compat.push_torch_function_mode
+_pop = torch_compat.pop_torch_function_mode
 
 
 def run_under(

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from amped._internal.torch_compat import cpu_scaled_mm_takes_rowwise
 from amped.fp8 import Fp8Tensor, quantize, scaled_mm, sqnr
 from amped.fp8.cast import amax_of, amax_to_scale, cast_saturated
 
@@ -57,6 +58,18 @@ def test_round_trip_sqnr(dtype, granularity):
         assert sqnr(x, q.dequantize()) >= ROUND_TRIP_DB
 
 
+ROWWISE_CPU = "torch's CPU _scaled_mm takes row-wise scales from torch 2.12 on"
+
+
+def test_rowwise_scaled_mm_on_old_cpu_torch_says_what_to_do():
+    if cpu_scaled_mm_takes_rowwise():
+        pytest.skip("this torch's CPU _scaled_mm takes row-wise scales")
+    a, b = _operands(True, True)
+    with pytest.raises(RuntimeError, match="emulate=True"):
+        scaled_mm(a, b, torch.bfloat16)
+    assert scaled_mm(a, b, torch.bfloat16, emulate=True).dtype == torch.bfloat16
+
+
 def _operands(a_rows, b_cols, dtype_a=E4M3):
     torch.manual_seed(0)
     a = quantize(torch.randn(48, 64), dtype_a, "rowwise" if a_rows else "tensorwise")
@@ -71,6 +84,8 @@ def _operands(a_rows, b_cols, dtype_a=E4M3):
 def test_emulation_equals_scaled_mm(a_rows, b_cols, out_dtype):
     """Bitwise where torch's CPU kernel dequantizes and multiplies in float32 (everything
     but e4m3 x e4m3 tensorwise to float32, which AMX CPUs send to oneDNN)."""
+    if (a_rows or b_cols) and not cpu_scaled_mm_takes_rowwise():
+        pytest.skip(ROWWISE_CPU)
     a, b = _operands(a_rows, b_cols, E5M2 if not (a_rows or b_cols) else E4M3)
     real = scaled_mm(a, b, out_dtype)
     emulated = scaled_mm(a, b, out_dtype, emulate=True)
@@ -104,6 +119,8 @@ def test_padding_the_inner_dim_leaves_the_product_unchanged():
     divisible by 16; padding with zeros must not change a bit."""
     from amped.fp8.gemm import pad_inner
 
+    if not cpu_scaled_mm_takes_rowwise():
+        pytest.skip(ROWWISE_CPU)
     torch.manual_seed(0)
     a = quantize(torch.randn(32, 37), E5M2)
     b = quantize(torch.randn(37, 48), E4M3, "rowwise", dim=0)

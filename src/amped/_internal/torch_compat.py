@@ -238,6 +238,12 @@ def scaled_mm(
     )
 
 
+def cpu_scaled_mm_takes_rowwise() -> bool:
+    """Whether torch's CPU ``_scaled_mm`` takes row-wise scales (from 2.12; before, only
+    one scale per operand)."""
+    return torch_at_least(2, 12)
+
+
 # --- recipes ---
 # torch's multi-tensor ops (what torch.optim's foreach paths use; public in effect but
 # underscore-named): one call copies or adds a list of tensors, where a Python loop

@@ -97,6 +97,16 @@ def scaled_mm(
         out = (a.data.to(torch.float32) * inv_a) @ (b.data.to(torch.float32) * inv_b)
         out = out.to(gemm_dtype)
     else:
+        if (
+            a.data.device.type == "cpu"
+            and rowwise
+            and not torch_compat.cpu_scaled_mm_takes_rowwise()
+        ):
+            raise RuntimeError(
+                "torch's CPU _scaled_mm takes row-wise scales from torch 2.12 on; this is "
+                f"torch {torch.__version__}. Use emulate=True (exact, the CPU default) or "
+                "tensorwise scales, or upgrade torch."
+            )
         if a.data.device.type == "cuda":
             a, b = pad_inner(a, b)
         a_data = a.data if a.data.is_contiguous() else a.data.contiguous()

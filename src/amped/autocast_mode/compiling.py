@@ -1,19 +1,8 @@
 """What amped's engine needs from ``torch.compile``, and which torch releases give it.
 
-Under Dynamo the engine's ``__torch_function__`` is traced like any Python code: the
-rule look-ups become guards (a policy change recompiles), the casts become graph
-nodes. Three eager mechanisms have traced stand-ins: the dispatch-key exclude guard
-(``torch.autocast(enabled=False)`` around the op), the one-hop skip for Python
-composites (a clone with the checks off), and the weight cache (none; torch's compiled
-autocast caches nothing either).
-
-The backward pass: AOTAutograd traces it, by default under the forward's autocast
-state (``torch._functorch.config.backward_pass_autocast = "same_as_forward"``). Eagerly,
-autograd runs the backward of each op on the dtypes the forward gave it, with no
-autocast; under a policy whose rules differ from torch's, tracing the backward with
-torch's C++ autocast on would cast the backward of an op amped keeps in float32 (say
-``linear``) to low precision. So while amped's engine is on the stack, graphs compiled
-there trace their backward with autocast off (``"off"``), which is what eager does.
+Graphs compiled while the engine is on the stack trace their backward with autocast off,
+as eager autograd runs it; why, and the traced stand-ins for the engine's eager
+mechanisms, are in docs/engine.md ("torch.compile").
 """
 
 from __future__ import annotations
@@ -108,16 +97,8 @@ def restore_backward_autocast() -> None:
 
 
 def never_root_frames(*modules: object) -> None:
-    """Keep Dynamo from compiling amped's own functions as frames of their own.
-
-    When Dynamo gives up on a function (a graph break it cannot resume, such as one in a
-    generator-based context manager around a region), it runs it eagerly and compiles
-    each Python frame that function calls instead: the region's bookkeeping and the
-    engine's ``__torch_function__`` among them, one small graph each, recompiled on every
-    change of state until the recompile limit. Those frames have nothing to compile.
-    Marking their code "skip" affects only frames Dynamo would start from; a traced
-    function still inlines them, so fullgraph compilation is unchanged.
-    """
+    """Keep Dynamo from compiling amped's own functions as frames of their own (after a
+    graph break it cannot resume); traced functions still inline them (docs/engine.md)."""
     skip_code = torch_compat.dynamo_skip_code()
     if skip_code is None:
         return

@@ -10,11 +10,9 @@ otherwise it behaves exactly as torch: it calls torch's own autocast kernel for 
 (cache included), or, where torch has none, dispatches below the Autocast key as a
 fallthrough would. Untouched ops and the ops whose rule is torch's never reach Python.
 
-Kernels are registered the first time a policy needing them is entered (0.05 to 0.2 ms
-per op overload) and stay registered, idle, until :func:`release_kernels`: registering
-per region would cost more than the region. While registered, an op they cover costs a
-``torch.autocast`` user about 2.5 us more per call (the Python hop to torch's kernel;
-about 4 us where torch has no kernel and the call is redispatched below the key).
+Kernels are registered the first time a policy needing them is entered and stay
+registered, idle, until :func:`release_kernels`: registering per region would cost more
+than the region (costs in docs/engine.md, "The fast path").
 
 Dynamo does not guard on this module's thread state, so a graph traced through these
 kernels could be reused under another policy. Hence the fast path serves eager code

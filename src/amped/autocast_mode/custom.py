@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import type_error
 from amped.autocast_mode import state
 from amped.autocast_mode.region import autocast
 
@@ -146,9 +147,7 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
         torch.bfloat16
     """
     if not callable(func):
-        raise TypeError(
-            f"autocast_op decorates a function. Received: {func!r} (of type {type(func).__name__})"
-        )
+        raise type_error("autocast_op decorates a function", "func", func)
 
     def tensors(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
         found: list[Any] = []

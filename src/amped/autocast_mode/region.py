@@ -10,6 +10,7 @@ from typing import Any, TypeVar
 import torch
 
 from amped._internal import torch_compat
+from amped._internal.errors import type_error
 from amped.autocast_mode import state
 from amped.policy import Policy
 from amped.policy.ops import TORCH_OP_TABLES
@@ -34,9 +35,10 @@ def _resolve_policy(policy: Policy | str | None, device_type: str) -> Policy | N
     if isinstance(policy, str):
         return _preset(policy, device_type)
     if not isinstance(policy, Policy):
-        raise TypeError(
-            "policy must be an amped.Policy, a preset name ('torch', 'strict') or None. "
-            f"Received: policy={policy!r} (of type {type(policy).__name__})"
+        raise type_error(
+            "policy must be an amped.Policy, a preset name ('torch', 'strict') or None",
+            "policy",
+            policy,
         )
     if policy.device_type != device_type:
         raise ValueError(

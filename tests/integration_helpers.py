@@ -71,3 +71,11 @@ def hand_loop(
             setup.zero_grad()
     assert report is not None
     return losses, setup, report
+
+
+def reset_accelerate_state() -> None:
+    """Accelerate keeps its state in process-wide singletons; each run starts clean."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()

@@ -19,26 +19,12 @@ import amped.scaling
 SCALERS = {"amped": amped.GradScaler, "torch": torch.amp.GradScaler}
 BOTH = pytest.mark.parametrize("make", SCALERS.values(), ids=SCALERS.keys())
 
-EXPECTED_SCALING_EXPORTS = {
-    "Bounded",
-    "CheckpointError",
-    "DynamicScale",
-    "GradScaler",
-    "GrowthFactors",
-    "Hysteresis",
-    "ScaleRecord",
-    "ScaleState",
-    "ScaleStrategy",
-    "StaticScale",
-    "load_checkpoint",
-    "save_checkpoint",
-}
 # What the scaling layer adds to amped's top-level __all__.
 EXPECTED_TOP_LEVEL_FROM_SCALING = {"GradScaler", "ScaleRecord"}
 
 
 def test_scaling_public_names() -> None:
-    assert set(amped.scaling.__all__) == EXPECTED_SCALING_EXPORTS
+    # amped.scaling.__all__ itself is pinned in test_public_api.py.
     assert set(amped.__all__) >= EXPECTED_TOP_LEVEL_FROM_SCALING
     for name in EXPECTED_TOP_LEVEL_FROM_SCALING:
         assert getattr(amped, name) is getattr(amped.scaling, name)

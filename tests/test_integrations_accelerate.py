@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("accelerate")
 from accelerate import Accelerator as AccelerateAccelerator
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState
 
 import amped
 from amped.integrations.accelerate import Accelerator
@@ -20,6 +20,7 @@ from integration_helpers import (
     loss_of,
     make_net,
     make_optimizer,
+    reset_accelerate_state,
 )
 
 RECIPES = recipe_names()  # every registered recipe, fp32 first
@@ -27,12 +28,9 @@ RECIPES = recipe_names()  # every registered recipe, fp32 first
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
-    # Accelerate keeps its state in process-wide singletons; each run starts clean.
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 def _equal(a, b):

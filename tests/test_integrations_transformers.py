@@ -8,11 +8,12 @@ import torch
 
 pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
-from accelerate.state import AcceleratorState, GradientState  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments  # noqa: E402
 
 import amped  # noqa: E402
 from amped.integrations.transformers import RECIPE_STATE_NAME, Trainer  # noqa: E402
+from integration_helpers import reset_accelerate_state  # noqa: E402
 
 STEPS = 6
 BATCH = 4
@@ -20,11 +21,9 @@ BATCH = 4
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
     yield
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+    reset_accelerate_state()
 
 
 def tiny_llama() -> LlamaForCausalLM:

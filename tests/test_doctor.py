@@ -149,6 +149,15 @@ def test_json_and_html_outputs(tmp_path):
     assert "first non-finite value" in report.summary()
 
 
+def test_doctor_pages_refuse_what_is_not_a_report(tmp_path):
+    from amped.cli import save_doctor_html, save_doctor_plot
+
+    for save in (save_doctor_html, save_doctor_plot):
+        with pytest.raises(TypeError, match=r"amped\.doctor\.Report.*Received: report='x'"):
+            save("x", tmp_path / "page")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_module_by_type_root_model_is_named_root():
     lin = nn.Linear(4, 4)
     with torch.no_grad():

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from amped._internal.errors import type_error
+from amped._internal.files import write_files
 from amped.doctor import Report
 from amped.doctor.stats import smallest_subnormal
 
@@ -112,20 +114,31 @@ def doctor_html(report: Report) -> str:
     )
 
 
+def _check_report(report: object) -> None:
+    if not isinstance(report, Report):
+        raise type_error(
+            "The doctor's pages draw an amped.doctor.Report, as amped.doctor.diagnose() returns it",
+            "report",
+            report,
+        )
+
+
 def save_doctor_html(report: Report, path: str | Path) -> Path:
-    """Write :func:`doctor_html` to ``path``; returns the path."""
+    """Write :func:`doctor_html` to ``path`` atomically; returns the path."""
+    _check_report(report)
     path = Path(path)
-    path.write_text(doctor_html(report), encoding="utf-8")
+    write_files([(path, doctor_html(report))])
     return path
 
 
 def save_doctor_plot(report: Report, path: str | Path) -> Path:
-    """Write the dynamic-range plot to ``path`` as PNG (needs matplotlib)."""
+    """Write the dynamic-range plot to ``path`` as PNG, atomically (needs matplotlib)."""
+    _check_report(report)
     png = doctor_plot_png(report)
     if png is None:
         raise ImportError("The plot needs matplotlib: pip install 'amped[cli]'")
     path = Path(path)
-    path.write_bytes(png)
+    write_files([(path, png)])
     return path
 
 

@@ -170,10 +170,3 @@ def test_missing_extra_names_the_command_that_needs_it(capsys, monkeypatch):
     assert "amped doctor needs the optional 'cli' dependencies (matplotlib missing)" in (
         capsys.readouterr().err
     )
-
-
-def test_cli_exports_the_task_and_the_doctor_page():
-    import amped.cli
-
-    assert set(amped.cli.__all__) == {"Task", "save_doctor_html", "save_doctor_plot"}
-    assert all(hasattr(amped.cli, name) for name in amped.cli.__all__)

@@ -13,6 +13,9 @@ Parameters, every state tensor, the step counts and the random stream must come 
 bitwise equal, step after step: same hyper-parameters, same grouping, both
 compensations, float32 parameters among bfloat16 ones, a parameter without a gradient
 and one whose gradient arrives late.
+
+This is the eager step (``fused=False``); tests/test_recipes_fused.py holds the fused
+step (one compiled kernel per chunk) to it, within the bounds it states.
 """
 
 from __future__ import annotations
@@ -218,7 +221,7 @@ def _twins(kind, config, compensation, low, device, seed=7):
     ours = _params(low, device)
     theirs = [[p.detach().clone().requires_grad_(True) for p in group] for group in ours]
     groups = [{"params": ours[0]}, {"params": ours[1], "lr": config["lr"] / 2}]
-    opt = kind(groups, **config, compensation=compensation, seed=seed)
+    opt = kind(groups, **config, compensation=compensation, seed=seed, fused=False)
     ref_groups = [{**g, "params": t} for g, t in zip(opt.param_groups, theirs, strict=True)]
     return ours, opt, theirs, Reference(kind, ref_groups, seed)
 
@@ -294,7 +297,7 @@ def test_work_memory_is_bounded_and_kept_between_steps(monkeypatch):
     its three random keys."""
     monkeypatch.setattr(compensated, "_CHUNK_BYTES", 36 * 64)
     params = [torch.randn(n).bfloat16().requires_grad_(True) for n in (40, 30, 7, 50)]
-    opt = CompensatedAdamW(params, compensation="stochastic")
+    opt = CompensatedAdamW(params, compensation="stochastic", fused=False)
     for p in params:
         p.grad = torch.randn_like(p)
     state = 2 * 2 * sum(p.numel() for p in params)  # exp_avg and exp_avg_sq, bfloat16

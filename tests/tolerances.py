@@ -41,3 +41,35 @@ DISTRIBUTED_PARAM_UNITS = {"low": 8, "fp32": 16}
 # place, 2**-9 relative, and a few of them compound through the layer; 4 units (2**-6)
 # relative, with an absolute floor for values near zero, allows that and nothing more.
 INDUCTOR_BF16 = dict(rtol=2**-6, atol=2**-8)
+
+# The compensated optimizers' fused step against their eager step
+# (tests/test_recipes_fused.py). The kernel repeats the eager ops in float32, but three
+# kinds of rounding differ by one float32 ulp of an intermediate: eager lerp,
+# add(alpha=) and addcmul fuse a multiply and an add (FMA) where the kernel rounds
+# twice, and eager sqrt (SLEEF, within 0.5001 ulp) is not always the correctly
+# rounded one the kernel computes. Rounded to bfloat16 or float16, such a difference
+# moves a stored value by at most one ulp of its dtype, and only when the float32
+# value lies within a float32 ulp of a rounding boundary: about one element in 2**13
+# for bfloat16 per op and step. 1% of elements bounds that with a wide margin
+# (measured: at most 0.02% after 5 steps). Under Kahan compensation the weight plus
+# its compensation carries the float32 total to about 16 bits, so the two steps' sums
+# agree to a few float32 ulps plus one ulp of the compensation, at most 2**-17 of the
+# weight: 2**-14 leaves a margin of 8 (measured: below 2**-20). Where an op cancels
+# (lerp of a moment towards a gradient of the opposite sign, a weight near zero), the
+# result is small and the float32 difference is an ulp of the operands, not of the
+# result: up to FUSED_CANCELLATION float32 ulps of the tensor's largest value are
+# allowed on top (measured: 1.1e-9 against a largest moment of 0.2, about 0.1 ulp).
+# And where a stored moment or buffer came out one ulp apart (above), every later update
+# of that weight differs by up to that ulp, 2**-7 of the update in bfloat16: the Kahan
+# sums may differ by FUSED_UPDATE_REL (twice that) of the distance the weight has moved.
+# Adam is the exception: it divides each gradient by its own running magnitude, so a
+# gradient that cancels (maximize's -grad plus an L2 term of equal size) to exactly 0
+# in one step and to a float32 remainder (1e-9, from eager's FMA) in the other gives
+# updates of 0 and of up to lr. Such elements must be rare, FUSED_AMPLIFIED of a
+# tensor at most (measured: 1 of 19,200 on the L2 + maximize test), and then differ by
+# at most lr per step.
+FUSED_DIFFERING = 0.01
+FUSED_AMPLIFIED = 0.001
+FUSED_KAHAN_REL = 2.0**-14
+FUSED_CANCELLATION = 4
+FUSED_UPDATE_REL = 2.0**-6

@@ -260,6 +260,13 @@ def foreach_add_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_add_(dst, src)
 
 
+def python_mode_active() -> bool:
+    """Whether a Python TorchDispatchMode or TorchFunctionMode is active on this thread:
+    torch.compile skips the frames it is asked to compile under one, so the compensated
+    optimizers take their eager step there (a memory or FLOP counter, amped's engine)."""
+    return bool(torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack())
+
+
 BATCH_NORM_BASE: type[torch.nn.Module] = torch.nn.modules.batchnorm._NormBase
 """The common base of BatchNorm*, SyncBatchNorm and InstanceNorm*: private, no public name."""
 

@@ -19,7 +19,9 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Chunk", "Piece", "Plan", "partition"]
+from amped.recipes import state_layout
+
+__all__ = ["Chunk", "Groups", "Piece", "Plan", "partition"]
 
 _INT32 = 1 << 32
 Groups = list[tuple[dict, list[torch.Tensor]]]  # parameter groups, each with its params to step
@@ -47,7 +49,7 @@ class Chunk:
     elements on its device (see :mod:`amped.recipes.noise`), as an int32.
     """
 
-    def __init__(self, pieces: list[Piece], work: torch.Tensor, floats: int) -> None:
+    def __init__(self, pieces: list[Piece], work: torch.Tensor | None, floats: int) -> None:
         self.pieces = pieces
         self.owners = [piece.param for piece in pieces]
         self.dtype = self.owners[0].dtype
@@ -56,11 +58,19 @@ class Chunk:
         self._sizes = [piece.stop - piece.start for piece in pieces]
         self._shapes = [p.param.shape if p.whole else (p.stop - p.start,) for p in pieces]
         numel = sum(self._sizes)
-        self.floats = work[:floats, :numel].unbind(0)
-        ints = work[floats:, :numel].view(torch.int32).unbind(0)
-        *self.noise, self.scratch, self.counters = ints
-        self.views = [self.cut(row) for row in self.floats]
-        self.rounded = [self.cut(row.view(torch.float32)) for row in self.noise]
+        self.floats: list[torch.Tensor] = []
+        self.noise: list[torch.Tensor] = []
+        self.views: list[list[torch.Tensor]] = []
+        self.rounded: list[list[torch.Tensor]] = []
+        if work is not None:  # else a chunk of the fused step only (see gather_rows)
+            self.floats = list(work[:floats, :numel].unbind(0))
+            ints = work[floats:, :numel].view(torch.int32).unbind(0)
+            *self.noise, self.scratch, self.counters = ints
+            self.views = [self.cut(row) for row in self.floats]
+            self.rounded = [self.cut(row.view(torch.float32)) for row in self.noise]
+        self._gather: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self._first: torch.Tensor | None = None
+        self._flat: dict[int, tuple[tuple[int, ...], torch.Tensor | None]] = {}
 
     @property
     def numel(self) -> int:
@@ -73,6 +83,33 @@ class Chunk:
             tensor if piece.whole else tensor.view(-1)[piece.start : piece.stop]
             for tensor, piece in zip(tensors, self.pieces, strict=True)
         ]
+
+    def gather_row(self, slot: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A flat row of the chunk's dtype over its elements, with its views per piece,
+        for the fused step to gather a column into (its gradients, say): a tensor of its
+        own per ``slot``, made on first use and kept with the chunk. Separate tensors,
+        not parts of one: the compiled kernel's inputs must not share memory, or it
+        compiles again for the aliasing."""
+        while len(self._gather) <= slot:
+            row = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self._gather.append((row, self.cut(row)))
+        return self._gather[slot]
+
+    def flat(self, slot: int, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """:func:`amped.recipes.state_layout.flat` of ``parts`` (one tensor per piece),
+        kept per ``slot`` while the parts' addresses stay the same."""
+        addresses = tuple(part.data_ptr() for part in parts)
+        kept = self._flat.get(slot)
+        if kept is None or kept[0] != addresses:
+            kept = (addresses, state_layout.flat(parts))
+            self._flat[slot] = kept
+        return kept[1]
+
+    def first_number(self) -> torch.Tensor:
+        """``first`` as a 0-dim int32 tensor on the chunk's device (kept)."""
+        if self._first is None:
+            self._first = torch.tensor(self.first, dtype=torch.int32, device=self.device)
+        return self._first
 
     def cut(self, row: torch.Tensor) -> list[torch.Tensor]:
         """``row`` as one tensor per piece, in its shape."""
@@ -116,8 +153,9 @@ class Plan:
         noise: int32 rows for random bits (two more are added: scratch, counters).
     """
 
-    def __init__(self, floats: int, noise: int) -> None:
+    def __init__(self, floats: int, noise: int, *, rows: bool = True) -> None:
         self._floats, self._rows = floats, floats + noise + 2
+        self._with_rows = rows  # False: chunks without work rows (the fused step's)
         self._signature: Hashable = None
         self._chunks: list[tuple[dict, Chunk]] = []
 
@@ -135,6 +173,20 @@ class Plan:
             self._signature = signature
         return self._chunks
 
+    def twin(self, chunk: Chunk) -> Chunk:
+        """``chunk``'s pieces with this plan's rows, in work memory of their own (freed
+        with the twin): how a chunk of another plan takes a step that needs more rows."""
+        work = self._work(chunk.device, chunk.numel)
+        twin = Chunk(chunk.pieces, work, self._floats)
+        twin.first = chunk.first
+        return twin
+
+    def _work(self, device: torch.device, size: int) -> torch.Tensor:
+        work = torch.empty((self._rows, size), dtype=torch.float32, device=device)
+        counters = work[-1].view(torch.int32)
+        torch.arange(size, dtype=torch.int32, device=device, out=counters)
+        return work
+
     def _build(self, groups: Groups, most: int, splittable: Splittable) -> list[tuple[dict, Chunk]]:
         self._chunks = []  # free the old work memory first
         plan = [
@@ -145,12 +197,10 @@ class Plan:
             device = pieces[0].param.device
             sizes[device] = max(sizes.get(device, 0), sum(p.stop - p.start for p in pieces))
         work = {}
-        for device, size in sizes.items():
-            work[device] = torch.empty((self._rows, size), dtype=torch.float32, device=device)
-            counters = work[device][-1].view(torch.int32)
-            torch.arange(size, dtype=torch.int32, device=device, out=counters)
+        if self._with_rows:
+            work = {device: self._work(device, size) for device, size in sizes.items()}
         chunks = [
-            (g, Chunk(pieces, work[pieces[0].param.device], self._floats)) for g, pieces in plan
+            (g, Chunk(pieces, work.get(pieces[0].param.device), self._floats)) for g, pieces in plan
         ]
         counted: dict[torch.device, int] = {}
         for _, chunk in chunks:

@@ -6,13 +6,15 @@ repeat); the printed ratio is the median over repeats of ``time(side) /
 time(baseline)``:
 
 - ``CompensatedAdamW`` on bfloat16 parameters, ``compensation="kahan"`` (bf16-pure)
-  and ``"stochastic"`` (bf16-pure-sr), against ``torch.optim.AdamW(foreach=True)`` on
+  and ``"stochastic"`` (bf16-pure-sr), each with its default fused step (one compiled
+  kernel per chunk; compiled during the warm-up steps) and with ``fused=False`` (the
+  eager step, marked "eager"), against ``torch.optim.AdamW(foreach=True)`` on
   **float32** parameters: that is the optimizer the recipe replaces (torch O1 keeps
   float32 weights and state), so the ratio is what bf16-pure costs or saves in the
   step. torch's AdamW on bfloat16 parameters is timed too, for reference only: it
   rounds every update and state to nearest, so small updates are lost (the problem the
   compensated optimizers solve), and it is not a recipe.
-- ``CompensatedSGD`` (momentum 0.9, both compensations) against
+- ``CompensatedSGD`` (momentum 0.9, both compensations, fused and eager) against
   ``torch.optim.SGD(momentum=0.9, foreach=True)`` on float32 parameters.
 
 Parameter sets: the shapes of the 4-layer encoder of ``benchmarks/recipes.py``
@@ -80,27 +82,29 @@ def sides(shapes: Shapes, kind: str) -> dict[str, Callable[[], object]]:
     """Optimizer steps to time; the first is the baseline."""
     fp32, bf16 = torch.float32, torch.bfloat16
     if kind == "adamw":
-        return {
-            "torch AdamW fp32": torch.optim.AdamW(make_params(shapes, fp32), foreach=True).step,
-            "Compensated kahan bf16": CompensatedAdamW(make_params(shapes, bf16)).step,
-            "Compensated stochastic bf16": CompensatedAdamW(
-                make_params(shapes, bf16), compensation="stochastic"
-            ).step,
-            "torch AdamW bf16 (lossy)": torch.optim.AdamW(
-                make_params(shapes, bf16), foreach=True
-            ).step,
-        }
-    return {
+        sides = {"torch AdamW fp32": torch.optim.AdamW(make_params(shapes, fp32), foreach=True)}
+        for compensation in ("kahan", "stochastic"):
+            for fused in (None, False):
+                name = f"Compensated {compensation} bf16" + (" eager" if fused is False else "")
+                params = make_params(shapes, bf16)
+                sides[name] = CompensatedAdamW(params, compensation=compensation, fused=fused)
+        sides["torch AdamW bf16 (lossy)"] = torch.optim.AdamW(
+            make_params(shapes, bf16), foreach=True
+        )
+        return {name: optimizer.step for name, optimizer in sides.items()}
+    sides = {
         "torch SGD fp32": torch.optim.SGD(
             make_params(shapes, fp32), lr=1e-3, momentum=0.9, foreach=True
-        ).step,
-        "Compensated kahan bf16": CompensatedSGD(
-            make_params(shapes, bf16), lr=1e-3, momentum=0.9
-        ).step,
-        "Compensated stochastic bf16": CompensatedSGD(
-            make_params(shapes, bf16), lr=1e-3, momentum=0.9, compensation="stochastic"
-        ).step,
+        )
     }
+    for compensation in ("kahan", "stochastic"):
+        for fused in (None, False):
+            name = f"Compensated {compensation} bf16" + (" eager" if fused is False else "")
+            params = make_params(shapes, bf16)
+            sides[name] = CompensatedSGD(
+                params, lr=1e-3, momentum=0.9, compensation=compensation, fused=fused
+            )
+    return {name: optimizer.step for name, optimizer in sides.items()}
 
 
 def time_ratios(steps: dict[str, Callable[[], object]], repeats: int, warmup: int):

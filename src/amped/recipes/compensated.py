@@ -32,6 +32,16 @@ for AdamW, and each int32 row: one per write that may round stochastically plus 
 take ``_CHUNK_BYTES`` (8 MiB) per device, or more if a non-contiguous parameter is
 larger. They are kept between steps while the parameters, their gradients' presence
 and layouts stay the same. The step never synchronizes with the device.
+
+The fused step (``fused=None``, the default, or ``True``): where every low-precision
+parameter of the step can take it (:mod:`amped.recipes.fused` says when), the
+bfloat16 and float16 parameters are cut into larger chunks (``_FUSED_CHUNK_BYTES``) and
+each chunk is stepped by one compiled kernel, which reads the low-precision values and
+writes them back in place, with no float32 rows. Its gradients and weights are
+gathered into rows of the chunk's dtype (kept like the work rows), its state is used
+where it lies: the state of parameters that start stepping together is created as
+views of one tensor per key (:mod:`amped.recipes.state_layout`), so a chunk's state is
+one slice of memory. float32 parameters take the eager step.
 """
 
 from __future__ import annotations
@@ -284,8 +294,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         if self.fused is False or torch.compiler.is_compiling() or python_mode_active():
             return False  # under a user's torch.compile, Dynamo fuses the eager step
         low = [(g, p) for g, params in groups for p in params if p.dtype in _LOW_DTYPES]
-        if not low:
-            return False
+        if not low or not all(state_layout.plain(p) for _, p in low):
+            return False  # nothing to fuse, or tensor subclasses (DTensor): eager
         for device_type in {param.device.type for _, param in low}:
             reason = fused_kernels.available(device_type)
             if reason is not None:
@@ -374,6 +384,9 @@ class CompensatedSGD(_CompensatedOptimizer):
         compensation: ``"kahan"`` (a compensation buffer per weight, in its dtype) or
             ``"stochastic"`` (stochastic rounding of weights and momentum; no buffer).
         seed: seeds the stochastic rounding's random stream.
+        fused: ``None`` (default): step low-precision weights with one compiled kernel per
+            chunk (:mod:`amped.recipes.fused`) where torch.compile can build it, else
+            eagerly, with one warning; ``True``: the kernel or an error; ``False``: eager.
 
     Example:
         >>> import torch, amped
@@ -515,6 +528,10 @@ class CompensatedAdamW(_CompensatedOptimizer):
             Under both, the second moment is stochastically rounded when ``1 - betas[1]``
             is below 2**-6 (see ``_store``): round-to-nearest would freeze its decay.
         seed: seeds the stochastic rounding's random stream.
+        fused: ``None`` (default): step low-precision weights with one compiled kernel per
+            chunk (:mod:`amped.recipes.fused`) where torch.compile can build it, else
+            eagerly, with one warning; ``True``: the kernel or an error; ``False``: eager.
+            The two agree to the last bit but for rare roundings (the module says which).
 
     The step count is a Python int in the state (torch keeps a float32 tensor, which
     stops counting exactly at 2**24 steps).

@@ -13,7 +13,8 @@ parameter order (:func:`allocate`), and lay loaded state out the same way
 (:func:`lay_out`). :func:`flat` finds the slice, or says that there is none (a
 parameter without a gradient in between, state replaced by hand): the step then
 gathers, as it always may. Only contiguous parameters' state is laid out flat; a
-parameter in another memory format (channels_last) keeps state in its own format.
+parameter in another memory format (channels_last) keeps state in its own format, and
+a tensor subclass (FSDP2's DTensor) state of its own kind.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 
 from amped._internal.torch_compat import foreach_copy_
 
-__all__ = ["allocate", "flat", "lay_out"]
+__all__ = ["allocate", "flat", "lay_out", "plain"]
 
 Request = tuple[torch.Tensor, str, bool]  # (parameter, state key, zero-filled)
 
@@ -35,7 +36,7 @@ def allocate(state: dict[torch.Tensor, dict], requests: Sequence[Request]) -> No
     one tensor, in the order given."""
     batches: dict[tuple[torch.device, torch.dtype, str, bool], list[torch.Tensor]] = {}
     for param, key, zero in requests:
-        if param.is_contiguous():
+        if plain(param) and param.is_contiguous():
             batches.setdefault((param.device, param.dtype, key, zero), []).append(param)
         elif zero:
             state[param][key] = torch.zeros_like(param, memory_format=torch.preserve_format)
@@ -56,7 +57,7 @@ def lay_out(
     device and dtype, values kept; one key at a time, so that at most one key's state
     is held twice. Tensors that are not contiguous or not shaped like their
     parameter are left where they are."""
-    params = [p for p in params if p in state and p.is_contiguous()]
+    params = [p for p in params if p in state and plain(p) and p.is_contiguous()]
     for key in keys:
         batches: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         for param in params:
@@ -73,6 +74,12 @@ def lay_out(
             foreach_copy_(views, [state[p][key] for p in members])
             for param, view in zip(members, views, strict=True):
                 state[param][key] = view
+
+
+def plain(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain tensor or parameter (not a subclass such as FSDP2's
+    DTensor, whose state must stay of its kind)."""
+    return type(tensor) in (torch.Tensor, torch.nn.Parameter)
 
 
 def flat(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:

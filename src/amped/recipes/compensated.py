@@ -33,15 +33,15 @@ take ``_CHUNK_BYTES`` (8 MiB) per device, or more if a non-contiguous parameter 
 larger. They are kept between steps while the parameters, their gradients' presence
 and layouts stay the same. The step never synchronizes with the device.
 
-The fused step (``fused=None``, the default, or ``True``): where every low-precision
+The fused step (``fused=None``, the default, or ``True``): where every bfloat16
 parameter of the step can take it (:mod:`amped.recipes.fused` says when), the
-bfloat16 and float16 parameters are cut into larger chunks (``_FUSED_CHUNK_BYTES``) and
+bfloat16 parameters are cut into larger chunks (``_FUSED_CHUNK_BYTES``) and
 each chunk is stepped by one compiled kernel, which reads the low-precision values and
 writes them back in place, with no float32 rows. Its gradients and weights are
 gathered into rows of the chunk's dtype (kept like the work rows), its state is used
 where it lies: the state of parameters that start stepping together is created as
 views of one tensor per key (:mod:`amped.recipes.state_layout`), so a chunk's state is
-one slice of memory. float32 parameters take the eager step.
+one slice of memory. float16 and float32 parameters take the eager step.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ __all__ = ["CompensatedAdamW", "CompensatedSGD"]
 _COMPENSATIONS = ("kahan", "stochastic")
 _SLOW_DECAY = 2.0**-6  # 1 - decay below this: four bfloat16 ulps or fewer per step
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
+_FUSED = torch.bfloat16  # the fused step's dtype (amped.recipes.fused says why only it)
 # Work memory of a chunk: small enough to stay in a server CPU's last-level cache from
 # one op to the next, with the chunk's state beside it; large enough that dispatch (a
 # few microseconds an op) is a small part. Measured on the development machine (32 MiB
@@ -253,7 +254,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         rng_state = state_dict.pop("rng_state", None)
         self.seed = state_dict.pop("seed", self.seed)
         super().load_state_dict(state_dict)
-        low = [p for g in self.param_groups for p in g["params"] if p.dtype in _LOW_DTYPES]
+        low = [p for g in self.param_groups for p in g["params"] if p.dtype is _FUSED]
         state_layout.lay_out(self.state, low, self._STATE_KEYS)  # for the fused step
         self._generator = None
         if rng_state is not None:
@@ -277,8 +278,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         state_layout.allocate(self.state, step.new_state)
         eager = groups
         if self._fusable(groups, step):
-            low = [(g, [p for p in params if p.dtype in _LOW_DTYPES]) for g, params in groups]
-            eager = [(g, [p for p in params if p.dtype not in _LOW_DTYPES]) for g, params in groups]
+            low = [(g, [p for p in params if p.dtype is _FUSED]) for g, params in groups]
+            eager = [(g, [p for p in params if p.dtype is not _FUSED]) for g, params in groups]
             # Each column (gradients, weights, a state) may need a 2-byte row to gather in.
             most = _FUSED_CHUNK_BYTES // (2 * (2 + len(self._STATE_KEYS)))
             for group, chunk in self._fused_plan.chunks(low, most, self._splittable):
@@ -293,7 +294,7 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         """Whether this step takes the fused kernels (:mod:`amped.recipes.fused`)."""
         if self.fused is False or torch.compiler.is_compiling() or python_mode_active():
             return False  # under a user's torch.compile, Dynamo fuses the eager step
-        low = [(g, p) for g, params in groups for p in params if p.dtype in _LOW_DTYPES]
+        low = [(g, p) for g, params in groups for p in params if p.dtype is _FUSED]
         if not low or not all(state_layout.plain(p) for _, p in low):
             return False  # nothing to fuse, or tensor subclasses (DTensor): eager
         for device_type in {param.device.type for _, param in low}:

@@ -10,10 +10,10 @@ float32 intermediates in registers and writes the results once. The random bits 
 stochastic rounding are :mod:`amped.recipes.noise`'s, computed inside the kernel from
 the element numbers.
 
-Numerics: the kernels run the eager step's float32 ops in the same order, and every
-rounding to the low dtype is kept (``emulate_precision_casts``, without which Inductor
-would drop the float32 -> bfloat16 -> float32 round trip that Kahan's compensation
-measures). Three kinds of float32 rounding differ from torch's eager CPU kernels, each
+Numerics: the kernels run the eager step's float32 ops in the same order. The one
+rounding whose result is used again, the Kahan step's weight, is made in float32
+arithmetic (:func:`_split`), not by a cast round trip, which compilers may drop. Three
+kinds of float32 rounding differ from torch's eager CPU kernels, each
 by at most one float32 ulp of the intermediate: eager ``lerp``, ``add(alpha=)`` and
 ``addcmul`` fuse their multiply and add into one rounding (FMA), which Inductor's C++
 code does not (emulating it in float64 made the kernel seven times slower); and
@@ -24,11 +24,12 @@ op), and under Kahan compensation weight plus compensation agrees to about 2**-1
 the weight: the bounds ``tests/test_recipes_fused.py`` holds the two steps to. The
 random bits are the same, so stochastic rounding draws alike.
 
-What is fused: the bfloat16 and float16 parameters of a step in which, per
-parameter group, they share a step count (AdamW) or all have a momentum buffer
-already (SGD with momentum). Other steps (a parameter that missed steps, SGD without
-momentum, SGD's first step) are eager, and so are float32 parameters (a plain
-update) and one-element chunks (torch.compile would specialize the kernel for size
+What is fused: the bfloat16 parameters of a step in which, per parameter group, they
+share a step count (AdamW) or all have a momentum buffer already (SGD with momentum).
+Other steps (a parameter that missed steps, SGD without momentum, SGD's first step)
+are eager, and so are float32 parameters (a plain update), float16 ones (float16's
+narrow exponent range would need another split, with subnormals; it is rare in
+bf16-pure) and one-element chunks (torch.compile would specialize the kernel for size
 1 and compile it again).
 """
 
@@ -44,6 +45,8 @@ import torch
 __all__ = ["adamw_", "available", "disable", "sgd_"]
 
 _HIGH_MASK = -(1 << 16)  # 0xFFFF0000 as an int32
+_SPLITTER = float(2**16 + 1)  # Veltkamp's constant for 24 -> 8 significant bits
+_SPLIT_LIMIT = 2.0**112  # below it, _SPLITTER * x cannot overflow float32
 _M1 = 0x7FEB352D  # amped.recipes.noise's lowbias32 constants
 _M2 = 0x846CA68B - (1 << 32)
 
@@ -77,12 +80,7 @@ def _kernel(function: Callable[..., None], flags: tuple[bool, ...]) -> Callable[
         name = f"{function.__name__}_{''.join('1' if flag else '0' for flag in flags)}"
         code = function.__code__.replace(co_name=name)  # (co_qualname, 3.11+, is left)
         variant = types.FunctionType(code, function.__globals__, name, function.__defaults__)
-        # emulate_precision_casts: keep every rounding to a low dtype that the code asks
-        # for (Inductor would otherwise skip a float32 -> bfloat16 -> float32 round trip,
-        # which is the Kahan step's whole point).
-        options: dict[str, str | int | bool | Callable[..., Any]]
-        options = {"emulate_precision_casts": True}
-        compiled = torch.compile(variant, dynamic=True, fullgraph=True, options=options)
+        compiled = torch.compile(variant, dynamic=True, fullgraph=True)
         _compiled[key] = compiled
     return compiled
 
@@ -157,9 +155,29 @@ def _write(
         target.copy_(_stochastic(_canonical(update + weight), target.dtype, noise))
         return
     total = weight + (update + compensation.to(torch.float32))
-    rounded = total.to(target.dtype)
-    target.copy_(rounded)
-    compensation.copy_((total - rounded.to(torch.float32)).to(compensation.dtype))
+    rounded, lost = _split(total)
+    target.copy_(rounded.to(target.dtype))  # exact: a bfloat16 value already
+    compensation.copy_(lost.to(compensation.dtype))
+
+
+def _split(total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``total`` rounded to bfloat16's 8 significant bits, and what that lost (exactly).
+
+    Veltkamp's splitting, in float32 arithmetic alone: ``C * x - (C * x - x)`` with
+    ``C = 2**16 + 1`` is ``x`` rounded to nearest at 8 bits, and ``x - hi`` is exact.
+    Not ``x.to(bfloat16).to(float32)``: a compiler may (and Inductor in torch 2.11 does)
+    drop that round trip as a no-op, which would silently zero the compensation. The
+    rounding breaks exact ties (one value in 2**16) possibly away from even where a cast
+    would not, which moves a weight by one ulp and its compensation by the same, so
+    their sum is unchanged. Values too large for ``C * x`` (beyond 2**112, and infinities)
+    are rounded by the cast, with nothing to compensate.
+    """
+    scaled = total * _SPLITTER
+    hi = scaled - (scaled - total)
+    large = total.abs() >= _SPLIT_LIMIT  # False for NaN: hi is NaN there anyway
+    hi = torch.where(large, total.to(torch.bfloat16).to(torch.float32), hi)
+    lost = torch.where(large, 0.0, total - hi)
+    return hi, lost
 
 
 def _adamw(

@@ -23,6 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from amped.recipes import CompensatedAdamW, CompensatedSGD, compensated, fused
+from amped.recipes.chunks import partition
 from tolerances import (
     BITWISE,
     FUSED_AMPLIFIED,
@@ -222,6 +223,16 @@ def test_large_tensors_are_cut_into_pieces_across_chunks(monkeypatch, kernel_cal
     monkeypatch.setattr(compensated, "_FUSED_CHUNK_BYTES", 2 * 5 * 2000)
     _run_pair("adamw", CONFIGS, "kahan", torch.bfloat16, "cpu", kernel_calls)
     assert len(kernel_calls) >= STEPS * 10
+
+
+def test_large_tensors_are_chunks_of_their_own(monkeypatch, kernel_calls):
+    """From _ALONE elements on, a tensor is stepped in its own memory, no copies: here
+    the 19,200- and 2,000-element weights, between chunks of the smaller ones."""
+    monkeypatch.setattr(compensated, "_ALONE", 1000)
+    assert [[p.stop - p.start for p in c] for c in partition(
+        [torch.zeros(n) for n in (7, 1000, 3, 5, 2000)], 4000, lambda p: True, 1000
+    )] == [[7], [1000], [3, 5], [2000]]  # fmt: skip
+    _run_pair("adamw", CONFIGS, "stochastic", torch.bfloat16, "cpu", kernel_calls)
 
 
 def test_state_is_laid_out_flat_and_not_copied(monkeypatch):

@@ -117,16 +117,24 @@ class Chunk:
         return [part.view(shape) for part, shape in zip(parts, self._shapes, strict=True)]
 
 
-def partition(params: list[torch.Tensor], most: int, splittable: Splittable) -> list[list[Piece]]:
+def partition(
+    params: list[torch.Tensor], most: int, splittable: Splittable, alone: int | None = None
+) -> list[list[Piece]]:
     """Chunks of one device and dtype, each in parameter order, of at most ``most``
-    elements: a larger parameter is cut into pieces if ``splittable``, else alone."""
+    elements: a larger parameter is cut into pieces if ``splittable``, else alone. With
+    ``alone``, a splittable parameter of at least that many elements (and at most
+    ``most``) is a chunk of its own, whose rows are its own memory (no copies)."""
     same: dict[tuple[torch.device, torch.dtype], list[list[Piece]]] = {}
     room: dict[tuple[torch.device, torch.dtype], int] = {}
     for param in params:
         key, numel = (param.device, param.dtype), param.numel()
         chunks = same.setdefault(key, [[]])
         left = room.get(key, most)
-        if numel <= left:
+        if alone is not None and alone <= numel <= most and splittable(param):
+            chunks.append([Piece(param, 0, numel, True)])
+            chunks.append([])
+            room[key] = most
+        elif numel <= left:
             chunks[-1].append(Piece(param, 0, numel, True))
             room[key] = left - numel
         elif numel > most and splittable(param):
@@ -153,9 +161,12 @@ class Plan:
         noise: int32 rows for random bits (two more are added: scratch, counters).
     """
 
-    def __init__(self, floats: int, noise: int, *, rows: bool = True) -> None:
+    def __init__(
+        self, floats: int, noise: int, *, rows: bool = True, alone: int | None = None
+    ) -> None:
         self._floats, self._rows = floats, floats + noise + 2
         self._with_rows = rows  # False: chunks without work rows (the fused step's)
+        self._alone = alone  # see partition
         self._signature: Hashable = None
         self._chunks: list[tuple[dict, Chunk]] = []
 
@@ -190,7 +201,9 @@ class Plan:
     def _build(self, groups: Groups, most: int, splittable: Splittable) -> list[tuple[dict, Chunk]]:
         self._chunks = []  # free the old work memory first
         plan = [
-            (g, pieces) for g, params in groups for pieces in partition(params, most, splittable)
+            (g, pieces)
+            for g, params in groups
+            for pieces in partition(params, most, splittable, self._alone)
         ]
         sizes: dict[torch.device, int] = {}
         for _, pieces in plan:

@@ -88,7 +88,7 @@ class Reference:
         return _ref_noise(self.keys[write], self.first[param], param.shape, param.device)
 
     def store(self, buffer, value, group, decay, write, param):
-        stochastic = group["compensation"] == "stochastic" or 1 - decay < SLOW_DECAY
+        stochastic = 1 - decay < SLOW_DECAY  # slow averages only, under both compensations
         if buffer.dtype is torch.bfloat16 and stochastic:
             _ref_stochastic_round(buffer, value, self.noise(param, write))
         else:

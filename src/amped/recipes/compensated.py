@@ -168,12 +168,14 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _stochastic(chunk: Chunk, group: dict, decay: float | None) -> bool:
-        """Whether a write of ``chunk`` rounds stochastically (see ``_draw``)."""
+        """Whether a write of ``chunk`` rounds stochastically (see ``_draw``): the weight
+        (``decay=None``) under stochastic compensation, a running average whose
+        per-step change ``1 - decay`` is below 2**-6 under either (see ``_store``)."""
         if chunk.dtype is not torch.bfloat16:
             return False
-        return group["compensation"] == "stochastic" or (
-            decay is not None and 1 - decay < _SLOW_DECAY
-        )
+        if decay is None:
+            return group["compensation"] == "stochastic"
+        return 1 - decay < _SLOW_DECAY
 
     @staticmethod
     def _rounded(chunk: Chunk, value: torch.Tensor, write: int) -> list[torch.Tensor]:
@@ -195,8 +197,12 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         stays too large and shrinks the steps. Measured on the test task: AdamW with
         round-to-nearest moments ended 3000 steps at twice fp32's loss; with the second
         moment stochastically rounded it matched fp32. So such averages are rounded
-        stochastically (unbiased) even under Kahan compensation. The row's NaNs may be
-        made canonical; its numbers are kept.
+        stochastically (unbiased) under either compensation, and faster-moving ones
+        (the first moment, ``1 - 0.9``) to nearest under either: their per-step change
+        is many ulps, so rounding them to nearest loses nothing that stochastic
+        rounding would keep, and spares its random bits (amped < 0.2 rounded every
+        moment stochastically under ``compensation="stochastic"``). The row's NaNs may
+        be made canonical; its numbers are kept.
         """
         if write is None:
             foreach_copy_(buffers, chunk.views[row])
@@ -390,7 +396,9 @@ class CompensatedSGD(_CompensatedOptimizer):
         params: parameters or parameter groups, as for any torch optimizer.
         lr, momentum, dampening, weight_decay, nesterov, maximize: as in ``torch.optim.SGD``.
         compensation: ``"kahan"`` (a compensation buffer per weight, in its dtype) or
-            ``"stochastic"`` (stochastic rounding of weights and momentum; no buffer).
+            ``"stochastic"`` (stochastic rounding of the weights; no buffer). Under both,
+            the momentum buffer rounds stochastically when ``1 - momentum`` is below
+            2**-6, else to nearest.
         seed: seeds the stochastic rounding's random stream.
         fused: ``None`` (default): step low-precision weights with one compiled kernel per
             chunk (:mod:`amped.recipes.fused`) where torch.compile can build it, else
@@ -532,9 +540,10 @@ class CompensatedAdamW(_CompensatedOptimizer):
         decoupled_weight_decay: True for AdamW's decay (shrink the weight), False for
             Adam's L2 term (add ``weight_decay * param`` to the gradient).
         compensation: ``"kahan"`` (a compensation buffer per weight, in its dtype) or
-            ``"stochastic"`` (stochastic rounding of weights and both moments; no buffer).
-            Under both, the second moment is stochastically rounded when ``1 - betas[1]``
-            is below 2**-6 (see ``_store``): round-to-nearest would freeze its decay.
+            ``"stochastic"`` (stochastic rounding of the weights; no buffer). Under both,
+            a moment rounds stochastically when its ``1 - beta`` is below 2**-6 (the
+            second moment's, by default: round-to-nearest would freeze its decay; see
+            ``_store``), else to nearest.
         seed: seeds the stochastic rounding's random stream.
         fused: ``None`` (default): step low-precision weights with one compiled kernel per
             chunk (:mod:`amped.recipes.fused`) where torch.compile can build it, else

@@ -97,6 +97,8 @@ def run(
     With ``strict`` (``fused=True``) a failure raises; otherwise it is reported once,
     as a warning, and the process keeps the eager step on that device type.
     """
+    if device_type in _broken:  # a chunk before this one failed to compile
+        return False
     try:
         _kernel(function, flags)(*args, *flags)
     except Exception as error:

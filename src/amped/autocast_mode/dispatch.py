@@ -349,9 +349,9 @@ def watch_compiles() -> None:
 def _on_compile_start(args: Any) -> None:
     global compiled_once
     compiled_once = True
-    if any(_tls.active.values()):
-        from amped.autocast_mode import state  # the upper module of this package
+    from amped.autocast_mode import state  # the upper module of this package
 
+    if any(_tls.active.values()) or state.lean_mode_open():
         state.switch_to_engine()
 
 

@@ -14,7 +14,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from amped._internal import torch_compat
-from amped.autocast_mode import state
+from amped.autocast_mode import freshness, state
 from amped.policy import ModuleRule, Policy
 
 __all__ = ["hooks"]
@@ -34,6 +34,8 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     mode = st.mode
     if mode is None or not mode.module_rules:  # idle (hooks outlive compiled regions)
         return None
+    if mode.lean:  # torch's cache serves torch's own rules: keep it fresh
+        freshness.check(module)
     if not st.frames:  # the outermost module call of the region: name its submodules
         st.names = {id(m): name for name, m in module.named_modules()}
     rule = _match(module, mode.policies)

@@ -52,6 +52,8 @@ class Region:
         "enabled",
         "engine",
         "fast",
+        "forced",
+        "fresh",
         "policy",
         "saved",
     )
@@ -71,6 +73,8 @@ class Region:
         self.cache_enabled = cache_enabled
         self.engine = False  # runs the mode engine
         self.fast = False  # runs the fast path (kernels at the Autocast keys)
+        self.forced = False  # opened inside engine_always()
+        self.fresh = False  # holds the freshness hook (for torch's cache, in a lean mode)
         # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
         self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)
 
@@ -161,13 +165,19 @@ def enter(region: Region) -> None:
     torch.set_autocast_dtype(dev, region.dtype)
     torch.autocast_increment_nesting()
     torch.set_autocast_cache_enabled(region.cache_enabled)
+    region.forced = bool(st.engine_always)
     region.engine = policy is not None and needs_engine(policy)
     if region.engine and FAST_PATH and _fast_allowed(st):
         tables = dispatch.plan(cast(Policy, policy))
         if tables is not None:
             dispatch.register(cast(Policy, policy), tables)
-            dispatch.watch_compiles()
             region.engine, region.fast = False, True
+        # Either way torch's C++ autocast applies torch's own rules (on the fast path, or
+        # in a lean mode), with torch's cache: keep it fresh (module rules' own hook
+        # does that for them, one global hook call per module call), hear of compiles.
+        dispatch.watch_compiles()
+        if not cast(Policy, policy).module_rules:
+            region.fresh = True
             freshness.acquire()
     st.regions.append(region)
     if region.engine and st.mode is None:
@@ -176,6 +186,7 @@ def enter(region: Region) -> None:
         _publish(st)
     if region.fast or dispatch._tls.active:
         _publish_fast(st)
+    _set_fresh(st)
 
 
 def exit(region: Region) -> None:
@@ -213,10 +224,11 @@ def exit(region: Region) -> None:
             _pop_mode(st)
         else:
             _publish(st)
-    if region.fast:
+    if region.fresh:
         freshness.release()
     if region.fast or dispatch._tls.active or any(r.fast for r in regions):
         _publish_fast(st)
+    _set_fresh(st)
     if last:
         torch.clear_autocast_cache()
         clear_cache()
@@ -248,7 +260,22 @@ def _publish_fast(st: _ThreadState) -> None:
                 rules = dispatch.kernel_rules(region.policy) if region.fast else None
                 active[region.device_type] = rules or {}
     dispatch.set_active({dev: rules for dev, rules in active.items() if rules})
-    freshness.set_active(any(r.fast for r in st.regions) and st.mode is None)
+
+
+def _set_fresh(st: _ThreadState) -> None:
+    # The freshness hook acts while torch's cache serves casts amped's rule covers: on
+    # the fast path, and in a lean mode.
+    mode = st.mode
+    if mode is None:
+        freshness.set_active(any(r.fast for r in st.regions))
+    else:
+        freshness.set_active(mode.lean)
+
+
+def lean_mode_open() -> bool:
+    """Whether this thread's mode is lean (leaves torch's own rules to torch)."""
+    mode = _state.mode
+    return mode is not None and mode.lean
 
 
 def switch_to_engine() -> None:
@@ -258,15 +285,19 @@ def switch_to_engine() -> None:
     for region in st.regions:
         if region.fast:
             region.fast, region.engine = False, True
+        if region.fresh:
+            region.fresh = False
             freshness.release()
     if st.mode is None and any(r.engine for r in st.regions):
         mode = st.spare_mode
         if mode is None:
             mode = st.spare_mode = AutocastMode()
         st.mode = mode
+        mode.alone = False
         _push(mode)
         compiling.backward_autocast_off()
-        _publish(st)
+    if st.mode is not None:
+        _publish(st)  # a lean mode turns full: dispatch.compiled_once is set
     dispatch.set_active({})
     freshness.set_active(False)
 
@@ -280,6 +311,8 @@ def _push_mode(st: _ThreadState) -> None:
     if mode is None:
         mode = st.spare_mode = AutocastMode()
     st.mode = mode
+    # A mode below amped's (the doctor's tracer) must see every op after amped's casts.
+    mode.alone = torch_compat.len_torch_function_stack() == 0
     _push(mode)
     compiling.backward_autocast_off()
 
@@ -340,6 +373,14 @@ def _publish(st: _ThreadState) -> None:
     if active != mode.policies:
         mode.policies = active
         mode.refresh()
+    lean = (
+        mode.alone
+        and FAST_PATH
+        and not dispatch.compiled_once
+        and not any(r.forced for r in regions if r.engine)
+    )
+    if lean is not mode.lean:
+        mode.set_lean(lean)
 
 
 # Module rules' hooks; they read this module's thread state (imported last: a cycle).

@@ -235,6 +235,7 @@ class AutocastMode(TorchFunctionMode):
         self.reenter = True  # run torch's Python composites transparently
         self.override: str | None = None  # "fp32" / "low" inside a module rule
         self.module_rules = False  # whether an active policy has module rules
+        self.named_rules = False  # ... and some select modules by qualified name
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.exclude_unlisted = not self.alongside  # keep torch's autocast out of unlisted calls
         self.cache = casting.WeightCache()
@@ -250,6 +251,11 @@ class AutocastMode(TorchFunctionMode):
         self.full_rules = merged_rules(self.policies)
         self.lean_rules = lean_rules(self.policies)
         self.module_rules = any(p.module_rules for p in self.policies.values())
+        self.named_rules = any(  # rules by qualified name: the hooks must name modules
+            isinstance(rule.selector, str)
+            for p in self.policies.values()
+            for rule in p.module_rules
+        )
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.set_override(self.override)
 

@@ -34,9 +34,11 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     mode = st.mode
     if mode is None or not mode.module_rules:  # idle (hooks outlive compiled regions)
         return None
-    if mode.lean:  # torch's cache serves torch's own rules: keep it fresh
-        freshness.check(module)
-    if not st.frames:  # the outermost module call of the region: name its submodules
+    lean = mode.lean
+    if lean:  # torch's cache serves torch's own rules: keep it fresh
+        with _no_torch_function():  # (each p._version would reach the mode: 0.8 us)
+            freshness.check(module)
+    if not st.frames and mode.named_rules:  # the outermost module call: name submodules
         st.names = {id(m): name for name, m in module.named_modules()}
     rule = _match(module, mode.policies)
     if rule is None:
@@ -50,8 +52,14 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
         return None
     mode.set_override(rule.precision)
     if rule.precision == "fp32":
+        if lean:  # no mode below to show the casts to; Tensor.float() is not autocast
+            with _no_torch_function():
+                return tuple(_to_float32(a, mode.policies) for a in args)
         return tuple(_to_float32(a, mode.policies) for a in args)
     return None
+
+
+_no_torch_function = torch_compat.DisableTorchFunction
 
 
 def _to_float32(value: Any, device_types: dict[str, Policy]) -> Any:

@@ -5,8 +5,10 @@ recipes keep norms in float32 that way) has torch's op rules everywhere else. In
 eager region whose mode has no other mode below it, the mode then looks up only the
 rules torch's C++ autocast cannot apply (none, for a module-rule-only policy) and runs
 torch's Python composites (``F.multi_head_attention_forward``) without the transparent
-re-entry; inside a module the rule names, the full tables are in force. The oracle is
-the full mode engine (``state.FAST_PATH`` off), bitwise: outputs and every gradient.
+re-entry; inside a module the rule names, the full tables are in force. With no rule
+left, the mode is *parked* off the torch-function stack, and the module rules' hooks
+push it for just the modules a rule names. The oracle is the full mode engine
+(``state.FAST_PATH`` off), bitwise: outputs and every gradient.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
-from torch.overrides import TorchFunctionMode
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import amped
 import model_zoo
 from amped.autocast_mode import dispatch, freshness, state
+from amped.autocast_mode.mode import AutocastMode
 from tolerances import BITWISE
 
 _TORCH = amped.Policy.preset("torch", "cpu")
@@ -119,9 +122,10 @@ def test_which_regions_run_lean(monkeypatch):
     with amped.autocast("cpu", policy=module_rule):
         mode = state._state.mode
         assert mode.lean and mode.rules == {} and not mode.reenter
+        assert mode.parkable and not on_stack()
     with amped.autocast("cpu", policy=MODULE_RULES["layernorm-fp32+softmax-fp32"]):
         mode = state._state.mode
-        assert mode.lean and mode.reenter
+        assert mode.lean and mode.reenter and not mode.parkable and on_stack()
         assert torch.softmax in mode.rules and torch._C._nn.linear not in mode.rules
     with state.engine_always(), amped.autocast("cpu", policy=module_rule):
         assert not state._state.mode.lean  # the doctor's path: amped makes every cast
@@ -129,29 +133,82 @@ def test_which_regions_run_lean(monkeypatch):
         assert not state._state.mode.lean  # a mode below must see amped's casts
     with amped.autocast("cpu", policy=module_rule):
         with state.engine_always(), amped.autocast("cpu"):
-            assert not state._state.mode.lean  # a forced region inside turns it full
-        assert state._state.mode.lean
+            assert not state._state.mode.lean and on_stack()  # a forced region: full
+        assert state._state.mode.lean and not on_stack()
     monkeypatch.setattr(state, "FAST_PATH", False)
     with amped.autocast("cpu", policy=module_rule):
         assert not state._state.mode.lean
 
 
+def on_stack() -> bool:
+    """Whether amped's mode is on this thread's torch-function stack."""
+    found = any(isinstance(m, AutocastMode) for m in _get_current_function_mode_stack())
+    mode = state._state.mode
+    assert found == (mode is not None and mode.on_stack)
+    return found
+
+
+class Probe(nn.LayerNorm):
+    """A LayerNorm that records, when called, what the engine's mode holds."""
+
+    def __init__(self, size, seen, inner=None):
+        super().__init__(size)
+        self.seen, self.inner = seen, inner
+
+    def forward(self, x):
+        mode = state._state.mode
+        self.seen.append((on_stack(), mode.rules is mode.full_rules, mode.reenter))
+        if self.inner is not None:
+            x = self.inner(x)
+        return super().forward(x)
+
+
 def test_inside_a_ruled_module_the_full_tables_apply():
-    seen = []
-
-    class Probe(nn.LayerNorm):
-        def forward(self, x):
-            mode = state._state.mode
-            seen.append((mode.rules is mode.full_rules, mode.reenter))
-            return super().forward(x)
-
-    model = nn.Sequential(nn.Linear(4, 4), Probe(4), nn.Linear(4, 4))
+    seen: list = []
+    inner = nn.Sequential(nn.Linear(4, 4), Probe(4, seen))  # a ruled module inside one
+    model = nn.Sequential(nn.Linear(4, 4), Probe(4, seen, inner), nn.Linear(4, 4))
     with amped.autocast("cpu", policy=MODULE_RULES["layernorm-fp32"]):
+        assert not on_stack()
         out = model(torch.randn(2, 4))
         mode = state._state.mode
-        assert mode.rules == {} and not mode.reenter  # lean again after the module
-    assert seen == [(True, True)]
+        assert mode.rules == {} and not mode.reenter and not on_stack()  # parked again
+    assert seen == [(True, True, True), (True, True, True)]
     assert out.dtype == torch.bfloat16
+
+
+def test_a_ruled_module_that_raises_parks_the_mode_again():
+    class Boom(nn.LayerNorm):
+        def forward(self, x):
+            assert on_stack()
+            raise ValueError("boom")
+
+    with amped.autocast("cpu", policy=MODULE_RULES["layernorm-fp32"]):
+        with pytest.raises(ValueError, match="boom"):
+            Boom(4)(torch.randn(2, 4))
+        assert not on_stack() and state._state.mode.override is None
+        assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16
+    assert not on_stack()
+
+
+def test_regions_nested_in_a_parked_one():
+    a = torch.randn(4, 4)
+    changed = _TORCH.with_ops(fp32=["mm"])  # the kernels' alone; under an open mode, its
+    seen: list = []
+
+    class Opens(nn.LayerNorm):  # a region opened inside a ruled module
+        def forward(self, x):
+            with amped.autocast("cpu"):
+                seen.append(on_stack())
+            seen.append(on_stack())
+            return super().forward(x)
+
+    with amped.autocast("cpu", policy=MODULE_RULES["layernorm-fp32"]):
+        with amped.autocast("cpu", policy=changed):
+            assert on_stack() and torch.mm(a, a).dtype == torch.float32  # the mode rules
+        assert not on_stack() and torch.mm(a, a).dtype == torch.bfloat16
+        Opens(4)(torch.randn(2, 4))
+        assert seen == [True, True] and not on_stack()
+    assert not on_stack()
 
 
 def test_compile_start_turns_a_lean_mode_full(monkeypatch):
@@ -161,6 +218,7 @@ def test_compile_start_turns_a_lean_mode_full(monkeypatch):
         assert dispatch.compiled_once
         mode = state._state.mode
         assert not mode.lean and mode.rules is mode.full_rules and mode.reenter
+        assert on_stack()  # unparked, as Dynamo guards on the mode stack
     with amped.autocast("cpu", policy=MODULE_RULES["layernorm-fp32"]):
         assert not state._state.mode.lean  # and so does every later region
 

@@ -220,7 +220,9 @@ class AutocastMode(TorchFunctionMode):
     region and applies that same rule (with torch's weight cache, kept fresh as on the
     fast path), so ``rules`` holds only the others (:func:`lean_rules`). When none is
     left, no op inside torch's Python composites can need amped, and they run without
-    the transparent re-entry. Inside a module rule the full tables are in force.
+    the transparent re-entry; and outside the modules a module rule names the mode has
+    nothing to do at all, so it is kept off the stack there (``parkable``). Inside a
+    module rule the full tables are in force.
     """
 
     def __init__(self) -> None:
@@ -232,6 +234,14 @@ class AutocastMode(TorchFunctionMode):
         self.lean_rules: dict[Callable[..., Any], PerDevice] = {}
         self.lean = False  # leave torch's own rules to torch's C++ autocast (see above)
         self.alone = False  # no other mode below this one (set when it is pushed)
+        # A lean mode with no rule left has nothing to do outside a module rule: it is
+        # "parked" off the torch-function stack, and the module rules' hooks push it for
+        # the modules a rule names (amped.autocast_mode.state).
+        self.parkable = False
+        self.on_stack = False
+        self.held = False  # pushed by a module rule's hook, which will pop it
+        self.backward_off = False  # compiled backward autocast turned off for it
+        self.traced = False  # entered while Dynamo traces (the context-manager protocol)
         self.reenter = True  # run torch's Python composites transparently
         self.override: str | None = None  # "fp32" / "low" inside a module rule
         self.module_rules = False  # whether an active policy has module rules
@@ -268,6 +278,7 @@ class AutocastMode(TorchFunctionMode):
         """Enter (or, with None, leave) a module rule's precision."""
         self.override = override
         self.exclude_unlisted = override is not None or not self.alongside
+        self.parkable = self.lean and self.alongside and not self.lean_rules
         if self.lean and override is None and self.alongside:
             self.rules = self.lean_rules
             # Nothing amped must see runs inside torch's composites: they need no re-entry.

@@ -44,12 +44,17 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     if rule is None:
         st.frames.append((module, None))
         return None
-    saved = (mode.override, {dev: torch.is_autocast_enabled(dev) for dev in mode.policies})
-    st.frames.append((module, saved))
+    enabled = {dev: torch.is_autocast_enabled(dev) for dev in mode.policies}
     if rule.precision == "skip":
+        st.frames.append((module, (mode.override, enabled, False)))
         for dev in mode.policies:
             torch.set_autocast_enabled(dev, False)
         return None
+    pushed = not mode.on_stack  # a parked mode: on the stack for this module's call
+    if pushed:
+        state.stack(mode)
+        mode.held = True
+    st.frames.append((module, (mode.override, enabled, pushed)))
     mode.set_override(rule.precision)
     if rule.precision == "fp32":
         if lean:  # no mode below to show the casts to; Tensor.float() is not autocast
@@ -78,11 +83,16 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> N
     if not st.frames or st.frames[-1][0] is not module:
         return
     _, saved = st.frames.pop()
-    if saved is not None and st.mode is not None:
-        override, enabled = saved
-        st.mode.set_override(override)
+    mode = st.mode
+    if saved is not None and mode is not None:
+        override, enabled, pushed = saved
+        mode.set_override(override)
         for dev, was_enabled in enabled.items():
             torch.set_autocast_enabled(dev, was_enabled)
+        if pushed and mode.held:
+            mode.held = False
+            if mode.parkable:
+                state.unstack(mode)
 
 
 class _GlobalHooks:

@@ -294,10 +294,8 @@ def switch_to_engine() -> None:
             mode = st.spare_mode = AutocastMode()
         st.mode = mode
         mode.alone = False
-        _push(mode)
-        compiling.backward_autocast_off()
     if st.mode is not None:
-        _publish(st)  # a lean mode turns full: dispatch.compiled_once is set
+        _publish(st)  # pushed, and a lean mode turns full: dispatch.compiled_once is set
     dispatch.set_active({})
     freshness.set_active(False)
 
@@ -306,6 +304,7 @@ def _push_mode(st: _ThreadState) -> None:
     if torch.compiler.is_compiling():  # Dynamo traces the context-manager protocol
         st.mode = AutocastMode()
         st.mode.__enter__()
+        st.mode.on_stack = st.mode.traced = True
         return
     mode = st.spare_mode  # one instance per thread, reused region after region
     if mode is None:
@@ -313,8 +312,35 @@ def _push_mode(st: _ThreadState) -> None:
     st.mode = mode
     # A mode below amped's (the doctor's tracer) must see every op after amped's casts.
     mode.alone = torch_compat.len_torch_function_stack() == 0
+    # _publish, which runs next, pushes it (or parks it).
+
+
+def _place_mode(mode: AutocastMode) -> None:
+    """Put ``mode`` on the torch-function stack, or park it off the stack if it is
+    parkable (see :class:`AutocastMode`) and no module rule's hook holds it there."""
+    if mode.parkable:
+        if mode.on_stack and not mode.held:
+            unstack(mode)
+        return
+    if not mode.on_stack:
+        stack(mode)
+    if not mode.backward_off:
+        compiling.backward_autocast_off()
+        mode.backward_off = True
+
+
+def stack(mode: AutocastMode) -> None:
+    """Push a parked mode (a module rule's hook, for the module it names)."""
     _push(mode)
-    compiling.backward_autocast_off()
+    mode.on_stack = True
+
+
+def unstack(mode: AutocastMode) -> None:
+    """Park ``mode`` again; left on the stack if a mode entered since sits above it."""
+    depth = torch_compat.len_torch_function_stack()
+    if depth and torch_compat.get_function_stack_at(depth - 1) is mode:
+        _pop()
+        mode.on_stack = False
 
 
 def _pop_mode(st: _ThreadState) -> None:
@@ -327,15 +353,20 @@ def _pop_mode(st: _ThreadState) -> None:
     if torch.compiler.is_compiling():
         mode.__exit__(None, None, None)
         return
-    depth = torch_compat.len_torch_function_stack()
-    if depth == 0 or torch_compat.get_function_stack_at(depth - 1) is not mode:
-        raise RuntimeError(
-            "amped's autocast mode was not on top of the torch-function mode stack when "
-            "its last region closed: a mode entered inside the region is still open. "
-            "Exit modes (and regions) in the reverse order of entering them."
-        )
-    _pop()
-    compiling.restore_backward_autocast()
+    mode.held = False
+    if mode.on_stack:
+        depth = torch_compat.len_torch_function_stack()
+        if depth == 0 or torch_compat.get_function_stack_at(depth - 1) is not mode:
+            raise RuntimeError(
+                "amped's autocast mode was not on top of the torch-function mode stack "
+                "when its last region closed: a mode entered inside the region is still "
+                "open. Exit modes (and regions) in the reverse order of entering them."
+            )
+        _pop()
+        mode.on_stack = False
+    if mode.backward_off:
+        mode.backward_off = False
+        compiling.restore_backward_autocast()
 
 
 _push = torch_compat.push_torch_function_mode
@@ -381,6 +412,8 @@ def _publish(st: _ThreadState) -> None:
     )
     if lean is not mode.lean:
         mode.set_lean(lean)
+    if not mode.traced:
+        _place_mode(mode)
 
 
 # Module rules' hooks; they read this module's thread state (imported last: a cycle).

@@ -85,6 +85,7 @@ class _ThreadState(threading.local):
         self.spare_mode: AutocastMode | None = None
         self.regions: list[Region] = []  # open regions, in entry order
         self.engine_always = 0
+        self.forced = 0  # open engine regions entered inside engine_always()
         self.frames: list[tuple[torch.nn.Module, Any]] = []
         self.names: dict[int, str] = {}
 
@@ -165,8 +166,10 @@ def enter(region: Region) -> None:
     torch.set_autocast_dtype(dev, region.dtype)
     torch.autocast_increment_nesting()
     torch.set_autocast_cache_enabled(region.cache_enabled)
-    region.forced = bool(st.engine_always)
     region.engine = policy is not None and needs_engine(policy)
+    if st.engine_always and region.engine:
+        region.forced = True
+        st.forced += 1
     if region.engine and FAST_PATH and _fast_allowed(st):
         tables = dispatch.plan(cast(Policy, policy))
         if tables is not None:
@@ -186,7 +189,8 @@ def enter(region: Region) -> None:
         _publish(st)
     if region.fast or dispatch._tls.active:
         _publish_fast(st)
-    _set_fresh(st)
+    if region.fresh or st.mode is not None:
+        _set_fresh(st)
 
 
 def exit(region: Region) -> None:
@@ -219,7 +223,10 @@ def exit(region: Region) -> None:
     if region.policy is not None and region.policy.module_rules:
         _hooks.release()
     last = torch.autocast_decrement_nesting() == 0
-    if st.mode is not None:
+    if region.forced:
+        st.forced -= 1
+    had_mode = st.mode is not None
+    if had_mode:
         if not any(r.engine for r in regions):
             _pop_mode(st)
         else:
@@ -228,7 +235,8 @@ def exit(region: Region) -> None:
         freshness.release()
     if region.fast or dispatch._tls.active or any(r.fast for r in regions):
         _publish_fast(st)
-    _set_fresh(st)
+    if region.fresh or had_mode:
+        _set_fresh(st)
     if last:
         torch.clear_autocast_cache()
         clear_cache()
@@ -347,8 +355,7 @@ def _pop_mode(st: _ThreadState) -> None:
     mode = st.mode
     assert mode is not None  # called only while the mode is on the stack
     st.mode = None
-    mode.cache.clear()
-    mode.policies = {}
+    mode.cache.clear()  # (its policies stay: the next region's are most often the same)
     st.names = {}
     if torch.compiler.is_compiling():
         mode.__exit__(None, None, None)
@@ -401,15 +408,10 @@ def _publish(st: _ThreadState) -> None:
         for region in regions:
             if region.policy is not None:
                 active[region.device_type] = region.policy
-    if active != mode.policies:
+    if active != mode.policies or mode.alongside is not engine.TORCH_AUTOCAST_ALONGSIDE:
         mode.policies = active
         mode.refresh()
-    lean = (
-        mode.alone
-        and FAST_PATH
-        and not dispatch.compiled_once
-        and not any(r.forced for r in regions if r.engine)
-    )
+    lean = FAST_PATH and mode.alone and not st.forced and not dispatch.compiled_once
     if lean is not mode.lean:
         mode.set_lean(lean)
     if not mode.traced:

@@ -246,6 +246,7 @@ class AutocastMode(TorchFunctionMode):
         self.override: str | None = None  # "fp32" / "low" inside a module rule
         self.module_rules = False  # whether an active policy has module rules
         self.named_rules = False  # ... and some select modules by qualified name
+        self.rule_by_type: dict[type, Any] = {}  # module class -> its rule (no name rules)
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.exclude_unlisted = not self.alongside  # keep torch's autocast out of unlisted calls
         self.cache = casting.WeightCache()
@@ -261,6 +262,7 @@ class AutocastMode(TorchFunctionMode):
         self.full_rules = merged_rules(self.policies)
         self.lean_rules = lean_rules(self.policies)
         self.module_rules = any(p.module_rules for p in self.policies.values())
+        self.rule_by_type = {}
         self.named_rules = any(  # rules by qualified name: the hooks must name modules
             isinstance(rule.selector, str)
             for p in self.policies.values()

@@ -36,14 +36,25 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
         return None
     lean = mode.lean
     if lean:  # torch's cache serves torch's own rules: keep it fresh
-        with _no_torch_function():  # (each p._version would reach the mode: 0.8 us)
+        if mode.on_stack:
+            with _no_torch_function():  # (each p._version would reach the mode: 0.8 us)
+                freshness.check(module)
+        else:
             freshness.check(module)
-    if not st.frames and mode.named_rules:  # the outermost module call: name submodules
-        st.names = {id(m): name for name, m in module.named_modules()}
-    rule = _match(module, mode.policies)
-    if rule is None:
-        st.frames.append((module, None))
-        return None
+    if mode.named_rules:
+        if not st.frames:  # the outermost module call: name its submodules
+            st.names = {id(m): name for name, m in module.named_modules()}
+        rule = _match(module, mode.policies)
+        if rule is None:
+            st.frames.append((module, None))  # (the next call is not the outermost)
+            return None
+    else:  # rules by type alone: one look-up per module class
+        by_type = mode.rule_by_type
+        rule = by_type.get(type(module), _UNSEEN)
+        if rule is _UNSEEN:
+            rule = by_type[type(module)] = _match(module, mode.policies)
+        if rule is None:
+            return None
     enabled = {dev: torch.is_autocast_enabled(dev) for dev in mode.policies}
     if rule.precision == "skip":
         st.frames.append((module, (mode.override, enabled, False)))
@@ -65,6 +76,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
 
 
 _no_torch_function = torch_compat.DisableTorchFunction
+_UNSEEN: Any = object()
 
 
 def _to_float32(value: Any, device_types: dict[str, Policy]) -> Any:

@@ -19,6 +19,7 @@ from amped.autocast_mode import dispatch, state
 from amped.policy import Cast
 from amped.policy.ops import torch_default_rules
 from test_autocast_op_lists import LOW_DTYPES, _assert_same, _cpu_cases, _run, _variants
+from tolerances import BITWISE
 
 _TORCH = amped.Policy.preset("torch", "cpu")
 _SWAP = {Cast.LOWER: "fp32", Cast.FP32: "lower"}
@@ -278,3 +279,42 @@ def test_torch_library_custom_op_bitwise_equal_to_engine(fast_off):
     fast_off()
     out2, grad2, fast2 = run()
     assert not fast2 and torch.equal(out, out2) and torch.equal(grad, grad2)
+
+
+SCALAR_OPERANDS = {
+    "float-tensor + float": (lambda: torch.randn(3), lambda x: x + 1e-6),
+    "int-tensor * float": (lambda: torch.arange(3), lambda x: x * 0.5),  # -> float32
+    "bf16-tensor - int": (lambda: torch.randn(3).bfloat16(), lambda x: x - 2),
+    "float-tensor / float": (lambda: torch.randn(3), lambda x: torch.div(x, 3.0)),
+}
+
+
+@pytest.mark.parametrize("case", list(SCALAR_OPERANDS), ids=list(SCALAR_OPERANDS))
+def test_python_numbers_in_tensor_slots_pass_through_idle_kernels(case):
+    # x + 1e-6 calls aten::add.Tensor with a wrapped number, which reaches a Python
+    # kernel as a float: an idle kernel must still run the op (it once raised "Expected
+    # a value of type 'Tensor'"), with torch's result and dtype, in every kind of region.
+    make, op = SCALAR_OPERANDS[case]
+    x = make()
+    dispatch.release_kernels()  # the oracle: torch with none of amped's kernels
+    expected = {
+        "torch.autocast": _run(op, (x,), {}, torch.autocast("cpu")),
+        "amped default": _run(op, (x,), {}, amped.autocast("cpu")),
+        "mode engine": _run(op, (x,), {}, amped.autocast("cpu", policy=WITH_MODULE_RULE)),
+    }
+    arithmetic = _TORCH.with_ops(promote=["add", "sub", "mul", "div"], fp32=["cdist"])
+    assert dispatch.plan(arithmetic)
+    with amped.autocast("cpu", policy=arithmetic):  # registers the kernels, and uses them
+        ours = op(x)
+    assert ours.dtype == op(x).dtype
+    torch.testing.assert_close(ours, op(x), **BITWISE)  # promote: the one input's dtype
+    for label, region in (
+        ("torch.autocast", torch.autocast("cpu")),
+        ("amped default", amped.autocast("cpu")),
+        ("mode engine", amped.autocast("cpu", policy=WITH_MODULE_RULE)),
+    ):
+        got = _run(op, (x,), {}, region)
+        assert not isinstance(got, Exception), f"{label}: {got!r}"
+        assert got.dtype == expected[label].dtype
+        torch.testing.assert_close(got, expected[label], **BITWISE, msg=label)
+    dispatch.release_kernels()

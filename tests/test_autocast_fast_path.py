@@ -30,7 +30,8 @@ WITH_MODULE_RULE = amped.Policy.preset("torch", "cpu").with_module(nn.LayerNorm,
 def engine_on() -> bool:
     """Whether amped's mode is on this thread's torch-function stack."""
     on_stack = any(isinstance(m, AutocastMode) for m in _get_current_function_mode_stack())
-    assert on_stack == (state._state.mode is not None)
+    mode = state._state.mode  # (a parked mode is off the stack: tests/test_autocast_lean.py)
+    assert on_stack == (mode is not None and mode.on_stack)
     return on_stack
 
 
@@ -53,11 +54,15 @@ def test_torch_rules_run_without_the_engine(preset):
 def test_any_other_policy_runs_the_engine_or_the_kernels(policy, fast, monkeypatch):
     # Op rules alone: kernels at the Autocast keys (amped.autocast_mode.dispatch), no mode
     # (until something in the process compiles, as an earlier test file may have).
+    # Module rules alone: the mode engine, parked off the stack outside ruled modules.
     monkeypatch.setattr(dispatch, "compiled_once", False)
     assert state.needs_engine(policy)
     with amped.autocast("cpu", policy=policy):
-        assert engine_on() is not fast
+        assert not engine_on()
         assert state._state.regions[-1].fast is fast
+        assert (state._state.mode is not None) is not fast
+        if not fast:
+            assert state._state.mode.parkable and state._state.regions[-1].engine
     assert not engine_on()
     monkeypatch.setattr(state, "FAST_PATH", False)
     with amped.autocast("cpu", policy=policy):

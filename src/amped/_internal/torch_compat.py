@@ -87,6 +87,8 @@ get_function_stack_at = torch._C._get_function_stack_at
 push_torch_function_mode = torch._C._push_on_torch_function_stack
 pop_torch_function_mode = torch._C._pop_torch_function_stack
 """The torch-function mode stack itself; ``with mode:`` costs several frames more."""
+DisableTorchFunction = torch._C.DisableTorchFunction
+"""Guard: no torch-function mode or subclass sees calls made while it is held."""
 skip_one_hop_torch_function: Any = getattr(torch._C, "_skip_one_hop_torch_function", None)
 """Call a function with its own torch-function check skipped once (torch >= 2.13, else
 None): the C function ``torch.overrides.redispatch_function`` wraps."""

@@ -238,6 +238,7 @@ def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
     appended = _APPEND_DTYPE.get(op.name())
     with_dtype = getattr(op.overloadpacket, appended)._op if appended else None
     positional = [a for a in op._schema.arguments if not a.kwarg_only]
+    tensor_slots = tuple(i for i, a in enumerate(positional) if str(a.type) == "Tensor")
     defaults = [(a.name, a.default_value) for a in positional if a.has_default_value()]
     first_default = len(positional) - len(defaults)  # defaults are trailing in a schema
     tls = _tls
@@ -287,6 +288,17 @@ def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
             return out
         if torch_kernel is not None:
             return torch_kernel.call_boxed(keyset, *args, **kwargs)
+        if _number_in(args, tensor_slots):
+            # x + 1e-6 passes a wrapped number, which reaches Python as a float and
+            # which redispatch cannot take: run the op as torch's own autocast kernels
+            # do, called again with this key excluded (the call already passed the
+            # torch-function layer: no mode sees it twice).
+            set_excluded(dispatch_key, True)
+            try:
+                with _no_torch_function():
+                    return raw(*args, **kwargs)
+            finally:
+                set_excluded(dispatch_key, False)
         return op.redispatch(keyset & after, *args, **kwargs)
 
     aten_kernel = torch_kernel if op.namespace == "aten" else None
@@ -298,6 +310,15 @@ def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
 
 _NOT_OURS = object()
 _ANY_KEYSET = torch_compat.dispatch_keyset_full()  # torch's autocast kernels ignore it
+_no_torch_function = torch_compat.DisableTorchFunction
+
+
+def _number_in(args: tuple[Any, ...], slots: tuple[int, ...]) -> bool:
+    # (a loop: an idle kernel runs this per call, and any() over a generator costs more)
+    for i in slots:  # noqa: SIM110
+        if i < len(args) and isinstance(args[i], (int, float, complex)):
+            return True
+    return False
 
 
 def _append_fp32(missing: list[tuple[str, Any]], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -349,9 +370,9 @@ def watch_compiles() -> None:
 def _on_compile_start(args: Any) -> None:
     global compiled_once
     compiled_once = True
-    if any(_tls.active.values()):
-        from amped.autocast_mode import state  # the upper module of this package
+    from amped.autocast_mode import state  # the upper module of this package
 
+    if any(_tls.active.values()) or state.lean_mode_open():
         state.switch_to_engine()
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
-__all__ = ["acquire", "forget", "release"]
+__all__ = ["acquire", "check", "forget", "release"]
 
 
 class _Seen(threading.local):
@@ -39,9 +39,14 @@ _clear = torch.clear_autocast_cache
 
 
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+    if _seen.active:
+        check(module)
+
+
+def check(module: torch.nn.Module) -> None:
+    """Drop this thread's autocast cache if a parameter of ``module`` changed in place
+    since this region last saw it (the module rules' hook calls it too)."""
     seen = _seen
-    if not seen.active:
-        return
     versions = seen.versions
     stale = False
     for p in module._parameters.values():

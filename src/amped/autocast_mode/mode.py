@@ -30,7 +30,7 @@ from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
 
-__all__ = ["AutocastMode", "compiled_rules", "merged_rules", "prepare"]
+__all__ = ["AutocastMode", "compiled_rules", "lean_rules", "merged_rules", "prepare"]
 
 _FunctionType = types.FunctionType
 # Dynamo folds it to True while tracing; eagerly one frame (is_compiling() costs two).
@@ -122,9 +122,39 @@ def _merge(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
     return rules
 
 
+def lean_rules(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
+    """:func:`merged_rules` with only the rules torch's C++ autocast cannot apply (those
+    that keep it out: a rule that differs from torch's, a Python function, a custom op).
+
+    The table of a lean mode (:attr:`AutocastMode.lean`): every other listed op is run
+    as an unlisted one, and torch's C++ autocast, on in the region, applies to it the
+    very rule the policy gives it. Kept with the policy, like :func:`merged_rules`.
+    """
+    if len(policies) == 1:
+        ((_device_type, policy),) = policies.items()
+        found = policy._engine_cache.get("lean")
+        if found is None:
+            found = _keep_excluding(merged_rules(policies))
+            policy._engine_cache["lean"] = found
+        return found
+    return _keep_excluding(merged_rules(policies))
+
+
+def _keep_excluding(
+    rules: dict[Callable[..., Any], PerDevice],
+) -> dict[Callable[..., Any], PerDevice]:
+    kept: dict[Callable[..., Any], PerDevice] = {}
+    for fn, per_device in rules.items():
+        for device_type, per_dtype in per_device.items():
+            for dtype, rule in per_dtype.items():
+                if rule[1]:
+                    kept.setdefault(fn, {}).setdefault(device_type, {})[dtype] = rule
+    return kept
+
+
 def prepare(policy: Policy) -> None:
     """Build the engine's tables for ``policy`` now (it was just created)."""
-    merged_rules({policy.device_type: policy})
+    lean_rules({policy.device_type: policy})
 
 
 def _custom_targets(op: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
@@ -166,6 +196,9 @@ def call_without_torch_autocast(
 
 _EMPTY: dict[str, Any] = {}
 _LOWER = Cast.LOWER
+_TORCH_COMPOSITES = transparent.TORCH_FUNCTIONS
+"""torch's own Python-level functions: a lean mode with no rule left runs them as they
+are (they call no module, whose rule could apply inside; a user's function re-enters)."""
 _OPAQUE = torch_compat.AUTOCAST_ENTER_EXIT
 
 
@@ -180,6 +213,16 @@ class AutocastMode(TorchFunctionMode):
     that look-up and a type check; a Python function is run transparently. Dynamo
     traces the same method: it guards on the entries it reads, so a policy change
     between calls recompiles instead of reusing a stale graph.
+
+    A **lean** mode (eager regions whose mode has no other mode below it, outside
+    :func:`~amped.autocast_mode.state.engine_always`; see :mod:`amped.autocast_mode.state`)
+    leaves the ops whose rule is torch's own to torch's C++ autocast, which is on in the
+    region and applies that same rule (with torch's weight cache, kept fresh as on the
+    fast path), so ``rules`` holds only the others (:func:`lean_rules`). When none is
+    left, no op inside torch's Python composites can need amped, and they run without
+    the transparent re-entry; and outside the modules a module rule names the mode has
+    nothing to do at all, so it is kept off the stack there (``parkable``). Inside a
+    module rule the full tables are in force.
     """
 
     def __init__(self) -> None:
@@ -187,8 +230,23 @@ class AutocastMode(TorchFunctionMode):
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
         self.device_types: tuple[str, ...] = ()
         self.rules: dict[Callable[..., Any], PerDevice] = {}
+        self.full_rules: dict[Callable[..., Any], PerDevice] = {}
+        self.lean_rules: dict[Callable[..., Any], PerDevice] = {}
+        self.lean = False  # leave torch's own rules to torch's C++ autocast (see above)
+        self.alone = False  # no other mode below this one (set when it is pushed)
+        # A lean mode with no rule left has nothing to do outside a module rule: it is
+        # "parked" off the torch-function stack, and the module rules' hooks push it for
+        # the modules a rule names (amped.autocast_mode.state).
+        self.parkable = False
+        self.on_stack = False
+        self.held = False  # pushed by a module rule's hook, which will pop it
+        self.backward_off = False  # compiled backward autocast turned off for it
+        self.traced = False  # entered while Dynamo traces (the context-manager protocol)
+        self.reenter = True  # run torch's Python composites transparently
         self.override: str | None = None  # "fp32" / "low" inside a module rule
         self.module_rules = False  # whether an active policy has module rules
+        self.named_rules = False  # ... and some select modules by qualified name
+        self.rule_by_type: dict[type, Any] = {}  # module class -> its rule (no name rules)
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.exclude_unlisted = not self.alongside  # keep torch's autocast out of unlisted calls
         self.cache = casting.WeightCache()
@@ -201,15 +259,35 @@ class AutocastMode(TorchFunctionMode):
         """Recompute the rules of the active policies (after a region change)."""
         transparent.prepare_clones()
         self.device_types = tuple(self.policies)
-        self.rules = merged_rules(self.policies)
+        self.full_rules = merged_rules(self.policies)
+        self.lean_rules = lean_rules(self.policies)
         self.module_rules = any(p.module_rules for p in self.policies.values())
+        self.rule_by_type = {}
+        self.named_rules = any(  # rules by qualified name: the hooks must name modules
+            isinstance(rule.selector, str)
+            for p in self.policies.values()
+            for rule in p.module_rules
+        )
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
+        self.set_override(self.override)
+
+    def set_lean(self, lean: bool) -> None:
+        """Leave torch's own rules to torch's C++ autocast (True), or apply every rule."""
+        self.lean = lean
         self.set_override(self.override)
 
     def set_override(self, override: str | None) -> None:
         """Enter (or, with None, leave) a module rule's precision."""
         self.override = override
         self.exclude_unlisted = override is not None or not self.alongside
+        self.parkable = self.lean and self.alongside and not self.lean_rules
+        if self.lean and override is None and self.alongside:
+            self.rules = self.lean_rules
+            # Nothing amped must see runs inside torch's composites: they need no re-entry.
+            self.reenter = bool(self.rules)
+        else:
+            self.rules = self.full_rules
+            self.reenter = True
 
     def __torch_function__(
         self,
@@ -221,7 +299,11 @@ class AutocastMode(TorchFunctionMode):
         per_device = self.rules.get(func)
         if per_device is not None:
             return self._apply(func, per_device, args, kwargs or _EMPTY)
-        if type(func) is _FunctionType and func not in self.running:
+        if (
+            type(func) is _FunctionType
+            and (self.reenter or func not in _TORCH_COMPOSITES)
+            and func not in self.running
+        ):
             return transparent.run_transparently(
                 self, self.running, func, types, args, kwargs or _EMPTY
             )

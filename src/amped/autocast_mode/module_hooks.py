@@ -14,7 +14,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from amped._internal import torch_compat
-from amped.autocast_mode import state
+from amped.autocast_mode import freshness, state
 from amped.policy import ModuleRule, Policy
 
 __all__ = ["hooks"]
@@ -34,22 +34,49 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     mode = st.mode
     if mode is None or not mode.module_rules:  # idle (hooks outlive compiled regions)
         return None
-    if not st.frames:  # the outermost module call of the region: name its submodules
-        st.names = {id(m): name for name, m in module.named_modules()}
-    rule = _match(module, mode.policies)
-    if rule is None:
-        st.frames.append((module, None))
-        return None
-    saved = (mode.override, {dev: torch.is_autocast_enabled(dev) for dev in mode.policies})
-    st.frames.append((module, saved))
+    lean = mode.lean
+    if lean:  # torch's cache serves torch's own rules: keep it fresh
+        if mode.on_stack:
+            with _no_torch_function():  # (each p._version would reach the mode: 0.8 us)
+                freshness.check(module)
+        else:
+            freshness.check(module)
+    if mode.named_rules:
+        if not st.frames:  # the outermost module call: name its submodules
+            st.names = {id(m): name for name, m in module.named_modules()}
+        rule = _match(module, mode.policies)
+        if rule is None:
+            st.frames.append((module, None))  # (the next call is not the outermost)
+            return None
+    else:  # rules by type alone: one look-up per module class
+        by_type = mode.rule_by_type
+        rule = by_type.get(type(module), _UNSEEN)
+        if rule is _UNSEEN:
+            rule = by_type[type(module)] = _match(module, mode.policies)
+        if rule is None:
+            return None
+    enabled = {dev: torch.is_autocast_enabled(dev) for dev in mode.policies}
     if rule.precision == "skip":
+        st.frames.append((module, (mode.override, enabled, False)))
         for dev in mode.policies:
             torch.set_autocast_enabled(dev, False)
         return None
+    pushed = not mode.on_stack  # a parked mode: on the stack for this module's call
+    if pushed:
+        state.stack(mode)
+        mode.held = True
+    st.frames.append((module, (mode.override, enabled, pushed)))
     mode.set_override(rule.precision)
     if rule.precision == "fp32":
+        if lean:  # no mode below to show the casts to; Tensor.float() is not autocast
+            with _no_torch_function():
+                return tuple(_to_float32(a, mode.policies) for a in args)
         return tuple(_to_float32(a, mode.policies) for a in args)
     return None
+
+
+_no_torch_function = torch_compat.DisableTorchFunction
+_UNSEEN: Any = object()
 
 
 def _to_float32(value: Any, device_types: dict[str, Policy]) -> Any:
@@ -68,11 +95,16 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> N
     if not st.frames or st.frames[-1][0] is not module:
         return
     _, saved = st.frames.pop()
-    if saved is not None and st.mode is not None:
-        override, enabled = saved
-        st.mode.set_override(override)
+    mode = st.mode
+    if saved is not None and mode is not None:
+        override, enabled, pushed = saved
+        mode.set_override(override)
         for dev, was_enabled in enabled.items():
             torch.set_autocast_enabled(dev, was_enabled)
+        if pushed and mode.held:
+            mode.held = False
+            if mode.parkable:
+                state.unstack(mode)
 
 
 class _GlobalHooks:

@@ -52,6 +52,8 @@ class Region:
         "enabled",
         "engine",
         "fast",
+        "forced",
+        "fresh",
         "policy",
         "saved",
     )
@@ -71,6 +73,8 @@ class Region:
         self.cache_enabled = cache_enabled
         self.engine = False  # runs the mode engine
         self.fast = False  # runs the fast path (kernels at the Autocast keys)
+        self.forced = False  # opened inside engine_always()
+        self.fresh = False  # holds the freshness hook (for torch's cache, in a lean mode)
         # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
         self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)
 
@@ -81,6 +85,7 @@ class _ThreadState(threading.local):
         self.spare_mode: AutocastMode | None = None
         self.regions: list[Region] = []  # open regions, in entry order
         self.engine_always = 0
+        self.forced = 0  # open engine regions entered inside engine_always()
         self.frames: list[tuple[torch.nn.Module, Any]] = []
         self.names: dict[int, str] = {}
 
@@ -162,12 +167,20 @@ def enter(region: Region) -> None:
     torch.autocast_increment_nesting()
     torch.set_autocast_cache_enabled(region.cache_enabled)
     region.engine = policy is not None and needs_engine(policy)
+    if st.engine_always and region.engine:
+        region.forced = True
+        st.forced += 1
     if region.engine and FAST_PATH and _fast_allowed(st):
         tables = dispatch.plan(cast(Policy, policy))
         if tables is not None:
             dispatch.register(cast(Policy, policy), tables)
-            dispatch.watch_compiles()
             region.engine, region.fast = False, True
+        # Either way torch's C++ autocast applies torch's own rules (on the fast path, or
+        # in a lean mode), with torch's cache: keep it fresh (module rules' own hook
+        # does that for them, one global hook call per module call), hear of compiles.
+        dispatch.watch_compiles()
+        if not cast(Policy, policy).module_rules:
+            region.fresh = True
             freshness.acquire()
     st.regions.append(region)
     if region.engine and st.mode is None:
@@ -176,6 +189,8 @@ def enter(region: Region) -> None:
         _publish(st)
     if region.fast or dispatch._tls.active:
         _publish_fast(st)
+    if region.fresh or st.mode is not None:
+        _set_fresh(st)
 
 
 def exit(region: Region) -> None:
@@ -208,15 +223,20 @@ def exit(region: Region) -> None:
     if region.policy is not None and region.policy.module_rules:
         _hooks.release()
     last = torch.autocast_decrement_nesting() == 0
-    if st.mode is not None:
+    if region.forced:
+        st.forced -= 1
+    had_mode = st.mode is not None
+    if had_mode:
         if not any(r.engine for r in regions):
             _pop_mode(st)
         else:
             _publish(st)
-    if region.fast:
+    if region.fresh:
         freshness.release()
     if region.fast or dispatch._tls.active or any(r.fast for r in regions):
         _publish_fast(st)
+    if region.fresh or had_mode:
+        _set_fresh(st)
     if last:
         torch.clear_autocast_cache()
         clear_cache()
@@ -248,7 +268,22 @@ def _publish_fast(st: _ThreadState) -> None:
                 rules = dispatch.kernel_rules(region.policy) if region.fast else None
                 active[region.device_type] = rules or {}
     dispatch.set_active({dev: rules for dev, rules in active.items() if rules})
-    freshness.set_active(any(r.fast for r in st.regions) and st.mode is None)
+
+
+def _set_fresh(st: _ThreadState) -> None:
+    # The freshness hook acts while torch's cache serves casts amped's rule covers: on
+    # the fast path, and in a lean mode.
+    mode = st.mode
+    if mode is None:
+        freshness.set_active(any(r.fast for r in st.regions))
+    else:
+        freshness.set_active(mode.lean)
+
+
+def lean_mode_open() -> bool:
+    """Whether this thread's mode is lean (leaves torch's own rules to torch)."""
+    mode = _state.mode
+    return mode is not None and mode.lean
 
 
 def switch_to_engine() -> None:
@@ -258,15 +293,17 @@ def switch_to_engine() -> None:
     for region in st.regions:
         if region.fast:
             region.fast, region.engine = False, True
+        if region.fresh:
+            region.fresh = False
             freshness.release()
     if st.mode is None and any(r.engine for r in st.regions):
         mode = st.spare_mode
         if mode is None:
             mode = st.spare_mode = AutocastMode()
         st.mode = mode
-        _push(mode)
-        compiling.backward_autocast_off()
-        _publish(st)
+        mode.alone = False
+    if st.mode is not None:
+        _publish(st)  # pushed, and a lean mode turns full: dispatch.compiled_once is set
     dispatch.set_active({})
     freshness.set_active(False)
 
@@ -275,34 +312,68 @@ def _push_mode(st: _ThreadState) -> None:
     if torch.compiler.is_compiling():  # Dynamo traces the context-manager protocol
         st.mode = AutocastMode()
         st.mode.__enter__()
+        st.mode.on_stack = st.mode.traced = True
         return
     mode = st.spare_mode  # one instance per thread, reused region after region
     if mode is None:
         mode = st.spare_mode = AutocastMode()
     st.mode = mode
+    # A mode below amped's (the doctor's tracer) must see every op after amped's casts.
+    mode.alone = torch_compat.len_torch_function_stack() == 0
+    # _publish, which runs next, pushes it (or parks it).
+
+
+def _place_mode(mode: AutocastMode) -> None:
+    """Put ``mode`` on the torch-function stack, or park it off the stack if it is
+    parkable (see :class:`AutocastMode`) and no module rule's hook holds it there."""
+    if mode.parkable:
+        if mode.on_stack and not mode.held:
+            unstack(mode)
+        return
+    if not mode.on_stack:
+        stack(mode)
+    if not mode.backward_off:
+        compiling.backward_autocast_off()
+        mode.backward_off = True
+
+
+def stack(mode: AutocastMode) -> None:
+    """Push a parked mode (a module rule's hook, for the module it names)."""
     _push(mode)
-    compiling.backward_autocast_off()
+    mode.on_stack = True
+
+
+def unstack(mode: AutocastMode) -> None:
+    """Park ``mode`` again; left on the stack if a mode entered since sits above it."""
+    depth = torch_compat.len_torch_function_stack()
+    if depth and torch_compat.get_function_stack_at(depth - 1) is mode:
+        _pop()
+        mode.on_stack = False
 
 
 def _pop_mode(st: _ThreadState) -> None:
     mode = st.mode
     assert mode is not None  # called only while the mode is on the stack
     st.mode = None
-    mode.cache.clear()
-    mode.policies = {}
+    mode.cache.clear()  # (its policies stay: the next region's are most often the same)
     st.names = {}
     if torch.compiler.is_compiling():
         mode.__exit__(None, None, None)
         return
-    depth = torch_compat.len_torch_function_stack()
-    if depth == 0 or torch_compat.get_function_stack_at(depth - 1) is not mode:
-        raise RuntimeError(
-            "amped's autocast mode was not on top of the torch-function mode stack when "
-            "its last region closed: a mode entered inside the region is still open. "
-            "Exit modes (and regions) in the reverse order of entering them."
-        )
-    _pop()
-    compiling.restore_backward_autocast()
+    mode.held = False
+    if mode.on_stack:
+        depth = torch_compat.len_torch_function_stack()
+        if depth == 0 or torch_compat.get_function_stack_at(depth - 1) is not mode:
+            raise RuntimeError(
+                "amped's autocast mode was not on top of the torch-function mode stack "
+                "when its last region closed: a mode entered inside the region is still "
+                "open. Exit modes (and regions) in the reverse order of entering them."
+            )
+        _pop()
+        mode.on_stack = False
+    if mode.backward_off:
+        mode.backward_off = False
+        compiling.restore_backward_autocast()
 
 
 _push = torch_compat.push_torch_function_mode
@@ -337,9 +408,14 @@ def _publish(st: _ThreadState) -> None:
         for region in regions:
             if region.policy is not None:
                 active[region.device_type] = region.policy
-    if active != mode.policies:
+    if active != mode.policies or mode.alongside is not engine.TORCH_AUTOCAST_ALONGSIDE:
         mode.policies = active
         mode.refresh()
+    lean = FAST_PATH and mode.alone and not st.forced and not dispatch.compiled_once
+    if lean is not mode.lean:
+        mode.set_lean(lean)
+    if not mode.traced:
+        _place_mode(mode)
 
 
 # Module rules' hooks; they read this module's thread state (imported last: a cycle).

@@ -64,6 +64,9 @@ def _clone(func: types.FunctionType) -> types.FunctionType:
 
 
 _CLONES: dict[Any, Any] = {}
+TORCH_FUNCTIONS: dict[Any, None] = {}
+"""torch's own Python-level functions (in ``torch``, ``torch.functional``,
+``torch.nn.functional``, ``torch.Tensor``), once :func:`prepare_clones` ran."""
 
 
 def _clone_or_same(func: Any) -> Any:
@@ -80,7 +83,7 @@ def _clone_outside_graph(func: Any) -> Any:
 def prepare_clones() -> None:
     """Clone torch's Python-level functions ahead of time, so that a compiled function
     finds each one in a plain dict (Dynamo cannot trace building one)."""
-    if _CLONES:
+    if TORCH_FUNCTIONS:
         return
     import torch.nn.functional
 
@@ -88,6 +91,7 @@ def prepare_clones() -> None:
         for value in list(vars(namespace).values()):
             if isinstance(value, types.FunctionType) and value.__module__.startswith("torch"):
                 _clone_or_same(value)
+                TORCH_FUNCTIONS[value] = None
 
 
 def call_with_clone(

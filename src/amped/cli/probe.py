@@ -33,6 +33,14 @@ __all__ = ["PROBE_KIND", "PROBE_STEPS", "ProbeResult", "probe_recipe"]
 PROBE_STEPS = 3
 PROBE_KIND = "own_process_peak_rss"
 _TIMEOUT_S = 600.0
+# glibc serves large blocks by mmap and returns them when freed, but by default it
+# raises that threshold each time such a block is freed, after which blocks of that
+# size come from the heap and stay in the resident size when freed: whether a freed
+# gradient is still counted then depends on the order of frees, and the same fp32 run
+# peaked at 42.7 or 57.7 MiB from one process to the next (wide MLP, 8.4M parameters).
+# A fixed threshold (glibc's default start, 128 KiB) keeps it where it starts, so the
+# peak follows the memory in use. Other C libraries ignore the variable.
+_MMAP_THRESHOLD = str(128 << 10)
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ def probe_recipe(config: CompareConfig, run: RecipeRun, threads: int) -> ProbeRe
     # The child sees the modules this process sees (a factory importable by name here).
     path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads)}
+    env["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD  # see _MMAP_THRESHOLD
     try:
         done = subprocess.run(
             [sys.executable, "-m", "amped.cli.probe"],

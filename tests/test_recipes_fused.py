@@ -12,11 +12,13 @@ counts and the random stream.
 from __future__ import annotations
 
 import copy
+import gc
 import os
 import pickle
 import subprocess
 import sys
 import textwrap
+import weakref
 
 import pytest
 import torch
@@ -261,6 +263,24 @@ def test_state_is_laid_out_flat_and_not_copied(monkeypatch):
     for key in ("exp_avg", "exp_avg_sq", "compensation"):
         storages = {s[key].untyped_storage().data_ptr() for s in twin.state.values()}
         assert len(storages) == 1, key
+
+
+def test_no_gradient_outlives_zero_grad():
+    """A tensor stepped in its own memory (2**20 elements or more) has a flat gradient:
+    the step must not keep it once zero_grad lets it go (nor the old state's memory once
+    load_state_dict replaced it)."""
+    param = torch.nn.Parameter(torch.randn(1 << 20).bfloat16())
+    opt = CompensatedAdamW([param], lr=1e-3, fused=True)
+    param.grad = torch.randn(param.shape).bfloat16()
+    grad = weakref.ref(param.grad.untyped_storage())
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    gc.collect()
+    assert grad() is None
+    state = weakref.ref(opt.state[param]["exp_avg"].untyped_storage())
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    gc.collect()
+    assert state() is None
 
 
 def test_resuming_from_a_state_dict_continues_bitwise():

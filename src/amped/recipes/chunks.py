@@ -97,7 +97,9 @@ class Chunk:
 
     def flat(self, slot: int, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """:func:`amped.recipes.state_layout.flat` of ``parts`` (one tensor per piece),
-        kept per ``slot`` while the parts' addresses stay the same."""
+        kept per ``slot`` while the parts' addresses stay the same: for the optimizer's
+        own state only, since the kept view holds its memory (a gradient's would outlive
+        ``zero_grad``)."""
         addresses = tuple(part.data_ptr() for part in parts)
         kept = self._flat.get(slot)
         if kept is None or kept[0] != addresses:

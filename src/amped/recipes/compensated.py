@@ -269,6 +269,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         low = [p for g in self.param_groups for p in g["params"] if p.dtype is _FUSED]
         state_layout.lay_out(self.state, low, self._STATE_KEYS)  # for the fused step
+        # Chunks keep views of the old state's memory: let it go now, not at the next step.
+        self._fused_plan = Plan(self._WORK_FLOATS, self._WORK_NOISE, rows=False, alone=_ALONE)
         self._generator = None
         if rng_state is not None:
             device = next(p.device for g in self.param_groups for p in g["params"])
@@ -346,7 +348,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         written, to copy back after the kernel."""
         rows, back = [], []
         for slot, (parts, written) in enumerate(columns):
-            row = chunk.flat(slot, parts)
+            # Gradients and weights (the first two) are the user's: looked at afresh.
+            row = state_layout.flat(parts) if slot < 2 else chunk.flat(slot, parts)
             if row is None:
                 row, views = chunk.gather_row(slot)
                 foreach_copy_(views, parts)
@@ -400,9 +403,11 @@ class CompensatedSGD(_CompensatedOptimizer):
             the momentum buffer rounds stochastically when ``1 - momentum`` is below
             2**-6, else to nearest.
         seed: seeds the stochastic rounding's random stream.
-        fused: ``None`` (default): step low-precision weights with one compiled kernel per
+        fused: ``None`` (default): step bfloat16 weights with one compiled kernel per
             chunk (:mod:`amped.recipes.fused`) where torch.compile can build it, else
-            eagerly, with one warning; ``True``: the kernel or an error; ``False``: eager.
+            eagerly, with one warning; ``True``: an error instead where it cannot;
+            ``False``: always eager. Steps the kernel does not cover (the module says
+            which) are eager under all three.
 
     Example:
         >>> import torch, amped
@@ -545,9 +550,11 @@ class CompensatedAdamW(_CompensatedOptimizer):
             second moment's, by default: round-to-nearest would freeze its decay; see
             ``_store``), else to nearest.
         seed: seeds the stochastic rounding's random stream.
-        fused: ``None`` (default): step low-precision weights with one compiled kernel per
+        fused: ``None`` (default): step bfloat16 weights with one compiled kernel per
             chunk (:mod:`amped.recipes.fused`) where torch.compile can build it, else
-            eagerly, with one warning; ``True``: the kernel or an error; ``False``: eager.
+            eagerly, with one warning; ``True``: an error instead where it cannot;
+            ``False``: always eager. Steps the kernel does not cover (the module says
+            which) are eager under all three.
             The two agree to the last bit but for rare roundings (the module says which).
 
     The step count is a Python int in the state (torch keeps a float32 tensor, which

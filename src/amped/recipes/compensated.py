@@ -338,16 +338,29 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         """Step ``chunk`` with the fused kernel; False to leave it to the eager step."""
         raise NotImplementedError
 
-    def _fused_rows(
-        self, chunk: Chunk, columns: list[tuple[list[torch.Tensor], bool]]
-    ) -> tuple[list[torch.Tensor], list[tuple[list[torch.Tensor], list[torch.Tensor]]]]:
-        """Each column (one tensor per piece of ``chunk``: its gradients, its weights, a
-        state) as a flat row: its own memory where the tensors lie back to back (state is
-        laid out so: :mod:`amped.recipes.state_layout`), else gathered into a work row.
-        Returns the rows, and the (tensors, work views) of the gathered columns marked
-        written, to copy back after the kernel."""
+    def _run_fused(
+        self,
+        chunk: Chunk,
+        kernel: Callable[..., bool],
+        keys: tuple[str, ...],
+        kahan: bool,
+        scalars: list[float],
+        starts: torch.Tensor,
+        flags: tuple[bool, ...],
+    ) -> bool:
+        """Call ``kernel`` (:mod:`amped.recipes.fused`) on ``chunk``'s gradients, weights,
+        state ``keys`` and (under Kahan) compensations, each as a flat row: its own memory
+        where the tensors lie back to back (state is laid out so:
+        :mod:`amped.recipes.state_layout`), else gathered into a work row and, if the
+        kernel writes it, copied back after. False if the kernel could not be compiled."""
+        states = [self.state[param] for param in chunk.owners]
+        grads = [param.grad for param in chunk.owners if param.grad is not None]
+        columns = [(grads, False), (chunk.owners, True)]
+        for key in (*keys, "compensation") if kahan else keys:
+            columns.append(([state[key] for state in states], True))
         rows, back = [], []
-        for slot, (parts, written) in enumerate(columns):
+        for slot, (tensors, written) in enumerate(columns):
+            parts = chunk.take(tensors)
             # Gradients and weights (the first two) are the user's: looked at afresh.
             row = state_layout.flat(parts) if slot < 2 else chunk.flat(slot, parts)
             if row is None:
@@ -356,7 +369,14 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
                 if written:
                     back.append((parts, views))
             rows.append(row)
-        return rows, back
+        compensation = rows[-1] if kahan else rows[1]  # unused under stochastic rounding
+        values = torch.tensor(scalars, dtype=torch.float32, device=chunk.device)
+        args = (*rows[: 2 + len(keys)], compensation, values, starts)
+        if not kernel(chunk.device.type, bool(self.fused), args, flags):
+            return False
+        for parts, views in back:
+            foreach_copy_(parts, views)
+        return True
 
     def _refuse(self, param: torch.Tensor, group: dict) -> None:
         if param.grad is not None and param.grad.is_sparse:
@@ -481,40 +501,20 @@ class CompensatedSGD(_CompensatedOptimizer):
         return all(g["momentum"] != 0 and p not in step.fresh for g, p in low)
 
     def _step_fused(self, chunk: Chunk, group: dict, step: _Step) -> bool:
-        momentum = group["momentum"]
-        if momentum == 0 or any(param in step.fresh for param in chunk.owners):
-            return False
+        momentum = group["momentum"]  # not 0, and every buffer exists (_fusable_params)
         kahan = group["compensation"] == "kahan"
         stochastic_buffer = self._stochastic(chunk, group, momentum)
-        scalars = torch.tensor(
-            [
-                -1.0 if group["maximize"] else 1.0,
-                group["weight_decay"],
-                momentum,
-                1 - group["dampening"],
-                -group["lr"],
-            ],
-            dtype=torch.float32,
-            device=chunk.device,
-        )
-        starts = self._starts(chunk, step, stochastic_buffer or not kahan)
-        states = [self.state[param] for param in chunk.owners]
-        columns = [
-            (chunk.take([p.grad for p in chunk.owners if p.grad is not None]), False),
-            (chunk.take(chunk.owners), True),
-            (chunk.take([state["momentum_buffer"] for state in states]), True),
+        scalars = [
+            -1.0 if group["maximize"] else 1.0,
+            group["weight_decay"],
+            momentum,
+            1 - group["dampening"],
+            -group["lr"],
         ]
-        if kahan:
-            columns.append((chunk.take([state["compensation"] for state in states]), True))
-        rows, back = self._fused_rows(chunk, columns)
-        compensation = rows[3] if kahan else rows[1]  # unused under stochastic rounding
+        starts = self._starts(chunk, step, stochastic_buffer or not kahan)
         flags = (kahan, stochastic_buffer, group["nesterov"])
-        args = (*rows[:3], compensation, scalars, starts)
-        if not fused_kernels.sgd_(chunk.device.type, bool(self.fused), args, flags):
-            return False
-        for tensors, views in back:
-            foreach_copy_(tensors, views)
-        return True
+        keys = ("momentum_buffer",)
+        return self._run_fused(chunk, fused_kernels.sgd_, keys, kahan, scalars, starts, flags)
 
     def _momentum(self, chunk: Chunk, group: dict, write: int | None, step: _Step) -> None:
         """velocity = momentum * buffer + (1 - dampening) * grad, stored in the buffers."""
@@ -652,47 +652,26 @@ class CompensatedAdamW(_CompensatedOptimizer):
         return True
 
     def _step_fused(self, chunk: Chunk, group: dict, step: _Step) -> bool:
-        states = [self.state[param] for param in chunk.owners]
-        count = states[0]["step"]
-        if any(state["step"] != count for state in states):
-            return False
+        count = self.state[chunk.owners[0]]["step"]  # the chunk's (_fusable_params)
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         decoupled = group["decoupled_weight_decay"]
         kahan = group["compensation"] == "kahan"
         stochastic_avg = self._stochastic(chunk, group, beta1)
         stochastic_avg_sq = self._stochastic(chunk, group, beta2)
-        scalars = torch.tensor(
-            [
-                -1.0 if group["maximize"] else 1.0,
-                0.0 if decoupled else wd,
-                1 - beta1,
-                beta2,
-                1 - beta2,
-                math.sqrt(1 - beta2**count),
-                eps,
-                -lr / (1 - beta1**count),
-                -lr * wd if decoupled else 0.0,
-            ],
-            dtype=torch.float32,
-            device=chunk.device,
-        )
+        scalars = [
+            -1.0 if group["maximize"] else 1.0,
+            0.0 if decoupled else wd,
+            1 - beta1,
+            beta2,
+            1 - beta2,
+            math.sqrt(1 - beta2**count),
+            eps,
+            -lr / (1 - beta1**count),
+            -lr * wd if decoupled else 0.0,
+        ]
         stochastic = stochastic_avg or stochastic_avg_sq or not kahan
         starts = self._starts(chunk, step, stochastic)
-        columns = [
-            (chunk.take([p.grad for p in chunk.owners if p.grad is not None]), False),
-            (chunk.take(chunk.owners), True),
-            (chunk.take([state["exp_avg"] for state in states]), True),
-            (chunk.take([state["exp_avg_sq"] for state in states]), True),
-        ]
-        if kahan:
-            columns.append((chunk.take([state["compensation"] for state in states]), True))
-        rows, back = self._fused_rows(chunk, columns)
-        compensation = rows[4] if kahan else rows[1]  # unused under stochastic rounding
         flags = (kahan, stochastic_avg, stochastic_avg_sq)
-        args = (*rows[:4], compensation, scalars, starts)
-        if not fused_kernels.adamw_(chunk.device.type, bool(self.fused), args, flags):
-            return False
-        for tensors, views in back:
-            foreach_copy_(tensors, views)
-        return True
+        keys = ("exp_avg", "exp_avg_sq")
+        return self._run_fused(chunk, fused_kernels.adamw_, keys, kahan, scalars, starts, flags)

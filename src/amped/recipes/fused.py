@@ -145,6 +145,18 @@ def _stochastic(value: torch.Tensor, dtype: torch.dtype, noise: torch.Tensor) ->
     return ((value.view(torch.int32) + noise) & _HIGH_MASK).view(torch.float32).to(dtype)
 
 
+def _store(buffer: torch.Tensor, value: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+    """Write float32 running average ``value`` into ``buffer``: stochastically with the
+    bits numbered from ``start`` if given, else to nearest. Returns the value the step
+    goes on with (canonical NaNs after stochastic rounding, as in the eager step)."""
+    if start is None:
+        buffer.copy_(value.to(buffer.dtype))
+        return value
+    value = _canonical(value)
+    buffer.copy_(_stochastic(value, buffer.dtype, _noise(value.shape[0], start, value.device)))
+    return value
+
+
 def _write(
     target: torch.Tensor,
     compensation: torch.Tensor,
@@ -208,16 +220,8 @@ def _adamw(
     g = g + w * l2  # grad.add_(weight, alpha=wd); adds 0 without L2
     m = exp_avg.to(torch.float32).lerp(g, weight1)
     v = exp_avg_sq.to(torch.float32) * beta2 + weight2 * g * g  # mul_, addcmul_
-    if stochastic_avg:
-        m = _canonical(m)
-        exp_avg.copy_(_stochastic(m, exp_avg.dtype, _noise(numel, starts[0], device)))
-    else:
-        exp_avg.copy_(m.to(exp_avg.dtype))
-    if stochastic_avg_sq:
-        v = _canonical(v)
-        exp_avg_sq.copy_(_stochastic(v, exp_avg_sq.dtype, _noise(numel, starts[1], device)))
-    else:
-        exp_avg_sq.copy_(v.to(exp_avg_sq.dtype))
+    m = _store(exp_avg, m, starts[0] if stochastic_avg else None)
+    v = _store(exp_avg_sq, v, starts[1] if stochastic_avg_sq else None)
     denom = v.sqrt() / correction2 + eps  # sqrt_, div_, add_
     update = m / denom * step_size  # div_, mul_
     update = update + w * decay  # update.add_(weight, alpha=-lr * wd); 0 if not decoupled
@@ -247,11 +251,7 @@ def _sgd(
     w = param.to(torch.float32)
     g = g + w * decay  # grad.add_(weight, alpha=weight_decay)
     velocity = buffer.to(torch.float32) * momentum + g * undamped  # mul_, add_(alpha=)
-    if stochastic_buffer:
-        velocity = _canonical(velocity)
-        buffer.copy_(_stochastic(velocity, buffer.dtype, _noise(numel, starts[0], device)))
-    else:
-        buffer.copy_(velocity.to(buffer.dtype))
+    velocity = _store(buffer, velocity, starts[0] if stochastic_buffer else None)
     if nesterov:
         velocity = g + velocity * momentum  # grad.add_(velocity, alpha=momentum)
     update = velocity * step_size  # torch.mul(velocity, -lr)

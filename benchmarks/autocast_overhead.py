@@ -9,11 +9,14 @@ A policy other than torch's default runs one of two paths:
   work. "kernels" is the fast path's worst case: every rule routed through amped's
   kernels (``dispatch.route_all``), torch's own rules too, so it computes what torch
   computes and only the kernels' cost differs.
-* "engine": the TorchFunctionMode (module rules, ``@amped.autocast_op`` functions, the
-  doctor, and every region once ``torch.compile`` has run), forced here on the default
-  policy (``amped.autocast_mode.engine_always``), so it computes what torch computes.
-  This is the full mode engine: amped casts every listed op and re-enters every Python
-  composite, as for the doctor, an ``@amped.autocast_op`` function or a compiled process.
+* "engine": the full TorchFunctionMode, forced here on the default policy
+  (``amped.autocast_mode.engine_always``), so it computes what torch computes: amped
+  casts every listed op and re-enters every Python composite. It runs for the doctor,
+  inside ``engine_always()``, and for eager regions once ``torch.compile`` has compiled
+  a graph under autocast or inside a region (Dynamo must find the mode it traced).
+* "pyop": a policy that names an ``@amped.autocast_op`` function (which these models
+  never call): the function applies its own rule, so the policy runs the fast path
+  with no kernel registered: what naming such a function costs the rest of the step.
 * "module": a module-rule policy (what the bf16-master / fp16-master recipes use) whose
   rule matches no module of these models (``nn.LSTM`` in float32), so it computes what
   torch computes: the mode engine's lean mode, its cost outside the ruled modules.
@@ -67,19 +70,29 @@ from amped._internal.jsonio import to_json
 from amped.autocast_mode import dispatch, engine_always, state
 from amped.autocast_mode.mode import AutocastMode
 
-SIDES = ("torch", "engine", "module", "fast", "kernels", "amped")
+SIDES = ("torch", "engine", "module", "fast", "kernels", "pyop", "amped")
+
+
+@amped.autocast_op
+def unused_op(x: torch.Tensor) -> torch.Tensor:
+    """An ``@amped.autocast_op`` function these models never call."""
+    return x * 2
+
+
 CHANGED = amped.Policy.preset("torch", "cpu").with_ops(lower=["cdist"])  # torch: fp32
 MODULE_RULE = amped.Policy.preset("torch", "cpu").with_module(nn.LSTM, "fp32")  # no LSTM here
+PYTHON_OP = amped.Policy.preset("torch", "cpu").with_ops(lower=[unused_op])
 DEVICE = "cpu"
 CALLS = 2000  # calls (or regions) per timed sample
 
 
 def set_device(device: str) -> None:
     """Run everything on ``device``: its regions, its policy, its models and data."""
-    global CHANGED, DEVICE, MODULE_RULE
+    global CHANGED, DEVICE, MODULE_RULE, PYTHON_OP
     DEVICE = device
     CHANGED = amped.Policy.preset("torch", device).with_ops(lower=["cdist"])
     MODULE_RULE = amped.Policy.preset("torch", device).with_module(nn.LSTM, "fp32")
+    PYTHON_OP = amped.Policy.preset("torch", device).with_ops(lower=[unused_op])
 
 
 def set_calls(calls: int) -> None:
@@ -101,9 +114,9 @@ def prepare(side: str) -> None:
     torch, engine and amped; cdist's for fast; every rule's for kernels."""
     dispatch.release_kernels()
     dispatch.route_all = side == "kernels"
-    if side in ("fast", "kernels"):
-        with amped.autocast(DEVICE, policy=CHANGED):
-            assert state._state.regions[-1].fast
+    if side in ("fast", "kernels", "pyop"):
+        with amped.autocast(DEVICE, policy=PYTHON_OP if side == "pyop" else CHANGED):
+            assert state._state.regions[-1].fast, "a compile turned the fast path off"
     gc.collect()  # registering allocates: collect now, not inside the timed part
 
 
@@ -121,6 +134,8 @@ def region(side: str) -> contextlib.AbstractContextManager:
         return amped.autocast(DEVICE, policy=CHANGED)
     if side == "module":
         return amped.autocast(DEVICE, policy=MODULE_RULE)
+    if side == "pyop":
+        return amped.autocast(DEVICE, policy=PYTHON_OP)
     return amped_engine() if side == "engine" else amped.autocast(DEVICE)
 
 
@@ -223,6 +238,7 @@ def per_region(repeats: int) -> dict[str, float]:
         "engine": lambda: amped.autocast(DEVICE, policy=CHANGED),
         "module": lambda: amped.autocast(DEVICE, policy=MODULE_RULE),
         "fast": lambda: amped.autocast(DEVICE, policy=CHANGED),
+        "pyop": lambda: amped.autocast(DEVICE, policy=PYTHON_OP),
     }
 
     def measure(side: str) -> float:
@@ -235,12 +251,13 @@ def per_region(repeats: int) -> dict[str, float]:
         state.FAST_PATH = True
         return (clock() - start) / n * 1e6
 
-    samples = interleaved(measure, ("torch", "engine", "module", "fast"), repeats)
-    cost = {side: added(samples, side) for side in ("engine", "module", "fast")}
+    sides = ("torch", "engine", "module", "fast", "pyop")
+    samples = interleaved(measure, sides, repeats)
+    cost = {side: added(samples, side) for side in sides[1:]}
     print(
         f"  {'region enter+exit':30s} torch {statistics.median(samples['torch']):6.2f} us   "
-        f"engine {cost['engine']:+6.2f}   module {cost['module']:+6.2f}   "
-        f"fast {cost['fast']:+6.2f}   (construction included)"
+        + "   ".join(f"{side} {cost[side]:+6.2f}" for side in sides[1:])
+        + "   (construction included)"
     )
     return cost
 
@@ -382,16 +399,16 @@ def main() -> None:
     if not args.no_compile:
         print("train step, compiled forward (target <= 1.02):")
         compiled = compiled_step(args.compile_model, args.compile_backend, args.repeats)
-    print("summary (engine / module / fast / kernels):")
-    paths = ("engine", "module", "fast", "kernels")
+    print("summary (engine / module / fast / kernels / pyop):")
+    paths = ("engine", "module", "fast", "kernels", "pyop")
     for label, key, target in (
         ("listed op", "listed op (F.linear)", "us (target <= 5)"),
         ("untouched op", "untouched op (torch.add)", "us (target <= 0.5)"),
     ):
         got = " / ".join(f"{calls[key][side]:+.2f}" for side in paths)
         print(f"  {label:13s} {got} {target}")
-    got = " / ".join(f"{region_cost[side]:+.2f}" for side in ("engine", "module", "fast"))
-    print(f"  region        {got} us (target <= 10; no kernels column)")
+    got = " / ".join(f"{region_cost[side]:+.2f}" for side in ("engine", "module", "fast", "pyop"))
+    print(f"  region        {got} us (target <= 10; engine / module / fast / pyop)")
     for name, value in steps.items():
         got = " / ".join(f"{value[side]:.3f}" for side in paths)
         print(f"  {name:13s} {got} (target <= 1.02)")

@@ -35,6 +35,7 @@ POLICIES = {"strict": amped.Policy.preset("strict", "cpu"), "swapped": SWAPPED}
 def _fast_path_available(monkeypatch):
     # Once anything in the process compiled (an earlier test file), amped runs the mode
     # engine for every later region: these tests are about the fast path before that.
+    dispatch.watch_compiles()  # listening (an earlier test may have reset Dynamo)
     monkeypatch.setattr(dispatch, "compiled_once", False)
 
 
@@ -218,6 +219,75 @@ def test_compile_switches_to_the_engine_and_guards():
     with amped.autocast("cpu", policy=policy):  # after a compile: the mode engine
         assert not state._state.regions[-1].fast
         assert compiled(a, b).dtype == torch.float32
+
+
+def test_compile_with_autocast_off_everywhere_leaves_the_fast_path():
+    # A graph traced with autocast off on every device type is guarded on that state, so
+    # it never runs inside a region: a compiled optimizer step or helper, compiled
+    # outside any region, must not cost every later region the fast path.
+    torch._dynamo.reset()
+    dispatch.watch_compiles()  # amped listens again (as when a region opens)
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    helper = torch.compile(lambda x: torch.mm(x, x) * 2, backend="aot_eager")
+    outside = helper(a)
+    assert not dispatch.compiled_once
+    policy = _TORCH.with_ops(fp32=["mm"])
+    with amped.autocast("cpu", policy=policy):
+        assert state._state.regions[-1].fast and state._state.mode is None
+        assert torch.mm(a, b).dtype == torch.float32
+        got = helper(a)  # the guard on autocast fails: compiled again, inside the region
+        assert state._state.mode is not None and not state._state.regions[-1].fast
+    assert dispatch.compiled_once  # that compile was inside a region
+    assert got.dtype == torch.float32 and torch.equal(got, outside)
+    with amped.autocast("cpu", policy=policy):
+        assert not state._state.regions[-1].fast  # the mode, so the graph is reused
+
+
+def test_compile_under_torch_autocast_turns_later_regions_to_the_mode():
+    # A graph traced under plain torch.autocast has guards a fast-path region also
+    # passes (same autocast state, no mode on the stack): reused there, it would apply
+    # torch's rule for mm, not the policy's.
+    torch._dynamo.reset()
+    dispatch.watch_compiles()
+    a = torch.randn(4, 4)
+    compiled = torch.compile(lambda x: torch.mm(x, x), backend="aot_eager")
+    with torch.autocast("cpu"):
+        assert compiled(a).dtype == torch.bfloat16
+    assert dispatch.compiled_once
+    with amped.autocast("cpu", policy=_TORCH.with_ops(fp32=["mm"])):
+        assert not state._state.regions[-1].fast
+        assert compiled(a).dtype == torch.float32
+
+
+def test_a_compile_amped_did_not_hear_turns_later_regions_to_the_mode():
+    # torch._dynamo.reset() drops amped's compile callback; a graph compiled under
+    # torch.autocast before amped listens again must not be reused by a fast-path region.
+    torch._dynamo.reset()
+    a = torch.randn(4, 4)
+    compiled = torch.compile(lambda x: torch.mm(x, x), backend="aot_eager")
+    with torch.autocast("cpu"):
+        assert compiled(a).dtype == torch.bfloat16
+    assert not dispatch.compiled_once  # unheard
+    with amped.autocast("cpu", policy=_TORCH.with_ops(fp32=["mm"])):
+        assert not state._state.regions[-1].fast
+        assert compiled(a).dtype == torch.float32
+
+
+def test_compile_inside_a_region_with_autocast_disabled_compiles_once():
+    # Inside a region, even with autocast switched off there, the compile switches the
+    # region to the mode; later regions must run it too, or each step would recompile.
+    torch._dynamo.reset()
+    a = torch.randn(4, 4)
+    compiles = []
+    fn = torch.compile(
+        lambda x: torch.mm(x, x),
+        backend=lambda gm, inputs: compiles.append(gm) or gm.forward,
+    )
+    for _ in range(3):
+        policy = _TORCH.with_ops(fp32=["mm"])
+        with amped.autocast("cpu", policy=policy), torch.autocast("cpu", enabled=False):
+            assert fn(a).dtype == torch.float32
+    assert dispatch.compiled_once and len(compiles) == 1
 
 
 def test_nested_regions_each_apply_their_own_rules():

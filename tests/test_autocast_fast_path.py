@@ -55,6 +55,7 @@ def test_any_other_policy_runs_the_engine_or_the_kernels(policy, fast, monkeypat
     # Op rules alone: kernels at the Autocast keys (amped.autocast_mode.dispatch), no mode
     # (until something in the process compiles, as an earlier test file may have).
     # Module rules alone: the mode engine, parked off the stack outside ruled modules.
+    dispatch.watch_compiles()  # listening (an earlier test may have reset Dynamo)
     monkeypatch.setattr(dispatch, "compiled_once", False)
     assert state.needs_engine(policy)
     with amped.autocast("cpu", policy=policy):

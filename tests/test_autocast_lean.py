@@ -42,6 +42,7 @@ MODULE_RULES = {
 @pytest.fixture(autouse=True)
 def eager_process(monkeypatch):
     """As in a process that has not compiled (an earlier test file may have)."""
+    dispatch.watch_compiles()  # listening (an earlier test may have reset Dynamo)
     monkeypatch.setattr(dispatch, "compiled_once", False)
 
 

@@ -115,6 +115,13 @@ dynamo_callbacks = torch._dynamo.callback_handler
 """Dynamo's compile start/end callbacks (``torch._dynamo.reset()`` clears them)."""
 
 
+def dynamo_frames_compiled() -> int | None:
+    """How many Python frames Dynamo started compiling since the process began or its
+    last ``torch._dynamo.reset()``; None where this torch does not count them."""
+    counter = getattr(getattr(torch._dynamo, "convert_frame", None), "FRAME_COUNTER", None)
+    return counter if isinstance(counter, int) else None
+
+
 def dynamo_skip_code() -> Any:
     """Dynamo's ``skip_code(code)`` (never start a frame at ``code``), or None: the only
     way to keep Dynamo from compiling a function it would otherwise make a root frame."""

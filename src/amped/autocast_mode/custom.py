@@ -19,6 +19,7 @@ import torch
 from amped._internal.errors import type_error
 from amped.autocast_mode import state
 from amped.autocast_mode.region import autocast
+from amped.autocast_mode.targets import PYTHON_OP
 
 __all__ = ["autocast_op", "custom_bwd", "custom_fwd"]
 
@@ -131,10 +132,17 @@ def custom_bwd(bwd: Callable[..., Any] | None = None, *, device_type: str) -> An
 def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
     """Make a Python function an op that autocast policies can name.
 
-    autocast sees calls through torch's function-override protocol; a plain Python
-    function is invisible to it (its inner torch calls are seen one by one). Decorate
-    it, then list the decorated function in a policy to cast its inputs as a whole.
-    Every tensor argument (also inside lists and tuples) counts for the override.
+    A plain Python function is invisible to autocast (its inner torch calls are seen one
+    by one). Decorate it, then list the decorated function in a policy to cast its
+    inputs as a whole: under a rule, the function runs on the cast inputs with autocast
+    off for their device type, as a custom op listed in torch's autocast does. Every
+    tensor argument (also inside lists and tuples) counts: for the device type, and for
+    ``__torch_function__`` overrides (tensor subclasses, torch-function modes, amped's
+    own mode engine), which see the decorated function as one call.
+
+    Where no mode is on the torch-function stack (amped's fast path, or a parked lean
+    mode: docs/engine.md) the decorated function looks its rule up itself, so naming one
+    in a policy keeps the policy on those paths.
 
     Example:
         >>> import torch, amped
@@ -149,7 +157,7 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
     if not callable(func):
         raise type_error("autocast_op decorates a function", "func", func)
 
-    def tensors(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+    def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         found: list[Any] = []
         for value in (*args, *kwargs.values()):
             if isinstance(value, (list, tuple)):
@@ -158,4 +166,20 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
                 found.append(value)
         return tuple(found)
 
-    return torch.overrides.wrap_torch_function(tensors)(func)
+    @functools.wraps(func)
+    def op(*args: Any, **kwargs: Any) -> Any:
+        relevant = tensors(args, kwargs)
+        if _has_torch_function(relevant):  # a mode or a subclass: the override protocol
+            return _handle_torch_function(op, relevant, *args, **kwargs)
+        if not _is_compiling() and state.regions_open():
+            return state.run_python_op(op, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    setattr(op, PYTHON_OP, True)
+    return op
+
+
+_has_torch_function = torch.overrides.has_torch_function
+_handle_torch_function = torch.overrides.handle_torch_function
+# Under torch.compile a region's mode is on the stack (traced): the protocol path.
+_is_compiling = torch.compiler.is_dynamo_compiling

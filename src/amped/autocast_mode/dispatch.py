@@ -16,9 +16,13 @@ than the region (costs in docs/engine.md, "The fast path").
 
 Dynamo does not guard on this module's thread state, so a graph traced through these
 kernels could be reused under another policy. Hence the fast path serves eager code
-only: once ``torch.compile`` starts compiling anywhere in the process, every later
-region runs the mode engine (which Dynamo guards on), and regions open on the compiling
-thread at that moment switch to it before Dynamo captures the mode stack.
+only. Dynamo does guard on torch's autocast state, so a graph compiled with autocast off
+on every device type and no amped region open never runs inside a region: such compiles
+(a compiled optimizer step, amped's own fused optimizer kernels, a model compiled and
+first called outside any region) leave the fast path alone. Once ``torch.compile``
+starts compiling with autocast on, or inside a region, every later region runs the mode
+engine (which Dynamo guards on), and regions open on the compiling thread at that
+moment switch to it before Dynamo captures the mode stack.
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ import torch
 
 from amped._internal import torch_compat
 from amped._internal.torch_compat import OpOverload
-from amped.autocast_mode import casting
+from amped.autocast_mode import casting, targets
+from amped.autocast_mode.mode import AUTOCAST_DEVICE_TYPES
 from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
@@ -75,16 +80,18 @@ route_all = False
 """Route every rule of a fast-path policy through amped's kernels, torch's own rules
 too (benchmarks/autocast_overhead.py measures the kernels' cost with it)."""
 compiled_once = False
-"""Set when torch.compile first compiles in this process: the fast path is off from then."""
+"""Set when torch.compile first compiles a graph that could run inside an amped region
+(see :func:`_on_compile_start`): the fast path and the lean mode are off from then."""
 
 
 def plan(policy: Policy) -> Tables | None:
     """The fast-path tables of ``policy``, or None when the mode engine must run it.
 
-    None for: module rules, an op named in Python only (an ``@amped.autocast_op``
-    function), a rule the dispatcher cannot apply bitwise as the mode does
+    None for: module rules, a rule the dispatcher cannot apply bitwise as the mode does
     (``FP32_APPEND_DTYPE``, which redispatches to another overload), a device type
-    without an Autocast key here. Kept with the policy.
+    without an Autocast key here. Rules for ``@amped.autocast_op`` functions need no
+    kernel: the function applies its own rule where no mode is on the stack
+    (:mod:`amped.autocast_mode.custom`). Kept with the policy.
     """
     key = ("fast_plan", route_all)
     found = policy._engine_cache.get(key, False)
@@ -122,7 +129,7 @@ def _plan(policy: Policy) -> Tables | None:
                 and "::" not in op
                 and torch_rules.get(op) is cast
                 and not route_all
-            ):
+            ) or targets.is_python_op(op):
                 continue
             overloads = _overloads(op)
             if overloads is None or cast not in _EXPRESSIBLE:
@@ -362,18 +369,38 @@ _TRACED_FAST = (
 
 def watch_compiles() -> None:
     """Make sure amped hears when torch.compile starts (``torch._dynamo.reset()``
-    drops every compile callback)."""
+    drops every compile callback).
+
+    Graphs compiled while amped was not listening (before it was imported, or since a
+    reset) may have been traced under autocast, and could run inside a region: if any
+    was, the fast path is off from now on, as for a compile heard under autocast.
+    """
+    global compiled_once
     if _on_compile_start not in _callbacks.start_callbacks:
+        if torch_compat.dynamo_frames_compiled() != 0:  # (None: unknown, so assume some)
+            compiled_once = True
         _callbacks.register_start_callback(_on_compile_start)
 
 
 def _on_compile_start(args: Any) -> None:
     global compiled_once
-    compiled_once = True
     from amped.autocast_mode import state  # the upper module of this package
 
+    if not compiled_once and (state.regions_open() or _autocast_on_anywhere()):
+        # The graph about to be traced is guarded on an autocast state that eager amped
+        # regions also set; from now on they run the mode, so that it is reused (traced
+        # with the mode on the stack) and never reused stale (traced without it).
+        compiled_once = True
     if any(_tls.active.values()) or state.lean_mode_open():
         state.switch_to_engine()
+
+
+def _autocast_on_anywhere() -> bool:
+    # Dynamo guards on it: a graph traced with autocast off everywhere runs only so.
+    return any(_is_autocast_enabled(device_type) for device_type in AUTOCAST_DEVICE_TYPES)
+
+
+_is_autocast_enabled = torch.is_autocast_enabled
 
 
 _callbacks = torch_compat.dynamo_callbacks

@@ -25,12 +25,19 @@ from torch.overrides import TorchFunctionMode
 
 from amped._internal import torch_compat
 from amped.autocast_mode import casting, compiling, transparent
-from amped.autocast_mode.targets import callables_for
+from amped.autocast_mode.targets import callables_for, is_python_op
 from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
 
-__all__ = ["AutocastMode", "compiled_rules", "lean_rules", "merged_rules", "prepare"]
+__all__ = [
+    "AUTOCAST_DEVICE_TYPES",
+    "AutocastMode",
+    "compiled_rules",
+    "lean_rules",
+    "merged_rules",
+    "prepare",
+]
 
 _FunctionType = types.FunctionType
 # Dynamo folds it to True while tracing; eagerly one frame (is_compiling() costs two).
@@ -47,6 +54,8 @@ _AUTOCAST_KEY = {  # device type -> torch's autocast dispatch key for it
     )
     if hasattr(torch_compat.DispatchKey, name)
 }
+AUTOCAST_DEVICE_TYPES = tuple(_AUTOCAST_KEY)
+"""The device types torch's autocast has a dispatch key for in this build."""
 _AUTOCAST_KEYS = torch_compat.DispatchKeySet(_AUTOCAST_KEY["cpu"])
 for _key in _AUTOCAST_KEY.values():
     _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch_compat.DispatchKeySet(_key)
@@ -232,6 +241,9 @@ class AutocastMode(TorchFunctionMode):
         self.rules: dict[Callable[..., Any], PerDevice] = {}
         self.full_rules: dict[Callable[..., Any], PerDevice] = {}
         self.lean_rules: dict[Callable[..., Any], PerDevice] = {}
+        # Lean rules beyond @amped.autocast_op functions' (which apply their own rule
+        # where the mode is parked): with none, the lean mode parks.
+        self.lean_work = False
         self.lean = False  # leave torch's own rules to torch's C++ autocast (see above)
         self.alone = False  # no other mode below this one (set when it is pushed)
         # A lean mode with no rule left has nothing to do outside a module rule: it is
@@ -261,6 +273,7 @@ class AutocastMode(TorchFunctionMode):
         self.device_types = tuple(self.policies)
         self.full_rules = merged_rules(self.policies)
         self.lean_rules = lean_rules(self.policies)
+        self.lean_work = not all(is_python_op(fn) for fn in self.lean_rules)
         self.module_rules = any(p.module_rules for p in self.policies.values())
         self.rule_by_type = {}
         self.named_rules = any(  # rules by qualified name: the hooks must name modules
@@ -280,11 +293,12 @@ class AutocastMode(TorchFunctionMode):
         """Enter (or, with None, leave) a module rule's precision."""
         self.override = override
         self.exclude_unlisted = override is not None or not self.alongside
-        self.parkable = self.lean and self.alongside and not self.lean_rules
+        self.parkable = self.lean and self.alongside and not self.lean_work
         if self.lean and override is None and self.alongside:
             self.rules = self.lean_rules
-            # Nothing amped must see runs inside torch's composites: they need no re-entry.
-            self.reenter = bool(self.rules)
+            # Nothing amped must see runs inside torch's composites (they call no
+            # @amped.autocast_op function either): they need no re-entry.
+            self.reenter = self.lean_work
         else:
             self.rules = self.full_rules
             self.reenter = True
@@ -312,6 +326,18 @@ class AutocastMode(TorchFunctionMode):
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)
+
+    def run_listed(
+        self,
+        func: Callable[..., Any],
+        per_device: dict[str, dict[torch.dtype, Rule]],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """Apply a listed op's rules to one call of ``func``, as ``__torch_function__``
+        does (for an ``@amped.autocast_op`` function called where no mode is on the
+        stack: :mod:`amped.autocast_mode.custom`)."""
+        return self._apply(func, per_device, args, kwargs)
 
     def call_unlisted(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]

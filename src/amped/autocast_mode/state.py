@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -83,6 +83,7 @@ class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.mode: AutocastMode | None = None
         self.spare_mode: AutocastMode | None = None
+        self.runner: AutocastMode | None = None  # never pushed: runs Python ops' rules
         self.regions: list[Region] = []  # open regions, in entry order
         self.engine_always = 0
         self.forced = 0  # open engine regions entered inside engine_always()
@@ -170,6 +171,8 @@ def enter(region: Region) -> None:
     if st.engine_always and region.engine:
         region.forced = True
         st.forced += 1
+    if region.engine and FAST_PATH and not torch.compiler.is_compiling():
+        dispatch.watch_compiles()  # first: it turns the fast path off if one went unheard
     if region.engine and FAST_PATH and _fast_allowed(st):
         tables = dispatch.plan(cast(Policy, policy))
         if tables is not None:
@@ -177,8 +180,7 @@ def enter(region: Region) -> None:
             region.engine, region.fast = False, True
         # Either way torch's C++ autocast applies torch's own rules (on the fast path, or
         # in a lean mode), with torch's cache: keep it fresh (module rules' own hook
-        # does that for them, one global hook call per module call), hear of compiles.
-        dispatch.watch_compiles()
+        # does that for them, one global hook call per module call).
         if not cast(Policy, policy).module_rules:
             region.fresh = True
             freshness.acquire()
@@ -278,6 +280,30 @@ def _set_fresh(st: _ThreadState) -> None:
         freshness.set_active(any(r.fast for r in st.regions))
     else:
         freshness.set_active(mode.lean)
+
+
+def regions_open() -> bool:
+    """Whether an amped region is open on this thread."""
+    return bool(_state.regions)
+
+
+def run_python_op(
+    op: Callable[..., Any], func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Call ``func``, the function of the ``@amped.autocast_op`` ``op``, under the rule
+    the open regions' policies give ``op``, applied as the mode applies it.
+
+    For calls made where no mode is on the torch-function stack (the fast path, a parked
+    lean mode): there the override protocol reaches nothing, so ``op`` asks here.
+    """
+    st = _state
+    per_device = engine.merged_rules(_innermost_policies(st.regions)).get(op)
+    if per_device is None:
+        return func(*args, **kwargs)
+    runner = st.runner
+    if runner is None:
+        runner = st.runner = AutocastMode()
+    return runner.run_listed(func, per_device, args, kwargs)
 
 
 def lean_mode_open() -> bool:
@@ -395,19 +421,25 @@ def clear_cache() -> None:
     """Drop this thread's cached low-precision weight copies."""
     if _state.mode is not None:
         _state.mode.cache.clear()
+    if _state.runner is not None:
+        _state.runner.cache.clear()
+
+
+def _innermost_policies(regions: list[Region]) -> dict[str, Policy]:
+    # device type -> the policy of the innermost region with one
+    if len(regions) == 1 and regions[0].policy is not None:  # the usual case
+        return {regions[0].device_type: regions[0].policy}
+    active = {}
+    for region in regions:
+        if region.policy is not None:
+            active[region.device_type] = region.policy
+    return active
 
 
 def _publish(st: _ThreadState) -> None:
     mode = st.mode
     assert mode is not None  # called only while a region is open
-    regions = st.regions
-    if len(regions) == 1 and regions[0].policy is not None:  # the usual case
-        active = {regions[0].device_type: regions[0].policy}
-    else:
-        active = {}
-        for region in regions:
-            if region.policy is not None:
-                active[region.device_type] = region.policy
+    active = _innermost_policies(st.regions)
     if active != mode.policies or mode.alongside is not engine.TORCH_AUTOCAST_ALONGSIDE:
         mode.policies = active
         mode.refresh()

@@ -21,7 +21,17 @@ import torch
 
 from amped._internal import torch_compat
 
-__all__ = ["callables_for"]
+__all__ = ["PYTHON_OP", "callables_for", "is_python_op"]
+
+PYTHON_OP = "_amped_python_op"
+"""The attribute :func:`amped.autocast_op` sets on the functions it makes: they apply
+their own rule where no mode is on the stack (amped.autocast_mode.custom)."""
+
+
+def is_python_op(op: object) -> bool:
+    """Whether ``op`` is an :func:`amped.autocast_op` function."""
+    return getattr(op, PYTHON_OP, False) is True
+
 
 # C-level namespaces whose functions are bound to ATen ops by name.
 _NAMESPACES = torch_compat.OP_NAMESPACES

@@ -21,6 +21,12 @@ A policy other than torch's default runs one of two paths:
   rule matches no module of these models (``nn.LSTM`` in float32), so it computes what
   torch computes: the mode engine's lean mode, its cost outside the ruled modules.
 
+``--after-compile`` measures as in a process where ``torch.compile`` has compiled a
+graph under autocast or inside a region (``dispatch.compiled_once``): the fast path is
+off there (a policy of the fast, kernels or pyop kind runs the full mode engine, the
+"engine" side), and a module-rule policy runs its lean mode on the stack, unparked, as
+Dynamo must find it; the module rules' hooks stay installed.
+
 "amped" is the default path, for reference: it leaves the casts to torch's C++ autocast.
 
 Everything runs in one process, the sides interleaved (torch, engine, amped, then the
@@ -93,6 +99,13 @@ def set_device(device: str) -> None:
     CHANGED = amped.Policy.preset("torch", device).with_ops(lower=["cdist"])
     MODULE_RULE = amped.Policy.preset("torch", device).with_module(nn.LSTM, "fp32")
     PYTHON_OP = amped.Policy.preset("torch", device).with_ops(lower=[unused_op])
+
+
+def set_after_compile() -> None:
+    """Measure as after a compile that may meet a region (see the module docstring)."""
+    global SIDES
+    dispatch.compiled_once = True
+    SIDES = ("torch", "engine", "module", "amped")
 
 
 def set_calls(calls: int) -> None:
@@ -251,7 +264,7 @@ def per_region(repeats: int) -> dict[str, float]:
         state.FAST_PATH = True
         return (clock() - start) / n * 1e6
 
-    sides = ("torch", "engine", "module", "fast", "pyop")
+    sides = tuple(side for side in ("torch", "engine", "module", "fast", "pyop") if side in SIDES)
     samples = interleaved(measure, sides, repeats)
     cost = {side: added(samples, side) for side in sides[1:]}
     print(
@@ -378,7 +391,13 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--calls", type=int, default=CALLS, help="calls per timed sample")
+    parser.add_argument(
+        "--after-compile", action="store_true", help="as after a compile under autocast"
+    )
     args = parser.parse_args()
+    if args.after_compile:
+        set_after_compile()
+        print("as after a compile under autocast: no fast path, module rules' mode unparked")
     set_device(args.device)
     set_calls(args.calls)
     torch.set_num_threads(1)
@@ -399,16 +418,16 @@ def main() -> None:
     if not args.no_compile:
         print("train step, compiled forward (target <= 1.02):")
         compiled = compiled_step(args.compile_model, args.compile_backend, args.repeats)
-    print("summary (engine / module / fast / kernels / pyop):")
-    paths = ("engine", "module", "fast", "kernels", "pyop")
+    paths = tuple(side for side in ("engine", "module", "fast", "kernels", "pyop") if side in SIDES)
+    print(f"summary ({' / '.join(paths)}):")
     for label, key, target in (
         ("listed op", "listed op (F.linear)", "us (target <= 5)"),
         ("untouched op", "untouched op (torch.add)", "us (target <= 0.5)"),
     ):
         got = " / ".join(f"{calls[key][side]:+.2f}" for side in paths)
         print(f"  {label:13s} {got} {target}")
-    got = " / ".join(f"{region_cost[side]:+.2f}" for side in ("engine", "module", "fast", "pyop"))
-    print(f"  region        {got} us (target <= 10; engine / module / fast / pyop)")
+    got = " / ".join(f"{cost:+.2f}" for cost in region_cost.values())
+    print(f"  region        {got} us (target <= 10; {' / '.join(region_cost)})")
     for name, value in steps.items():
         got = " / ".join(f"{value[side]:.3f}" for side in paths)
         print(f"  {name:13s} {got} (target <= 1.02)")

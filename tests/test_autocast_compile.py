@@ -175,6 +175,34 @@ def test_inductor_within_bfloat16_rounding(name, where):
     assert_close(forward_backward(policy, where, backend="inductor"), expected, INDUCTOR_BF16)
 
 
+@pytest.mark.parametrize("where", ["outside", "inside"])
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_each_step_reuses_the_graph(name, where):
+    # A training loop opens a new region each step: the graph compiled at the first must
+    # serve every later one (new global hooks, or a cache filled while tracing, would be
+    # guard failures: a recompile each step, then eager after Dynamo's recompile limit).
+    policy = POLICIES[name]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, graphs = Net(), []
+
+    def inside(x):
+        with amped.autocast("cpu", policy=policy):
+            return model(x)
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    fn = torch.compile(model if where == "outside" else inside, backend=backend, fullgraph=True)
+    for _ in range(4):
+        region = amped.autocast("cpu", policy=policy)
+        with region if where == "outside" else contextlib.nullcontext():
+            out = fn(X)
+        out.backward()
+    assert len(graphs) == 1
+
+
 def test_policy_change_between_calls_recompiles():
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     graphs = []

@@ -212,16 +212,39 @@ def test_regions_nested_in_a_parked_one():
     assert not on_stack()
 
 
-def test_compile_start_turns_a_lean_mode_full(monkeypatch):
+def test_compile_start_unparks_a_lean_mode(monkeypatch):
+    # Dynamo guards on the mode stack: from the compile on, the mode stays on it (the
+    # graph traced with it is then reused by later regions); module rules keep it lean.
     with amped.autocast("cpu", policy=MODULE_RULES["layernorm-fp32"]):
-        assert state._state.mode.lean
+        assert state._state.mode.lean and not on_stack()
         dispatch._on_compile_start(None)  # what torch.compile's start callback runs
         assert dispatch.compiled_once
         mode = state._state.mode
-        assert not mode.lean and mode.rules is mode.full_rules and mode.reenter
-        assert on_stack()  # unparked, as Dynamo guards on the mode stack
+        assert mode.lean and mode.rules is mode.lean_rules and not mode.parkable
+        assert on_stack()
     with amped.autocast("cpu", policy=MODULE_RULES["layernorm-fp32"]):
-        assert not state._state.mode.lean  # and so does every later region
+        assert state._state.mode.lean and on_stack()  # and so is every later region
+    changed = amped.Policy.preset("torch", "cpu").with_ops(fp32=["mm"])
+    with amped.autocast("cpu", policy=changed):  # no module rules: the full mode
+        assert not state._state.regions[-1].fast and not state._state.mode.lean
+
+
+def test_after_a_compile_module_rules_stay_lean_and_reuse_their_graph():
+    torch._dynamo.reset()
+    dispatch.watch_compiles()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    graphs = []
+    compiled = torch.compile(model, backend=lambda gm, inputs: graphs.append(gm) or gm.forward)
+    policy = MODULE_RULES["layernorm-fp32"]
+    for _ in range(3):  # each step a new region (new hooks would be a new graph)
+        with amped.autocast("cpu", policy=policy):
+            got = compiled(x)
+            assert state._state.mode.lean and on_stack()
+            eager = model(x)  # the same region, eagerly: the lean mode, unparked
+        torch.testing.assert_close(got, eager, **BITWISE)
+    assert len(graphs) == 1 and dispatch.compiled_once and got.dtype == torch.bfloat16
 
 
 def test_lean_mode_casts_a_weight_changed_in_place_again(monkeypatch):

@@ -182,13 +182,26 @@ def test_submodule_skip_and_low(cpu_policy):
         assert model(x).dtype == BF16
 
 
-def test_module_rules_leave_no_hooks_behind(cpu_policy):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager-process", "after-a-compile"])
+def test_module_rules_leave_no_hooks_behind(cpu_policy, compiled, monkeypatch):
+    # After a compile that may meet a region, the hooks stay installed (Dynamo guards on
+    # the global hook dicts), idle: one set, whatever number of regions follow.
     from torch.nn.modules import module as nn_module
 
+    from amped.autocast_mode import dispatch
+
+    dispatch.watch_compiles()
+    monkeypatch.setattr(dispatch, "compiled_once", False)
     before = len(nn_module._global_forward_pre_hooks)
-    with amped.autocast("cpu", policy=cpu_policy.with_module(nn.Linear, "fp32")):
+    policy = cpu_policy.with_module(nn.Linear, "fp32")
+    with amped.autocast("cpu", policy=policy):
         assert len(nn_module._global_forward_pre_hooks) == before + 1
-    assert len(nn_module._global_forward_pre_hooks) == before
+        dispatch.compiled_once = compiled
+    assert len(nn_module._global_forward_pre_hooks) == before + compiled
+    for _ in range(2):
+        with amped.autocast("cpu", policy=policy):
+            assert len(nn_module._global_forward_pre_hooks) == before + 1
+    assert len(nn_module._global_forward_pre_hooks) == before + compiled
 
 
 def test_module_rule_state_restored_when_forward_raises(cpu_policy):

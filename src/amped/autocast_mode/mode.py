@@ -250,6 +250,7 @@ class AutocastMode(TorchFunctionMode):
         # "parked" off the torch-function stack, and the module rules' hooks push it for
         # the modules a rule names (amped.autocast_mode.state).
         self.parkable = False
+        self.may_park = True  # not once Dynamo may have traced the mode (see state)
         self.on_stack = False
         self.held = False  # pushed by a module rule's hook, which will pop it
         self.backward_off = False  # compiled backward autocast turned off for it
@@ -284,16 +285,18 @@ class AutocastMode(TorchFunctionMode):
         self.alongside = TORCH_AUTOCAST_ALONGSIDE
         self.set_override(self.override)
 
-    def set_lean(self, lean: bool) -> None:
-        """Leave torch's own rules to torch's C++ autocast (True), or apply every rule."""
+    def set_lean(self, lean: bool, park: bool = True) -> None:
+        """Leave torch's own rules to torch's C++ autocast (True), or apply every rule;
+        with ``park`` False, never park (Dynamo guards on the mode stack it traced)."""
         self.lean = lean
+        self.may_park = park
         self.set_override(self.override)
 
     def set_override(self, override: str | None) -> None:
         """Enter (or, with None, leave) a module rule's precision."""
         self.override = override
         self.exclude_unlisted = override is not None or not self.alongside
-        self.parkable = self.lean and self.alongside and not self.lean_work
+        self.parkable = self.lean and self.may_park and self.alongside and not self.lean_work
         if self.lean and override is None and self.alongside:
             self.rules = self.lean_rules
             # Nothing amped must see runs inside torch's composites (they call no

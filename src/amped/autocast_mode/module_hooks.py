@@ -1,8 +1,9 @@
 """The module rules' global hooks: a region whose policy has module rules switches the
 mode engine to fp32 / low precision (or autocast off) inside matching modules.
 
-Installed while any such region is open (:class:`_GlobalHooks`); they read the thread
-state of :mod:`amped.autocast_mode.state`.
+Installed while any such region is open (:class:`_GlobalHooks`), and for good, idle,
+once torch.compile may have traced them (``dispatch.compiled_once``); they read the
+thread state of :mod:`amped.autocast_mode.state`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from amped._internal import torch_compat
-from amped.autocast_mode import freshness, state
+from amped.autocast_mode import dispatch, freshness, state
 from amped.policy import ModuleRule, Policy
 
 __all__ = ["hooks"]
@@ -34,7 +35,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     mode = st.mode
     if mode is None or not mode.module_rules:  # idle (hooks outlive compiled regions)
         return None
-    lean = mode.lean
+    lean = mode.lean and not _is_compiling()  # (traced: no cache, no mode below)
     if lean:  # torch's cache serves torch's own rules: keep it fresh
         if mode.on_stack:
             with _no_torch_function():  # (each p._version would reach the mode: 0.8 us)
@@ -47,6 +48,10 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
         rule = _match(module, mode.policies)
         if rule is None:
             st.frames.append((module, None))  # (the next call is not the outermost)
+            return None
+    elif _is_compiling():  # traced: no cache to fill (Dynamo would guard on its size)
+        rule = _match(module, mode.policies)
+        if rule is None:
             return None
     else:  # rules by type alone: one look-up per module class
         by_type = mode.rule_by_type
@@ -76,6 +81,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
 
 
 _no_torch_function = torch_compat.DisableTorchFunction
+_is_compiling = torch.compiler.is_dynamo_compiling
 _UNSEEN: Any = object()
 
 
@@ -145,7 +151,9 @@ class _GlobalHooks:
             return
         with self._lock:
             self._users -= 1
-            if self._users == 0:
+            # Once a graph may have traced them, they stay (idle): Dynamo guards on the
+            # global hook dicts, and new hooks at each region would recompile each step.
+            if self._users == 0 and not dispatch.compiled_once:
                 for handle in self._handles:
                     handle.remove()
                 self._handles = []

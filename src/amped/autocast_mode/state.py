@@ -327,9 +327,9 @@ def switch_to_engine() -> None:
         if mode is None:
             mode = st.spare_mode = AutocastMode()
         st.mode = mode
-        mode.alone = False
+        mode.alone = torch_compat.len_torch_function_stack() == 0
     if st.mode is not None:
-        _publish(st)  # pushed, and a lean mode turns full: dispatch.compiled_once is set
+        _publish(st)  # pushed (unparked), as dispatch.compiled_once is set
     dispatch.set_active({})
     freshness.set_active(False)
 
@@ -443,9 +443,12 @@ def _publish(st: _ThreadState) -> None:
     if active != mode.policies or mode.alongside is not engine.TORCH_AUTOCAST_ALONGSIDE:
         mode.policies = active
         mode.refresh()
-    lean = FAST_PATH and mode.alone and not st.forced and not dispatch.compiled_once
-    if lean is not mode.lean:
-        mode.set_lean(lean)
+    # After a compile that may meet a region, Dynamo must find on the stack the mode it
+    # traced: module rules keep their lean mode, unparked; other policies the full mode.
+    compiled = dispatch.compiled_once
+    lean = FAST_PATH and mode.alone and not st.forced and (not compiled or mode.module_rules)
+    if lean is not mode.lean or compiled is mode.may_park:
+        mode.set_lean(lean, park=not compiled)
     if not mode.traced:
         _place_mode(mode)
 

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.autocast_mode import compiling, state
+from amped.autocast_mode import compiling, dispatch, state
 from recipes_helpers import batches, mlp
 from tolerances import BITWISE, INDUCTOR_BF16
 
@@ -177,12 +177,16 @@ def test_inductor_within_bfloat16_rounding(name, where):
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_each_step_reuses_the_graph(name, where):
+def test_each_step_reuses_the_graph(name, where, monkeypatch):
     # A training loop opens a new region each step: the graph compiled at the first must
-    # serve every later one (new global hooks, or a cache filled while tracing, would be
-    # guard failures: a recompile each step, then eager after Dynamo's recompile limit).
+    # serve every later one (hooks gone or filled caches would be guard failures: a
+    # recompile each step, then eager after Dynamo's recompile limit), also with an
+    # eager region (an evaluation pass) between steps. As in a process that never
+    # compiled before: the compile itself moves the regions off the fast path.
     policy = POLICIES[name]
     torch._dynamo.reset()
+    dispatch.watch_compiles()
+    monkeypatch.setattr(dispatch, "compiled_once", False)
     torch.manual_seed(0)
     model, graphs = Net(), []
 
@@ -200,7 +204,38 @@ def test_each_step_reuses_the_graph(name, where):
         with region if where == "outside" else contextlib.nullcontext():
             out = fn(X)
         out.backward()
+        with torch.no_grad(), amped.autocast("cpu", policy=policy):
+            model(X)  # eagerly
     assert len(graphs) == 1
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_autocast_op_rule_applies_in_the_graph(where):
+    # Dynamo folds has_torch_function to False for plain tensors, mode or not: the
+    # decorated function asks for the mode stack instead, so the rule reaches the graph.
+    seen = []
+
+    @amped.autocast_op
+    def mul(a, b):
+        seen.append((a.dtype, b.dtype))
+        return a * b
+
+    policy = _TORCH.with_ops(lower=[mul])
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+
+    def inside(a, b):
+        with amped.autocast("cpu", policy=policy):
+            return mul(a, b)
+
+    with amped.autocast("cpu", policy=policy):
+        eager = mul(a, b)
+    torch._dynamo.reset()
+    fn = torch.compile(mul if where == "outside" else inside, backend="aot_eager", fullgraph=True)
+    with amped.autocast("cpu", policy=policy) if where == "outside" else contextlib.nullcontext():
+        got = fn(a, b)
+    assert eager.dtype == got.dtype == torch.bfloat16
+    assert seen[-1] == (torch.bfloat16, torch.bfloat16)
+    torch.testing.assert_close(got, eager, **BITWISE)
 
 
 def test_policy_change_between_calls_recompiles():

@@ -13,6 +13,8 @@ push it for just the modules a rule names. The oracle is the full mode engine
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn as nn
@@ -272,3 +274,36 @@ def test_lean_mode_casts_a_weight_changed_in_place_again(monkeypatch):
         torch.testing.assert_close(got, expected, **BITWISE)
     monkeypatch.setattr(freshness, "check", lambda module: None)  # control: no hook
     assert not torch.equal(run(lean=True)[1], full[1])  # torch's cache: the stale cast
+
+
+@pytest.mark.parametrize("engine", ["lean", "full"])
+def test_fp32_module_rule_casts_nothing_where_autocast_is_off(engine):
+    # A module rule applies where autocast is on, as op rules do (and as torch's
+    # custom_fwd(cast_inputs=...)): under a "skip" rule around it, or a nested
+    # autocast(enabled=False), an "fp32" module runs on its inputs as they are. So a
+    # graph compiled outside any region, whose guards pass there, computes the same.
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+            self.run = torch.compile(self.norm, backend="eager")
+
+        def forward(self, x):
+            return self.norm(x), self.run(x)
+
+    torch.manual_seed(0)
+    block, x = Block(), torch.randn(4, 8).to(torch.bfloat16)
+    block(x)  # compiled outside any region, with autocast off
+    policy = _TORCH.with_module(Block, "skip").with_module(nn.LayerNorm, "fp32")
+
+    def forced():
+        return state.engine_always() if engine == "full" else contextlib.nullcontext()
+
+    with forced(), amped.autocast("cpu", policy=policy):
+        eager, compiled = block(x)
+        with torch.autocast("cpu", enabled=False):
+            nested = block.norm(x)
+    assert eager.dtype == compiled.dtype == nested.dtype == torch.bfloat16
+    torch.testing.assert_close(compiled, eager, **BITWISE)
+    with forced(), amped.autocast("cpu", policy=_TORCH.with_module(nn.LayerNorm, "fp32")):
+        assert block.norm(x).dtype == torch.float32  # autocast on: the rule applies

@@ -189,9 +189,11 @@ def test_module_rules_leave_no_hooks_behind(cpu_policy, compiled, monkeypatch):
     from torch.nn.modules import module as nn_module
 
     from amped.autocast_mode import dispatch
+    from amped.autocast_mode.module_hooks import hooks
 
     dispatch.watch_compiles()
     monkeypatch.setattr(dispatch, "compiled_once", False)
+    monkeypatch.setattr(hooks, "traced", False)  # (an earlier test's compile)
     policy = cpu_policy.with_module(nn.Linear, "fp32")
     with amped.autocast("cpu", policy=policy):
         pass  # removes the idle hooks an earlier test's compile may have left

@@ -82,6 +82,8 @@ is_cached_tensor = getattr(torch._C, "_is_cached_tensor")  # noqa: B009 - not in
 """Whether a tensor lives in a CUDA-graph pool (torch's autocast never caches those)."""
 is_inference_mode_enabled = torch._C.is_inference_mode_enabled
 """The C function behind ``torch.is_inference_mode_enabled``, one frame less."""
+torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+"""Whether a TorchFunctionMode is on the stack and enabled (Dynamo traces it)."""
 len_torch_function_stack = torch._C._len_torch_function_stack
 get_function_stack_at = torch._C._get_function_stack_at
 push_torch_function_mode = torch._C._push_on_torch_function_stack

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from amped._internal import torch_compat
 from amped._internal.errors import type_error
 from amped.autocast_mode import state
 from amped.autocast_mode.region import autocast
@@ -171,7 +172,13 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
         relevant = tensors(args, kwargs)
         if _has_torch_function(relevant):  # a mode or a subclass: the override protocol
             return _handle_torch_function(op, relevant, *args, **kwargs)
-        if not _is_compiling() and state.regions_open():
+        if _is_compiling():
+            # Dynamo folds has_torch_function to False for plain tensors even with a
+            # mode on the stack (a region's, traced); it does follow the mode stack.
+            if _mode_enabled():
+                return _handle_torch_function(op, relevant, *args, **kwargs)
+            return func(*args, **kwargs)
+        if state.regions_open():
             return state.run_python_op(op, func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -181,5 +188,5 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
 
 _has_torch_function = torch.overrides.has_torch_function
 _handle_torch_function = torch.overrides.handle_torch_function
-# Under torch.compile a region's mode is on the stack (traced): the protocol path.
 _is_compiling = torch.compiler.is_dynamo_compiling
+_mode_enabled = torch_compat.torch_function_mode_enabled

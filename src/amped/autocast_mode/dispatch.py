@@ -386,12 +386,13 @@ def _on_compile_start(args: Any) -> None:
     global compiled_once
     from amped.autocast_mode import state  # the upper module of this package
 
-    if not compiled_once and (state.regions_open() or _autocast_on_anywhere()):
+    regions = state.regions_open()
+    if not compiled_once and (regions or _autocast_on_anywhere()):
         # The graph about to be traced is guarded on an autocast state that eager amped
         # regions also set; from now on they run the mode, so that it is reused (traced
         # with the mode on the stack) and never reused stale (traced without it).
         compiled_once = True
-    if any(_tls.active.values()) or state.lean_mode_open():
+    if regions:  # fast-path regions (kernels or not) and a parked mode: onto the stack
         state.switch_to_engine()
 
 

@@ -2,8 +2,9 @@
 mode engine to fp32 / low precision (or autocast off) inside matching modules.
 
 Installed while any such region is open (:class:`_GlobalHooks`), and for good, idle,
-once torch.compile may have traced them (``dispatch.compiled_once``); they read the
-thread state of :mod:`amped.autocast_mode.state`.
+once torch.compile may have traced them (``dispatch.compiled_once``, or a region opened
+inside a compiled function); they read the thread state of
+:mod:`amped.autocast_mode.state`.
 """
 
 from __future__ import annotations
@@ -86,11 +87,16 @@ _UNSEEN: Any = object()
 
 
 def _to_float32(value: Any, device_types: dict[str, Policy]) -> Any:
+    # Where autocast is off for the device type (a nested autocast(enabled=False), a
+    # "skip" rule around), a module rule applies nothing, as an op rule does not (and as
+    # torch's custom_fwd(cast_inputs=...)): a graph compiled outside any region, whose
+    # guards pass there, computes the same.
     if (
         isinstance(value, torch.Tensor)
         and value.is_floating_point()
         and value.dtype is not torch.float64
         and value.device.type in device_types
+        and torch.is_autocast_enabled(value.device.type)
     ):
         return value.float()
     return value
@@ -120,6 +126,7 @@ class _GlobalHooks:
         self._lock = threading.Lock()
         self._users = 0
         self._handles: list[Any] = []
+        self.traced = False  # installed while Dynamo traced: some graph holds them
 
     def acquire(self) -> None:
         if torch.compiler.is_compiling():
@@ -153,7 +160,7 @@ class _GlobalHooks:
             self._users -= 1
             # Once a graph may have traced them, they stay (idle): Dynamo guards on the
             # global hook dicts, and new hooks at each region would recompile each step.
-            if self._users == 0 and not dispatch.compiled_once:
+            if self._users == 0 and not (dispatch.compiled_once or self.traced):
                 for handle in self._handles:
                     handle.remove()
                 self._handles = []
@@ -166,4 +173,5 @@ hooks = _GlobalHooks()
 def _install_while_tracing() -> bool:
     with hooks._lock:
         hooks.install()
+        hooks.traced = True
     return True

@@ -41,7 +41,10 @@ class ModuleRule:
         precision: ``"fp32"``: floating positional inputs are cast to float32 on entry
             and every op the policy lists runs in float32; ``"low"``: every op the policy
             lists runs in the low dtype; ``"skip"``: autocast is off inside, as under
-            ``autocast(enabled=False)``.
+            ``autocast(enabled=False)``. Like op rules, a rule applies where autocast is
+            on: where it is off for their device type (a nested
+            ``autocast(enabled=False)``, a ``"skip"`` rule around), an ``"fp32"`` module
+            leaves its inputs as they are, as ``custom_fwd(cast_inputs=...)`` does.
     """
 
     selector: type[torch.nn.Module] | str

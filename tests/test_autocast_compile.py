@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import amped
 from amped.autocast_mode import compiling, dispatch, state
@@ -235,6 +236,64 @@ def test_autocast_op_rule_applies_in_the_graph(where):
         got = fn(a, b)
     assert eager.dtype == got.dtype == torch.bfloat16
     assert seen[-1] == (torch.bfloat16, torch.bfloat16)
+    torch.testing.assert_close(got, eager, **BITWISE)
+
+
+@pytest.mark.parametrize("kind", ["kernel", "autocast-op"])
+def test_compile_under_a_mode_entered_in_the_region_keeps_the_stack_in_order(kind, monkeypatch):
+    # The compile moves the region onto the mode; it goes where the region would have
+    # pushed it, below the user's mode, which then exits cleanly (it pops itself).
+    class Passthrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    @amped.autocast_op
+    def mul(a, b):
+        return a @ b
+
+    torch._dynamo.reset()
+    dispatch.watch_compiles()
+    monkeypatch.setattr(dispatch, "compiled_once", False)
+    policy = _TORCH.with_ops(fp32=["mm"]) if kind == "kernel" else _TORCH.with_ops(lower=[mul])
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    compiled = torch.compile(mul, backend="aot_eager")
+    with amped.autocast("cpu", policy=policy):
+        eager = mul(a, b)
+        user = Passthrough()
+        with user:
+            got = compiled(a, b)
+            assert [type(m) for m in _get_current_function_mode_stack()] == [
+                state.AutocastMode,
+                Passthrough,
+            ]
+        assert _get_current_function_mode_stack() == [state._state.mode]
+    assert _get_current_function_mode_stack() == []
+    torch.testing.assert_close(got, eager, **BITWISE)
+
+
+@pytest.mark.parametrize(
+    "inner",
+    [_TORCH, _TORCH.with_ops(fp32=["mm"]), _TORCH.with_module(nn.LayerNorm, "fp32")],
+    ids=["torch", "changed-rule", "module-rule"],
+)
+def test_region_inside_a_compiled_function_nested_in_one_outside_compiles_fullgraph(inner):
+    # Opening the inner region refreshes the mode's policies while Dynamo traces: compared
+    # by identity there (Policy.__eq__ is not traceable), not by equality.
+    @amped.autocast_op
+    def mul(a, b):
+        return a @ b
+
+    outer = _TORCH.with_ops(lower=[mul])
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+
+    def fn(a, b):
+        with amped.autocast("cpu", policy=inner):
+            return mul(a, b) + torch.mm(a, b)
+
+    with amped.autocast("cpu", policy=outer):
+        eager = fn(a, b)
+        torch._dynamo.reset()
+        got = torch.compile(fn, backend="aot_eager", fullgraph=True)(a, b)
     torch.testing.assert_close(got, eager, **BITWISE)
 
 

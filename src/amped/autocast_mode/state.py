@@ -47,6 +47,7 @@ class Region:
 
     __slots__ = (
         "cache_enabled",
+        "depth",
         "device_type",
         "dtype",
         "enabled",
@@ -75,6 +76,7 @@ class Region:
         self.fast = False  # runs the fast path (kernels at the Autocast keys)
         self.forced = False  # opened inside engine_always()
         self.fresh = False  # holds the freshness hook (for torch's cache, in a lean mode)
+        self.depth = 0  # the torch-function stack's depth on entry (eager engine regions)
         # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
         self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)
 
@@ -172,6 +174,7 @@ def enter(region: Region) -> None:
         region.forced = True
         st.forced += 1
     if region.engine and FAST_PATH and not torch.compiler.is_compiling():
+        region.depth = torch_compat.len_torch_function_stack()  # (for switch_to_engine)
         dispatch.watch_compiles()  # first: it turns the fast path off if one went unheard
     if region.engine and FAST_PATH and _fast_allowed(st):
         tables = dispatch.plan(cast(Policy, policy))
@@ -322,14 +325,24 @@ def switch_to_engine() -> None:
         if region.fresh:
             region.fresh = False
             freshness.release()
+    # The mode goes where it would have been pushed: at the stack depth the outermost
+    # engine region found, below modes entered inside the region since (they pop
+    # themselves on exit, and expect to be on top then).
+    depth = min((r.depth for r in st.regions if r.engine), default=0)
     if st.mode is None and any(r.engine for r in st.regions):
         mode = st.spare_mode
         if mode is None:
             mode = st.spare_mode = AutocastMode()
         st.mode = mode
-        mode.alone = torch_compat.len_torch_function_stack() == 0
+        mode.alone = depth == 0
     if st.mode is not None:
+        lifted = []
+        if not st.mode.on_stack:
+            while torch_compat.len_torch_function_stack() > depth:
+                lifted.append(_pop())
         _publish(st)  # pushed (unparked), as dispatch.compiled_once is set
+        for above in reversed(lifted):
+            _push(above)
     dispatch.set_active({})
     freshness.set_active(False)
 
@@ -425,6 +438,13 @@ def clear_cache() -> None:
         _state.runner.cache.clear()
 
 
+def _identical(a: dict[str, Policy], b: dict[str, Policy]) -> bool:
+    return a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+
+
+_is_compiling = torch.compiler.is_dynamo_compiling
+
+
 def _innermost_policies(regions: list[Region]) -> dict[str, Policy]:
     # device type -> the policy of the innermost region with one
     if len(regions) == 1 and regions[0].policy is not None:  # the usual case
@@ -440,7 +460,10 @@ def _publish(st: _ThreadState) -> None:
     mode = st.mode
     assert mode is not None  # called only while a region is open
     active = _innermost_policies(st.regions)
-    if active != mode.policies or mode.alongside is not engine.TORCH_AUTOCAST_ALONGSIDE:
+    # (Policy.__eq__ cannot be traced: under torch.compile, another object refreshes.)
+    if (
+        not _identical(active, mode.policies) and (_is_compiling() or active != mode.policies)
+    ) or mode.alongside is not engine.TORCH_AUTOCAST_ALONGSIDE:
         mode.policies = active
         mode.refresh()
     # After a compile that may meet a region, Dynamo must find on the stack the mode it

@@ -243,31 +243,21 @@ def test_compile_with_autocast_off_everywhere_leaves_the_fast_path():
         assert not state._state.regions[-1].fast  # the mode, so the graph is reused
 
 
-def test_compile_under_torch_autocast_turns_later_regions_to_the_mode():
+@pytest.mark.parametrize("heard", [True, False], ids=["heard", "after-a-reset"])
+def test_compile_under_torch_autocast_turns_later_regions_to_the_mode(heard):
     # A graph traced under plain torch.autocast has guards a fast-path region also
     # passes (same autocast state, no mode on the stack): reused there, it would apply
-    # torch's rule for mm, not the policy's.
+    # torch's rule for mm, not the policy's. torch._dynamo.reset() drops amped's compile
+    # callback: a compile made before amped listens again counts when the next region
+    # opens.
     torch._dynamo.reset()
-    dispatch.watch_compiles()
+    if heard:
+        dispatch.watch_compiles()
     a = torch.randn(4, 4)
     compiled = torch.compile(lambda x: torch.mm(x, x), backend="aot_eager")
     with torch.autocast("cpu"):
         assert compiled(a).dtype == torch.bfloat16
-    assert dispatch.compiled_once
-    with amped.autocast("cpu", policy=_TORCH.with_ops(fp32=["mm"])):
-        assert not state._state.regions[-1].fast
-        assert compiled(a).dtype == torch.float32
-
-
-def test_a_compile_amped_did_not_hear_turns_later_regions_to_the_mode():
-    # torch._dynamo.reset() drops amped's compile callback; a graph compiled under
-    # torch.autocast before amped listens again must not be reused by a fast-path region.
-    torch._dynamo.reset()
-    a = torch.randn(4, 4)
-    compiled = torch.compile(lambda x: torch.mm(x, x), backend="aot_eager")
-    with torch.autocast("cpu"):
-        assert compiled(a).dtype == torch.bfloat16
-    assert not dispatch.compiled_once  # unheard
+    assert dispatch.compiled_once is heard
     with amped.autocast("cpu", policy=_TORCH.with_ops(fp32=["mm"])):
         assert not state._state.regions[-1].fast
         assert compiled(a).dtype == torch.float32

@@ -81,7 +81,8 @@ route_all = False
 too (benchmarks/autocast_overhead.py measures the kernels' cost with it)."""
 compiled_once = False
 """Set when torch.compile first compiles a graph that could run inside an amped region
-(see :func:`_on_compile_start`): the fast path and the lean mode are off from then."""
+(see :func:`_on_compile_start`): from then on the fast path is off and the mode is
+never parked (module rules keep it lean, on the stack)."""
 
 
 def plan(policy: Policy) -> Tables | None:

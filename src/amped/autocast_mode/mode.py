@@ -330,18 +330,6 @@ class AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         return func(*args)
 
-    def run_listed(
-        self,
-        func: Callable[..., Any],
-        per_device: dict[str, dict[torch.dtype, Rule]],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """Apply a listed op's rules to one call of ``func``, as ``__torch_function__``
-        does (for an ``@amped.autocast_op`` function called where no mode is on the
-        stack: :mod:`amped.autocast_mode.custom`)."""
-        return self._apply(func, per_device, args, kwargs)
-
     def call_unlisted(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
@@ -394,3 +382,8 @@ class AutocastMode(TorchFunctionMode):
             return casting.run(cast, func, args, kwargs, device_type, low, cache)
         finally:
             _set_excluded(key, False)
+
+    run_listed = _apply
+    """Apply a listed op's rules to one call of ``func``, as ``__torch_function__`` does
+    (for an ``@amped.autocast_op`` function called where no mode is on the stack:
+    :mod:`amped.autocast_mode.custom`)."""

@@ -176,17 +176,17 @@ def enter(region: Region) -> None:
     if region.engine and FAST_PATH and not torch.compiler.is_compiling():
         region.depth = torch_compat.len_torch_function_stack()  # (for switch_to_engine)
         dispatch.watch_compiles()  # first: it turns the fast path off if one went unheard
-    if region.engine and FAST_PATH and _fast_allowed(st):
-        tables = dispatch.plan(cast(Policy, policy))
-        if tables is not None:
-            dispatch.register(cast(Policy, policy), tables)
-            region.engine, region.fast = False, True
-        # Either way torch's C++ autocast applies torch's own rules (on the fast path, or
-        # in a lean mode), with torch's cache: keep it fresh (module rules' own hook
-        # does that for them, one global hook call per module call).
-        if not cast(Policy, policy).module_rules:
-            region.fresh = True
-            freshness.acquire()
+        if _fast_allowed(st):
+            tables = dispatch.plan(cast(Policy, policy))
+            if tables is not None:
+                dispatch.register(cast(Policy, policy), tables)
+                region.engine, region.fast = False, True
+            # Either way torch's C++ autocast applies torch's own rules (on the fast path,
+            # or in a lean mode), with torch's cache: keep it fresh (module rules' own
+            # hook does that for them, one global hook call per module call).
+            if not cast(Policy, policy).module_rules:
+                region.fresh = True
+                freshness.acquire()
     st.regions.append(region)
     if region.engine and st.mode is None:
         _push_mode(st)
@@ -307,12 +307,6 @@ def run_python_op(
     if runner is None:
         runner = st.runner = AutocastMode()
     return runner.run_listed(func, per_device, args, kwargs)
-
-
-def lean_mode_open() -> bool:
-    """Whether this thread's mode is lean (leaves torch's own rules to torch)."""
-    mode = _state.mode
-    return mode is not None and mode.lean
 
 
 def switch_to_engine() -> None:

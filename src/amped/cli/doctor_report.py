@@ -109,8 +109,21 @@ def doctor_html(report: Report) -> str:
     return _PAGE.format(
         title=f"amped doctor: {report.dtype} on {report.device_type}",
         summary=html.escape(report.summary()),
+        fix=_fix(report),
         plot=plot,
         rows=rows,
+    )
+
+
+def _fix(report: Report) -> str:
+    """The verified fix as the code that applies it, ready to copy."""
+    suggestion = report.suggestion
+    if suggestion is None or not suggestion.verified or not suggestion.code:
+        return ""
+    return (
+        f"<h2>Fix</h2><p>{html.escape(str(suggestion))}. Verified by re-running the step; "
+        f"this builds it:</p><pre><code>import amped\n{html.escape(suggestion.code)}"
+        "</code></pre>"
     )
 
 
@@ -150,7 +163,7 @@ pre{{background:#f4f4f4;padding:1em;white-space:pre-wrap;overflow-wrap:anywhere}
 img{{max-width:100%}}
 table{{border-collapse:collapse;font-size:12px}}
 td,th{{border:1px solid #ccc;padding:2px 6px}}</style>
-</head><body><h1>{title}</h1><pre>{summary}</pre>{plot}
+</head><body><h1>{title}</h1><pre>{summary}</pre>{fix}{plot}
 <h2>Ops</h2><table><tr><th>#</th><th>module</th><th>op</th><th>dtype</th><th>max |x|</th>
 <th>inf</th><th>NaN</th><th>underflow</th><th>SQNR dB</th></tr>{rows}</table></body></html>
 """

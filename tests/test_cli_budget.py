@@ -60,6 +60,8 @@ def test_max_time_bounds_the_whole_run_probes_included_and_gives_no_verdict(tmp_
     assert all(r["throughput_vs_baseline"] is None for r in results["recipes"])
     assert all(not r["slow_on_this_hardware"] for r in results["recipes"])
     assert results["budget"]["cut"], results["budget"]  # the probes did not all fit
+    kinds = {r["memory"]["peak_kind"] for r in results["recipes"]}
+    assert kinds == {"rss_growth"}  # then every peak is measured the same way
     assert any(line.startswith("Cut to fit --max-time: ") for line in findings(results))
     steps = {r["steps_done"] for r in results["recipes"]}
     assert f"{min(steps)} steps per recipe" in out or "steps per recipe" in out
@@ -73,6 +75,8 @@ def test_enough_timed_steps_within_the_budget_give_a_verdict(tmp_path):
                                 "reason": None}  # fmt: skip
     assert [r["steps_done"] for r in results["recipes"]] == [30, 30]
     assert "Fastest: bf16-mixed, " in out, out
+    kinds = {r["memory"]["peak_kind"] for r in results["recipes"]}
+    assert kinds == {"own_process_peak_rss"}  # every probe fit
     fp32, bf16 = results["recipes"]
     assert fp32["throughput_vs_baseline_range"] is None  # no range against itself
     assert 1.6 < bf16["throughput_vs_baseline"] < 2.2  # half the sleep, plus a tiny Linear

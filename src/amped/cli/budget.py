@@ -3,8 +3,8 @@
 The budget runs from the first probe to the last training step; every phase asks it
 how long it may take::
 
-    probes    at most PROBE_SHARE of the budget, a probe only if the last one's
-              cost still fits (the rest measure peak memory in process)
+    probes    at most PROBE_SHARE of the budget, judged from the probes so far;
+              if they do not all fit, every recipe's peak is measured in process
     timing    the recipes the probes did not time run TIMING steps, each within
               its share of what is left
     training  each recipe within its share of what is left, weighted by its
@@ -24,7 +24,7 @@ from typing import Any
 
 __all__ = ["PROBE_SHARE", "Budget"]
 
-PROBE_SHARE = 0.25
+PROBE_SHARE = 1 / 3
 """The fraction of ``--max-time`` own-process memory probes may take, all together."""
 
 

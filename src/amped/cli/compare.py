@@ -8,7 +8,7 @@ number of steps; recipes run one after another, so one model is in memory at a t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -86,29 +86,32 @@ def run_comparison(
 def _probe_all(
     config: CompareConfig, runs: list[RecipeRun], observer: Observer, budget: Budget
 ) -> dict[str, ProbeResult]:
-    """Each recipe's peak memory (and a few step times) from a process of its own,
-    as many as fit :data:`~amped.cli.budget.PROBE_SHARE` of the budget."""
+    """Each recipe's peak memory (and a few step times) from a process of its own, if
+    all the probes fit :data:`~amped.cli.budget.PROBE_SHARE` of the budget.
+
+    When they do not (judged from the probes run so far), no recipe keeps an
+    own-process peak: every one is measured in process, so that the peak column
+    compares like with like. The probes' step times are kept for the plan.
+    """
     if not config.isolate_memory or config.device.type != "cpu":
         return {}
     threads = config.threads or torch.get_num_threads()
     probes: dict[str, ProbeResult] = {}
-    cost = 0.0  # the last probe's wall time: the next one is expected to take as long
+    spent = 0.0  # seconds the probes took so far
     for index, run in enumerate(runs):
         left = budget.probe_left()
-        if left <= 0 or cost > left:
-            names = ", ".join(r.recipe.name for r in runs[index:])
+        expected = spent / index * (len(runs) - index) if index else 0.0
+        if left <= 0 or expected > left:
             budget.note_cut(
-                f"peak memory of {names} measured in this process, not in one of its own: "
-                f"the probes' share of --max-time ({PROBE_SHARE:.0%}) was spent"
+                f"peak memory measured in this process for every recipe: the {len(runs)} "
+                f"own-process probes (about {spent / max(index, 1):.1f} s each) did not fit "
+                f"{PROBE_SHARE:.0%} of --max-time"
             )
-            break
+            return {name: replace(p, peak_bytes=None) for name, p in probes.items()}
         observer.probing(run)
         began = time.monotonic()
-        probe = probe_recipe(config, run, threads, timeout=left)
-        cost = time.monotonic() - began
-        if probe.peak_bytes is None and probe.error and budget.limited and cost >= left:
-            budget.note_cut(f"{run.recipe.name}'s memory probe: {probe.error}")
-        probes[run.recipe.name] = probe
+        probes[run.recipe.name] = probe_recipe(config, run, threads, timeout=left)
+        spent += time.monotonic() - began
         interrupt.check()
     return probes
 

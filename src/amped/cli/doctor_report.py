@@ -97,7 +97,8 @@ def doctor_html(report: Report) -> str:
         f'<img alt="dynamic range per module" src="data:image/png;base64,'
         f'{base64.b64encode(png).decode()}">'
         if png is not None
-        else "<p>(install matplotlib, e.g. <code>pip install amped[cli]</code>, for a plot)</p>"
+        else "<p>(install matplotlib, from amped's clone: <code>pip install -e '.[cli]'</code>, "
+        "for a plot)</p>"
     )
     rows = "".join(
         f"<tr><td>{o.index}</td><td>{html.escape(o.module or '<root>')}</td>"
@@ -149,7 +150,7 @@ def save_doctor_plot(report: Report, path: str | Path) -> Path:
     _check_report(report)
     png = doctor_plot_png(report)
     if png is None:
-        raise ImportError("The plot needs matplotlib: pip install 'amped[cli]'")
+        raise ImportError("The plot needs matplotlib; from amped's clone: pip install -e '.[cli]'")
     path = Path(path)
     write_files([(path, png)])
     return path

@@ -19,8 +19,8 @@ the recipe's state in checkpoints, and teardown at the end of ``fit``, which giv
 model float32 weights back (:meth:`~amped.recipes.TrainSetup.teardown`). With a
 loss-scaling recipe, learning-rate schedulers skip with the optimizer.
 
-Requires ``lightning`` (``pip install amped[lightning]``); ``import amped`` never
-imports it.
+Requires ``lightning`` (from amped's clone: ``pip install -e ".[lightning]"``);
+``import amped`` never imports it.
 """
 
 from __future__ import annotations

@@ -24,8 +24,8 @@ for recipes that lower the weights, the low-precision weights the run stepped), 
 restored on ``train(resume_from_checkpoint=...)``, so a resumed run is bitwise the
 uninterrupted one. One ``train()`` per Trainer.
 
-Requires ``transformers`` and ``accelerate`` (``pip install amped[transformers]``);
-``import amped`` never imports them.
+Requires ``transformers`` and ``accelerate`` (from amped's clone:
+``pip install -e ".[transformers]"``); ``import amped`` never imports them.
 """
 
 from __future__ import annotations

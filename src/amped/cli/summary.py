@@ -12,6 +12,7 @@ from typing import Any
 
 from amped.cli.findings import findings
 from amped.cli.results import LOSS_WINDOW
+from amped.cli.run import OUT_OF_TIME
 
 __all__ = [
     "COLUMNS",
@@ -157,8 +158,8 @@ def _flags(recipe: dict[str, Any]) -> str:
         flags.append("DIVERGED")
     if recipe["status"] in ("interrupted", "failed", "not_run"):
         flags.append(recipe["status"].replace("_", " "))
-    elif recipe["stop_reason"]:
-        flags.append(recipe["stop_reason"])
+    elif recipe["stop_reason"] and recipe["stop_reason"] != OUT_OF_TIME:
+        flags.append(recipe["stop_reason"])  # out of time: the steps column shows n/N
     return ", ".join(flags)
 
 

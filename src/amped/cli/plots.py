@@ -137,9 +137,9 @@ def loss_curves(results: dict[str, Any]) -> bytes | None:
     common = results.get("common_step")
     if common and any(len(r["losses"]) > common for r in runs):
         axes.axvline(common, color="#888888", linestyle=":", linewidth=1)
-    title = f"Train loss, same batches for every recipe ({_smoothed_what(points)})"
+    title = f"Train loss, same batches for every recipe\n{_smoothed_what(points)}"
     if same:
-        title += "\n(= x): identical to x at every step"
+        title += "; (= x): identical to x at every step"
     axes.set(ylabel="train loss", title=title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize="small", ncol=2)

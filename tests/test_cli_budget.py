@@ -63,8 +63,9 @@ def test_max_time_bounds_the_whole_run_probes_included_and_gives_no_verdict(tmp_
     kinds = {r["memory"]["peak_kind"] for r in results["recipes"]}
     assert kinds == {"rss_growth"}  # then every peak is measured the same way
     assert any(line.startswith("Cut to fit --max-time: ") for line in findings(results))
-    steps = {r["steps_done"] for r in results["recipes"]}
-    assert f"{min(steps)} steps per recipe" in out or "steps per recipe" in out
+    steps = sorted({r["steps_done"] for r in results["recipes"]})
+    shown = f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}–{steps[-1]}"
+    assert f"batch 16, {shown} steps" in out  # what actually ran, in the title
 
 
 @pytest.mark.slow
@@ -144,9 +145,9 @@ def test_every_shared_figure_is_the_same_number_in_terminal_html_and_json(tmp_pa
         assert html.escape(line, quote=True) in page
         assert " ".join(line.split()) in " ".join(terminal.split())
     # The batch size and the steps actually run, in both.
-    facts = f"batch {results['samples_per_step']:g}", f"{results['common_step']} steps per recipe"
-    for fact in facts:
-        assert fact in page and fact in terminal
+    batch, steps = f"batch {results['samples_per_step']:g}", f"{results['common_step']} steps"
+    assert f"{batch}, {steps}" in terminal  # the title
+    assert f"{batch} · {steps}" in page  # the subtitle
 
 
 def test_loss_digits_tell_recipes_apart():

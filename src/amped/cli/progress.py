@@ -100,7 +100,7 @@ class RichProgress(Observer):
         self._progress.update(
             self._ids[run.recipe.name],
             completed=len(run.step_times),
-            loss=f"{run.losses[-1]:.3f}",
+            loss=f"{run.losses[-1]:.{loss_decimals(run.losses[-1:])}f}",
             speed=f"{speed:,.0f}" if speed else "—",
         )
 

@@ -8,6 +8,7 @@ show the same figures, and a report can be rebuilt from a saved ``results.json``
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from amped.cli.findings import findings
@@ -72,7 +73,7 @@ def _range(pair: list[float] | None, spec: str) -> str:
     return DASH if not pair else f"{format(pair[0], spec)}–{format(pair[1], spec)}"
 
 
-def loss_decimals(values: list[float | None]) -> int:
+def loss_decimals(values: Sequence[float | None]) -> int:
     """Decimals that show every loss with 3 significant digits or more, and print
     losses that differ as different text (at most 8): a model that learns to 0.0051
     must not show as 0.005 for every recipe."""
@@ -100,7 +101,7 @@ def run_facts(results: dict[str, Any]) -> list[str]:
     done = sorted({r["steps_done"] for r in results["recipes"] if r["steps_done"]})
     if done:
         steps = f"{done[0]}" if len(done) == 1 else f"{done[0]}–{done[-1]}"
-        facts.append(f"{steps} steps per recipe")
+        facts.append(f"{steps} steps")
     return facts
 
 

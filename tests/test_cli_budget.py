@@ -22,7 +22,7 @@ pytest.importorskip("matplotlib")
 from amped.cli.findings import findings, warnings
 from amped.cli.main import main
 from amped.cli.summary import GROUPS, loss_decimals
-from amped.cli.timing import MIN_TIMED_STEPS, speed_blocker
+from amped.cli.timing import MIN_TIMED_STEPS, cores_available, speed_blocker
 from results_schema import validate
 
 TESTS = Path(__file__).resolve().parent
@@ -30,11 +30,15 @@ ROOT = TESTS.parent
 FACTORIES = TESTS / "cli_factories.py"
 
 
-def _compare(tmp_path: Path, factory: str, *args: str, timeout: float = 300) -> tuple:
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+def _compare(
+    tmp_path: Path, factory: str, *args: str, threads: int | None = 1, timeout: float = 300
+) -> tuple:
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "OMP_NUM_THREADS")}
     command = [sys.executable, "-m", "amped", "compare", "--model", f"{FACTORIES}:{factory}",
-               "--recipes", "fp32,bf16", "--threads", "1", "--no-progress",
-               "--out", str(tmp_path), *args]  # fmt: skip
+               "--recipes", "fp32,bf16", "--no-progress", "--out", str(tmp_path),
+               *args]  # fmt: skip
+    if threads is not None:
+        command += ["--threads", str(threads)]
     began = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env=env)  # fmt: skip
@@ -188,3 +192,22 @@ def test_wide_spread_warning_names_its_recipes_widest_first():
     wide = lines[-1]
     assert wide.startswith("Wide spread: ") and "fp32" not in wide
     assert "bf16-pure 90%, bf16-mixed 40%" in wide
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cores_available() < 2, reason="needs 2 cores: torch's default is then 2")
+def test_a_busy_machine_at_the_start_gets_one_thread_and_says_so(tmp_path):
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(cores_available() + 1)]  # fmt: skip
+    try:
+        time.sleep(0.5)  # the spinners are running before amped samples the load
+        _, out, results = _compare(tmp_path, "good", "--steps", "3", "--max-time", "0",
+                                   "--peak-memory", "in-process", threads=None)  # fmt: skip
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    config = results["config"]
+    assert config["threads"] == 1, config
+    assert config["threads_source"].startswith("amped: other processes used "), config
+    assert "threads: 1 for every recipe (amped: other processes used" in out

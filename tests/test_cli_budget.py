@@ -211,3 +211,20 @@ def test_a_busy_machine_at_the_start_gets_one_thread_and_says_so(tmp_path):
     assert config["threads"] == 1, config
     assert config["threads_source"].startswith("amped: other processes used "), config
     assert "threads: 1 for every recipe (amped: other processes used" in out
+
+
+def test_loss_findings_tell_small_differences_apart():
+    def recipe(name: str, loss: float) -> dict:
+        return {"name": name, "samples_per_s": 1.0, "timing": None, "memory": None,
+                "train_loss_at_common_step": loss, "loss_scaling": False, "error": None,
+                "throughput_vs_baseline": None}  # fmt: skip
+
+    results = {"baseline": "fp32", "common_step": 120, "partial": False, "plan": None,
+               "speed": {"reason": None}, "machine": None, "identical_losses": [],
+               "environment": {"device": "cpu", "native_low_precision": {}},
+               "recipes": [recipe("fp32", 2.540570), recipe("bf16-mixed", 2.540517),
+                           recipe("bf16-pure", 2.540570), recipe("fp16-mixed", 2.6)]}  # fmt: skip
+    lines = findings(results)
+    assert ("Within 1% of fp32's train loss at step 120: bf16-mixed (-0.0021%), "
+            "bf16-pure (±0%).") in lines  # fmt: skip
+    assert "Further from fp32's train loss at step 120: fp16-mixed (+2.3%)." in lines

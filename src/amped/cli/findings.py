@@ -10,6 +10,7 @@ recipes whose losses coincide named, since their curves hide one another in the 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from amped.cli.timing import WIDE_SPREAD, clear_winner
@@ -136,6 +137,16 @@ def _speed_finding(results: dict[str, Any], ran: list[dict[str, Any]]) -> str:
     return text + "."
 
 
+def _percent(change: float) -> str:
+    """A relative change with two significant digits, so that recipes whose losses
+    differ in the fourth decimal still read differently; exactly equal is ``±0%``."""
+    if change == 0:
+        return "±0%"
+    percent = 100 * change
+    decimals = max(1, 1 - math.floor(math.log10(abs(percent))))
+    return f"{percent:+.{decimals}f}%"
+
+
 def _loss_findings(results: dict[str, Any], ran: list[dict[str, Any]]) -> list[str]:
     base = next((r for r in ran if r["name"] == results["baseline"]), None)
     if base is None or base["train_loss_at_common_step"] is None:
@@ -148,7 +159,7 @@ def _loss_findings(results: dict[str, Any], ran: list[dict[str, Any]]) -> list[s
         if r is base or loss is None:
             continue
         change = (loss - ref) / abs(ref)
-        text = "±0.0%" if abs(change) < 0.0005 else f"{change:+.1%}"
+        text = _percent(change)
         (close if abs(change) <= 0.01 else off).append(f"{r['name']} ({text})")
     lines = []
     step = results["common_step"]

@@ -278,6 +278,16 @@ def python_mode_active() -> bool:
     return bool(torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack())
 
 
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once, in compiled code (Inductor's prim: a fused multiply-add
+    instruction), as torch's eager CPU kernels compute ``lerp``, ``addcmul`` and
+    ``add(alpha=)``. Run eagerly, it rounds twice. Imported when first called: importing
+    Inductor takes a second."""
+    from torch._inductor import inductor_prims
+
+    return inductor_prims.fma(a, b, c)
+
+
 BATCH_NORM_BASE: type[torch.nn.Module] = torch.nn.modules.batchnorm._NormBase
 """The common base of BatchNorm*, SyncBatchNorm and InstanceNorm*: private, no public name."""
 

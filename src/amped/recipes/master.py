@@ -325,7 +325,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict)
         if self._fused is not None:  # loaded state: laid out again for the fused step
-            masters = [m for g in self.param_groups for m in g["params"]]
+            masters = [m for _, m in self._pairs]  # (chunks keep masters apart from the rest)
             state_layout.lay_out(self.optimizer.state, masters, self._fused.keys)
             self._fused = FusedMasterStep(self.optimizer, strict=bool(self.fused))
 

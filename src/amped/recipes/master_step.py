@@ -145,14 +145,17 @@ class FusedMasterStep:
                 entry = state[param]
                 if sgd:
                     if group["momentum"] != 0 and "momentum_buffer" not in entry:
-                        requests.append((param, "momentum_buffer", False))
                         fresh.add(param)
                 elif "step" not in entry:
                     entry["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-                    requests += [(param, "exp_avg", True), (param, "exp_avg_sq", True)]
+                    fresh.add(param)
             groups += _split(
                 group, params, lambda p: _signature(state[p], p in fresh, p, grads, lows)
             )
+        for _, params in groups:  # new state in chunk order: each chunk's is one slice
+            for param in params:
+                if param in fresh:
+                    requests += [(param, key, not sgd) for key in self.keys]
         state_layout.allocate(state, requests)
         if not sgd:
             for _, params in groups:
@@ -160,7 +163,8 @@ class FusedMasterStep:
                     state[param]["step"] += 1
         splittable = self._splittable_in(grads, lows)
         for group, chunk in self._plan.chunks(groups, _MOST, splittable):
-            self._step_chunk(chunk, group, grads, lows, inv_scale, chunk.owners[0] in fresh)
+            first = sgd and chunk.owners[0] in fresh
+            self._step_chunk(chunk, group, grads, lows, inv_scale, first)
 
     def _splittable_in(
         self, grads: dict[torch.Tensor, torch.Tensor], lows: dict[torch.Tensor, torch.Tensor]

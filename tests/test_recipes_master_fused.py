@@ -271,3 +271,22 @@ def test_gpt2_norms_match_the_module_rule_bitwise():
     expected.backward()
     for (name, a), b in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, **BITWISE, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("name", ["adamw", "sgd-nesterov-decay"])
+def test_fused_step_holds_to_the_unfused_one_on_cuda(recipe, name):
+    """The Triton kernel (torch.compile on CUDA) against torch's CUDA step, which is its
+    foreach one there: within the Adam bounds for both optimizers (CUDA's eager kernels
+    place their fused multiply-adds in their own way). Not yet run on hardware."""
+    data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
+    runs = []
+    for fused in (True, False):
+        model = mlp().cuda()
+        setup = amped.prepare(model, OPTIMIZERS[name](model.parameters()), recipe)
+        setup.optimizer.fused = fused
+        _train(setup, data)
+        runs.append(setup)
+    _assert_within_bounds(runs[0], runs[1], len(data), "adam")

@@ -288,6 +288,13 @@ def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return inductor_prims.fma(a, b, c)
 
 
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Set the private mark torch's LR schedulers read (``_opt_called``, set by the
+    wrapper they put on ``optimizer.step``) for a step that ran the optimizer's
+    algorithm without calling its ``step``: no warning of a scheduler stepped first."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 BATCH_NORM_BASE: type[torch.nn.Module] = torch.nn.modules.batchnorm._NormBase
 """The common base of BatchNorm*, SyncBatchNorm and InstanceNorm*: private, no public name."""
 

@@ -82,9 +82,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         fused: ``None`` (default): the fused step where the optimizer and the step allow
             it (:mod:`amped.recipes.master_step`), else the unfused one, with one warning
             if the optimizer is why; ``True``: an error instead; ``False``: always the
-            unfused step. To lay out the masters and the state for the fused step, the
-            masters and the model's lowered weights become views of one tensor per
-            device (their ``.data``; each keeps its identity).
+            unfused step. For the fused step, the masters become views of one tensor
+            per device (their ``.data``; each keeps its identity).
 
     Example:
         >>> import torch, amped
@@ -142,11 +141,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         return None
 
     def _lay_out(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Masters, model weights and existing state as views of one tensor per kind."""
+        """Masters and their existing state as views of one tensor per kind. (Not the
+        model's weights: safetensors refuses to save views of a larger storage.)"""
         assert self._fused is not None
-        lay_out_data([master for _, master in pairs])
-        lay_out_data([param for param, _ in pairs])
         masters = [master for _, master in pairs]
+        lay_out_data(masters)
         state_layout.lay_out(self.optimizer.state, masters, self._fused.keys)
 
     # --- the inner optimizer's data, shared ------------------------------------------

@@ -24,7 +24,10 @@ and ``SGD`` without ``amsgrad``, ``capturable``, ``differentiable``, ``fused=Tru
 or a tensor learning rate (:func:`unsupported` names the reason), outside
 ``torch.compile`` and Python modes. Gradients come from the low-precision parameters,
 or from the masters where :meth:`~amped.recipes.master.MasterWeightOptimizer.grads_to_masters`
-put them (clipping needs them there, unscaled).
+put them (clipping needs them there, unscaled). The inner optimizer's ``step`` is not
+called: step hooks registered on it do not run (register them on the
+``MasterWeightOptimizer``, whose ``step`` runs them); LR schedulers built on it see it
+stepped.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-from amped._internal.torch_compat import foreach_copy_, python_mode_active
+from amped._internal.torch_compat import foreach_copy_, mark_stepped, python_mode_active
 from amped.recipes import fused, master_kernels, state_layout
 from amped.recipes.chunks import Chunk, Plan
 
@@ -165,6 +168,7 @@ class FusedMasterStep:
         for group, chunk in self._plan.chunks(groups, _MOST, splittable):
             first = sgd and chunk.owners[0] in fresh
             self._step_chunk(chunk, group, grads, lows, inv_scale, first)
+        mark_stepped(self.optimizer)  # for an LR scheduler built on the inner optimizer
 
     def _splittable_in(
         self, grads: dict[torch.Tensor, torch.Tensor], lows: dict[torch.Tensor, torch.Tensor]

@@ -146,8 +146,9 @@ class MasterSetup(TrainSetup):
         return self.fp32_state_dict()
 
     def _restore_weights(self) -> None:
-        # Each master becomes its parameter's data again (before any step, the very
-        # float32 storage the parameter had), and the parameter goes back under the
+        # Each master becomes its parameter's data again (the very float32 storage the
+        # parameter had, or a copy where the fused step laid the masters out in one
+        # tensor), and the parameter goes back under the
         # user's optimizer in the master's place, with the master's optimizer state.
         inner = self.optimizer.optimizer
         back = {id(master): param for param, master in self.optimizer.pairs}
@@ -162,7 +163,10 @@ class MasterSetup(TrainSetup):
                     inner.state[param] = inner.state.pop(master)
         with torch.no_grad():
             for param, master in self.optimizer.pairs:
-                param.data = master.detach()
+                data = master.detach()
+                if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+                    data = data.clone()  # a view of the fused step's masters: its own memory
+                param.data = data
                 param.grad = None
         self.optimizer._pairs.clear()
 

@@ -229,7 +229,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             )
         self._step(None)
 
-    def takes_low_gradients(self) -> bool:
+    def _takes_low_gradients(self) -> bool:
         """Whether the next :meth:`step` reads the low-precision gradients where they are
         (fused, no master holds a gradient): a loss scaler must then check those."""
         if self.fused is False or self._fused is None:
@@ -238,7 +238,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             return False
         return self._fused.can_run([p for g in self.param_groups for p in g["params"]])
 
-    def step_unscaling(self, grad_scale: torch.Tensor) -> None:
+    def _step_unscaling(self, grad_scale: torch.Tensor) -> None:
         """:meth:`step` on gradients multiplied by the scale ``grad_scale``: unscaled by
         its float32 reciprocal (computed in float64, as ``GradScaler.unscale_`` does),
         inside the fused kernel where it runs. No check for inf/NaN: the caller's."""
@@ -246,7 +246,7 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _step(self, inv_scale: torch.Tensor | None) -> None:
-        if self.takes_low_gradients():
+        if self._takes_low_gradients():
             assert self._fused is not None
             grads, lows = self._fused_gradients()
             self._fused.step(grads, lows, inv_scale)

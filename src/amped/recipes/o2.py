@@ -39,7 +39,7 @@ class MasterSetup(TrainSetup):
     _norm_hooks: tuple[RemovableHandle, ...] = ()
 
     def _prepare_grads(self) -> None:
-        if not self.optimizer.takes_low_gradients():
+        if not self.optimizer._takes_low_gradients():
             self.optimizer.grads_to_masters()
 
     def unscale_(self) -> None:
@@ -52,7 +52,7 @@ class MasterSetup(TrainSetup):
         """As :meth:`TrainSetup.step`. Where the fused step reads the low-precision
         gradients under loss scaling, the scaler checks those (one pass over them) and
         the kernel unscales them. Syncs once when the recipe scales the loss."""
-        if not (self.scaler.is_enabled() and self.optimizer.takes_low_gradients()):
+        if not (self.scaler.is_enabled() and self.optimizer._takes_low_gradients()):
             return super().step()
         checked = _LowGradients(self.optimizer)
         self.scaler.step(cast(torch.optim.Optimizer, checked))
@@ -191,7 +191,7 @@ class _LowGradients:
         found_inf = cast(torch.Tensor, self.found_inf)  # type: ignore[attr-defined]
         self.skipped = bool(found_inf.item() > 0)  # the step's one sync
         if not self.skipped:
-            self.optimizer.step_unscaling(self.grad_scale)  # type: ignore[attr-defined]
+            self.optimizer._step_unscaling(self.grad_scale)  # type: ignore[attr-defined]
 
 
 def float32_norms(plain: TrainSetup) -> tuple[Policy, list[torch.nn.Module]]:

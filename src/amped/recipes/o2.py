@@ -148,8 +148,8 @@ class MasterSetup(TrainSetup):
     def _restore_weights(self) -> None:
         # Each master becomes its parameter's data again (the very float32 storage the
         # parameter had, or a copy where the fused step laid the masters out in one
-        # tensor), and the parameter goes back under the
-        # user's optimizer in the master's place, with the master's optimizer state.
+        # tensor), and the parameter goes back under the user's optimizer in the
+        # master's place, with the master's optimizer state.
         inner = self.optimizer.optimizer
         back = {id(master): param for param, master in self.optimizer.pairs}
         for group in inner.param_groups:

@@ -39,6 +39,19 @@ def _setup(recipe: str, name: str, fused: bool, scaler=None):
     return setup
 
 
+def _count_inner_steps(setup) -> list[int]:
+    """A counter of the inner torch optimizer's own step() calls: the unfused step makes
+    one a step, the fused one none (its documented sign: the inner's hooks do not run)."""
+    calls = [0]
+    inner = setup.optimizer.optimizer
+
+    def hook(*_):
+        calls[0] += 1
+
+    inner.register_step_pre_hook(hook)
+    return calls
+
+
 def _train(setup, data, *, clip=None, inject_at=None):
     """The shared loop; ``inject_at``: the step whose first gradient gets an inf."""
     losses, stepped = [], []
@@ -92,8 +105,10 @@ def _assert_within_bounds(fused, unfused, steps: int, name: str):
 def test_fused_step_holds_to_the_unfused_one(recipe, name):
     data = batches(4)
     fused, unfused = _setup(recipe, name, True), _setup(recipe, name, False)
+    counts = _count_inner_steps(fused), _count_inner_steps(unfused)
     losses, _ = _train(fused, data)
     expected, _ = _train(unfused, data)
+    assert [c[0] for c in counts] == [0, len(data)]  # the fused step did run
     if name.startswith("sgd"):
         assert losses == expected
     else:
@@ -112,6 +127,7 @@ def test_an_inf_skips_the_step_and_leaves_masters_and_state_untouched(name):
     for fused in (True, False):
         scaler = amped.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
         setup = _setup("fp16-master", name, fused, scaler)
+        calls = _count_inner_steps(setup)
         _train(setup, data[:2])
         before = {k: v.clone() for k, v in _tensors(setup).items()}
         scale = setup.scaler.get_scale()
@@ -122,6 +138,7 @@ def test_an_inf_skips_the_step_and_leaves_masters_and_state_untouched(name):
             torch.testing.assert_close(value, before[key], **BITWISE, msg=key)
         assert all(m.grad is None for _, m in setup.optimizer.pairs)
         _train(setup, data[3:])
+        assert calls[0] == (0 if fused else 3)  # three steps taken, one skipped
         runs.append(setup)
     _assert_within_bounds(runs[0], runs[1], 3, name)
 
@@ -131,8 +148,10 @@ def test_an_inf_skips_the_step_and_leaves_masters_and_state_untouched(name):
 def test_clipping_steps_the_unscaled_master_gradients(recipe, name):
     data = batches(3)
     fused, unfused = _setup(recipe, name, True), _setup(recipe, name, False)
+    counts = _count_inner_steps(fused), _count_inner_steps(unfused)
     _train(fused, data, clip=0.5)
     _train(unfused, data, clip=0.5)
+    assert [c[0] for c in counts] == [0, len(data)]
     _assert_within_bounds(fused, unfused, len(data), name)
 
 

@@ -14,7 +14,9 @@ are importable from their modules.
 """
 
 from amped.fp8.block_cast import BlockTensor, quantize_block
+from amped.fp8.block_config import BLOCK_CONFIGS, BlockConfig
 from amped.fp8.block_format import BLOCK_FORMATS, BlockFormat
+from amped.fp8.block_linear import BlockLinear
 from amped.fp8.cast import Fp8Tensor, quantize, sqnr
 from amped.fp8.config import FP8_CONFIGS, CastRule, DelayedScaling, Fp8Config
 from amped.fp8.convert import (
@@ -28,9 +30,12 @@ from amped.fp8.gemm import scaled_mm
 from amped.fp8.linear import Float8Linear
 
 __all__ = [
+    "BLOCK_CONFIGS",
     "BLOCK_FORMATS",
     "FP8_CONFIGS",
+    "BlockConfig",
     "BlockFormat",
+    "BlockLinear",
     "BlockTensor",
     "CastRule",
     "DelayedScaling",

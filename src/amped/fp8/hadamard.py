@@ -42,7 +42,9 @@ def random_hadamard(seed: int, n: int = HADAMARD_SIZE) -> torch.Tensor:
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """``R.T @ x`` for ``R`` block diagonal with ``rotation`` blocks: each 16 rows of the
-    2-D ``x`` (rows a multiple of 16) mixed by ``rotation.T``, in float32."""
+    2-D ``x`` (rows a multiple of 16) mixed by ``rotation.T``, in float32 (float64 for
+    a float64 ``x``)."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
     n = rotation.shape[0]
-    blocks = x.to(torch.float32).unflatten(0, (-1, n))  # [rows / n, n, cols]
-    return torch.matmul(rotation.t().to(x.device), blocks).flatten(0, 1)
+    blocks = x.to(dtype).unflatten(0, (-1, n))  # [rows / n, n, cols]
+    return torch.matmul(rotation.t().to(x.device, dtype), blocks).flatten(0, 1)

@@ -11,7 +11,8 @@ import torch
 
 from amped.fp8 import BLOCK_FORMATS, quantize_block
 from amped.fp8.block_cast import nvfp4_tensor_scale
-from amped.fp8.e2m1 import E2M1_VALUES, round_e2m1, unpack_e2m1
+from amped.fp8.e2m1 import E2M1_VALUES, to_e2m1_codes, unpack_e2m1
+from amped.fp8.element_round import ELEMENTS, round_nearest_
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -81,8 +82,10 @@ def test_e2m1_rounding_matches_torchao_on_every_boundary():
     mid = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 7.0, 100.0])
     near = torch.cat([mid, torch.nextafter(mid, mid * 0), torch.nextafter(mid, mid * 2)])
     x = torch.cat([near, -near, torch.rand(10_000) * 14 - 7])
-    theirs = kernels.f4_unpacked_to_f32(kernels.f32_to_f4_unpacked(x))
-    assert torch.equal(round_e2m1(x), theirs)
+    codes = kernels.f32_to_f4_unpacked(x)
+    theirs = kernels.f4_unpacked_to_f32(codes)
+    assert torch.equal(round_nearest_(x.clone(), ELEMENTS[torch.float4_e2m1fn_x2]), theirs)
+    assert torch.equal(to_e2m1_codes(x), codes)
     packed = quantize_block(x[:9984], BLOCK_FORMATS["mxfp4"]).data
     assert packed.dtype == torch.float4_e2m1fn_x2
     assert unpack_e2m1(packed).abs().max() <= 6
@@ -132,3 +135,19 @@ def test_bad_inputs_say_what_to_do():
         quantize_block(torch.ones(8, 32), BLOCK_FORMATS["nvfp4"], tile_2d=True)
     with pytest.raises(ValueError, match="Stochastic rounding"):
         quantize_block(torch.ones(32), BLOCK_FORMATS["mxfp8"], generator=torch.Generator())
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_rounding_in_arithmetic_matches_torchs_cast(dtype, compute):
+    """Every finite value of the format, the midpoints between neighbours (ties) and one
+    compute-dtype ulp either side, subnormals included, past the maximum too."""
+    values = torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32)
+    values = values[torch.isfinite(values) & (values >= 0)].sort().values
+    mid = (values[:-1] + values[1:]) / 2
+    x = torch.cat([values, mid, values * 1.5, torch.tensor([1e6, 1e-30, 0.0])]).to(compute)
+    x = torch.cat([x, torch.nextafter(x, x * 2), torch.nextafter(x, x * 0)])
+    x = torch.cat([x, -x])
+    limit = torch.finfo(dtype).max
+    expected = x.to(torch.float32).clamp(-limit, limit).to(dtype).to(compute)
+    assert torch.equal(round_nearest_(x.clone(), ELEMENTS[dtype]), expected)

@@ -44,7 +44,8 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped.fp8.block_format import SCALE_MODES, BlockFormat, ScaleMode
-from amped.fp8.e2m1 import pack_e2m1, round_e2m1, round_e2m1_stochastic, to_e2m1_codes
+from amped.fp8.e2m1 import pack_e2m1, to_e2m1_codes
+from amped.fp8.element_round import ELEMENTS, round_nearest_, round_stochastic_
 
 __all__ = ["NVFP4_AMAX_FLOOR", "BlockTensor", "nvfp4_tensor_scale", "quantize_block"]
 
@@ -58,17 +59,24 @@ class BlockTensor(NamedTuple):
     """A tensor in a block format.
 
     Attributes:
-        elements: the element values, exactly, in float32 (``x``'s shape).
-        scale: one scale per block, ``[..., K // block_size]`` in ``float8_e8m0fnu``
-            (MX) or ``float8_e4m3fn`` (NVFP4).
+        elements: the element values, exactly, in the cast's compute dtype (bfloat16
+            for an MX cast of bfloat16 input, else float32), ``x``'s shape.
+        scale_bits: one scale per block, ``[..., K // block_size]``, its bits in uint8
+            (:attr:`scale` is the same in the format's scale dtype; torch.compile
+            handles uint8 where it cannot yet handle ``float8_e8m0fnu``).
         tensor_scale: NVFP4's float32 tensor scale (None for MX).
         format: the :class:`~amped.fp8.block_format.BlockFormat`.
     """
 
     elements: torch.Tensor
-    scale: torch.Tensor
+    scale_bits: torch.Tensor
     tensor_scale: torch.Tensor | None
     format: BlockFormat
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """The block scales in ``float8_e8m0fnu`` (MX) or ``float8_e4m3fn`` (NVFP4)."""
+        return self.scale_bits.view(self.format.scale_dtype)
 
     @property
     def data(self) -> torch.Tensor:
@@ -80,10 +88,10 @@ class BlockTensor(NamedTuple):
     def block_scale(self) -> torch.Tensor:
         """The block scales in float32 (E8M0 255 reads as NaN), without the tensor scale."""
         if self.format.is_mx:
-            exponent = self.scale.view(torch.uint8)
+            exponent = self.scale_bits
             value = torch.exp2(exponent.to(torch.float32) - 127)
             return torch.where(exponent == 255, float("nan"), value)
-        return self.scale.to(torch.float32)
+        return self.scale_bits.view(torch.float8_e4m3fn).to(torch.float32)
 
     def block_values(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``elements * block scale`` in ``dtype``, without the tensor scale.
@@ -93,8 +101,8 @@ class BlockTensor(NamedTuple):
         significant bits (unless it underflows below the dtype's normal range).
         """
         blocks = self.elements.unflatten(-1, (-1, self.format.block_size))
-        values = (blocks * self.block_scale().unsqueeze(-1)).flatten(-2)
-        return values.to(dtype)
+        scale = self.block_scale().unsqueeze(-1).to(blocks.dtype)  # exact: see above
+        return (blocks * scale).flatten(-2).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor read back in ``dtype``, rounded as torchao's ``dequantize`` rounds."""
@@ -105,7 +113,7 @@ class BlockTensor(NamedTuple):
         scale = self.block_scale()
         if self.tensor_scale is not None:
             scale = self.tensor_scale * scale
-        return (blocks * scale.unsqueeze(-1)).flatten(-2).to(dtype)
+        return (blocks.to(torch.float32) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
@@ -168,16 +176,17 @@ def _mx_reciprocal(exponent: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
     return scale.reciprocal()  # exact: a power of two (inf for exponent 255: 1/inf = 0)
 
 
-def _round_elements(
-    scaled: torch.Tensor, fmt: BlockFormat, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Saturate and round ``scaled`` (float32) to the element dtype; float32 values."""
-    if fmt.is_fp4:
-        if generator is not None:
-            return round_e2m1_stochastic(scaled, generator)
-        return round_e2m1(scaled)
-    limit = fmt.elem_max
-    return scaled.clamp(-limit, limit).to(fmt.elem_dtype).to(torch.float32)
+def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """Largest magnitude of each block (last dim, a power of two long), kept as size 1.
+
+    Halving pairwise maxima: a reduction over a short last dim is several times slower
+    on CPUs. Exact (a maximum), and NaN-propagating like ``amax``.
+    """
+    amax = blocks.abs()
+    while amax.shape[-1] > 1:  # in place: the first half is the output and an input
+        half = amax.shape[-1] // 2
+        amax = torch.maximum(amax[..., :half], amax[..., half:], out=amax[..., :half])
+    return amax
 
 
 @torch.no_grad()
@@ -219,25 +228,33 @@ def quantize_block(
         raise value_error(f"scale_mode is one of {SCALE_MODES}", "scale_mode", scale_mode)
     if generator is not None and not format.is_fp4:
         raise value_error("Stochastic rounding is for E2M1 formats", "format", format.name)
-    x32 = x.to(torch.float32)
-    blocks = x32.unflatten(-1, (-1, format.block_size))
+    # MX scales are powers of two: scaling a bfloat16 x is exact in bfloat16, so it stays
+    # there (half the bytes per pass). NVFP4's are not: float32, as torchao computes.
+    compute = torch.bfloat16 if format.is_mx and x.dtype is torch.bfloat16 else torch.float32
+    xc = x.to(compute)
+    blocks = xc.unflatten(-1, (-1, format.block_size))
     if tile_2d:  # one amax per 16x16 tile, repeated on the tile's rows: [M, K/16, 1]
-        tiles = x32.unflatten(0, (-1, 16)).unflatten(-1, (-1, 16))  # [M/16, 16, K/16, 16]
+        tiles = xc.unflatten(0, (-1, 16)).unflatten(-1, (-1, 16))  # [M/16, 16, K/16, 16]
         amax = tiles.abs().amax(dim=(1, 3)).repeat_interleave(16, dim=0).unsqueeze(-1)
     else:
-        amax = blocks.abs().amax(dim=-1, keepdim=True)
+        amax = _block_amax(blocks)
+    amax = amax.to(torch.float32)
     if format.is_mx:
         if tensor_scale is not None:
             raise value_error("MX formats have no tensor scale", "tensor_scale", tensor_scale)
         exponent = _mx_exponent(amax, format, scale_mode)
-        scaled = blocks * _mx_reciprocal(exponent, scale_mode)
-        scale = exponent.to(torch.uint8).view(torch.float8_e8m0fnu)
+        scaled = blocks * _mx_reciprocal(exponent, scale_mode).to(compute)
+        scale_bits = exponent.to(torch.uint8)
     else:
         if tensor_scale is None:
-            tensor_scale = nvfp4_tensor_scale(x32)
+            tensor_scale = nvfp4_tensor_scale(xc)
         ratio = amax / 6.0 / tensor_scale
         scale = ratio.clamp(_E4M3_TINY, 448.0).to(torch.float8_e4m3fn)
         scaled = blocks * ((1.0 / tensor_scale) / scale.to(torch.float32))
-        scaled = scaled.clamp(-6.0, 6.0)
-    elements = _round_elements(scaled, format, generator).flatten(-2)
-    return BlockTensor(elements, scale.squeeze(-1), tensor_scale, format)
+        scale_bits = scale.view(torch.uint8)
+    element = ELEMENTS[format.elem_dtype]
+    if generator is not None:
+        elements = round_stochastic_(scaled, element, generator)
+    else:
+        elements = round_nearest_(scaled, element)
+    return BlockTensor(elements.flatten(-2), scale_bits.squeeze(-1), tensor_scale, format)

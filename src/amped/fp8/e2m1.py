@@ -8,8 +8,8 @@ two exponent bits and one mantissa bit, no inf and no NaN. Its magnitudes, by co
 
 Round to nearest sends a value to the closer neighbour and a tie to the even code
 (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); values past
-6 saturate to 6. Stochastic rounding sends ``v`` between neighbours ``lo < hi`` up with
-probability ``(v - lo) / (hi - lo)``, so that its expectation is ``v``.
+6 saturate to 6. The casts round values with :mod:`amped.fp8.element_round`; the codes
+here are for storing them (:attr:`amped.fp8.BlockTensor.data`).
 
 A code is stored in 4 bits: ``sign << 3 | code``. Two codes pack into a byte, the
 element at an even index in the low nibble (torchao's ``pack_uint4`` order).
@@ -23,8 +23,6 @@ __all__ = [
     "E2M1_MAX",
     "E2M1_VALUES",
     "pack_e2m1",
-    "round_e2m1",
-    "round_e2m1_stochastic",
     "to_e2m1_codes",
     "unpack_e2m1",
 ]
@@ -53,29 +51,9 @@ def _codes_of_magnitude(magnitude: torch.Tensor) -> torch.Tensor:
 def to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """The 4-bit codes (``sign << 3 | code``, in uint8) of float32 ``x`` rounded to
     nearest-even, saturating at 6."""
+    x = x.to(torch.float32)
     sign = torch.signbit(x).to(torch.uint8) << 3
     return sign | _codes_of_magnitude(x.abs())
-
-
-def round_e2m1(x: torch.Tensor) -> torch.Tensor:
-    """``x`` (float32) rounded to nearest-even E2M1 values, saturating; as float32."""
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
-    return torch.copysign(values[_codes_of_magnitude(x.abs()).long()], x)
-
-
-def round_e2m1_stochastic(x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """``x`` (float32) rounded stochastically to E2M1 values, saturating; as float32.
-
-    Draws one uniform number per element from ``generator``.
-    """
-    values = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
-    magnitude = x.abs().clamp(max=E2M1_MAX)
-    lo = (torch.bucketize(magnitude, values, right=True) - 1).clamp(0, 6)
-    lo_value, hi_value = values[lo], values[lo + 1]
-    up = (magnitude - lo_value) / (hi_value - lo_value)
-    draw = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
-    rounded = torch.where(draw < up, hi_value, lo_value)
-    return torch.copysign(rounded, x)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:

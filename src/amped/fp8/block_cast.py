@@ -177,16 +177,16 @@ def _mx_reciprocal(exponent: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
 
 
 def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
-    """Largest magnitude of each block (last dim, a power of two long), kept as size 1.
+    """Largest magnitude of each block (the last dim), kept as size 1; NaN if any.
 
-    Halving pairwise maxima: a reduction over a short last dim is several times slower
-    on CPUs. Exact (a maximum), and NaN-propagating like ``amax``.
+    bfloat16 takes the maximum of the bits with the sign cleared: for non-negative
+    floats the integer order is the float order (NaN above inf), and torch's CPU
+    integer reduction is several times faster than its bfloat16 one.
     """
-    amax = blocks.abs()
-    while amax.shape[-1] > 1:  # in place: the first half is the output and an input
-        half = amax.shape[-1] // 2
-        amax = torch.maximum(amax[..., :half], amax[..., half:], out=amax[..., :half])
-    return amax
+    if blocks.dtype is torch.bfloat16:
+        bits = blocks.view(torch.int16) & 0x7FFF
+        return bits.amax(dim=-1, keepdim=True).view(torch.bfloat16)
+    return blocks.abs().amax(dim=-1, keepdim=True)
 
 
 @torch.no_grad()

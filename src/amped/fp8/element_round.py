@@ -77,8 +77,8 @@ def round_stochastic_(
     """``v`` (float32) saturated and rounded stochastically to ``element`` values, in
     place; one uniform draw per element from ``generator``."""
     v.clamp_(-element.max, element.max)
-    quantum = _binade(v).mul_(2.0**-element.mbits).clamp_(min=2.0 ** (element.emin - element.mbits))
-    sign = torch.signbit(v)
+    quantum = _binade(v).mul_(2.0**-element.mbits)
+    quantum.clamp_(min=2.0 ** (element.emin - element.mbits)).copysign_(v)  # keeps v's sign
     draw = torch.rand(v.shape, generator=generator, device=v.device, dtype=v.dtype)
-    v.abs_().div_(quantum).add_(draw).floor_().mul_(quantum)
-    return torch.where(sign, v.neg(), v)
+    v.div_(quantum).add_(draw).floor_()  # v / q = |v| / |q| >= 0
+    return v.mul_(quantum)  # back to v's sign (a zero keeps it too: 0 * -q = -0)

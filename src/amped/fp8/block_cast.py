@@ -47,7 +47,13 @@ from amped.fp8.block_format import SCALE_MODES, BlockFormat, ScaleMode
 from amped.fp8.e2m1 import pack_e2m1, to_e2m1_codes
 from amped.fp8.element_round import ELEMENTS, round_nearest_, round_stochastic_
 
-__all__ = ["NVFP4_AMAX_FLOOR", "BlockTensor", "nvfp4_tensor_scale", "quantize_block"]
+__all__ = [
+    "NVFP4_AMAX_FLOOR",
+    "BlockTensor",
+    "check_block_multiple",
+    "nvfp4_tensor_scale",
+    "quantize_block",
+]
 
 NVFP4_AMAX_FLOOR = 1e-30
 """Smallest tensor amax an NVFP4 tensor scale is computed from."""
@@ -122,6 +128,18 @@ def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
     return amax.clamp(min=NVFP4_AMAX_FLOOR) / (448.0 * 6.0)
 
 
+def check_block_multiple(fmt: BlockFormat, name: str, shape: tuple[int, ...]) -> None:
+    """Refuse a blocked dim (the last of ``shape``) that is not a multiple of the block."""
+    if not shape or shape[-1] % fmt.block_size:
+        raise value_error(
+            f"{fmt} scales blocks of {fmt.block_size} elements along the last dim, which "
+            "must be a multiple of that; pad the tensor or keep this layer out of block "
+            "formats (module_filter)",
+            name,
+            shape,
+        )
+
+
 def _check(x: torch.Tensor, fmt: BlockFormat, tile_2d: bool) -> None:
     if not isinstance(fmt, BlockFormat):
         raise type_error("format is a BlockFormat (see amped.fp8.BLOCK_FORMATS)", "format", fmt)
@@ -131,14 +149,7 @@ def _check(x: torch.Tensor, fmt: BlockFormat, tile_2d: bool) -> None:
             "x.dtype",
             x.dtype,
         )
-    if x.dim() == 0 or x.shape[-1] % fmt.block_size:
-        raise value_error(
-            f"{fmt} scales blocks of {fmt.block_size} elements along the last dim, which "
-            "must be a multiple of that; pad the tensor or keep this layer out of block "
-            "formats (module_filter)",
-            "x.shape",
-            tuple(x.shape),
-        )
+    check_block_multiple(fmt, "x.shape", tuple(x.shape))
     if tile_2d and (fmt.is_mx or x.dim() != 2 or x.shape[0] % 16):
         raise value_error(
             "16x16 tiles are for NVFP4 2-D tensors whose both dims are multiples of 16",

@@ -28,7 +28,7 @@ import torch
 
 from amped._internal.errors import type_error
 from amped.autocast_mode import autocast
-from amped.fp8.block_cast import BlockTensor, quantize_block
+from amped.fp8.block_cast import BlockTensor, check_block_multiple, quantize_block
 from amped.fp8.block_config import BlockConfig
 from amped.fp8.block_gemm import block_mm, has_block_scaled_mm, require_block_scaled_mm
 from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims, low_precision_class
@@ -128,8 +128,8 @@ class BlockLinear(torch.nn.Linear):
                 type(linear),
             )
         in_features, out_features = linear_dims(linear)
-        quantize_block(torch.zeros(1, in_features), config.format)  # refuses a bad K
-        quantize_block(torch.zeros(1, out_features), config.format)
+        check_block_multiple(config.format, "in_features", (in_features,))
+        check_block_multiple(config.format, "out_features", (out_features,))
         weight = linear.weight
         assert isinstance(weight, torch.Tensor)  # is_linear_like
         device = weight.device

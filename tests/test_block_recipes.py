@@ -149,3 +149,12 @@ def test_bad_input_is_refused_in_one_line():
     with pytest.raises(ValueError, match=r"dims not multiples of 32") as e:
         amped.prepare(odd, torch.optim.SGD(odd.parameters(), lr=0.1), "mxfp8")
     one_line(e)
+
+
+def test_block_recipes_are_opt_in_and_named_in_compare():
+    assert not set(BLOCK) & set(amped.recipes.RECIPES)
+    assert all(amped.recipes.resolve_recipe(name).fp8 == name for name in BLOCK)
+    pytest.importorskip("rich")
+    from amped.cli.command import parse_recipes
+
+    assert [r.name for r in parse_recipes("bf16,mxfp8,nvfp4")] == ["bf16-mixed", "mxfp8", "nvfp4"]

@@ -40,7 +40,7 @@ VARIANTS = {
     "mxfp8": ("mxfp8", None),
     "nvfp4 (full recipe)": ("nvfp4", NVFP4),
     **{f"nvfp4 without {part}": ("nvfp4", NVFP4.replace(**{part: OFF[part]})) for part in PARTS},
-    "nvfp4, every part off": ("nvfp4", NVFP4.replace(**OFF)),
+    "nvfp4 every part off": ("nvfp4", NVFP4.replace(**OFF)),
 }
 
 
@@ -92,7 +92,7 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tasks", default="builtin,gpt2")
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--lr", type=float, default=default_task.LEARNING_RATE)
     parser.add_argument("--gpt2-dim", type=int, default=128)
@@ -104,7 +104,12 @@ def main() -> None:
     began = time.time()
     print(f"load {os.getloadavg()}; {args.steps} steps, lr {args.lr}, seeds {seeds}")
     for task_name in args.tasks.split(","):
-        losses = {v: [run(task_name, v, s, args) for s in seeds] for v in variants}
+        losses: dict[str, list[float]] = {}
+        for v in variants:
+            losses[v] = []
+            for s in seeds:
+                losses[v].append(run(task_name, v, s, args))
+                print(f"  {task_name} {v} seed {s}: {losses[v][-1]:.4f}", flush=True)
         base = losses["bf16-mixed"]
         spread = (max(base) - min(base)) / statistics.mean(base) * 100
         print(f"\n{task_name}: held-out loss after {args.steps} steps (seeds {seeds})\n")

@@ -23,7 +23,9 @@ of large Linear layers (``--gpu-dim``, default 8192, ``--gpu-tokens`` 16384), ea
 recipe against bf16-mixed (target >= 1.3x) and against torchao's same recipe (<= 1.05;
 left out, with a line, where torchao does not import). :func:`run_gpu` is importable for
 a one-call GPU script; ``--json PATH`` also writes the figures to a file (for
-``benchmarks/gpu_check.py``).
+``benchmarks/gpu_check.py``). Then, on sm100-class GPUs only, the block recipes with
+native block GEMMs against bf16-mixed (``benchmarks/block_formats.py``'s GPU part,
+same sizes; ``gpu_block`` in the JSON, None elsewhere).
 
 Usage: python benchmarks/fp8.py [--repeats 9] [--steps 3] [--dim 256] [--layers 2]
                                 [--tokens 512] [--threads N] [--gpu-only]
@@ -41,6 +43,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
+import block_formats  # benchmarks/, next to this script
 import torch
 import torch.nn as nn
 
@@ -251,10 +254,12 @@ def main() -> None:
     ran = run_gpu(
         args.gpu_dim, args.gpu_layers, args.gpu_tokens, args.gpu_repeats, args.gpu_steps, gpu
     )
+    gpu_block = block_formats.run_gpu(
+        args.gpu_dim, args.gpu_layers, args.gpu_tokens, args.gpu_repeats, args.gpu_steps
+    )
     if args.json:
-        Path(args.json).write_text(
-            to_json({"cpu": cpu, "gpu": gpu if ran else None, "gpu_ran": ran})
-        )
+        figures = {"cpu": cpu, "gpu": gpu if ran else None, "gpu_ran": ran}
+        Path(args.json).write_text(to_json({**figures, "gpu_block": gpu_block}))
 
 
 if __name__ == "__main__":

@@ -74,5 +74,5 @@ def test_a_healthy_model_gets_no_suggestion():
 
 
 def test_refuses_a_recipe_that_is_not_fp8():
-    with pytest.raises(ValueError, match="checks an FP8 recipe"):
+    with pytest.raises(ValueError, match="checks an FP8 or block recipe"):
         amped.doctor.diagnose_fp8(Outlier(), _inputs(), _loss, "bf16-mixed")

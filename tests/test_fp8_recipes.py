@@ -61,7 +61,7 @@ def _prepare(recipe, seed=0, opt="adamw", **kw):
 
 
 def test_fp8_recipes_are_opt_in():
-    assert list(OPT_IN_RECIPES) == FP8
+    assert list(OPT_IN_RECIPES) == [*FP8, "mxfp8", "mxfp4", "nvfp4"]
     assert not set(FP8) & set(RECIPES)  # `amped compare` with no --recipes: unchanged
     assert resolve_recipe("FP8-TE").name == "fp8-delayed"
     pytest.importorskip("rich")
@@ -110,7 +110,7 @@ def test_module_filter_and_policy_module_rules_choose_the_layers():
     assert setup.fp8_layers.names() == ["fc2"]
     in_bf16 = amped.Policy.preset("torch", "cpu").with_module("fc2", "low")
     assert _prepare("fp8-rowwise", policy=in_bf16).fp8_layers.names() == ["fc1"]
-    with pytest.raises(ValueError, match=r"no nn\.Linear layer to convert"):
+    with pytest.raises(ValueError, match=r"no nn\.Linear or Conv1D layer to convert"):
         _prepare("fp8-rowwise", policy=policy.with_module(nn.Linear, "skip"))
 
 
@@ -174,7 +174,7 @@ def _one_line(error: pytest.ExceptionInfo) -> str:
 
 
 def test_bad_input_is_refused_in_one_line():
-    with pytest.raises(ValueError, match=r"no nn\.Linear layer to convert") as e:
+    with pytest.raises(ValueError, match=r"no nn\.Linear or Conv1D layer to convert") as e:
         small = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
         amped.prepare(small, torch.optim.SGD(small.parameters(), lr=0.1), "fp8-tensorwise")
     assert "0 (8x8)" in _one_line(e)
@@ -193,7 +193,7 @@ def test_bad_input_is_refused_in_one_line():
         amped.prepare(model, opt, "fp8-tensorwise", base="bf16-pure")
     with pytest.raises(ValueError, match="does not scale the loss"):
         _prepare("fp8-tensorwise", scaler=amped.GradScaler("cpu"))
-    with pytest.raises(ValueError, match="FP8 recipes only"):
+    with pytest.raises(ValueError, match="FP8 and block recipes only"):
         _prepare("bf16-mixed", base="bf16-master")
     # nothing was converted by a refused prepare
     assert not any(isinstance(m, Float8Linear) for m in model.modules())

@@ -86,7 +86,7 @@ def test_dry_run_records_each_benchmarks_figures(dry_run):
     assert set(model["ratios"]) == {"casts", "amped bf16-mixed", "bf16-master", "bf16-pure"}
     assert all(isinstance(v, float) and v > 0 for v in model["ratios"].values())
     fp8 = dry_run["fp8"]["figures"]
-    assert fp8["gpu"] is None and fp8["gpu_ran"] is False
+    assert fp8["gpu"] is None and fp8["gpu_ran"] is False and fp8["gpu_block"] is None
     assert set(fp8["cpu"]) == {"fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp", "fp8-delayed"}
     autocast = dry_run["autocast_overhead"]["figures"]
     assert set(autocast["train_step_ratio"]) == {"cnn"} and autocast["compiled_ratio"] is None

@@ -1,4 +1,5 @@
-"""``amped.doctor.diagnose_fp8``: what an FP8 recipe costs each Linear layer of a model.
+"""``amped.doctor.diagnose_fp8``: what an FP8 or block recipe (mxfp8, mxfp4, nvfp4) costs
+each Linear (or transformers Conv1D) layer of a model.
 
 Each layer is run alone on the input and output gradient it saw in a float32 step, so
 its SQNR measures its own error, not its inputs'; docs/fp8.md, "What the doctor says".
@@ -16,15 +17,22 @@ from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
 from amped.doctor.fp8_report import CastStat, Fp8LayerStat, Fp8Report, Fp8Suggestion
 from amped.doctor.runs import call_model, model_output
-from amped.fp8 import FP8_CONFIGS, Fp8Config, ModuleFilter, convert_to_fp8, plan_fp8, quantize, sqnr
+from amped.fp8 import BlockConfig, ModuleFilter, convert_to_fp8, plan_fp8, quantize, sqnr
+from amped.fp8.block_cast import quantize_block
+from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims
+from amped.fp8.convert import LowPrecisionConfig
 from amped.policy import Policy
 from amped.recipes import resolve_recipe
-from amped.recipes.fp8 import ruled_modules
+from amped.recipes.fp8 import recipe_config, ruled_modules
 
 __all__ = ["diagnose_fp8"]
 
 DEFAULT_THRESHOLD_DB = 20.0
 """torchao's gate for an FP8 linear layer (10% L2 error); the recipes' tests use it too."""
+FP4_THRESHOLD_DB = 10.0
+"""The gate for E2M1 (FP4) recipes: a healthy FP4 layer measures 14-18 dB on each GEMM
+(E2M1 keeps 2 significant bits), so 20 dB would name every layer; 10 dB names a
+layer that FP4 breaks (an outlier flushing its block measures 2-3 dB)."""
 
 Captured = dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer -> (input, grad_output)
 
@@ -74,9 +82,36 @@ def _local_run(
     return {"output": out.detach(), "grad_input": x.grad, "grad_weight": weight.grad}
 
 
-def _cast_stats(
-    config: Fp8Config, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor
+def _block_cast_stats(
+    config: BlockConfig, tensors: tuple[tuple[str, torch.Tensor], ...]
 ) -> tuple[CastStat, ...]:
+    """Per operand: amax, headroom of the fullest block (element max over its largest
+    element), elements at the element max, nonzero inputs cast to zero."""
+    stats = []
+    for role, tensor in tensors:
+        flat = tensor.detach().reshape(-1, tensor.shape[-1]).float()
+        elements = quantize_block(flat, config.format, config.scale_mode).elements.float()
+        top = config.format.elem_max
+        peak = float(elements.abs().max())
+        nonzero = flat != 0
+        stats.append(
+            CastStat(
+                role=role,
+                dtype=config.format.name,
+                amax=float(flat.abs().max()),
+                headroom=top / peak if peak > 0 else float("inf"),
+                saturated=float((elements.abs() == top).float().mean()),
+                underflow=float(((elements == 0) & nonzero).sum() / nonzero.sum().clamp(min=1)),
+            )
+        )
+    return tuple(stats)
+
+
+def _cast_stats(
+    config: LowPrecisionConfig, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor
+) -> tuple[CastStat, ...]:
+    if isinstance(config, BlockConfig):
+        return _block_cast_stats(config, (("input", x), ("weight", weight), ("grad_output", grad)))
     stats = []
     for role, tensor, rule in (
         ("input", x, config.input),
@@ -104,8 +139,8 @@ def _cast_stats(
 
 def _layer_stat(
     name: str,
-    linear: torch.nn.Linear,
-    config: Fp8Config,
+    linear: torch.nn.Module,
+    config: LowPrecisionConfig,
     x: torch.Tensor,
     grad: torch.Tensor,
     threshold: float,
@@ -116,13 +151,16 @@ def _layer_stat(
     convert_to_fp8(fp8_layer, config, ["0"])
     fp8 = _local_run(fp8_layer[0], x, grad, low=True)
     sqnr_fp8 = {k: sqnr(exact[k], fp8[k]) for k in exact}
+    in_features, out_features = linear_dims(linear)
+    weight = linear.weight
+    assert isinstance(weight, torch.Tensor)
     return Fp8LayerStat(
         name=name,
-        in_features=linear.in_features,
-        out_features=linear.out_features,
+        in_features=in_features,
+        out_features=out_features,
         sqnr_fp8=sqnr_fp8,
         sqnr_bf16={k: sqnr(exact[k], bf16[k]) for k in exact},
-        casts=_cast_stats(config, x, linear.weight, grad),
+        casts=_cast_stats(config, x, weight.t() if is_conv1d(linear) else weight, grad),
         keep_in_bf16=min(sqnr_fp8.values()) < threshold,
     )
 
@@ -131,7 +169,7 @@ def _model_sqnr(
     model: torch.nn.Module,
     inputs: Any,
     reference: torch.Tensor | None,
-    config: Fp8Config | None,
+    config: LowPrecisionConfig | None,
     names: list[str],
     policy: Policy | None,
 ) -> float:
@@ -155,7 +193,7 @@ def diagnose_fp8(
     *,
     policy: Policy | None = None,
     module_filter: ModuleFilter | None = None,
-    threshold_db: float = DEFAULT_THRESHOLD_DB,
+    threshold_db: float | None = None,
 ) -> Fp8Report:
     """Measure what ``recipe`` costs each Linear layer of ``model`` and name those to keep out.
 
@@ -167,11 +205,13 @@ def diagnose_fp8(
         inputs: what ``model`` is called with (a tensor, a tuple of positional
             arguments or a dict of keyword arguments).
         loss_fn: ``loss_fn(output) -> scalar tensor``.
-        recipe: an FP8 recipe name (``fp8-tensorwise``, ``fp8-rowwise``, ...).
+        recipe: an FP8 or block recipe name (``fp8-tensorwise``, ``fp8-rowwise``,
+            ``mxfp8``, ``nvfp4``, ...).
         policy: the autocast policy the run would use (default: torch's).
         module_filter: as for :func:`amped.prepare`.
         threshold_db: a layer whose output, grad-input or grad-weight SQNR against
-            float32 falls below this is named to stay in bfloat16.
+            float32 falls below this is named to stay in bfloat16 (default: 20 dB,
+            :data:`FP4_THRESHOLD_DB` for the FP4 recipes mxfp4 and nvfp4).
 
     Raises:
         ValueError: not an FP8 recipe, or no layer to convert.
@@ -186,16 +226,20 @@ def diagnose_fp8(
     chosen = resolve_recipe(recipe)
     if chosen.fp8 is None:
         raise value_error(
-            "diagnose_fp8 checks an FP8 recipe: fp8-tensorwise, fp8-rowwise, "
-            "fp8-rowwise-gw-hp or fp8-delayed",
+            "diagnose_fp8 checks an FP8 or block recipe: fp8-tensorwise, fp8-rowwise, "
+            "fp8-rowwise-gw-hp, fp8-delayed, mxfp8, mxfp4 or nvfp4",
             "recipe",
             recipe,
         )
-    config = FP8_CONFIGS[chosen.fp8]
-    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
-    names = plan_fp8(model, module_filter, ruled_modules(model, policy))
-    if not names:
-        convert_to_fp8(copy.deepcopy(model), config, [])  # raises its "no layer" error
+    config = recipe_config(chosen)
+    if threshold_db is None:
+        fp4 = isinstance(config, BlockConfig) and config.format.is_fp4
+        threshold_db = FP4_THRESHOLD_DB if fp4 else DEFAULT_THRESHOLD_DB
+    linears = [n for n, m in model.named_modules() if is_linear_like(m)]
+    ruled = ruled_modules(model, policy)
+    names = plan_fp8(model, module_filter, ruled, config)
+    if not names:  # raises its "no layer" error, each layer and why
+        convert_to_fp8(copy.deepcopy(model), config, [], module_filter=module_filter, exclude=ruled)
     captured, reference = _capture(model, names, inputs, loss_fn)
     modules = dict(model.named_modules())
     layers = [_layer_stat(n, modules[n], config, *captured[n], threshold_db) for n in names]
@@ -221,7 +265,7 @@ def _suggest(
     model: torch.nn.Module,
     inputs: Any,
     reference: torch.Tensor | None,
-    config: Fp8Config,
+    config: LowPrecisionConfig,
     keep: tuple[str, ...],
     policy: Policy | None,
     module_filter: ModuleFilter | None,
@@ -231,7 +275,7 @@ def _suggest(
     fixed = policy or Policy.preset("torch", device_type)
     for name in keep:
         fixed = fixed.with_module(name, "low")
-    names = plan_fp8(model, module_filter, ruled_modules(model, fixed))
+    names = plan_fp8(model, module_filter, ruled_modules(model, fixed), config)
     after = _model_sqnr(model, inputs, reference, config, names, fixed)
     verified = not set(keep) & set(names) and not after < before
     return Fp8Suggestion(keep=keep, policy=fixed, model_sqnr=after, verified=verified)

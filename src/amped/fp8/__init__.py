@@ -13,6 +13,10 @@ building blocks (``amax_to_scale``, ``has_scaled_mm``, ``update_delayed_scaling`
 are importable from their modules.
 """
 
+from amped.fp8.block_cast import BlockTensor, quantize_block
+from amped.fp8.block_config import BLOCK_CONFIGS, BlockConfig
+from amped.fp8.block_format import BLOCK_FORMATS, BlockFormat
+from amped.fp8.block_linear import BlockLinear
 from amped.fp8.cast import Fp8Tensor, quantize, sqnr
 from amped.fp8.config import FP8_CONFIGS, CastRule, DelayedScaling, Fp8Config
 from amped.fp8.convert import (
@@ -26,7 +30,13 @@ from amped.fp8.gemm import scaled_mm
 from amped.fp8.linear import Float8Linear
 
 __all__ = [
+    "BLOCK_CONFIGS",
+    "BLOCK_FORMATS",
     "FP8_CONFIGS",
+    "BlockConfig",
+    "BlockFormat",
+    "BlockLinear",
+    "BlockTensor",
     "CastRule",
     "DelayedScaling",
     "Float8Linear",
@@ -38,6 +48,7 @@ __all__ = [
     "default_module_filter",
     "plan_fp8",
     "quantize",
+    "quantize_block",
     "scaled_mm",
     "sqnr",
 ]

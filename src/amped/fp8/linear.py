@@ -22,6 +22,7 @@ from amped._internal.errors import type_error
 from amped.autocast_mode import autocast
 from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
 from amped.fp8.config import CastRule, Fp8Config
+from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims, low_precision_class
 from amped.fp8.delayed import GRAD_OUTPUT, INPUT, WEIGHT, next_scale, reduce_max
 from amped.fp8.gemm import has_scaled_mm, scaled_mm
 
@@ -85,13 +86,17 @@ class Float8Linear(torch.nn.Linear):
 
     Made from an existing ``nn.Linear`` in place by :meth:`convert_` (parameters, hooks
     and the optimizer's references are kept); :func:`amped.fp8.convert_to_fp8` does that
-    for a whole model.
+    for a whole model. A transformers ``Conv1D`` converts to a ``Float8Conv1D``, a
+    subclass of this class and of Conv1D that uses its weight transposed
+    (:mod:`amped.fp8.conv1d`).
 
     Attributes:
         fp8_config: the :class:`~amped.fp8.Fp8Config` of its casts.
         fp8_emulate: whether GEMMs are emulated (no FP8 GEMM on the device).
     """
 
+    weight_transposed = False
+    """True for a converted Conv1D, whose weight is stored ``[in, out]``."""
     fp8_config: Fp8Config
     fp8_emulate: bool
     fp8_started: bool
@@ -108,20 +113,25 @@ class Float8Linear(torch.nn.Linear):
         """Turn ``linear`` into a Float8Linear in place and return it.
 
         Args:
-            linear: an ``nn.Linear`` (exactly that class).
+            linear: an ``nn.Linear`` or transformers ``Conv1D`` (exactly that class).
             config: the cast rules.
             emulate: force (True) or forbid (False) emulated GEMMs; default: emulate
                 where the device has no FP8 GEMM.
         """
-        if type(linear) is not torch.nn.Linear:
+        if not is_linear_like(linear):
             raise type_error(
-                "Float8Linear converts torch.nn.Linear modules only (a subclass may not call "
-                "its own forward, as nn.MultiheadAttention's out_proj)",
+                "Float8Linear converts torch.nn.Linear and transformers Conv1D modules only "
+                "(a subclass may not call its own forward, as nn.MultiheadAttention's "
+                "out_proj)",
                 "type(linear)",
                 type(linear),
             )
         device = linear.weight.device
-        linear.__class__ = cls
+        if is_conv1d(linear):
+            linear.in_features, linear.out_features = linear_dims(linear)
+            linear.__class__ = low_precision_class(cls, type(linear))
+        else:
+            linear.__class__ = cls
         layer: Float8Linear = linear  # type: ignore[assignment]
         layer.fp8_config = config
         layer.fp8_emulate = (not has_scaled_mm(device)) if emulate is None else emulate
@@ -173,7 +183,8 @@ class Float8Linear(torch.nn.Linear):
         if torch.is_autocast_enabled(device_type) and input.is_floating_point():
             input = input.to(torch.get_autocast_dtype(device_type))
         with autocast(device_type, enabled=False):
-            out = _Fp8LinearFunction.apply(input, self.weight, self)
+            weight = self.weight.t() if self.weight_transposed else self.weight
+            out = _Fp8LinearFunction.apply(input, weight, self)
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
         return out

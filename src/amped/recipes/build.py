@@ -7,6 +7,7 @@ import torch
 from amped._internal.errors import type_error, value_error
 from amped._internal.torch_compat import dtensor_class
 from amped.fp8 import ModuleFilter
+from amped.fp8.convert import LowPrecisionConfig
 from amped.policy import Policy
 from amped.recipes.fp8 import Fp8Plan
 from amped.recipes.o2 import build_master_setup
@@ -28,6 +29,7 @@ def prepare(
     scaler: GradScaler | None = None,
     base: str | Recipe | None = None,
     module_filter: ModuleFilter | None = None,
+    fp8_config: LowPrecisionConfig | None = None,
 ) -> TrainSetup:
     """Turn ``model`` and ``optimizer`` into a :class:`TrainSetup` for ``recipe``.
 
@@ -49,6 +51,8 @@ def prepare(
             (``bf16-mixed`` by default, ``bf16-master``, ``bf16-pure``, ``bf16-pure-sr``).
         module_filter: FP8 recipes only: ``filter(linear, name) -> bool`` choosing the
             ``nn.Linear`` layers to convert (default: :func:`amped.fp8.default_module_filter`).
+        fp8_config: FP8 and block recipes only: a variant of the recipe's config to use
+            instead, e.g. ``amped.fp8.BLOCK_CONFIGS["nvfp4"].replace(hadamard=False)``.
 
     Raises:
         ValueError: an unknown recipe, a model on several device types, an optimizer
@@ -67,10 +71,13 @@ def prepare(
         True
     """
     chosen = resolve_recipe(recipe)
-    if chosen.fp8 is None and (base is not None or module_filter is not None):
-        name, value = ("base", base) if base is not None else ("module_filter", module_filter)
+    fp8_only = {"base": base, "module_filter": module_filter, "fp8_config": fp8_config}
+    given = {name: value for name, value in fp8_only.items() if value is not None}
+    if chosen.fp8 is None and given:
+        name, value = next(iter(given.items()))
         raise value_error(
-            f"base and module_filter apply to the FP8 recipes only; {chosen.name!r} is not one",
+            f"base, module_filter and fp8_config apply to the FP8 and block recipes only; "
+            f"{chosen.name!r} is not one",
             name,
             value,
         )
@@ -83,7 +90,7 @@ def prepare(
     plain = TrainSetup(chosen, model, optimizer, scaler, device_type, policy)
     if chosen.fp8 is None:
         return _build(plain)
-    fp8 = Fp8Plan.check(plain, base, module_filter)  # before anything changes
+    fp8 = Fp8Plan.check(plain, base, module_filter, fp8_config)  # before anything changes
     return fp8.apply(_build(TrainSetup(fp8.base, model, optimizer, scaler, device_type, policy)))
 
 

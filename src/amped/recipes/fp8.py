@@ -1,10 +1,15 @@
-"""The FP8 recipes: FP8 GEMMs in the Linear layers, a base recipe for everything else.
+"""The FP8 and block recipes: low-precision GEMMs in the Linear layers, a base recipe
+for everything else.
 
 ``fp8-tensorwise``, ``fp8-rowwise`` and ``fp8-rowwise-gw-hp`` are torchao's float8
 training recipes; ``fp8-delayed`` is Transformer Engine's delayed scaling (see
-:mod:`amped.fp8`). ``prepare`` builds the base recipe's setup first (``bf16-mixed`` by
+:mod:`amped.fp8`). The block recipes ``mxfp8``, ``mxfp4`` and ``nvfp4`` cast with
+per-block scales (:data:`amped.fp8.BLOCK_CONFIGS`); ``prepare(..., fp8_config=...)``
+takes a variant of the recipe's config, e.g. ``BLOCK_CONFIGS["nvfp4"].replace(
+hadamard=False)``. ``prepare`` builds the base recipe's setup first (``bf16-mixed`` by
 default; ``bf16-master``, ``bf16-pure`` or ``bf16-pure-sr`` by choice: weights and
-optimizer state follow it), then converts the chosen ``nn.Linear`` layers in place.
+optimizer state follow it), then converts the chosen ``nn.Linear`` and transformers
+``Conv1D`` layers in place.
 Ops outside those layers run under the base recipe's bfloat16 autocast policy. A
 module that any of the policy's module rules names stays out of FP8 (with its
 children): ``"fp32"`` and ``"skip"`` run it in float32, ``"low"`` in bfloat16, as
@@ -25,7 +30,10 @@ import torch
 
 from amped._internal.errors import value_error
 from amped.fp8 import (
+    BLOCK_CONFIGS,
     FP8_CONFIGS,
+    BlockConfig,
+    BlockLinear,
     Float8Linear,
     Fp8Config,
     Fp8Layers,
@@ -33,12 +41,13 @@ from amped.fp8 import (
     convert_to_fp8,
     plan_fp8,
 )
+from amped.fp8.convert import LowPrecisionConfig
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, register, resolve_recipe
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import require_float32, ruled_modules
 
-__all__ = ["FP8_BASES", "FP8_RECIPE_NAMES", "Fp8Plan"]
+__all__ = ["BLOCK_RECIPE_NAMES", "FP8_BASES", "FP8_RECIPE_NAMES", "Fp8Plan", "recipe_config"]
 
 FP8_BASES = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
 """Base recipes an FP8 recipe can keep its weights and optimizer state by."""
@@ -66,6 +75,58 @@ FP8_RECIPE_NAMES = tuple(
     ).name
     for scaling, aliases in _ALIASES.items()
 )
+
+
+_BLOCK_SUMMARIES = {
+    "mxfp8": "MXFP8 Linear GEMMs (e4m3, 32-blocks, E8M0 scales), bfloat16 autocast elsewhere",
+    "mxfp4": "MXFP4 Linear GEMMs (e2m1, 32-blocks, E8M0 scales), bfloat16 autocast elsewhere",
+    "nvfp4": "NVFP4 Linear GEMMs (NVIDIA's recipe: 16x16 weights, SR, Hadamard, last "
+    "layers bf16), bfloat16 autocast elsewhere",
+}
+
+BLOCK_RECIPE_NAMES = tuple(
+    register(
+        Recipe(
+            name,
+            dtype=torch.bfloat16,
+            weights="fp32",
+            autocast=True,
+            loss_scaling=False,
+            aliases=(),
+            summary=summary,
+            fp8=name,
+        ),
+        opt_in=True,
+    ).name
+    for name, summary in _BLOCK_SUMMARIES.items()
+)
+
+
+def recipe_config(recipe: Recipe) -> LowPrecisionConfig:
+    """The named config of an FP8 or block recipe."""
+    assert recipe.fp8 is not None
+    return BLOCK_CONFIGS[recipe.fp8] if recipe.fp8 in BLOCK_CONFIGS else FP8_CONFIGS[recipe.fp8]
+
+
+def _chosen_config(recipe: Recipe, override: LowPrecisionConfig | None) -> LowPrecisionConfig:
+    """The recipe's config, or the user's variant of it (same kind, same block format)."""
+    named = recipe_config(recipe)
+    if override is None:
+        return named
+    if isinstance(named, BlockConfig):
+        fits = isinstance(override, BlockConfig) and override.format == named.format
+        wanted = f"a BlockConfig in {named.format.name}, e.g. amped.fp8.BLOCK_CONFIGS"
+    else:
+        fits = isinstance(override, Fp8Config)
+        wanted = "an amped.fp8.Fp8Config, e.g. from amped.fp8.FP8_CONFIGS"
+    if not fits:
+        raise value_error(
+            f"Recipe {recipe.name!r} takes as fp8_config {wanted}[{recipe.fp8!r}]"
+            ".replace(...) or dataclasses.replace(...)",
+            "fp8_config",
+            override,
+        )
+    return override
 
 
 def _check_model(recipe: Recipe, model: torch.nn.Module, device_type: str) -> None:
@@ -100,24 +161,35 @@ def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
     return chosen
 
 
+def _same_rules(config: LowPrecisionConfig, layer: Float8Linear | BlockLinear) -> bool:
+    if isinstance(layer, BlockLinear):
+        return layer.block_config == config
+    own = layer.fp8_config
+    if not isinstance(config, Fp8Config) or (own.delayed is None) != (config.delayed is None):
+        return False
+    # Delayed scaling's own settings (history length, amax rule, margin) are free.
+    return dataclasses.replace(config, delayed=own.delayed) == own
+
+
 def _already_converted(
-    recipe: Recipe, model: torch.nn.Module, config: Fp8Config
+    recipe: Recipe, model: torch.nn.Module, config: LowPrecisionConfig
 ) -> Fp8Layers | None:
-    """The model's Float8Linear layers, when it was converted before (FSDP2: convert,
+    """The model's converted layers, when it was converted before (FSDP2: convert,
     then ``fully_shard``, then build the optimizer and call ``prepare``; or to choose
     delayed scaling's history length, amax rule and margin)."""
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    layers: dict[str, Float8Linear | BlockLinear] = {
+        n: m for n, m in model.named_modules() if isinstance(m, Float8Linear | BlockLinear)
+    }
     if not layers:
         return None
     for name, layer in layers.items():
-        # Delayed scaling's own settings (history length, amax rule, margin) are free.
-        own = layer.fp8_config
-        same_kind = (own.delayed is None) == (config.delayed is None)
-        if not same_kind or dataclasses.replace(config, delayed=own.delayed) != own:
+        if not _same_rules(config, layer):
+            own = layer.block_config if isinstance(layer, BlockLinear) else layer.fp8_config
             raise value_error(
                 f"Recipe {recipe.name!r} found layer {name!r} converted to FP8 with other "
-                f"rules; convert with amped.fp8.FP8_CONFIGS[{recipe.fp8!r}]",
-                f"{name}.fp8_config",
+                "rules; convert with the recipe's config (amped.fp8.FP8_CONFIGS or "
+                f"BLOCK_CONFIGS[{recipe.fp8!r}], or the fp8_config passed to prepare)",
+                f"{name} rules",
                 str(own),
             )
     return Fp8Layers(layers, config)
@@ -136,6 +208,7 @@ class Fp8Plan:
         policy: the user's policy, whose module rules keep modules out of FP8.
         module_filter: the user's filter (None: :func:`amped.fp8.default_module_filter`).
         converted: layers the model had converted before ``prepare`` (FSDP2), else None.
+        config: the cast rules: the recipe's named config or the user's variant.
     """
 
     recipe: Recipe
@@ -143,10 +216,15 @@ class Fp8Plan:
     policy: Policy | None
     module_filter: ModuleFilter | None
     converted: Fp8Layers | None
+    config: LowPrecisionConfig
 
     @classmethod
     def check(
-        cls, plain: TrainSetup, base: str | Recipe | None, module_filter: ModuleFilter | None
+        cls,
+        plain: TrainSetup,
+        base: str | Recipe | None,
+        module_filter: ModuleFilter | None,
+        fp8_config: LowPrecisionConfig | None = None,
     ) -> Fp8Plan:
         """Refuse what ``plain.recipe`` cannot run (base, model, scaler, no layer to convert)."""
         recipe, model = plain.recipe, plain.model
@@ -161,13 +239,13 @@ class Fp8Plan:
                 "scaler.is_enabled()",
                 True,
             )
-        config = FP8_CONFIGS[recipe.fp8]
+        config = _chosen_config(recipe, fp8_config)
         converted = _already_converted(recipe, model, config)
-        if converted is None and not plan_fp8(
-            model, module_filter, ruled_modules(model, plain.policy)
-        ):
-            convert_to_fp8(model, config, [])  # raises: no layer to convert
-        return cls(recipe, base_recipe, plain.policy, module_filter, converted)
+        ruled = ruled_modules(model, plain.policy)
+        if converted is None and not plan_fp8(model, module_filter, ruled, config):
+            # raises: no layer to convert, with each layer and why it stays out
+            convert_to_fp8(model, config, [], module_filter=module_filter, exclude=ruled)
+        return cls(recipe, base_recipe, plain.policy, module_filter, converted, config)
 
     def apply(self, setup: TrainSetup) -> TrainSetup:
         """Convert the chosen layers of the base recipe's ``setup``; returns ``setup`` with
@@ -179,8 +257,8 @@ class Fp8Plan:
         if converted is None:
             model = setup.model
             keep = ruled_modules(model, self.policy) | ruled_modules(model, setup.policy)
-            names = plan_fp8(model, self.module_filter, keep)
-            converted = convert_to_fp8(model, FP8_CONFIGS[self.recipe.fp8], names)
+            names = plan_fp8(model, self.module_filter, keep, self.config)
+            converted = convert_to_fp8(model, self.config, names)
         setup.fp8_layers = converted
         setup.recipe = dataclasses.replace(
             self.recipe, weights=self.base.weights, compensation=self.base.compensation

@@ -50,10 +50,11 @@ class Recipe:
             survives: ``"kahan"`` keeps the rounding error in a low-precision buffer and
             adds it back next step; ``"stochastic"`` rounds up or down at random, with
             the probabilities that make the rounding unbiased.
-        fp8: for the FP8 recipes, the name of the scaling config in
+        fp8: for the FP8 and block recipes, the name of the config in
             :data:`amped.fp8.FP8_CONFIGS` (``"tensorwise"``, ``"rowwise"``,
-            ``"rowwise-gw-hp"``, ``"delayed"``); their GEMMs run in FP8, the rest
-            under bfloat16 autocast, the weights as their base recipe keeps them.
+            ``"rowwise-gw-hp"``, ``"delayed"``) or :data:`amped.fp8.BLOCK_CONFIGS`
+            (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``); their GEMMs run in that format,
+            the rest under bfloat16 autocast, the weights as their base recipe keeps them.
     """
 
     name: str

@@ -1,0 +1,95 @@
+"""The block-scaled GEMM: exact emulation on any device, ``torch._scaled_mm`` on sm100.
+
+``block_mm(a, b)`` computes ``a @ b.T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]``, both
+blocked along K (how every block GEMM kernel takes its operands).
+
+**Emulation.** Each operand becomes its block values, ``elements * block_scale``, in
+the output dtype: exact there (at most 6 significant bits, see
+:meth:`~amped.fp8.BlockTensor.block_values`), so every product of two operands is exact
+and a bfloat16 GEMM, which accumulates in float32 (AMX and AVX512-BF16 on CPUs), is the
+fast route under bfloat16 autocast; a float32 output takes a float32 GEMM. NVFP4's
+tensor scales multiply the result afterwards, in float32, as the hardware kernel does.
+So against the float64 product of the dequantized operands the emulation differs only
+by float32 summation order, by the one rounding to the output dtype, and, for NVFP4,
+by a second rounding when the tensor scales multiply a bfloat16 result (at most one
+bfloat16 ulp more: SQNR >= 40 dB, measured in tests/test_block_linear.py).
+
+**Native.** On a GPU with block-scaled tensor cores (compute capability 10.x,
+Blackwell), ``torch._scaled_mm`` takes the stored elements and scales in cuBLAS's
+swizzled layout (:func:`swizzle_scales`). Untested on hardware in this repository's CI;
+``benchmarks/gpu_check.sh`` runs it where a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from amped._internal import torch_compat
+from amped.fp8.block_cast import BlockTensor
+
+__all__ = ["block_mm", "has_block_scaled_mm", "swizzle_scales"]
+
+
+@functools.cache
+def has_block_scaled_mm(device: torch.device) -> bool:
+    """Whether ``device`` runs MX/NVFP4 GEMMs in hardware: CUDA compute capability 10.x."""
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_capability(device)[0] == 10
+    return False
+
+
+def require_block_scaled_mm(device: torch.device) -> None:
+    """Refuse a forced native block GEMM on a device without one."""
+    if not has_block_scaled_mm(device):
+        raise RuntimeError(
+            f"Block-scaled GEMMs (MXFP8, MXFP4, NVFP4) run natively on sm100-class GPUs "
+            f"(compute capability 10.x) only; {device} has none. Leave emulate=None (the "
+            "exact emulation where there is no such GPU) or pass emulate=True."
+        )
+
+
+def swizzle_scales(scale: torch.Tensor) -> torch.Tensor:
+    """A ``[rows, K // block]`` scale matrix in cuBLAS's 128x4 block layout, flattened.
+
+    Padded with zeros to multiples of 128 rows and 4 columns; each 128x4 tile is stored
+    as 32 rows of 16 (cuBLAS "block scaling factors layout").
+    """
+    rows, cols = scale.shape
+    padded = scale.new_zeros(-(-rows // 128) * 128, -(-cols // 4) * 4)
+    padded[:rows, :cols] = scale
+    tiles = padded.view(-1, 128, padded.shape[1] // 4, 4).permute(0, 2, 1, 3)
+    return tiles.reshape(-1, 4, 32, 4).transpose(1, 2).reshape(-1, 32, 16).flatten()
+
+
+def _native(a: BlockTensor, b: BlockTensor, out_dtype: torch.dtype) -> torch.Tensor:
+    require_block_scaled_mm(a.elements.device)
+    scale_a = swizzle_scales(a.scale.view(torch.uint8)).view(a.scale.dtype)
+    scale_b = swizzle_scales(b.scale.view(torch.uint8)).view(b.scale.dtype)
+    out = torch_compat.scaled_mm(
+        a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b, torch.bfloat16, False
+    )
+    return out.to(torch.float32)
+
+
+def block_mm(
+    a: BlockTensor, b: BlockTensor, out_dtype: torch.dtype, *, emulate: bool = True
+) -> torch.Tensor:
+    """``dequantize(a) @ dequantize(b).T`` as a block-scaled GEMM, in ``out_dtype``.
+
+    Args:
+        a: ``[M, K]`` block tensor (blocks along K).
+        b: ``[N, K]`` block tensor of the same format.
+        out_dtype: bfloat16, float16 or float32.
+        emulate: the exact emulation (any device) or the hardware GEMM (sm100 GPUs;
+            RuntimeError elsewhere).
+    """
+    if emulate:
+        gemm_dtype = torch.float32 if out_dtype is torch.float32 else torch.bfloat16
+        out = a.block_values(gemm_dtype) @ b.block_values(gemm_dtype).t()
+    else:
+        out = _native(a, b, out_dtype)
+    if a.tensor_scale is not None and b.tensor_scale is not None:
+        out = out.to(torch.float32) * (a.tensor_scale * b.tensor_scale)
+    return out.to(out_dtype)

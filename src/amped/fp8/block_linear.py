@@ -1,0 +1,188 @@
+"""``BlockLinear``: an ``nn.Linear`` whose three GEMMs run in a block-scaled format.
+
+Each GEMM casts both operands with blocks along its inner dim (what block GEMM kernels
+take), so each operand is cast once per GEMM it enters::
+
+    output      = input       @ weight.T    blocks along in_features
+    grad_input  = grad_output @ weight      blocks along out_features
+    grad_weight = grad_output.T @ input     blocks along tokens
+
+The tokens of the grad-weight GEMM are padded with zero rows to a multiple of the block
+(a zero row adds exact zeros to the product, and a block's amax is unchanged by zeros).
+With ``weight_2d`` one 16x16-tile cast of the weight serves both GEMMs it enters. With
+``stochastic_rounding`` both casts of grad_output round stochastically, drawing from a
+generator seeded by ``(seed, draws)``, two int64 numbers in the buffer ``fp8_rng``
+(so a resumed run draws what the uninterrupted one would). With ``hadamard`` the
+grad-weight GEMM's operands are rotated along the tokens first (:mod:`.hadamard`).
+
+What backward needs is saved in high precision (input and weight), as torchao's MX
+training does, and cast again along the other dims. Bias, autocast and Conv1D are
+handled as in :class:`~amped.fp8.Float8Linear`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from amped._internal.errors import type_error
+from amped.autocast_mode import autocast
+from amped.fp8.block_cast import BlockTensor, check_block_multiple, quantize_block
+from amped.fp8.block_config import BlockConfig
+from amped.fp8.block_gemm import block_mm, has_block_scaled_mm, require_block_scaled_mm
+from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims, low_precision_class
+from amped.fp8.hadamard import HADAMARD_SIZE, random_hadamard, rotate_rows
+
+__all__ = ["BlockLinear"]
+
+
+def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -x.shape[0] % multiple
+    return x if extra == 0 else torch.cat([x, x.new_zeros(extra, x.shape[1])])
+
+
+class _BlockLinearFunction(torch.autograd.Function):
+    """``x @ weight.T`` with the output, grad-input and grad-weight GEMMs block-scaled."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: BlockLinear) -> Any:
+        x2 = x.reshape(-1, x.shape[-1])
+        out = block_mm(
+            layer.block_cast(x2), layer.weight_cast(weight), x.dtype, emulate=layer.fp8_emulate
+        )
+        ctx.save_for_backward(x2, weight)
+        ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
+        return out.reshape(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        layer: BlockLinear = ctx.layer
+        x2, weight = ctx.saved_tensors
+        go = grad.reshape(-1, grad.shape[-1])
+        generator = layer.rounding_generator()
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            goq = layer.block_cast(go, generator)
+            grad_x = block_mm(
+                goq, layer.weight_cast(weight.t()), grad.dtype, emulate=layer.fp8_emulate
+            )
+            grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            cfg = layer.block_config
+            multiple = max(cfg.format.block_size, HADAMARD_SIZE if cfg.hadamard else 1)
+            go_rows, x_rows = _pad_rows(go, multiple), _pad_rows(x2.to(go.dtype), multiple)
+            if cfg.hadamard:
+                rotation = layer.hadamard_rotation()
+                go_rows, x_rows = rotate_rows(go_rows, rotation), rotate_rows(x_rows, rotation)
+            go_t = layer.block_cast(go_rows.t().contiguous(), generator)
+            x_t = layer.block_cast(x_rows.t().contiguous())
+            grad_w = block_mm(go_t, x_t, grad.dtype, emulate=layer.fp8_emulate)
+            grad_w = grad_w.to(ctx.w_dtype)
+        return grad_x, grad_w, None
+
+
+class BlockLinear(torch.nn.Linear):
+    """An ``nn.Linear`` that computes in MXFP8, MXFP4 or NVFP4 (:mod:`.block_linear`).
+
+    Made in place from an ``nn.Linear`` or a transformers ``Conv1D`` by
+    :meth:`convert_`; :func:`amped.fp8.convert_to_fp8` does that for a whole model.
+
+    Attributes:
+        block_config: the :class:`~amped.fp8.BlockConfig`.
+        fp8_emulate: whether GEMMs are emulated (no block GEMM on the device).
+        fp8_rng: int64 ``[seed, draws]`` of stochastic rounding (a buffer).
+    """
+
+    weight_transposed = False
+    block_config: BlockConfig
+    fp8_emulate: bool
+    fp8_rng: torch.Tensor
+
+    @classmethod
+    def convert_(
+        cls,
+        linear: torch.nn.Module,
+        config: BlockConfig,
+        emulate: bool | None = None,
+        seed: int = 0,
+    ) -> BlockLinear:
+        """Turn ``linear`` into a BlockLinear in place and return it.
+
+        Args:
+            linear: an ``nn.Linear`` or transformers ``Conv1D`` (exactly that class).
+            config: the block config.
+            emulate: force (True) or forbid (False, sm100 GPUs only) emulated GEMMs;
+                default: emulate where the device has no block-scaled GEMM.
+            seed: this layer's seed for stochastic rounding and Hadamard signs.
+
+        Raises:
+            TypeError: another module type.
+            ValueError: a dim that is not a multiple of the block size.
+            RuntimeError: ``emulate=False`` on a device without block GEMMs.
+        """
+        if not is_linear_like(linear):
+            raise type_error(
+                "BlockLinear converts torch.nn.Linear and transformers Conv1D modules only",
+                "type(linear)",
+                type(linear),
+            )
+        in_features, out_features = linear_dims(linear)
+        check_block_multiple(config.format, "in_features", (in_features,))
+        check_block_multiple(config.format, "out_features", (out_features,))
+        weight = linear.weight
+        assert isinstance(weight, torch.Tensor)  # is_linear_like
+        device = weight.device
+        if emulate is False:
+            require_block_scaled_mm(device)
+        if is_conv1d(linear):
+            linear.__class__ = low_precision_class(cls, type(linear))
+        else:
+            linear.__class__ = cls
+        layer: BlockLinear = linear  # type: ignore[assignment]
+        layer.in_features, layer.out_features = in_features, out_features
+        layer.block_config = config
+        layer.fp8_emulate = (not has_block_scaled_mm(device)) if emulate is None else emulate
+        rng = torch.tensor([config.seed + seed, 0], dtype=torch.int64, device=device)
+        layer.register_buffer("fp8_rng", rng)
+        return layer
+
+    def block_cast(self, x: torch.Tensor, generator: torch.Generator | None = None) -> BlockTensor:
+        """``x`` (2-D) cast to the layer's format, blocks along its last dim."""
+        cfg = self.block_config
+        return quantize_block(x, cfg.format, cfg.scale_mode, generator=generator)
+
+    def weight_cast(self, weight: torch.Tensor) -> BlockTensor:
+        """The weight (or its transpose) cast, in 16x16 tiles under ``weight_2d``."""
+        cfg = self.block_config
+        w = weight if weight.is_contiguous() else weight.contiguous()
+        return quantize_block(w, cfg.format, cfg.scale_mode, tile_2d=cfg.weight_2d)
+
+    def rounding_generator(self) -> torch.Generator | None:
+        """A generator for this backward's stochastic rounding (None when off); each
+        call advances the draw count in ``fp8_rng``."""
+        if not self.block_config.stochastic_rounding:
+            return None
+        seed, draws = (int(v) for v in self.fp8_rng.tolist())
+        self.fp8_rng[1] += 1
+        generator = torch.Generator(self.fp8_rng.device)
+        return generator.manual_seed((seed << 32) + draws)
+
+    def hadamard_rotation(self) -> torch.Tensor:
+        """This layer's 16x16 random Hadamard block (signs from its seed)."""
+        return random_hadamard(int(self.fp8_rng[0]))
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        device_type = input.device.type
+        if torch.is_autocast_enabled(device_type) and input.is_floating_point():
+            input = input.to(torch.get_autocast_dtype(device_type))
+        with autocast(device_type, enabled=False):
+            weight = self.weight.t() if self.weight_transposed else self.weight
+            out = _BlockLinearFunction.apply(input, weight, self)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+        return out
+
+    def extra_repr(self) -> str:
+        emulated = ", emulated" if self.fp8_emulate else ""
+        return f"{super().extra_repr()}, block={self.block_config}{emulated}"

@@ -61,6 +61,7 @@ SUBPACKAGE_EXPECTED = {
         "GrowthFactors",
         "Hysteresis",
         "ScaleRecord",
+        "ScaleStallError",
         "ScaleState",
         "ScaleStrategy",
         "StaticScale",

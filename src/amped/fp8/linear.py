@@ -22,7 +22,14 @@ from amped._internal.errors import type_error
 from amped.autocast_mode import autocast
 from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
 from amped.fp8.config import CastRule, Fp8Config
-from amped.fp8.delayed import GRAD_OUTPUT, INPUT, WEIGHT, next_scale, reduce_max
+from amped.fp8.delayed import (
+    GRAD_OUTPUT,
+    INPUT,
+    WEIGHT,
+    next_scale,
+    propagate_nonfinite,
+    reduce_max,
+)
 from amped.fp8.gemm import has_scaled_mm, scaled_mm
 
 __all__ = ["Float8Linear"]
@@ -166,6 +173,7 @@ class Float8Linear(torch.nn.Linear):
             else:  # first step: this tensor's own amax, the same on every rank
                 amax = reduce_max(amax.clone())
                 scale = next_scale(amax, self.fp8_max[role], self.fp8_scale[role], delayed.margin)
+            scale = propagate_nonfinite(scale, amax)
         return Fp8Tensor(cast_saturated(x, scale, rule.dtype), scale)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 from amped._internal.errors import value_error
 from amped.policy import Policy
 from amped.recipes.master import MasterWeightOptimizer, check_wrappable
-from amped.recipes.setup import TrainSetup, check_recipe_state
+from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import lower_model_, with_norms_in_fp32
 
 __all__ = ["MasterSetup", "build_master_setup"]
@@ -61,7 +61,7 @@ class MasterSetup(TrainSetup):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: masters exactly, model weights rounded from them."""
-        check_recipe_state(state, self.recipe)
+        self.check_state(state)
         model_state = state["model"]
         self.model.load_state_dict(model_state)  # rounds into the low-precision weights
         masters = {id(param): master for param, master in self.optimizer.pairs}

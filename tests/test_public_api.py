@@ -31,6 +31,7 @@ EXPECTED = {
     "get_autocast_dtype",
     "is_autocast_enabled",
     "memory_report",
+    "monitor",
     "prepare",
 }
 
@@ -89,11 +90,15 @@ SUBPACKAGE_EXPECTED = {
         "CompensatedSGD",
         "MasterWeightOptimizer",
         "MemoryReport",
+        "Monitor",
+        "NonFinite",
+        "NonFiniteError",
         "OPT_IN_RECIPES",
         "RECIPES",
         "Recipe",
         "TrainSetup",
         "memory_report",
+        "monitor",
         "prepare",
         "recipe_names",
         "register",

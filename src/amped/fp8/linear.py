@@ -31,6 +31,7 @@ from amped.fp8.delayed import (
     reduce_max,
 )
 from amped.fp8.gemm import has_scaled_mm, scaled_mm
+from amped.fp8.health import Operand, record_gemm
 
 __all__ = ["Float8Linear"]
 
@@ -47,6 +48,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         out = scaled_mm(
             xq, wq.t(), x.dtype, emulate=layer.fp8_emulate, use_fast_accum=cfg.fast_accum_output
         )
+        record_gemm(layer, "forward", "output", out, {"input": (x2, xq), "weight": (weight, wq)})
         ctx.reuse_x = cfg.input.granularity == "tensorwise" and not cfg.grad_weight_hp
         ctx.reuse_w = cfg.weight.granularity == "tensorwise" and cfg.w_gi == cfg.weight
         x_saved = (xq.data, xq.scale) if ctx.reuse_x else (x2,)
@@ -65,6 +67,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         else:
             x2, saved = saved[0], saved[1:]
         w_gi = Fp8Tensor(saved[0], saved[1]) if ctx.reuse_w else None
+        w_high = None if ctx.reuse_w else saved[0]
         go = grad.reshape(-1, grad.shape[-1])
         goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1)
         grad_x = grad_w = None
@@ -72,10 +75,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if w_gi is None:  # rowwise over the output dim: one scale per input feature
                 w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0)
             grad_x = scaled_mm(goq, w_gi, grad.dtype, emulate=layer.fp8_emulate)
+            operands: dict[str, Operand] = {"grad_output": (go, goq), "weight": (w_high, w_gi)}
+            record_gemm(layer, "grad_input", "grad_input", grad_x, operands)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             if cfg.grad_weight_hp:
                 grad_w = go.t() @ x2.to(go.dtype)
+                operands = {"grad_output": (go, None), "input": (x2, None)}
             else:
                 go_gw = goq
                 if cfg.grad_output.granularity == "rowwise":  # one scale per output feature
@@ -83,6 +89,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 if not ctx.reuse_x:  # one scale per input feature
                     x_q = layer.fp8_cast(x2, cfg.input, None, dim=0)
                 grad_w = scaled_mm(go_gw.t(), x_q, grad.dtype, emulate=layer.fp8_emulate)
+                x_high = None if ctx.reuse_x else x2
+                operands = {"grad_output": (go, go_gw), "input": (x_high, x_q)}
+            record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands)
             grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None
 

@@ -47,6 +47,7 @@ class TrainSetup:
 
     fp8_layers: Fp8Layers | None = None
     fp8_base: str | None = None
+    monitor: Any = None  # an amped.recipes.Monitor (amped.monitor attaches it)
 
     def __init__(
         self,
@@ -102,12 +103,20 @@ class TrainSetup:
         recipe scales the loss (the inf/NaN check); never otherwise.
         """
         self._prepare_grads()
+        monitor = self.monitor
+        if monitor is not None and not monitor.check_step():  # one sync; may raise
+            monitor.skip_step()
+            self._after_step(False)
+            monitor.end_step()
+            return False
         self.scaler.step(self.optimizer)
         self.scaler.update()
         stepped = not self.scaler.last_step_skipped
         self._after_step(stepped)
         if self.fp8_layers is not None:
             self.fp8_layers.update()  # delayed scaling's histories and next scales
+        if monitor is not None:
+            monitor.end_step()
         return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -201,12 +201,6 @@ def foreach_all_zero(tensors: list[torch.Tensor]) -> torch.Tensor:
     return (torch.stack([n.float() for n in norms]) == 0).all()
 
 
-def foreach_all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """bool, 0-d: whether no element of any tensor is inf or NaN (one max-abs pass)."""
-    norms = torch._foreach_norm(tensors, float("inf"))
-    return torch.isfinite(torch.stack([n.float() for n in norms])).all()
-
-
 def sparse_values(tensor: torch.Tensor) -> torch.Tensor:
     """The values of a sparse tensor, coalesced or not (``values()`` refuses uncoalesced)."""
     return tensor._values()

@@ -12,10 +12,11 @@ no observer is attached (``layer.fp8_observer`` is None, the default) that is on
 attribute read. An observer (:class:`amped.recipes.Monitor`) gets, on the device and
 without a sync:
 
-- every step, one bool flag per tensor: whether it holds an inf or NaN. An operand's
-  flag comes from its scale, which the cast computed anyway (a dynamic scale is 0 for
-  an inf amax and NaN for a NaN one; a delayed one is NaN, see
-  :func:`amped.fp8.delayed.propagate_nonfinite`); an output's takes one max-abs pass;
+- every step, per tensor, a *probe* that tells whether it holds an inf or NaN, left on
+  the device: an operand's is the smallest of its scales, which the cast computed
+  anyway (a dynamic scale is 0 for an inf amax and NaN for a NaN one; a delayed one is
+  NaN, see :func:`amped.fp8.delayed.propagate_nonfinite`), so it is bad unless > 0; an
+  output's is its min and max (one ``aminmax`` pass), bad unless both are finite;
 - on the steps it samples (``observer.sampling``), the counts in :data:`STATS`.
 
 Any layer can report the same way: call ``record_gemm(self, role, output_name, output,
@@ -61,9 +62,12 @@ class GemmObserver(Protocol):
         self,
         layer: torch.nn.Module,
         role: str,
-        flags: list[tuple[str, torch.Tensor]],
+        scale_probes: list[tuple[str, torch.Tensor]],
+        end_probes: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]],
         stats: torch.Tensor | None,
-    ) -> None: ...
+    ) -> None:
+        """``scale_probes``: (tensor, smallest scale), bad unless > 0; ``end_probes``:
+        (tensor, (min, max)), bad unless both finite; ``stats``: :data:`STATS` or None."""
 
 
 def record_gemm(
@@ -77,26 +81,19 @@ def record_gemm(
     observer: Any = getattr(layer, "fp8_observer", None)
     if observer is None:
         return
+    # One op per tensor (the flags are made from these in one batch, at the step's end).
+    scale_probes, end_probes = [], []
     with torch.no_grad():
-        flags = [(name, _operand_flag(high, low)) for name, (high, low) in operands.items()]
-        flags.append((output_name, _holds_nonfinite(output)))
+        for name, (high, low) in operands.items():
+            if low is not None:
+                scale_probes.append((name, low.scale.amin()))
+            elif high is not None and high.numel():
+                end_probes.append((name, torch.aminmax(high)))
+        if output.numel():
+            # aminmax: one vectorized pass without a copy; NaN propagates through it.
+            end_probes.append((output_name, torch.aminmax(output)))
         stats = _stats(operands, output) if observer.sampling else None
-    observer.observe(layer, role, flags, stats)
-
-
-def _holds_nonfinite(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.numel() == 0:
-        return torch.zeros((), dtype=torch.bool, device=tensor.device)
-    return ~torch.isfinite(tensor.abs().amax().float())
-
-
-def _operand_flag(high: torch.Tensor | None, low: Fp8Tensor | None) -> torch.Tensor:
-    if low is not None:
-        scale = low.scale.float()
-        # 0 where the amax was inf, NaN where it was NaN; finite and > 0 otherwise.
-        return ~(scale.amin() > 0)
-    assert high is not None, "an operand needs its tensor or its quantized form"
-    return _holds_nonfinite(high)
+    observer.observe(layer, role, scale_probes, end_probes, stats)
 
 
 def _stats(operands: Mapping[str, Operand], output: torch.Tensor) -> torch.Tensor:

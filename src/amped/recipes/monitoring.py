@@ -40,7 +40,6 @@ from typing import Any
 import torch
 
 from amped._internal.errors import value_error
-from amped._internal.torch_compat import foreach_all_finite
 from amped.fp8.health import ROLES, STATS
 from amped.recipes.setup import TrainSetup
 
@@ -102,8 +101,11 @@ class Monitor:
             {} if setup.fp8_layers is None else dict(setup.fp8_layers.layers)
         )
         self._names = {id(layer): name for name, layer in self._layers.items()}
-        self._events: list[tuple[str, str, str]] = []
-        self._flags: list[torch.Tensor] = []
+        # Per tensor reported this step: (module, role, tensor, kind, index), kind 0 for a
+        # scale probe (bad unless > 0), 1 for a min/max pair (bad unless finite).
+        self._events: list[tuple[str, str, str, int, int]] = []
+        self._scale_probes: list[torch.Tensor] = []
+        self._end_probes: list[torch.Tensor] = []
         self._stats: dict[tuple[str, str], torch.Tensor] = {}
         self._ran: set[str] = set()
         self._warned = False
@@ -117,14 +119,18 @@ class Monitor:
         self,
         layer: torch.nn.Module,
         role: str,
-        flags: list[tuple[str, torch.Tensor]],
+        scale_probes: list[tuple[str, torch.Tensor]],
+        end_probes: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]],
         stats: torch.Tensor | None,
     ) -> None:
-        """A layer's GEMM of this step: its flags and, on a sampled step, its counters."""
+        """A layer's GEMM of this step: its probes and, on a sampled step, its counters."""
         name = self._names.get(id(layer), type(layer).__name__)
-        for tensor, flag in flags:
-            self._events.append((name, role, tensor))
-            self._flags.append(flag)
+        for tensor, probe in scale_probes:
+            self._events.append((name, role, tensor, 0, len(self._scale_probes)))
+            self._scale_probes.append(probe)
+        for tensor, (low, high) in end_probes:
+            self._events.append((name, role, tensor, 1, len(self._end_probes)))
+            self._end_probes += [low, high]
         if stats is None:
             return
         self._ran.add(name)
@@ -146,19 +152,31 @@ class Monitor:
         """
         setup = self.setup
         scaled = setup.scaler.is_enabled()  # the scaler checks (and skips) the gradients
-        flags = list(self._flags)
         grads = [p.grad for p in setup.main_params() if p.grad is not None]
+        ends = list(self._end_probes)
         if grads and not scaled:
-            flags.append(~foreach_all_finite(grads))
-        bad = [] if not flags else torch.stack([f.to(flags[0].device) for f in flags]).tolist()
-        if not any(bad):
-            return True
-        first = bad.index(True)
-        if first < len(self._events):
-            module, role, tensor = self._events[first]
+            # aminmax: one vectorized pass per gradient (CPU: 10x faster than _foreach_norm).
+            ends += [end for grad in grads for end in torch.aminmax(grad)]
+        parts = []
+        if self._scale_probes:
+            parts.append(~(_stack(self._scale_probes) > 0))
+        if ends:
+            parts.append(~torch.isfinite(_stack(ends)))
+        bad = torch.cat(parts).tolist() if parts else []  # the one sync
+        offset = len(self._scale_probes)
+        flagged = [
+            event
+            for event in self._events
+            if bad[event[4] if event[3] == 0 else offset + event[4]]
+            or (event[3] == 1 and bad[offset + event[4] + 1])
+        ]
+        if flagged:
+            module, role, tensor, _, _ = flagged[0]
             found = NonFinite(self.step, module, role, tensor)
-        else:
+        elif any(bad):
             found = NonFinite(self.step, None, None, "gradients")
+        else:
+            return True
         self.nonfinite_steps.append(found)
         if self.first_nonfinite is None:
             self.first_nonfinite = found
@@ -189,7 +207,8 @@ class Monitor:
             self.sampled_steps += 1
             self._audit()
         self._events.clear()
-        self._flags.clear()
+        self._scale_probes.clear()
+        self._end_probes.clear()
         self.step += 1
         self.sampling = self.step % self.every == 0
         if self.sampling:
@@ -259,6 +278,14 @@ class Monitor:
                 layer.fp8_observer = None  # type: ignore[assignment]
         if self.setup.monitor is self:
             self.setup.monitor = None
+
+
+def _stack(values: list[torch.Tensor]) -> torch.Tensor:
+    """0-d tensors stacked (dtypes promoted) on the first one's device."""
+    device = values[0].device
+    if any(value.device != device for value in values):
+        values = [value.to(device) for value in values]
+    return torch.stack(values)
 
 
 def monitor(

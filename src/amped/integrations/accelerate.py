@@ -43,8 +43,9 @@ import amped
 from amped._internal.errors import received, type_error, value_error
 from amped.autocast_mode import autocast
 from amped.integrations.common import default_scaler, rebind_scheduler, resolve_arguments
+from amped.integrations.health import health_metrics
 from amped.policy import Policy
-from amped.recipes import MemoryReport, Recipe, TrainSetup, memory_report
+from amped.recipes import MemoryReport, Monitor, Recipe, TrainSetup, memory_report, monitor
 from amped.scaling import GradScaler
 from amped.scaling.checkpoint import refuse_nonfinite
 
@@ -103,6 +104,28 @@ class Accelerator(accelerate.Accelerator):
         self.register_for_checkpointing(self.recipe_state)
         self.allow_nonfinite = allow_nonfinite
         self.register_save_state_pre_hook(self._refuse_nonfinite_state)
+        self.health: Monitor | None = None
+
+    def monitor(
+        self, every: int = 50, *, on_nonfinite: str = "skip", strict: bool = False
+    ) -> Monitor:
+        """Attach :func:`amped.monitor` to the prepared setup (after :meth:`prepare`);
+        :meth:`log_health` then sends its counters to the trackers."""
+        if self.setup is None:
+            raise RuntimeError(
+                "monitor() needs a prepared model and optimizer; call prepare first."
+            )
+        self.health = monitor(self.setup, every, on_nonfinite=on_nonfinite, strict=strict)
+        return self.health
+
+    def log_health(self, step: int | None = None) -> dict[str, float]:
+        """Log the monitor's per-GEMM counters with :meth:`log` (to every tracker given
+        as ``log_with``); returns them. One sync."""
+        if self.health is None:
+            raise RuntimeError("log_health() needs a monitor; call accelerator.monitor() first.")
+        metrics = health_metrics(self.health)
+        self.log(metrics, step=step)
+        return metrics
 
     def _refuse_nonfinite_state(self, models: Any, weights: Any, output_dir: Any) -> None:
         """``save_state``'s pre-hook: refuse inf/NaN weights or optimizer state."""

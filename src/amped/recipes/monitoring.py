@@ -111,6 +111,8 @@ class Monitor:
         self._warned = False
         for layer in self._layers.values():
             layer.fp8_observer = self  # type: ignore[assignment]
+        weights: list[torch.Tensor] = [layer.weight for layer in self._layers.values()]  # type: ignore[misc]
+        self._probed = {id(p) for p in setup.main_params(weights)} if weights else set()
         setup.monitor = self
 
     # --- what the layers report (amped.fp8.health.record_gemm) ---------------------------
@@ -152,7 +154,10 @@ class Monitor:
         """
         setup = self.setup
         scaled = setup.scaler.is_enabled()  # the scaler checks (and skips) the gradients
-        grads = [p.grad for p in setup.main_params() if p.grad is not None]
+        # The FP8 weights' gradients are their grad_weight GEMMs' outputs, probed already.
+        grads = [
+            p.grad for p in setup.main_params() if p.grad is not None and id(p) not in self._probed
+        ]
         ends = list(self._end_probes)
         if grads and not scaled:
             # aminmax: one vectorized pass per gradient (CPU: 10x faster than _foreach_norm).

@@ -111,8 +111,7 @@ class Monitor:
         self._warned = False
         for layer in self._layers.values():
             layer.fp8_observer = self  # type: ignore[assignment]
-        weights: list[torch.Tensor] = [layer.weight for layer in self._layers.values()]  # type: ignore[misc]
-        self._probed = {id(p) for p in setup.main_params(weights)} if weights else set()
+        self._probed = {id(layer.weight) for layer in self._layers.values()}
         setup.monitor = self
 
     # --- what the layers report (amped.fp8.health.record_gemm) ---------------------------
@@ -154,9 +153,12 @@ class Monitor:
         """
         setup = self.setup
         scaled = setup.scaler.is_enabled()  # the scaler checks (and skips) the gradients
-        # The FP8 weights' gradients are their grad_weight GEMMs' outputs, probed already.
+        # The model's own gradients (a fused master step may never fill the masters'); the
+        # FP8 weights' ones are their grad_weight GEMMs' outputs, probed already.
         grads = [
-            p.grad for p in setup.main_params() if p.grad is not None and id(p) not in self._probed
+            p.grad
+            for p in setup.model.parameters()
+            if p.grad is not None and id(p) not in self._probed
         ]
         ends = list(self._end_probes)
         if grads and not scaled:

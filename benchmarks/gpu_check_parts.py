@@ -32,16 +32,17 @@ BUDGETS = {
     "setup": 60,
     "op_lists": 60,
     "gpu_tests": 75,
-    "recipes": 75,
+    "recipes": 105,
     "fp8": 120,
     "autocast_overhead": 75,
     "scaler_overhead": 45,
 }
 # The benchmarks' arguments on CUDA, and in the dry run (CPU, their smallest settings).
-# recipes on CUDA: 64 x 64 tokens (GPT-2 tiny's 64 positions), so the GPU has work;
+# recipes on CUDA: 64 x 64 tokens (GPT-2 tiny's 64 positions), so the GPU has work, and
+# fp16-master against fp16 O1 too (the fused master step's Triton kernels, both dtypes);
 # fp8 on CUDA: fp8.py's large layers (d=8192, 16384 tokens), 2 blocks to fit the budget.
 CUDA_ARGS = {
-    "recipes": "--device cuda --repeats 10 --warmup 3 --batch 64 --seq 64",
+    "recipes": "--device cuda --repeats 10 --warmup 3 --batch 64 --seq 64 --fp16",
     "fp8": "--gpu-only --gpu-layers 2 --gpu-repeats 5 --gpu-steps 3",
     "autocast_overhead": "--device cuda --repeats 15 --no-compile",
     "scaler_overhead": "--device cuda --repeats 15 --iterations 10",

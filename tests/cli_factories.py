@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 import torch.nn.functional as F
@@ -187,3 +188,28 @@ class DollarNames(nn.Module):
 def dollar_names(batch_size: int = 16, seed: int = 0):
     _, batches, loss_fn = good(batch_size, seed)
     return DollarNames(), batches, loss_fn
+
+
+class Sleepy(nn.Linear):
+    """A step of ``seconds`` in float32 and half that under autocast (a sleep, so the
+    step times are known and cost no CPU on a shared machine)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(8, 2)
+        self.seconds = seconds
+
+    def forward(self, x):
+        time.sleep(self.seconds / (2 if torch.is_autocast_enabled("cpu") else 1))
+        return super().forward(x)
+
+
+def sleepy(batch_size: int = 16, seed: int = 0):
+    """Steps of seconds: 1.5 s in float32, 0.75 s under autocast."""
+    _, batches, loss_fn = good(batch_size, seed)
+    return Sleepy(1.5), batches, loss_fn
+
+
+def sleepy_fast(batch_size: int = 16, seed: int = 0):
+    """:func:`sleepy` at 60 ms a float32 step: enough steps fit a short budget."""
+    _, batches, loss_fn = good(batch_size, seed)
+    return Sleepy(0.06), batches, loss_fn

@@ -108,6 +108,10 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timeout)
     try:
         torch.save({"ddp": ddp(rank), "fsdp": fsdp(rank)}, out / f"rank{rank}.pt")
+        # Every rank reaches this point before any tears its group down: a rank that
+        # destroys its group while a peer's last collective is still in flight can
+        # abort in gloo's teardown ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -64,6 +64,7 @@ def main() -> None:
         # Skip destroy_process_group and interpreter teardown: both may wait on the
         # dead peer. The results of finished scenarios are already on disk.
         os._exit(FAILED_EXIT)
+    dist.barrier()  # no rank tears its group down while a peer's collective is in flight
     dist.destroy_process_group()
 
 

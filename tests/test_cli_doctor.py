@@ -170,3 +170,23 @@ def test_missing_extra_names_the_command_that_needs_it(capsys, monkeypatch):
     assert "amped doctor needs the optional 'cli' dependencies (matplotlib missing)" in (
         capsys.readouterr().err
     )
+
+
+def test_the_printed_fix_line_executed_builds_the_policy_it_verified(capsys, tmp_path):
+    import amped
+    from amped.doctor import diagnose
+
+    code, out, err = _doctor(capsys, tmp_path, "--model", "doctor_factories:exp_overflow")
+    assert code == 0, err
+    (line,) = [line.strip() for line in out.splitlines() if line.strip().startswith("fix: ")]
+    fix = line.removeprefix("fix: ")
+    assert _report(tmp_path)["suggestion"]["code"] == fix
+    assert "fix" in (tmp_path / "rep" / "doctor.html").read_text()
+    policy = eval(fix, {"amped": amped})  # what a user pastes after `import amped`
+    assert policy == amped.Policy.preset("torch", "cpu").with_ops(fp32=["exp"])
+    import doctor_factories
+
+    model, batches, loss_fn = doctor_factories.exp_overflow()
+    x, _ = next(iter(batches))
+    fixed = diagnose(model, x, lambda out: loss_fn(out, None), dtype=torch.float16, policy=policy)
+    assert fixed.forward_culprit is None  # the forward overflow is gone

@@ -202,3 +202,40 @@ def test_exports_are_the_checks_their_reports_and_fixes():
         "Fp8Report", "Fp8Suggestion", "Report", "Suggestion", "diagnose", "diagnose_fp8",
     }  # fmt: skip
     assert all(hasattr(amped.doctor, name) for name in amped.doctor.__all__)
+
+
+@pytest.mark.parametrize(
+    ("build", "policy"),
+    [(doctor_models.exp_overflow, "torch"), (doctor_models.softmax_input_overflow, "torch")],
+    ids=["op-fix", "module-fix"],
+)
+def test_the_fix_line_executed_builds_the_verified_policy(build, policy):
+    model, x, *_ = build()
+    report = diagnose(model, x, _mean_loss, dtype=FP16, policy=policy)
+    suggestion = report.suggestion
+    assert suggestion is not None and suggestion.verified and suggestion.code is not None
+    assert suggestion.code.startswith(f"amped.Policy.preset({policy!r}, 'cpu').with_")
+    built = eval(suggestion.code, {"amped": amped})  # the line a user pastes
+    assert built == suggestion.policy
+    fixed = diagnose(model, x, _mean_loss, dtype=FP16, policy=built)
+    assert fixed.forward_culprit is None
+    assert json.loads(report.to_json())["suggestion"]["code"] == suggestion.code
+    assert f"  fix: {suggestion.code}" in report.summary().splitlines()
+
+
+def test_a_forward_overflow_says_nothing_about_loss_scales():
+    model, x, *_ = doctor_models.exp_overflow()
+    report = diagnose(model, x, _mean_loss, dtype=FP16)
+    assert report.forward_culprit is not None
+    assert "loss scale:" not in report.summary() and "safe loss scale" not in report.summary()
+
+
+def test_a_loss_scale_fix_line_builds_the_scaler_it_verified():
+    model, x = doctor_models.tiny_gradients()
+    report = diagnose(model, x, lambda out: out.float().pow(2).mean() * 1e-6, dtype=FP16,
+                      loss_scale=1.0)  # fmt: skip
+    suggestion = report.suggestion
+    assert suggestion is not None and suggestion.verified and suggestion.code is not None
+    scaler = eval(suggestion.code, {"amped": amped})
+    assert isinstance(scaler, amped.GradScaler)
+    assert scaler.get_scale() == suggestion.loss_scale

@@ -4,6 +4,7 @@ hand-written loop, and Lightning's checkpointing."""
 from __future__ import annotations
 
 import collections
+import logging
 
 import pytest
 import torch
@@ -353,3 +354,20 @@ def test_the_policy_applies_inside_lightnings_training_step():
     fit(Probe(), epochs=1, plugins=[Precision("bf16-mixed", policy=policy, device="cpu")])
     fit(Probe(), epochs=1, plugins=[Precision("bf16-mixed", device="cpu")])
     assert seen == [torch.float32] * STEPS_PER_EPOCH + [torch.bfloat16] * STEPS_PER_EPOCH
+
+
+@pytest.mark.parametrize("recipe", ["bf16-master", "bf16-pure"])
+def test_lightning_names_the_recipe_and_reports_the_training_state_after_fit(recipe, caplog):
+    module = Module()
+    plugin = Precision(recipe, device="cpu")
+    assert repr(plugin) == f"Precision({recipe!r}, device='cpu')"
+    with caplog.at_level(logging.INFO):
+        fit(module, epochs=1, plugins=[plugin])
+    assert f"amped: training with recipe {recipe!r}" in caplog.text
+    # fit ended: the model is float32 again, and memory_report() is still the state
+    # the recipe trained with (the last one measured during fit), not the float32 model's.
+    assert {p.dtype for p in module.parameters()} == {torch.float32}
+    assert plugin.memory_report() == module.reports[-1]
+    assert plugin.memory_report() != amped.memory_report(
+        module, make_optimizer(module.parameters())
+    )

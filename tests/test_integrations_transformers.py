@@ -218,3 +218,78 @@ def test_bad_arguments_fail_at_construction(tmp_path):
             recipe="bf16-mixed",
             policy=amped.Policy.preset("torch", "cuda"),
         )
+
+
+def _fp32_weights(setup) -> dict[str, torch.Tensor]:
+    """The recipe's float32 weights by parameter name, read from the recipe's own
+    state: O2's masters, bf16-pure's weights plus their Kahan compensation."""
+    names = {id(p): name for name, p in setup.model.named_parameters()}
+    if hasattr(setup.optimizer, "pairs"):  # O2; parameters it keeps in float32 have none
+        out = {name: p.detach().clone() for name, p in setup.model.named_parameters()}
+        out.update({names[id(p)]: m.detach().clone() for p, m in setup.optimizer.pairs})
+        return out
+    out = {}
+    for name, p in setup.model.named_parameters():
+        compensation = setup.optimizer.state[p].get("compensation")
+        out[name] = p.detach().float() + (0 if compensation is None else compensation)
+    return out
+
+
+class RecordWeights(transformers.TrainerCallback):
+    """The recipe's float32 weights at each checkpoint and at the last step."""
+
+    def __init__(self) -> None:
+        self.at_save: dict[int, dict[str, torch.Tensor]] = {}
+        self.last: dict[str, torch.Tensor] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.last = _fp32_weights(self.trainer.accelerator.setup)
+
+    def on_save(self, args, state, control, **kwargs):
+        self.at_save[state.global_step] = _fp32_weights(self.trainer.accelerator.setup)
+
+
+def _check_file(path, expected: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import load_file
+
+    saved = load_file(str(path))
+    assert {t.dtype for t in saved.values()} == {torch.float32}, path
+    for name, weight in expected.items():
+        if name in saved:  # a tied weight (lm_head) is saved once
+            assert torch.equal(saved[name], weight), (path, name)
+    assert set(saved) <= set(expected), path
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    ["bf16-master", pytest.param("bf16-pure", marks=pytest.mark.slow)],  # compiles its step
+)
+def test_trainer_ends_and_saves_in_float32_equal_to_the_masters(recipe, tmp_path):
+    args = arguments(tmp_path, save_strategy="steps", save_steps=2)
+    model = tiny_llama()
+    recorder = RecordWeights()
+    trainer = AmpedTrainer(model=model, args=args, train_dataset=dataset(), recipe=recipe,
+                           callbacks=[recorder])  # fmt: skip
+    recorder.trainer = trainer
+    trainer.train()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    for name, param in model.named_parameters():  # teardown gave back the final masters
+        assert torch.equal(param.detach(), recorder.last[name]), name
+    trainer.save_model(str(tmp_path / "final"))
+    _check_file(tmp_path / "final" / "model.safetensors", recorder.last)
+    assert sorted(recorder.at_save) == [2, 4, 6]
+    for step, weights in recorder.at_save.items():
+        _check_file(tmp_path / f"checkpoint-{step}" / "model.safetensors", weights)
+    reloaded = LlamaForCausalLM.from_pretrained(str(tmp_path / "final"))
+    assert reloaded.dtype == torch.float32
+
+
+def test_trainer_resume_of_a_lowered_model_is_bitwise(tmp_path):
+    args = arguments(tmp_path, save_strategy="steps", save_steps=3)
+    whole, whole_params = train(AmpedTrainer, tmp_path, args=args, recipe="bf16-pure")
+    AcceleratorState._reset_state(True)
+    resumed, params = train(AmpedTrainer, tmp_path, args=args, recipe="bf16-pure",
+                            resume=str(tmp_path / "checkpoint-3"))  # fmt: skip
+    assert _equal(whole.losses[3:], resumed.losses)
+    assert _equal(whole_params, params)
+    assert {p.dtype for p in params} == {torch.float32}

@@ -60,9 +60,11 @@ def _reference_o2(dtype: torch.dtype, scale: float, data):
     ids=["fp16", "bf16"],
 )
 def test_o2_step_equals_hand_written_reference(recipe, dtype, scale):
+    """The unfused step (tests/test_recipes_master_fused.py holds the fused one to it)."""
     data = batches(6)
     model = mlp()
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), recipe)
+    setup.optimizer.fused = False
     losses = train(setup, data)
     ref_model, ref_masters, ref_losses = _reference_o2(dtype, scale, data)
     assert losses == ref_losses

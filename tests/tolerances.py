@@ -73,3 +73,18 @@ FUSED_AMPLIFIED = 0.001
 FUSED_KAHAN_REL = 2.0**-14
 FUSED_CANCELLATION = 4
 FUSED_UPDATE_REL = 2.0**-6
+
+# The fused master-weight step against the unfused O2 step (tests/test_recipes_master_fused.py).
+# The kernel repeats torch's single-tensor Adam/SGD ops with torch's fused multiply-adds,
+# bitwise but for one op: eager CPU sqrt (MKL's vector sqrt) is off by one float32 ulp
+# on about 0.7% of elements, the kernel's is correctly rounded. That moves Adam's
+# denominator by 2**-24 of itself and a master by at most one float32 ulp a step (the
+# addcdiv's rounding may then go the other way); masters, and moments through Adam's L2
+# term, stay within one ulp of the tensor's largest value per step. A low-precision
+# weight differs only where its master lies within that of a rounding boundary, by one
+# ulp of its dtype: rare (measured over the test's Adam cases, 4 steps: no weight
+# differed, masters within half a float32 ulp of their largest value); 1% bounds it
+# with a wide margin. The forward then sees those weights, so losses may differ by
+# rounding noise of the low dtype: 2**-8 relative (measured: equal).
+MASTER_FUSED_LOW_DIFFERING = 0.01
+MASTER_FUSED_LOSS_REL = 2.0**-8

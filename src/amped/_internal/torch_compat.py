@@ -288,6 +288,23 @@ def python_mode_active() -> bool:
     return bool(torch._C._len_torch_dispatch_stack() or torch._C._len_torch_function_stack())
 
 
+def fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a * b + c`` rounded once, in compiled code (Inductor's prim: a fused multiply-add
+    instruction), as torch's eager CPU kernels compute ``lerp``, ``addcmul`` and
+    ``add(alpha=)``. Run eagerly, it rounds twice. Imported when first called: importing
+    Inductor takes a second."""
+    from torch._inductor import inductor_prims
+
+    return inductor_prims.fma(a, b, c)
+
+
+def mark_stepped(optimizer: torch.optim.Optimizer) -> None:
+    """Set the private mark torch's LR schedulers read (``_opt_called``, set by the
+    wrapper they put on ``optimizer.step``) for a step that ran the optimizer's
+    algorithm without calling its ``step``: no warning of a scheduler stepped first."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+
+
 BATCH_NORM_BASE: type[torch.nn.Module] = torch.nn.modules.batchnorm._NormBase
 """The common base of BatchNorm*, SyncBatchNorm and InstanceNorm*: private, no public name."""
 

@@ -93,12 +93,14 @@ def _add_compare(compare: argparse.ArgumentParser) -> None:
         help=f"train steps per recipe (default: {DEFAULT_STEPS})")  # fmt: skip
     _add_task_arguments(compare, "cpu, cuda or cuda:N (default: cuda if available)", DEFAULT_OUT)
     add("--max-time", type=seconds, default=DEFAULT_MAX_TIME, metavar="SECONDS",
-        help="fit the comparison's training into about SECONDS: time a few steps of each "
-        "recipe, then train all for as many steps as fit, at most --steps "
-        f"(default: {DEFAULT_MAX_TIME:g}; 0: no limit)")  # fmt: skip
+        help="bound the whole comparison, memory probes included, by SECONDS: estimate "
+        "each recipe's step time, then train all for as many steps as fit, at most "
+        f"--steps; the report says what was cut (default: {DEFAULT_MAX_TIME:g}; "
+        "0: no limit)")  # fmt: skip
     add("--threads", type=positive_int, default=None,
         help="CPU threads for torch, the same for every recipe (default: the task's "
-        "choice, else torch's; the built-in task uses 1)")  # fmt: skip
+        "choice, else torch's, or 1 when other processes keep the cores busy; the "
+        "built-in task uses 1)")  # fmt: skip
     add("--peak-memory", choices=["own-process", "in-process"], default="own-process",
         help="on a CPU, measure each recipe's peak memory in a process of its own (default; "
         "a few seconds per recipe, and its ordering follows the state each recipe holds) "

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 import torch
 from rich.console import Console
 
 from amped.cli import interrupt
+from amped.cli.budget import Budget
 from amped.cli.compare import Comparison, baseline_first, run_comparison
 from amped.cli.compare_report import write_report
 from amped.cli.dtypes import recipe_for_dtype
@@ -25,9 +27,12 @@ from amped.cli.progress import LineProgress, RichProgress
 from amped.cli.results import dumps, to_dict
 from amped.cli.run import CompareConfig
 from amped.cli.table import print_summary
+from amped.cli.timing import CpuLoad
 from amped.recipes import RECIPES, Recipe, resolve_recipe
 
 __all__ = ["parse_recipes", "resolve_out", "run_compare"]
+
+_LOAD_SAMPLE_S = 0.5  # how long the CPU load is sampled before choosing threads
 
 
 def parse_recipes(text: str) -> tuple[Recipe, ...]:
@@ -63,6 +68,8 @@ def _config(args: argparse.Namespace) -> CompareConfig:
         threads, source = args.threads, "--threads"
     elif task.threads is not None and device.type == "cpu":
         threads, source = task.threads, "the task's choice"
+    elif device.type == "cpu" and threads > 1:
+        threads, source = _threads_for_load(threads)
     torch.set_num_threads(threads)  # once, before any recipe: the same for every one
     return CompareConfig(
         factory=factory,
@@ -75,6 +82,23 @@ def _config(args: argparse.Namespace) -> CompareConfig:
         isolate_memory=args.peak_memory == "own-process",
         threads=threads,
         threads_source=source,
+    )
+
+
+def _threads_for_load(threads: int) -> tuple[int, str]:
+    """torch's default thread count, or 1 when other processes keep the cores busy:
+    with more threads than free cores, each op's barrier waits for a preempted thread
+    (docs/compare.md, ``--threads``)."""
+    load = CpuLoad(threads).start()
+    time.sleep(_LOAD_SAMPLE_S)
+    machine = load.stop()
+    if not machine["busy"]:
+        return threads, "torch's default"
+    others = machine["other_processes_cores"]
+    used = f"{others:.1f} of {machine['cores']} cores" if others is not None else "the cores"
+    return 1, (
+        f"amped: other processes used {used} at the start, so 1 thread instead of "
+        f"torch's {threads}; --threads N chooses"
     )
 
 
@@ -96,6 +120,7 @@ def run_compare(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def _compare(args: argparse.Namespace, command: list[str]) -> int:
+    budget = Budget(args.max_time or None)  # --max-time counts from here: the check included
     config = _config(args)
     out = resolve_out(args.out)  # created only once the task is known to build
     observer = _observer(args, config)
@@ -103,7 +128,7 @@ def _compare(args: argparse.Namespace, command: list[str]) -> int:
     # (partial or not) is still rendered and written; a second signal raises at once.
     with interrupt.graceful_interrupts():
         with observer:
-            comparison = run_comparison(config, observer)
+            comparison = run_comparison(config, observer, budget)
         results = to_dict(comparison, describe(config.device), command)
         try:
             paths = write_report(results, out)

@@ -2,21 +2,23 @@
 
 Every recipe starts from the same weights, sees the same batches and trains the same
 number of steps; recipes run one after another, so one model is in memory at a time.
+``--max-time`` bounds the whole of it, probes included (:mod:`amped.cli.budget`).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
 from amped.cli import interrupt
+from amped.cli.budget import PROBE_SHARE, Budget
 from amped.cli.interrupt import graceful_interrupts
-from amped.cli.plan import Plan, make_plan
+from amped.cli.plan import Plan, estimate_step, make_plan
 from amped.cli.probe import PROBE_KIND, ProbeResult, probe_recipe
-from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
+from amped.cli.run import OUT_OF_TIME, CompareConfig, Observer, RecipeRun, run_recipe
 from amped.cli.timing import CpuLoad
 from amped.recipes import Recipe
 
@@ -35,6 +37,7 @@ class Comparison:
     partial: bool = False
     wall_s: float = 0.0
     machine: dict[str, Any] | None = None  # the CPU load while it ran (amped.cli.timing)
+    budget: Budget | None = None  # --max-time, and what it cut
 
     @property
     def task(self) -> dict[str, Any] | None:
@@ -47,8 +50,13 @@ def baseline_first(recipes: tuple[Recipe, ...]) -> tuple[Recipe, ...]:
     return tuple(sorted(recipes, key=lambda r: r.name != BASELINE))
 
 
-def run_comparison(config: CompareConfig, observer: Observer | None = None) -> Comparison:
+def run_comparison(
+    config: CompareConfig, observer: Observer | None = None, budget: Budget | None = None
+) -> Comparison:
     """Plan, then run every recipe of ``config`` in turn.
+
+    ``budget``: the clock of ``config.max_time``, when it started before this call
+    (the command starts it before checking the task); a new one otherwise.
 
     A recipe that raises is recorded as failed and the others still run. Ctrl-C
     (KeyboardInterrupt) marks the running recipe interrupted and the comparison
@@ -57,41 +65,84 @@ def run_comparison(config: CompareConfig, observer: Observer | None = None) -> C
     """
     observer = observer or Observer()
     runs = [RecipeRun(r, config.steps, config.steps) for r in baseline_first(config.recipes)]
-    comparison = Comparison(config, runs)
+    budget = budget or Budget(config.max_time)
+    comparison = Comparison(config, runs, budget=budget)
     start = time.monotonic()
     load = CpuLoad(config.threads or torch.get_num_threads()).start()
     try:
         with graceful_interrupts():
-            probes = _probe_all(config, runs, observer)
+            probes = _probe_all(config, runs, observer, budget)
             timed = {name: p.step_times for name, p in probes.items() if p.step_times}
-            comparison.plan = make_plan(
-                config, runs, observer, timed, time.monotonic() - start if probes else 0.0
-            )
-            for run in runs:
-                if run.status == "not_run":
-                    run_recipe(config, run, observer)
-                    _own_process_peak(run, probes.get(run.recipe.name))
-                interrupt.check()
+            comparison.plan = make_plan(config, runs, observer, budget, timed)
+            _train_all(config, runs, observer, budget, comparison.plan, probes)
     except KeyboardInterrupt:
         comparison.partial = True
+    budget.stop()
     comparison.wall_s = time.monotonic() - start
     comparison.machine = load.stop()
     return comparison
 
 
 def _probe_all(
-    config: CompareConfig, runs: list[RecipeRun], observer: Observer
+    config: CompareConfig, runs: list[RecipeRun], observer: Observer, budget: Budget
 ) -> dict[str, ProbeResult]:
-    """Each recipe's peak memory (and a few step times) from a process of its own."""
+    """Each recipe's peak memory (and a few step times) from a process of its own, if
+    all the probes fit :data:`~amped.cli.budget.PROBE_SHARE` of the budget.
+
+    When they do not (judged from the probes run so far), no recipe keeps an
+    own-process peak: every one is measured in process, so that the peak column
+    compares like with like. The probes' step times are kept for the plan.
+    """
     if not config.isolate_memory or config.device.type != "cpu":
         return {}
     threads = config.threads or torch.get_num_threads()
-    probes = {}
-    for run in runs:
+    probes: dict[str, ProbeResult] = {}
+    spent = 0.0  # seconds the probes took so far
+    for index, run in enumerate(runs):
+        left = budget.probe_left()
+        expected = spent / index * (len(runs) - index) if index else 0.0
+        if left <= 0 or expected > left:
+            budget.note_cut(
+                f"peak memory measured in this process for every recipe: the {len(runs)} "
+                f"own-process probes (about {spent / max(index, 1):.1f} s each) did not fit "
+                f"{PROBE_SHARE:.0%} of --max-time"
+            )
+            return {name: replace(p, peak_bytes=None) for name, p in probes.items()}
         observer.probing(run)
-        probes[run.recipe.name] = probe_recipe(config, run, threads)
+        began = time.monotonic()
+        probes[run.recipe.name] = probe_recipe(config, run, threads, timeout=left)
+        spent += time.monotonic() - began
         interrupt.check()
     return probes
+
+
+def _train_all(
+    config: CompareConfig,
+    runs: list[RecipeRun],
+    observer: Observer,
+    budget: Budget,
+    plan: Plan | None,
+    probes: dict[str, ProbeResult],
+) -> None:
+    """Train each recipe not yet run, within its share of what is left of the budget."""
+    estimates = dict(plan.step_s) if plan else {}
+    for name, probe in probes.items():
+        if name not in estimates and probe.step_times:
+            estimates[name] = estimate_step(probe.step_times)
+    pending = [run for run in runs if run.status == "not_run"]
+    known = [estimates[r.recipe.name] for r in pending if r.recipe.name in estimates]
+    fallback = sum(known) / len(known) if known else 1.0  # equal shares without estimates
+    for index, run in enumerate(pending):
+        weights = [estimates.get(r.recipe.name, fallback) for r in pending[index:]]
+        deadline = budget.share(weights[0], sum(weights))
+        run_recipe(config, run, observer, deadline=deadline)
+        _own_process_peak(run, probes.get(run.recipe.name))
+        if run.stop_reason == OUT_OF_TIME:
+            budget.note_cut(
+                f"{run.recipe.name} stopped after {len(run.losses)} of {run.steps_planned} "
+                "steps: its share of --max-time was spent"
+            )
+        interrupt.check()
 
 
 def _own_process_peak(run: RecipeRun, probe: ProbeResult | None) -> None:

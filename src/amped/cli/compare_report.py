@@ -152,7 +152,8 @@ def render_html(results: dict[str, Any]) -> str:
     findings = "".join(
         f"<li>{_e(line)}</li>" for line in summary.findings(results) if line not in shown
     )
-    subtitle = (task.get("description"), results["config"]["device"], results["created"],
+    subtitle = (task.get("description"), results["config"]["device"],
+                *summary.run_facts(results), results["created"],
                 f"{results['wall_s']:.0f} s")  # fmt: skip
     notes = "".join(f"<li>{_e(line)}</li>" for line in summary.footnotes(results))
     return f"""<!DOCTYPE html>

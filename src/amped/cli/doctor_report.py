@@ -97,7 +97,8 @@ def doctor_html(report: Report) -> str:
         f'<img alt="dynamic range per module" src="data:image/png;base64,'
         f'{base64.b64encode(png).decode()}">'
         if png is not None
-        else "<p>(install matplotlib, e.g. <code>pip install amped[cli]</code>, for a plot)</p>"
+        else "<p>(install matplotlib, from amped's clone: <code>pip install -e '.[cli]'</code>, "
+        "for a plot)</p>"
     )
     rows = "".join(
         f"<tr><td>{o.index}</td><td>{html.escape(o.module or '<root>')}</td>"
@@ -109,8 +110,21 @@ def doctor_html(report: Report) -> str:
     return _PAGE.format(
         title=f"amped doctor: {report.dtype} on {report.device_type}",
         summary=html.escape(report.summary()),
+        fix=_fix(report),
         plot=plot,
         rows=rows,
+    )
+
+
+def _fix(report: Report) -> str:
+    """The verified fix as the code that applies it, ready to copy."""
+    suggestion = report.suggestion
+    if suggestion is None or not suggestion.verified or not suggestion.code:
+        return ""
+    return (
+        f"<h2>Fix</h2><p>{html.escape(str(suggestion))}. Verified by re-running the step; "
+        f"this builds it:</p><pre><code>import amped\n{html.escape(suggestion.code)}"
+        "</code></pre>"
     )
 
 
@@ -136,7 +150,7 @@ def save_doctor_plot(report: Report, path: str | Path) -> Path:
     _check_report(report)
     png = doctor_plot_png(report)
     if png is None:
-        raise ImportError("The plot needs matplotlib: pip install 'amped[cli]'")
+        raise ImportError("The plot needs matplotlib; from amped's clone: pip install -e '.[cli]'")
     path = Path(path)
     write_files([(path, png)])
     return path
@@ -150,7 +164,7 @@ pre{{background:#f4f4f4;padding:1em;white-space:pre-wrap;overflow-wrap:anywhere}
 img{{max-width:100%}}
 table{{border-collapse:collapse;font-size:12px}}
 td,th{{border:1px solid #ccc;padding:2px 6px}}</style>
-</head><body><h1>{title}</h1><pre>{summary}</pre>{plot}
+</head><body><h1>{title}</h1><pre>{summary}</pre>{fix}{plot}
 <h2>Ops</h2><table><tr><th>#</th><th>module</th><th>op</th><th>dtype</th><th>max |x|</th>
 <th>inf</th><th>NaN</th><th>underflow</th><th>SQNR dB</th></tr>{rows}</table></body></html>
 """

@@ -1,14 +1,16 @@
 """The few sentences that answer "what does mixed precision buy this model?".
 
 Built from the ``results.json`` document alone. A sentence makes no claim the data
-cannot carry: "fastest" only when that recipe's step-time range (IQR) is clear of every
-other's (:func:`amped.cli.timing.clear_winner`), a warning first when the machine was
-busy or the timings spread widely, and the recipes whose losses coincide named, since
-their curves hide one another in the plots.
+cannot carry: no speed verdict at all unless every recipe timed enough steps
+(``speed.comparable``), "fastest" only when that recipe's step-time range (IQR) is
+clear of every other's (:func:`amped.cli.timing.clear_winner`), a warning first when
+the machine was busy or a recipe's timings spread widely (naming the recipe), and the
+recipes whose losses coincide named, since their curves hide one another in the plots.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from amped.cli.timing import WIDE_SPREAD, clear_winner
@@ -25,21 +27,30 @@ def warnings(results: dict[str, Any]) -> list[str]:
         used = f"{others:.1f} of its {machine['cores']} cores" if others is not None else (
             f"a load average of {machine.get('load_average_1min')} on {machine['cores']} cores"
         )  # fmt: skip
+        remedy = (
+            "rerun with --threads 1 (one thread stalls least when others compete for the "
+            "cores) or on an idle machine"
+            if machine["threads"] > 1
+            else "rerun on an idle machine"
+        )
         lines.append(
             f"Busy machine: other processes used {used} while this ran, more than the "
             f"{machine['cores'] - machine['threads']} left free beside amped's "
-            f"{machine['threads']} thread(s); timings are inflated and vary between runs."
+            f"{machine['threads']} thread(s); timings are inflated and vary between runs: "
+            f"{remedy}."
         )
-    spread = [
-        (r["timing"]["q3_s"] - r["timing"]["q1_s"]) / r["timing"]["median_s"]
+    spread = {
+        r["name"]: (r["timing"]["q3_s"] - r["timing"]["q1_s"]) / r["timing"]["median_s"]
         for r in results["recipes"]
         if r.get("timing") and r["timing"]["median_s"] > 0
-    ]
-    widest = max(spread, default=0.0)
-    if widest > WIDE_SPREAD:
+    }
+    wide = sorted((n for n in spread if spread[n] > WIDE_SPREAD), key=lambda n: -spread[n])
+    if wide:
+        listed = ", ".join(f"{name} {spread[name]:.0%}" for name in wide)
         lines.append(
-            f"Wide spread: a recipe's step-time IQR is {widest:.0%} of its median; rerun "
-            "on an idle machine or with more --steps before trusting the speed figures."
+            f"Wide spread: the step-time IQR is over {WIDE_SPREAD:.0%} of the median for "
+            f"{listed}; rerun on an idle machine or with more --steps before trusting "
+            "those recipes' speed figures."
         )
     return lines
 
@@ -55,6 +66,8 @@ def findings(results: dict[str, Any]) -> list[str]:
     plan = results.get("plan")
     if plan and plan["shortened"]:
         lines.append(f"Steps: {plan['note']}.")
+    budget = results.get("budget") or {}
+    lines += [f"Cut to fit --max-time: {cut}." for cut in budget.get("cut") or []]
     sized = [r for r in ran if r["memory"]]
     distinct = {round(r["memory"]["bytes_per_param"], 1) for r in sized}
     if len(sized) > 1 and len(distinct) == 1:
@@ -85,6 +98,9 @@ def findings(results: dict[str, Any]) -> list[str]:
 
 
 def _speed_finding(results: dict[str, Any], ran: list[dict[str, Any]]) -> str:
+    speed = results.get("speed") or {}
+    if speed.get("reason"):
+        return f"No speed verdict: {speed['reason']}."
     timings = {r["name"]: r["timing"] for r in ran if r.get("timing")}
     if len(timings) < len(ran):
         return "Speeds are not ranked: not every recipe has repeated step timings."
@@ -121,6 +137,16 @@ def _speed_finding(results: dict[str, Any], ran: list[dict[str, Any]]) -> str:
     return text + "."
 
 
+def _percent(change: float) -> str:
+    """A relative change with two significant digits, so that recipes whose losses
+    differ in the fourth decimal still read differently; exactly equal is ``±0%``."""
+    if change == 0:
+        return "±0%"
+    percent = 100 * change
+    decimals = max(1, 1 - math.floor(math.log10(abs(percent))))
+    return f"{percent:+.{decimals}f}%"
+
+
 def _loss_findings(results: dict[str, Any], ran: list[dict[str, Any]]) -> list[str]:
     base = next((r for r in ran if r["name"] == results["baseline"]), None)
     if base is None or base["train_loss_at_common_step"] is None:
@@ -133,7 +159,7 @@ def _loss_findings(results: dict[str, Any], ran: list[dict[str, Any]]) -> list[s
         if r is base or loss is None:
             continue
         change = (loss - ref) / abs(ref)
-        text = "±0.0%" if abs(change) < 0.0005 else f"{change:+.1%}"
+        text = _percent(change)
         (close if abs(change) <= 0.01 else off).append(f"{r['name']} ({text})")
     lines = []
     step = results["common_step"]

@@ -43,7 +43,7 @@ def _check_extra(command: str) -> None:
     if missing:
         raise RunError(
             f"amped {command} needs the optional 'cli' dependencies ({', '.join(missing)} "
-            "missing). Install them with: pip install 'amped[cli]'"
+            "missing). Install them from amped's clone with: pip install -e '.[cli]'"
         )
 
 

@@ -1,8 +1,10 @@
-"""Fit a comparison into ``--max-time``: time a few steps of each recipe, then one step
+"""Fit a comparison into ``--max-time``: estimate each recipe's step time, then one step
 count for all, so losses compare like with like::
 
-    steps = clamp(floor((max_time - time spent timing) / sum of step estimates),
-                  MIN_STEPS, requested steps)
+    steps = clamp(floor(seconds left of the budget / sum of step estimates), 1, --steps)
+
+The estimates come from the memory probes' steps, else from :data:`TIMING_STEPS` steps
+run here, each recipe within its share of half of what is left (:mod:`amped.cli.budget`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from amped.cli.budget import Budget
 from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
 
-__all__ = ["MIN_STEPS", "TIMING_STEPS", "Plan", "make_plan"]
+__all__ = ["TIMING_STEPS", "Plan", "estimate_step", "make_plan"]
 
 TIMING_STEPS = 3
-MIN_STEPS = 3
+_TIMING_SHARE = 0.5  # of what is left: the most the timing steps may take together
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,7 @@ class Plan:
     steps: int
     requested: int
     max_time: float
-    timing_s: float
+    timing_s: float  # seconds spent before the plan: probes and timing steps
     step_s: dict[str, float]  # estimated seconds per step, by recipe
 
     @property
@@ -50,12 +53,13 @@ class Plan:
         slowest = max(self.step_s, key=self.step_s.__getitem__)
         return (
             f"{self.steps} of {self.requested} steps per recipe, to fit --max-time "
-            f"{self.max_time:g} s; the slowest in the first timed steps, {slowest}, took "
-            f"{self.step_s[slowest]:.2f} s a step"
+            f"{self.max_time:g} s ({self.timing_s:.0f} s of it went to probes and timing); "
+            f"the slowest, {slowest}, took about {self.step_s[slowest]:.2f} s a step"
         )
 
 
-def _estimate(step_times: list[float]) -> float:
+def estimate_step(step_times: list[float]) -> float:
+    """Seconds per step: the mean of the steps after the first (warm-up), if any."""
     timed = step_times[1:] or step_times
     return sum(timed) / len(timed)
 
@@ -64,39 +68,44 @@ def make_plan(
     config: CompareConfig,
     runs: list[RecipeRun],
     observer: Observer,
+    budget: Budget,
     timed: dict[str, list[float]] | None = None,
-    timed_s: float = 0.0,
 ) -> Plan | None:
-    """Time every recipe and set ``steps_planned`` on ``runs``; None without a budget.
+    """Estimate every recipe's step time and set ``steps_planned`` on ``runs``; None
+    without a budget.
 
-    ``timed`` holds step times already measured (by the memory probes, which took
-    ``timed_s`` seconds); only the recipes missing from it are timed here. A recipe
-    that fails while being timed is marked failed in ``runs`` and not run again.
+    ``timed`` holds step times already measured (by the memory probes); only the
+    recipes missing from it are timed here. A recipe that fails while being timed is
+    marked failed in ``runs`` and not run again.
     """
-    if not config.max_time or config.steps <= TIMING_STEPS:
+    if not budget.limited or config.steps <= TIMING_STEPS:
         return None  # nothing to fit, or timing would cost as much as the run
-    if any(not (timed or {}).get(run.recipe.name) for run in runs):
-        observer.planning(runs)  # some recipes still need their timing steps
-    began = time.monotonic() - timed_s
+    timed = timed or {}
+    untimed = [run for run in runs if not timed.get(run.recipe.name)]
+    if untimed:
+        observer.planning(runs)
+    timing_deadline = time.monotonic() + _TIMING_SHARE * budget.left()
     estimates: dict[str, float] = {}
     for run in runs:
-        known = (timed or {}).get(run.recipe.name)
+        known = timed.get(run.recipe.name)
         if known:
-            estimates[run.recipe.name] = _estimate(known)
+            estimates[run.recipe.name] = estimate_step(known)
             continue
+        share = (timing_deadline - time.monotonic()) / max(len(untimed), 1)
+        untimed = untimed[1:]
         probe = RecipeRun(run.recipe, TIMING_STEPS, TIMING_STEPS)
-        run_recipe(config, probe, Observer(), evaluate=False)
+        run_recipe(config, probe, Observer(), evaluate=False,
+                   deadline=time.monotonic() + max(share, 0.0))  # fmt: skip
         if probe.status == "failed":
             run.status, run.error = probe.status, probe.error
             run.error_traceback = probe.error_traceback
         elif probe.step_times:
-            estimates[run.recipe.name] = _estimate(probe.step_times)
-    timing = time.monotonic() - began
+            estimates[run.recipe.name] = estimate_step(probe.step_times)
     per_round = sum(estimates.values())
-    fit = int((config.max_time - timing) / per_round) if per_round > 0 else config.steps
-    steps = max(MIN_STEPS, min(config.steps, fit))
+    fit = int(budget.left() / per_round) if per_round > 0 else config.steps
+    steps = max(1, min(config.steps, fit))
     for run in runs:
         run.steps_planned = steps
-    plan = Plan(steps, config.steps, config.max_time, timing, estimates)
+    plan = Plan(steps, config.steps, float(budget.max_time or 0), budget.elapsed(), estimates)
     observer.planned(runs, plan.note())
     return plan

@@ -12,7 +12,7 @@ from typing import Any
 
 from matplotlib.figure import Figure
 
-__all__ = ["PLOTS", "figure_png", "render_all"]
+__all__ = ["PLOTS", "figure_png", "render_all", "smoothing_window"]
 
 _PALETTE = ("#222222", "#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b",
             "#e377c2", "#17becf", "#bcbd22")  # fmt: skip
@@ -82,10 +82,16 @@ def figure_png(figure: Figure, dpi: int = _DPI) -> bytes:
     return buffer.getvalue()
 
 
+def smoothing_window(points: int) -> int:
+    """Steps in the centred moving average of a ``points``-step curve: about 5% of the
+    run, odd; 1 (no smoothing) below 40 steps."""
+    return 2 * (points // 40) + 1
+
+
 def _smooth(values: list[float | None]) -> list[float]:
-    """Centred moving average over about 5% of the run (no lag, unlike an EMA); the
-    window shrinks at the ends, and gaps (None, non-finite) are skipped."""
-    half = len(values) // 40
+    """Centred moving average over :func:`smoothing_window` steps (no lag, unlike an
+    EMA); the window shrinks at the ends, and gaps (None, non-finite) are skipped."""
+    half = smoothing_window(len(values)) // 2
     finite = [v if v is not None and math.isfinite(v) else None for v in values]
     out = []
     for i in range(len(finite)):
@@ -94,32 +100,44 @@ def _smooth(values: list[float | None]) -> list[float]:
     return out
 
 
+def _smoothed_what(points: int) -> str:
+    window = smoothing_window(points)
+    if window == 1:
+        return "every step, unsmoothed"
+    return f"thin: every step; bold: centred mean of {window} steps"
+
+
 def loss_curves(results: dict[str, Any]) -> bytes | None:
-    """Train loss per step for every recipe (raw faint, smoothed bold), and each
-    recipe's smoothed difference to fp32's loss on the same batches."""
+    """Train loss per step for every recipe (the raw series thin, and from 40 steps on
+    a centred moving average bold; the title says which), and each recipe's difference
+    to fp32's loss on the same batches, smoothed the same way."""
     runs = [r for r in results["recipes"] if r["losses"]]
     if not runs:
         return None
     colours = _colours(results)
-    styles = _styles(results, max(len(r["losses"]) for r in runs))
+    points = max(len(r["losses"]) for r in runs)
+    styles = _styles(results, points)
     same = _same_as(results, "losses")
     base = next((r for r in runs if r["name"] == results["baseline"]), None)
+    smoothed = smoothing_window(points) > 1
     figure = Figure(figsize=(8, 6.4 if base else 4.2), layout="constrained")  # keeps labels in
     axes, gap = figure.subplots(2, 1, sharex=True, height_ratios=(3, 2)) if base else (
         figure.add_subplot(), None)  # fmt: skip
     if gap is not None and base is not None:
-        _loss_gap(gap, runs, base, styles)
+        _loss_gap(gap, runs, base, styles, points)
     for run in runs:
         steps = range(1, len(run["losses"]) + 1)
         raw = [math.nan if v is None else v for v in run["losses"]]
-        if len(raw) >= 40:  # shorter runs are drawn unsmoothed: no faint copy needed
-            axes.plot(steps, raw, color=colours[run["name"]], alpha=0.18, linewidth=0.8)
-        axes.plot(steps, _smooth(run["losses"]), label=_label(run["name"], same),
-                  **styles[run["name"]])  # fmt: skip
+        label = _label(run["name"], same)
+        if smoothed:
+            axes.plot(steps, raw, color=colours[run["name"]], alpha=0.35, linewidth=0.8)
+            axes.plot(steps, _smooth(run["losses"]), label=label, **styles[run["name"]])
+        else:
+            axes.plot(steps, raw, label=label, **styles[run["name"]])
     common = results.get("common_step")
     if common and any(len(r["losses"]) > common for r in runs):
         axes.axvline(common, color="#888888", linestyle=":", linewidth=1)
-    title = "Train loss (same batches for every recipe)"
+    title = f"Train loss, same batches for every recipe\n{_smoothed_what(points)}"
     if same:
         title += "; (= x): identical to x at every step"
     axes.set(ylabel="train loss", title=title)
@@ -129,8 +147,11 @@ def loss_curves(results: dict[str, Any]) -> bytes | None:
     return figure_png(figure)
 
 
-def _loss_gap(axes: Any, runs: list[dict[str, Any]], base: dict[str, Any], styles: Any) -> None:
-    """Smoothed ``loss - fp32 loss`` per step: the curves above overlap when it is small."""
+def _loss_gap(
+    axes: Any, runs: list[dict[str, Any]], base: dict[str, Any], styles: Any, points: int
+) -> None:
+    """``loss - fp32 loss`` per step, smoothed as the curves above: they overlap when
+    it is small."""
     reference = base["losses"]
     for run in runs:
         if run is base:
@@ -139,7 +160,9 @@ def _loss_gap(axes: Any, runs: list[dict[str, Any]], base: dict[str, Any], style
         diff = [None if a is None or b is None else a - b for a, b in pairs]
         axes.plot(range(1, len(diff) + 1), _smooth(diff), **styles[run["name"]])
     axes.axhline(0.0, color=styles[base["name"]]["color"], linewidth=1)
-    axes.set(ylabel="loss − fp32 loss")
+    window = smoothing_window(points)
+    what = "every step" if window == 1 else f"centred mean of {window} steps"
+    axes.set(ylabel="loss − fp32 loss", title=f"Difference to fp32 ({what})")
     axes.grid(alpha=0.3)
 
 
@@ -196,10 +219,11 @@ def throughput(results: dict[str, Any]) -> bytes | None:
                   fontsize="small")  # fmt: skip
     highest = max(max(p[1] for p in spreads if p) if any(spreads) else 0.0, max(speeds))
     axes.set_xlim(0, highest * 1.45)
-    axes.set(
-        xlabel="samples / s (median step; whiskers: interquartile range)",
-        title="Throughput (hatched: slow on this hardware)",
-    )
+    speed = results.get("speed") or {}
+    title = "Throughput (hatched: slow on this hardware)"
+    if speed.get("reason"):
+        title = "Throughput (too few timed steps to compare speed: no ratios)"
+    axes.set(xlabel="samples / s (median step; whiskers: interquartile range)", title=title)
     axes.grid(axis="x", alpha=0.3)
     return figure_png(figure)
 

@@ -52,8 +52,14 @@ class ProbeResult:
     error: str | None = None
 
 
-def probe_recipe(config: CompareConfig, run: RecipeRun, threads: int) -> ProbeResult:
-    """Run ``run.recipe`` for :data:`PROBE_STEPS` steps in a fresh process and measure it."""
+def probe_recipe(
+    config: CompareConfig, run: RecipeRun, threads: int, timeout: float = _TIMEOUT_S
+) -> ProbeResult:
+    """Run ``run.recipe`` for :data:`PROBE_STEPS` steps in a fresh process and measure it.
+
+    The process is killed after ``timeout`` seconds (the ``--max-time`` budget's share
+    for probes); the result then has ``error`` set and no peak.
+    """
     request = {
         "spec": config.factory.spec,
         "recipe": run.recipe.name,
@@ -73,10 +79,12 @@ def probe_recipe(config: CompareConfig, run: RecipeRun, threads: int) -> ProbeRe
             input=json.dumps(request),
             capture_output=True,
             text=True,
-            timeout=_TIMEOUT_S,
+            timeout=min(timeout, _TIMEOUT_S),
             env=env,
         )
-    except (OSError, subprocess.TimeoutExpired) as error:
+    except subprocess.TimeoutExpired:
+        return ProbeResult(None, [], f"the probe process ran past {timeout:.1f} s and was stopped")
+    except OSError as error:
         return ProbeResult(None, [], f"the probe process failed: {error}")
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:

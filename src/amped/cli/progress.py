@@ -21,7 +21,8 @@ from rich.progress import (
 )
 
 from amped._internal.stats import median
-from amped.cli.run import Observer, RecipeRun
+from amped.cli.run import LOSS_WINDOW, Observer, RecipeRun, final_loss
+from amped.cli.summary import loss_decimals
 
 __all__ = ["LineProgress", "RichProgress"]
 
@@ -99,7 +100,7 @@ class RichProgress(Observer):
         self._progress.update(
             self._ids[run.recipe.name],
             completed=len(run.step_times),
-            loss=f"{run.losses[-1]:.3f}",
+            loss=f"{run.losses[-1]:.{loss_decimals(run.losses[-1:])}f}",
             speed=f"{speed:,.0f}" if speed else "—",
         )
 
@@ -137,7 +138,14 @@ class LineProgress(Observer):
         self._say(f"{run.recipe.name}: running {run.steps_planned} steps")
 
     def recipe_finished(self, run: RecipeRun) -> None:
+        # The same figures, by the same definitions, as results.json's final_train_loss
+        # and samples_per_s.
         speed = run.samples_per_s()
-        loss = f", loss {run.losses[-1]:.4f}" if run.losses else ""
+        final = final_loss(run.losses)
+        loss = ""
+        if final is not None:
+            window = min(LOSS_WINDOW, len(run.losses))
+            digits = loss_decimals([final])
+            loss = f", final train loss {final:.{digits}f} (mean of the last {window} steps)"
         rate = f", {speed:,.0f} samples/s" if speed else ""
         self._say(f"{run.recipe.name}: {_outcome(run)} after {len(run.losses)} steps{loss}{rate}")

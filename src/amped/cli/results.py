@@ -12,14 +12,13 @@ from typing import Any
 
 from amped._internal.jsonio import to_json
 from amped.cli.compare import BASELINE, Comparison
-from amped.cli.run import RecipeRun
-from amped.cli.timing import StepStats, ratio_range, step_stats
+from amped.cli.run import LOSS_WINDOW, RecipeRun, final_loss, window_mean
+from amped.cli.timing import MIN_TIMED_STEPS, StepStats, ratio_range, speed_blocker, step_stats
 
 __all__ = ["LOSS_WINDOW", "SCHEMA_ID", "SLOW_RATIO", "divergence", "dumps", "to_dict"]
 
 SCHEMA_ID = "amped.compare/1"
 SLOW_RATIO = 1.5
-LOSS_WINDOW = 10
 
 
 def _finite(value: float | None) -> float | None:
@@ -27,9 +26,21 @@ def _finite(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def _window_mean(losses: list[float], end: int) -> float | None:
-    window = [v for v in losses[max(end - LOSS_WINDOW, 0) : end] if math.isfinite(v)]
-    return sum(window) / len(window) if window else None
+def _speed(runs: list[RecipeRun]) -> dict[str, Any]:
+    """Whether speeds may be compared (``speed`` in ``results.json``)."""
+    repeats = {}
+    for run in runs:
+        stats = step_stats(run.step_times)
+        if stats is not None:
+            repeats[run.recipe.name] = stats.repeats if len(run.step_times) > 1 else 0
+    reason = speed_blocker(repeats) if len(repeats) > 1 else None
+    return {"comparable": reason is None, "min_timed_steps": MIN_TIMED_STEPS, "reason": reason}
+
+
+def _samples_per_step(runs: list[RecipeRun]) -> float | None:
+    """The batch size the factory actually produced: mean samples per step."""
+    run = next((r for r in runs if r.step_times and r.samples), None)
+    return run.samples / len(run.step_times) if run else None
 
 
 def to_dict(
@@ -43,6 +54,9 @@ def to_dict(
     done = [len(r.losses) for r in comparison.runs if r.losses]
     common = min(done) if done else None
     base_stats = step_stats(baseline.step_times) if baseline else None
+    speed = _speed(comparison.runs)
+    compare = baseline if speed["comparable"] else None
+    per_step = _samples_per_step(comparison.runs)
     return {
         "schema": SCHEMA_ID,
         "partial": comparison.partial,
@@ -65,10 +79,13 @@ def to_dict(
         "machine": comparison.machine,
         "task": comparison.task,
         "plan": comparison.plan.as_dict() if comparison.plan else None,
+        "budget": comparison.budget.as_dict() if comparison.budget else None,
+        "samples_per_step": per_step,
+        "speed": speed,
         "baseline": baseline.recipe.name if baseline else None,
         "common_step": common,
         "identical_losses": identical_losses(comparison.runs),
-        "recipes": [_recipe(run, baseline, base_stats, common) for run in comparison.runs],
+        "recipes": [_recipe(run, baseline, compare, base_stats, common) for run in comparison.runs],
     }
 
 
@@ -82,19 +99,31 @@ def identical_losses(runs: list[RecipeRun]) -> list[list[str]]:
 
 
 def _recipe(
-    run: RecipeRun, baseline: RecipeRun | None, base: StepStats | None, common: int | None
+    run: RecipeRun,
+    baseline: RecipeRun | None,
+    compare: RecipeRun | None,
+    base: StepStats | None,
+    common: int | None,
 ) -> dict[str, Any]:
+    """One recipe's entry. ``compare`` is the baseline when speeds may be compared
+    (every recipe timed enough steps), else None: no ratio, no "slow here"."""
     recipe = run.recipe
     stats = step_stats(run.step_times)
     per_step = run.samples / len(run.step_times) if run.step_times else 0
-    speed = per_step / stats.median if stats and stats.median > 0 and per_step else None
-    base_speed = None
-    if base is not None and baseline is not None and base.median > 0:
-        base_speed = baseline.samples / len(baseline.step_times) / base.median
+    speed = run.samples_per_s()
+    base_speed = compare.samples_per_s() if compare is not None else None
     slowdown = stats.median / base.median if stats and base and base.median > 0 else None
-    slow = slowdown is not None and slowdown >= SLOW_RATIO
+    # "Slow here" needs the spreads to agree with the medians: this recipe's fast
+    # quartile is slower than fp32's slow one.
+    slow = bool(
+        base_speed and stats and base and slowdown is not None
+        and slowdown >= SLOW_RATIO and stats.q1 > base.q3
+    )  # fmt: skip
     timing = stats.as_dict() if stats else None
-    ratios = ratio_range(timing, base.as_dict()) if timing and base else None
+    against_itself = baseline is not None and run is baseline
+    ratios = None
+    if timing and base and base_speed and not against_itself:
+        ratios = ratio_range(timing, base.as_dict())
     diverged = divergence(run.losses)
     return {
         "name": recipe.name,
@@ -120,8 +149,8 @@ def _recipe(
         "slow_on_this_hardware": slow,
         "memory": _memory(run),
         "losses": [_finite(v) for v in run.losses],
-        "final_train_loss": _finite(_window_mean(run.losses, len(run.losses))),
-        "train_loss_at_common_step": _finite(_window_mean(run.losses, common or 0)),
+        "final_train_loss": _finite(final_loss(run.losses)),
+        "train_loss_at_common_step": _finite(window_mean(run.losses, common or 0)),
         "eval": {k: _finite(v) for k, v in run.evaluation.items()} if run.evaluation else None,
         "loss_scales": list(run.loss_scales) if recipe.loss_scaling else None,
         "skipped_steps": run.skipped_steps,

@@ -7,6 +7,7 @@ state, exactly) and throughout (peak); see :mod:`amped.cli.footprint`.
 
 from __future__ import annotations
 
+import math
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -15,7 +16,6 @@ from typing import Any
 import torch
 
 import amped
-from amped._internal.stats import median
 from amped.cli import interrupt
 from amped.cli.environment import synchronize
 from amped.cli.errors import UsageError
@@ -23,9 +23,35 @@ from amped.cli.factory import TaskFactory
 from amped.cli.footprint import PeakMemory, StateBytes, grad_bytes, state_bytes
 from amped.cli.health import attach_monitor, health_note
 from amped.cli.task import Task, call_model, check_loss, count_samples, to_device
+from amped.cli.timing import step_stats
 from amped.recipes import Recipe
 
-__all__ = ["CompareConfig", "Observer", "RecipeRun", "describe_task", "run_recipe"]
+__all__ = [
+    "OUT_OF_TIME",
+    "CompareConfig",
+    "Observer",
+    "RecipeRun",
+    "describe_task",
+    "final_loss",
+    "run_recipe",
+    "window_mean",
+]
+
+OUT_OF_TIME = "--max-time reached"
+LOSS_WINDOW = 10
+"""Train-loss figures are the mean of this many steps (fewer when fewer ran)."""
+
+
+def window_mean(losses: list[float], end: int) -> float | None:
+    """Mean of the finite losses among the :data:`LOSS_WINDOW` steps up to step ``end``
+    (1-based, inclusive): the one definition of every train-loss figure amped prints."""
+    window = [v for v in losses[max(end - LOSS_WINDOW, 0) : end] if math.isfinite(v)]
+    return sum(window) / len(window) if window else None
+
+
+def final_loss(losses: list[float]) -> float | None:
+    """The final train loss: :func:`window_mean` at the last step run."""
+    return window_mean(losses, len(losses))
 
 
 @dataclass(frozen=True)
@@ -70,11 +96,12 @@ class RecipeRun:
     health: str | None = None  # the FP8 recipes' GEMM health note (amped.cli.health)
 
     def samples_per_s(self) -> float | None:
-        """Throughput: mean samples per step over the median step time (robust to warm-up)."""
-        if not self.step_times:
+        """Throughput as ``results.json`` defines it: mean samples per step over the
+        median step time, warm-up left out (:func:`amped.cli.timing.step_stats`)."""
+        stats = step_stats(self.step_times)
+        if stats is None or stats.median <= 0 or not self.samples:
             return None
-        step = median(self.step_times)
-        return self.samples / len(self.step_times) / step if step > 0 else None
+        return self.samples / len(self.step_times) / stats.median
 
 
 class Observer:
@@ -105,9 +132,18 @@ def _one_line(error: BaseException) -> str:
 
 
 def run_recipe(
-    config: CompareConfig, run: RecipeRun, observer: Observer, *, evaluate: bool = True
+    config: CompareConfig,
+    run: RecipeRun,
+    observer: Observer,
+    *,
+    evaluate: bool = True,
+    deadline: float | None = None,
 ) -> None:
     """Train ``run.recipe`` for ``run.steps_planned`` steps, filling in ``run``.
+
+    With a ``deadline`` (a ``time.monotonic()`` value), a step after the first starts
+    only if the previous step's time still fits before it; otherwise the recipe stops
+    with the reason :data:`OUT_OF_TIME` (:mod:`amped.cli.budget`).
 
     A recipe that raises is recorded as failed (the error in one line, and its
     traceback). KeyboardInterrupt marks it interrupted and propagates, as does
@@ -117,7 +153,7 @@ def run_recipe(
     observer.recipe_started(run)
     began = time.monotonic()
     try:
-        _train(config, run, observer, evaluate)
+        _train(config, run, observer, evaluate, deadline)
     except KeyboardInterrupt:
         run.status, run.stop_reason = "interrupted", "interrupted"
         raise
@@ -132,7 +168,20 @@ def run_recipe(
         observer.recipe_finished(run)
 
 
-def _train(config: CompareConfig, run: RecipeRun, observer: Observer, evaluate: bool) -> None:
+def _out_of_time(run: RecipeRun, deadline: float | None) -> bool:
+    """Whether the next step, taking as long as the last, would end after ``deadline``."""
+    if deadline is None or not run.step_times:
+        return False
+    return time.monotonic() + run.step_times[-1] > deadline
+
+
+def _train(
+    config: CompareConfig,
+    run: RecipeRun,
+    observer: Observer,
+    evaluate: bool,
+    deadline: float | None,
+) -> None:
     task = config.factory.build(
         batch_size=config.batch_size, seed=config.seed, device=config.device
     )
@@ -147,6 +196,9 @@ def _train(config: CompareConfig, run: RecipeRun, observer: Observer, evaluate: 
         batch = next(batches, None)
         if batch is None:
             run.status, run.stop_reason = "stopped", "data ran out"
+            break
+        if _out_of_time(run, deadline):
+            run.status, run.stop_reason = "stopped", OUT_OF_TIME
             break
         inputs, targets = to_device(batch, config.device)
         _train_step(setup, task, inputs, targets, run, peak, config)

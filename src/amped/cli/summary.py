@@ -7,12 +7,26 @@ show the same figures, and a report can be rebuilt from a saved ``results.json``
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 from amped.cli.findings import findings
 from amped.cli.results import LOSS_WINDOW
+from amped.cli.run import OUT_OF_TIME
 
-__all__ = ["COLUMNS", "GROUPS", "findings", "footnotes", "format_bytes", "headers", "rows"]
+__all__ = [
+    "COLUMNS",
+    "GROUPS",
+    "findings",
+    "footnotes",
+    "format_bytes",
+    "headers",
+    "loss_decimals",
+    "rows",
+    "run_facts",
+    "title",
+]
 
 COLUMNS: tuple[tuple[str, str], ...] = (
     ("recipe", "recipe"),
@@ -59,6 +73,47 @@ def _range(pair: list[float] | None, spec: str) -> str:
     return DASH if not pair else f"{format(pair[0], spec)}–{format(pair[1], spec)}"
 
 
+def loss_decimals(values: Sequence[float | None]) -> int:
+    """Decimals that show every loss with 3 significant digits or more, and print
+    losses that differ as different text (at most 8): a model that learns to 0.0051
+    must not show as 0.005 for every recipe."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    nonzero = [abs(v) for v in finite if v != 0]
+    if not nonzero:
+        return 3
+    decimals = max(3, 2 - math.floor(math.log10(min(nonzero))))
+    while decimals < 8 and len({f"{v:.{decimals}f}" for v in finite}) < len(set(finite)):
+        decimals += 1
+    return min(decimals, 8)
+
+
+def _loss_values(results: dict[str, Any]) -> list[float | None]:
+    values = [r["train_loss_at_common_step"] for r in results["recipes"]]
+    return values + [(r["eval"] or {}).get("loss") for r in results["recipes"]]
+
+
+def run_facts(results: dict[str, Any]) -> list[str]:
+    """The batch size the factory produced and the steps each recipe actually ran."""
+    facts = []
+    batch = results.get("samples_per_step")
+    if batch is not None:
+        facts.append(f"batch {batch:g}")
+    done = sorted({r["steps_done"] for r in results["recipes"] if r["steps_done"]})
+    if done:
+        steps = f"{done[0]}" if len(done) == 1 else f"{done[0]}–{done[-1]}"
+        facts.append(f"{steps} steps")
+    return facts
+
+
+def title(results: dict[str, Any]) -> str:
+    """The comparison's one-line title: task, device, batch size, steps run."""
+    task = results["task"] or {}
+    name = task.get("name", results["config"]["task"])
+    text = ", ".join([f"amped compare: {name} on {results['config']['device']}",
+                      *run_facts(results)])  # fmt: skip
+    return text + " (partial)" if results["partial"] else text
+
+
 def headers(results: dict[str, Any]) -> list[str]:
     common = results.get("common_step")
     return [h.format(common=common if common is not None else "end") for _, h in COLUMNS]
@@ -66,10 +121,11 @@ def headers(results: dict[str, Any]) -> list[str]:
 
 def rows(results: dict[str, Any]) -> list[dict[str, str]]:
     """One dict per recipe, keyed by the first item of each :data:`COLUMNS` entry."""
-    return [_row(r) for r in results["recipes"]]
+    loss = f".{loss_decimals(_loss_values(results))}f"
+    return [_row(r, loss) for r in results["recipes"]]
 
 
-def _row(recipe: dict[str, Any]) -> dict[str, str]:
+def _row(recipe: dict[str, Any], loss: str) -> dict[str, str]:
     memory = recipe["memory"] or {}
     evaluation = recipe["eval"] or {}
     accuracy = evaluation.get("accuracy")
@@ -86,8 +142,8 @@ def _row(recipe: dict[str, Any]) -> dict[str, str]:
         "ratio_range": _range(recipe.get("throughput_vs_baseline_range"), ".2f"),
         "state": _number(memory.get("bytes_per_param"), ".1f"),
         "peak": format_bytes(memory.get("peak_bytes")),
-        "train": _number(recipe["train_loss_at_common_step"], ".3f"),
-        "eval_loss": _number(evaluation.get("loss"), ".3f"),
+        "train": _number(recipe["train_loss_at_common_step"], loss),
+        "eval_loss": _number(evaluation.get("loss"), loss),
         "eval_acc": DASH if accuracy is None else f"{accuracy:.1%}",
         "skipped": str(recipe["skipped_steps"]) if scaling else DASH,
         "scale": _number(recipe["final_loss_scale"], ".0f") if scaling else DASH,
@@ -103,8 +159,8 @@ def _flags(recipe: dict[str, Any]) -> str:
         flags.append("DIVERGED")
     if recipe["status"] in ("interrupted", "failed", "not_run"):
         flags.append(recipe["status"].replace("_", " "))
-    elif recipe["stop_reason"]:
-        flags.append(recipe["stop_reason"])
+    elif recipe["stop_reason"] and recipe["stop_reason"] != OUT_OF_TIME:
+        flags.append(recipe["stop_reason"])  # out of time: the steps column shows n/N
     return ", ".join(flags)
 
 
@@ -123,14 +179,16 @@ def footnotes(results: dict[str, Any]) -> list[str]:
     kinds = {(r["memory"] or {}).get("peak_kind") for r in results["recipes"]}
     plan = results.get("plan")
     lines = [f"steps: {plan['note']}"] if plan and plan["shortened"] else []
-    timing = next((r["timing"] for r in results["recipes"] if r.get("timing")), None)
-    repeats = f"{timing['repeats']} timed steps" if timing else "the timed steps"
     config = results["config"]
     lines += [
-        f"samples/s: batch size over the median step time of {repeats} (the first is "
-        "warm-up, left out); IQR: the same at the step times' quartiles",
-        "×fp32: that over fp32's; range: what the two IQRs allow",
+        f"samples/s: samples per step over the median step time of {_repeats(results)}; "
+        "IQR: the same at the step times' quartiles",
     ]
+    speed = results.get("speed") or {}
+    if speed.get("reason"):
+        lines.append(f"×fp32, range: not given: {speed['reason']}")
+    else:
+        lines.append("×fp32: samples/s over fp32's; range: what the two IQRs allow")
     if config.get("threads"):
         lines.append(
             f"threads: {config['threads']} for every recipe ({config.get('threads_source')})"
@@ -145,10 +203,13 @@ def footnotes(results: dict[str, Any]) -> list[str]:
             "peak mem at this model size is mostly the libraries' working memory, not the "
             "training state: B/param is the figure that orders the recipes"
         )
-    if results.get("common_step") is not None:
+    common = results.get("common_step")
+    if common is not None:
+        window = min(LOSS_WINDOW, common)
+        what = f"the {window} steps up to step {common}" if window > 1 else f"step {common}"
         lines.append(
-            f"loss@{results['common_step']}: mean train loss of the {LOSS_WINDOW} steps up "
-            "to the last step every recipe reached (every recipe sees the same batches)"
+            f"loss@{common}: mean train loss of {what}, the last step every recipe "
+            "reached (every recipe sees the same batches)"
         )
     if any(r["eval"] for r in results["recipes"]):
         lines.append("eval: held-out loss and accuracy after training")
@@ -156,6 +217,18 @@ def footnotes(results: dict[str, Any]) -> list[str]:
     for recipe in results["recipes"]:
         lines += [f"{recipe['name']}: {note}" for note in recipe["notes"]]
     return lines
+
+
+def _repeats(results: dict[str, Any]) -> str:
+    """How many timed steps each recipe's speed is the median of."""
+    counts = {r["name"]: r["timing"]["repeats"] for r in results["recipes"] if r.get("timing")}
+    if not counts:
+        return "the timed steps"
+    warm = "the first step of each is warm-up, left out"
+    if len(set(counts.values())) == 1:
+        return f"{next(iter(counts.values()))} timed steps ({warm})"
+    listed = ", ".join(f"{name} {count}" for name, count in counts.items())
+    return f"each recipe's timed steps ({listed}; {warm})"
 
 
 def _peak_is_mostly_overhead(results: dict[str, Any]) -> bool:

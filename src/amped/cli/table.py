@@ -26,11 +26,7 @@ _LEFT = {"recipe", "flags"}
 
 def build_tables(results: dict[str, Any]) -> list[Table]:
     """One table per :data:`summary.GROUPS` entry, with the recipes as rows."""
-    task = results["task"] or {}
-    name = task.get("name", results["config"]["task"])
-    title = f"amped compare: {name} on {results['config']['device']}"
-    if results["partial"]:
-        title += " (partial)"
+    title = summary.title(results)
     headers = dict(zip((k for k, _ in summary.COLUMNS), summary.headers(results), strict=True))
     rows = summary.rows(results)
     tables = []

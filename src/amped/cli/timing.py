@@ -13,14 +13,21 @@ from typing import Any
 from amped._internal.stats import quartiles
 
 __all__ = [
+    "MIN_TIMED_STEPS",
     "WIDE_SPREAD",
     "CpuLoad",
     "StepStats",
     "clear_winner",
     "cores_available",
     "ratio_range",
+    "speed_blocker",
     "step_stats",
 ]
+
+MIN_TIMED_STEPS = 10
+"""Timed steps (warm-up left out) each recipe needs before speeds are compared: with
+fewer, a quartile is one or two stalls away from another value (3 timed steps once gave
+a 4.5x "fastest" that 200 steps measured at 1.2-1.3x)."""
 
 WIDE_SPREAD = 0.25
 """An IQR wider than this fraction of the median is called wide in the report."""
@@ -71,6 +78,20 @@ def ratio_range(speed: dict[str, Any], base: dict[str, Any]) -> tuple[float, flo
         return base["q1_s"] / speed["q3_s"], base["q3_s"] / speed["q1_s"]
     except (KeyError, TypeError, ZeroDivisionError):
         return None
+
+
+def speed_blocker(repeats: dict[str, int]) -> str | None:
+    """Why speeds may not be compared, or None when every recipe has at least
+    :data:`MIN_TIMED_STEPS` timed steps (``repeats``: recipe name -> timed steps)."""
+    short = {name: count for name, count in repeats.items() if count < MIN_TIMED_STEPS}
+    if not short:
+        return None
+    listed = ", ".join(f"{name} {count}" for name, count in short.items())
+    return (
+        f"too few timed steps to compare speed: {listed} (a comparison needs at least "
+        f"{MIN_TIMED_STEPS} per recipe, the first step left out as warm-up); raise "
+        "--max-time or --steps"
+    )
 
 
 def clear_winner(timings: dict[str, dict[str, Any]]) -> str | None:

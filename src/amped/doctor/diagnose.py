@@ -10,7 +10,14 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped.doctor.gradients import check_gradient, recommended_scale
-from amped.doctor.report import Culprit, OpStat, Report, Suggestion
+from amped.doctor.report import (
+    Culprit,
+    OpStat,
+    Report,
+    Suggestion,
+    policy_expression,
+    scale_code,
+)
 from amped.doctor.runs import StepResult, input_tensors, run_step
 from amped.doctor.stats import measure_error, summarize
 from amped.policy import Cast, Policy
@@ -121,14 +128,24 @@ def _sqnr(result: StepResult, reference: StepResult) -> float:
     return cmp.sqnr_db if cmp else math.nan
 
 
-def _candidates(culprit: Culprit, policy: Policy) -> list[tuple[Policy, str]]:
+def _candidates(culprit: Culprit, policy: Policy) -> list[tuple[Policy, str, str]]:
+    """(policy, what it does, the Python that builds it) for each fix worth a re-run."""
+    base = policy_expression(policy)
     module_fix = (
-        (policy.with_module(culprit.module, "fp32"), f"keep module {culprit.module!r} in float32")
+        (
+            policy.with_module(culprit.module, "fp32"),
+            f"keep module {culprit.module!r} in float32",
+            f"{base}.with_module({culprit.module!r}, 'fp32')",
+        )
         if culprit.module
         else None
     )
     try:
-        op_fix = (policy.with_ops(fp32=[culprit.op]), f"run op {culprit.op!r} in float32")
+        op_fix = (
+            policy.with_ops(fp32=[culprit.op]),
+            f"run op {culprit.op!r} in float32",
+            f"{base}.with_ops(fp32=[{culprit.op!r}])",
+        )
     except (ValueError, TypeError):
         op_fix = None
     heavy = policy.rules.get(culprit.op) is Cast.LOWER  # matmul-like: keep the rest low
@@ -225,10 +242,10 @@ def _suggest_policy(
     # Gradients overflowing at a large scale are routine (GradScaler backs off), so a
     # policy is judged at the largest safe scale, not at the one that was checked.
     scale = min(report.loss_scale, report.recommended_scale or report.loss_scale)
-    for candidate, what in _candidates(culprit, report.policy):
+    for candidate, what, code in _candidates(culprit, report.policy):
         result = run_step(dtype=dtype, policy=candidate, loss_scale=scale, **common)
         if _healthy(result) and all(_finite(c.output) for c in result.calls):
-            return Suggestion(what, candidate, scale, True, _sqnr(result, reference))
+            return Suggestion(what, candidate, scale, True, _sqnr(result, reference), code)
     return Suggestion(
         "no single-op or single-module fix removed the non-finite values; try policy "
         "'strict' or bfloat16",
@@ -251,4 +268,5 @@ def _suggest_scale(
     checks = [check_gradient(n, g, scale, dtype) for n, g in reference.grads.items()]
     verified = _healthy(result) and all(c.underflow <= UNDERFLOW_WARN for c in checks)
     what = f"scale the loss by {scale:g} (GradScaler(init_scale={scale:g}))"
-    return Suggestion(what, None, scale, verified, _sqnr(result, reference))
+    code = scale_code(report.device_type, scale)
+    return Suggestion(what, None, scale, verified, _sqnr(result, reference), code)

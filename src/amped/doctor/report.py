@@ -13,7 +13,7 @@ from amped._internal.jsonio import jsonable, to_json
 from amped.doctor.gradients import GradientCheck
 from amped.policy import Policy
 
-__all__ = ["Culprit", "OpStat", "Report", "Suggestion"]
+__all__ = ["Culprit", "OpStat", "Report", "Suggestion", "policy_expression", "scale_code"]
 
 
 @dataclass(frozen=True)
@@ -49,23 +49,47 @@ class Culprit:
         return f"{self.phase}: {self.op} in {self.module or '<root>'}{where} ({self.detail})"
 
 
+def policy_expression(policy: Policy) -> str:
+    """Python that builds ``policy``: ``amped.Policy.preset(name, device_type)`` for a
+    preset, else ``policy`` (the policy the caller passed, by that name)."""
+    try:
+        preset = Policy.preset(policy.name, policy.device_type)
+    except (ValueError, TypeError):
+        return "policy"
+    return (
+        f"amped.Policy.preset({policy.name!r}, {policy.device_type!r})"
+        if preset == policy
+        else "policy"
+    )
+
+
+def scale_code(device_type: str, scale: float) -> str:
+    """Python that builds a GradScaler starting at ``scale``."""
+    number = f"{scale:.1f}" if float(scale).is_integer() else repr(float(scale))
+    return f"amped.GradScaler({device_type!r}, init_scale={number})"
+
+
 @dataclass(frozen=True)
 class Suggestion:
-    """A fix the doctor re-ran: a policy (pass it to autocast) and/or a loss scale."""
+    """A fix the doctor re-ran: a policy (pass it to autocast) and/or a loss scale.
+
+    ``code`` is the one line of Python that applies it (``import amped`` first): run,
+    it builds the very policy (or GradScaler) the doctor verified.
+    """
 
     description: str
     policy: Policy | None
     loss_scale: float | None
     verified: bool
     sqnr_db: float  # model output against float32 with the fix
+    code: str | None = None
 
     def __str__(self) -> str:
         if not self.verified:
             return f"not found: {self.description}"
-        error = (
-            "identical to float32" if self.sqnr_db == math.inf else f"{self.sqnr_db:.1f} dB SQNR"
-        )
-        return f"{self.description}: no overflow, error {error} vs float32"
+        if self.sqnr_db == math.inf:
+            return f"{self.description}: no overflow, output identical to float32"
+        return f"{self.description}: no overflow, output {self.sqnr_db:.1f} dB SQNR vs float32"
 
 
 @dataclass
@@ -120,7 +144,7 @@ class Report:
         if self.suggestion is not None:
             data["suggestion"] = {
                 "description": self.suggestion.description,
-                "policy": str(self.suggestion.policy) if self.suggestion.policy else None,
+                "code": self.suggestion.code,
                 "loss_scale": self.suggestion.loss_scale,
                 "verified": self.suggestion.verified,
                 "sqnr_db": self.suggestion.sqnr_db,
@@ -153,10 +177,14 @@ class Report:
                 f"  gradient {g.name}: {g.underflow:.1%} underflow at scale {g.scale:g} "
                 f"(kept from scale {g.min_scale:g})"
             )
-        if self.recommended_scale is not None and self.dtype == "float16":
+        # A forward overflow is not a loss-scale matter: no scale line then.
+        forward_ok = self.forward_culprit is None
+        if self.recommended_scale is not None and self.dtype == "float16" and forward_ok:
             lines.append(f"  largest safe loss scale: {self.recommended_scale:g}")
         if self.suggestion is not None:
             lines.append(f"  suggestion: {self.suggestion}")
+            if self.suggestion.verified and self.suggestion.code:
+                lines.append(f"  fix: {self.suggestion.code}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

@@ -22,8 +22,8 @@ overflow, masters copied back) and ``optimizer_step_was_skipped`` says whether i
 skipped. ``save_state``/``load_state`` carry the scaler (``scaler.pt``, as Accelerate
 writes it) and what else the recipe keeps (O2's float32 masters) bitwise.
 
-Requires ``accelerate`` (``pip install amped[accelerate]``); ``import amped`` never
-imports it.
+Requires ``accelerate`` (from amped's clone: ``pip install -e ".[accelerate]"``);
+``import amped`` never imports it.
 """
 
 from __future__ import annotations

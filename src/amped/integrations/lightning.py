@@ -19,8 +19,8 @@ the recipe's state in checkpoints, and teardown at the end of ``fit``, which giv
 model float32 weights back (:meth:`~amped.recipes.TrainSetup.teardown`). With a
 loss-scaling recipe, learning-rate schedulers skip with the optimizer.
 
-Requires ``lightning`` (``pip install amped[lightning]``); ``import amped`` never
-imports it.
+Requires ``lightning`` (from amped's clone: ``pip install -e ".[lightning]"``);
+``import amped`` never imports it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 from lightning.fabric.plugins import Precision as _FabricBase
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as _FabricFSDP
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.plugins.precision import FSDPPrecision as _LightningFSDP
 from lightning.pytorch.plugins.precision import Precision as _LightningBase
 
@@ -46,7 +47,7 @@ from amped.integrations.common import (
 )
 from amped.integrations.driver import RecipeDriver, to_dtype
 from amped.policy import Policy
-from amped.recipes import Recipe, TrainSetup
+from amped.recipes import MemoryReport, Recipe, TrainSetup
 from amped.recipes.o2 import MasterSetup
 from amped.scaling import GradScaler
 from amped.scaling.checkpoint import refuse_nonfinite
@@ -81,7 +82,11 @@ class _Plugin(RecipeDriver):
         self._init_recipe(recipe, policy, device, scaler)
         # Lightning checkpoints with an inf/NaN weight or optimizer state are refused.
         self.allow_nonfinite = allow_nonfinite
+        # Lightning's own code reads `precision` (model summary sizes, FSDP dtypes, the
+        # throughput monitor), so it stays one of Lightning's strings; the recipe's own
+        # name is `recipe.name`, in repr() and in the line logged when training starts.
         self.precision = _lightning_name(self.recipe)
+        self._training_report: MemoryReport | None = None
         if self._fsdp:
             _check_fsdp_recipe(self.recipe)
             self._desired_input_dtype = torch.float32  # FSDP's init contexts: float32 weights
@@ -96,10 +101,38 @@ class _Plugin(RecipeDriver):
         """Restore :meth:`state_dict` (Lightning: on resume, after the setup is built)."""
         self._load_state_dict(state_dict)
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.recipe.name!r}, device={self.device!r})"
+
+    def _announce(self) -> None:
+        rank_zero_info(
+            f"amped: training with recipe {self.recipe.name!r} ({self.recipe.summary}); "
+            f"Lightning's precision string for it: {self.precision!r}"
+        )
+
+    def memory_report(self) -> MemoryReport:
+        """:func:`amped.memory_report` of the model and optimizer the recipe trains.
+
+        After :meth:`teardown` (Lightning calls it when ``fit`` ends) this is the last
+        training state, measured just before the model got float32 weights back: what
+        the recipe held, not the float32 model it leaves.
+        """
+        if self._training_report is not None:
+            return self._training_report
+        return super().memory_report()
+
     def teardown(self) -> None:
         """Undo what the recipe installed (Lightning calls it when fit ends); the model
-        gets float32 weights back."""
+        gets float32 weights back. :meth:`memory_report` keeps the training state."""
+        if self.setup is not None and self._training_report is None:
+            self._training_report = super().memory_report()
         self._teardown()
+
+    def _prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainSetup:
+        setup = super()._prepare(model, optimizer)
+        self._training_report = None  # a new run: its own state from now on
+        self._announce()
+        return setup
 
 
 class Precision(_Plugin, _LightningBase):

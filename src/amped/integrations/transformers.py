@@ -11,13 +11,21 @@ Accelerate's and leaves the rest of the Trainer as it is::
 Leave ``TrainingArguments(bf16=..., fp16=...)`` False: the recipe says the dtype.
 Clipping (``max_grad_norm``) acts on the unscaled gradients the recipe's optimizer
 steps (O2: the float32 masters); the learning-rate scheduler skips with a skipped
-optimizer step (the Trainer reads ``optimizer_step_was_skipped``). Checkpoints hold
-``scaler.pt`` (fp16 recipes, as the Trainer writes it) and ``amped_recipe.pt`` (the
-recipe's state: O2's float32 masters, the scaler), both restored on
-``train(resume_from_checkpoint=...)``, bitwise.
+optimizer step (the Trainer reads ``optimizer_step_was_skipped``).
 
-Requires ``transformers`` and ``accelerate`` (``pip install amped[transformers]``);
-``import amped`` never imports them.
+Everything ends in float32, as with Lightning: when ``train()`` returns (or raises)
+the model has float32 weights again (:meth:`~amped.recipes.TrainSetup.teardown`), and
+``save_model()`` and every checkpoint folder write a float32 ``model.safetensors``:
+the recipe's best float32 weights (:meth:`~amped.recipes.TrainSetup.fp32_state_dict`:
+O2's masters, bf16-pure's weights plus compensation), loadable anywhere with
+``from_pretrained``. Checkpoints also hold ``scaler.pt`` (fp16 recipes, as the Trainer
+writes it) and ``amped_recipe.pt`` (the recipe's state: the scaler, O2's masters and,
+for recipes that lower the weights, the low-precision weights the run stepped), all
+restored on ``train(resume_from_checkpoint=...)``, so a resumed run is bitwise the
+uninterrupted one. One ``train()`` per Trainer.
+
+Requires ``transformers`` and ``accelerate`` (from amped's clone:
+``pip install -e ".[transformers]"``); ``import amped`` never imports them.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ __all__ = ["RECIPE_STATE_NAME", "Trainer"]
 
 RECIPE_STATE_NAME = "amped_recipe.pt"
 """The file, in each checkpoint folder, that holds the recipe's state."""
+
+_LOWERED_WEIGHTS = "lowered_model"  # amped_recipe.pt's entry: the weights as trained
 
 
 class Trainer(transformers.Trainer):
@@ -92,10 +102,31 @@ class Trainer(transformers.Trainer):
         finally:
             trainer_module.Accelerator = original
 
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``transformers.Trainer.train``; the model has float32 weights when it returns."""
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.accelerator.teardown()
+
+    def _save(
+        self, output_dir: str | None = None, state_dict: dict[str, Any] | None = None
+    ) -> None:
+        """Write the model in float32: the recipe's float32 weights while it trains."""
+        setup = self.accelerator.setup
+        if state_dict is None and setup is not None and setup.installed is not None:
+            state_dict = setup.fp32_state_dict()
+        super()._save(output_dir, state_dict=state_dict)
+
     def _save_scaler(self, output_dir: str) -> None:
         super()._save_scaler(output_dir)
         if self.args.should_save:
             state = self.accelerator.recipe_state.state_dict()
+            setup = self.accelerator.setup
+            if setup is not None and setup.installed is not None:
+                # model.safetensors holds float32 weights; these are the very ones
+                # the run stepped, so that a resumed run is bitwise.
+                state[_LOWERED_WEIGHTS] = setup.model.state_dict()
             torch.save(state, os.path.join(output_dir, RECIPE_STATE_NAME))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
@@ -104,4 +135,9 @@ class Trainer(transformers.Trainer):
             return
         path = os.path.join(checkpoint, RECIPE_STATE_NAME)
         if os.path.isfile(path):
-            self.accelerator.recipe_state.load_state_dict(torch.load(path, weights_only=True))
+            state = torch.load(path, weights_only=True)
+            lowered = state.pop(_LOWERED_WEIGHTS, None)
+            self.accelerator.recipe_state.load_state_dict(state)
+            setup = self.accelerator.setup
+            if lowered is not None and setup is not None:
+                setup.model.load_state_dict(lowered)

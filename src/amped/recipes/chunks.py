@@ -9,7 +9,7 @@ device for the largest chunk. The plan and its work memory are kept from step to
 step while the parameters keep their gradients, shapes and layouts: building the
 views costs more than a small model's arithmetic, and a fresh block of a few MiB is
 handed back to the system and faulted in again at every step. Used by
-:mod:`amped.recipes.compensated`.
+:mod:`amped.recipes.compensated` and :mod:`amped.recipes.master_step`.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Chunk:
             *self.noise, self.scratch, self.counters = ints
             self.views = [self.cut(row) for row in self.floats]
             self.rounded = [self.cut(row.view(torch.float32)) for row in self.noise]
-        self._gather: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
+        self._gather: dict[tuple[int, torch.dtype], tuple[torch.Tensor, list[torch.Tensor]]] = {}
         self._first: torch.Tensor | None = None
         self._flat: dict[int, tuple[tuple[int, ...], torch.Tensor | None]] = {}
 
@@ -84,16 +84,20 @@ class Chunk:
             for tensor, piece in zip(tensors, self.pieces, strict=True)
         ]
 
-    def gather_row(self, slot: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """A flat row of the chunk's dtype over its elements, with its views per piece,
-        for the fused step to gather a column into (its gradients, say): a tensor of its
-        own per ``slot``, made on first use and kept with the chunk. Separate tensors,
-        not parts of one: the compiled kernel's inputs must not share memory, or it
-        compiles again for the aliasing."""
-        while len(self._gather) <= slot:
-            row = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-            self._gather.append((row, self.cut(row)))
-        return self._gather[slot]
+    def gather_row(
+        self, slot: int, dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """A flat row of ``dtype`` (the chunk's by default) over its elements, with its
+        views per piece, for the fused step to gather a column into (its gradients, say):
+        a tensor of its own per ``slot`` and dtype, made on first use and kept with the
+        chunk. Separate tensors, not parts of one: the compiled kernel's inputs must not
+        share memory, or it compiles again for the aliasing."""
+        key = (slot, dtype or self.dtype)
+        kept = self._gather.get(key)
+        if kept is None:
+            row = torch.empty(self.numel, dtype=key[1], device=self.device)
+            kept = self._gather[key] = (row, self.cut(row))
+        return kept
 
     def flat(self, slot: int, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
         """:func:`amped.recipes.state_layout.flat` of ``parts`` (one tensor per piece),

@@ -91,6 +91,7 @@ def run(
     strict: bool,
     args: tuple[Any, ...],
     flags: tuple[bool, ...],
+    who: str = "amped's compensated optimizers",
 ) -> bool:
     """Call ``function(*args, *flags)`` compiled; False if it cannot be compiled here.
 
@@ -112,7 +113,7 @@ def run(
             ) from error
         disable(device_type, reason)
         warnings.warn(
-            f"amped's compensated optimizers could not compile their fused step on "
+            f"{who} could not compile their fused step on "
             f"{device_type} ({reason}); they use the eager step, which gives the same "
             "results more slowly. Pass fused=False to skip the attempt",
             RuntimeWarning,

@@ -2,10 +2,13 @@
 
 The model keeps low-precision weights and gradients, except in the modules the
 policy runs in float32 (norm layers by default); the optimizer steps float32 master
-copies (:class:`~amped.recipes.master.MasterWeightOptimizer`). The forward pass runs
-under autocast with the same policy, so ops the policy lists in float32 (losses,
-softmax on CUDA) still run in float32, and weights are never re-cast per step: they
-already have the low dtype.
+copies (:class:`~amped.recipes.master.MasterWeightOptimizer`, fused into one kernel a
+chunk for Adam, AdamW and SGD). The forward pass runs under autocast with the user's
+policy, so ops the policy lists in float32 (losses, softmax on CUDA) still run in
+float32, and weights are never re-cast per step: they already have the low dtype. The
+norm layers the recipe adds run in float32 through forward hooks of their own
+(:mod:`amped.recipes.fp32_modules`), not through a rule of the region's policy, so the
+region is torch's C++ autocast wherever the user's policy is torch's.
 
 Checkpoints hold the masters: ``state_dict()["model"]`` is a float32 state dict with
 the model's keys, which loads into a plain float32 model as it is.
@@ -14,15 +17,17 @@ the model's keys, which loads into a plain float32 model as it is.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from amped._internal.errors import value_error
 from amped.policy import Policy
+from amped.recipes.fp32_modules import run_in_float32
 from amped.recipes.master import MasterWeightOptimizer, check_wrappable
 from amped.recipes.setup import TrainSetup
-from amped.recipes.weights import lower_model_, with_norms_in_fp32
+from amped.recipes.weights import kept_in_fp32, lower_model_, with_norms_in_fp32
 
 __all__ = ["MasterSetup", "build_master_setup"]
 
@@ -31,9 +36,38 @@ class MasterSetup(TrainSetup):
     """A :class:`~amped.recipes.TrainSetup` whose optimizer steps float32 master weights."""
 
     optimizer: MasterWeightOptimizer
+    _norm_hooks: tuple[RemovableHandle, ...] = ()
 
     def _prepare_grads(self) -> None:
+        if not self.optimizer._takes_low_gradients():
+            self.optimizer.grads_to_masters()
+
+    def unscale_(self) -> None:
+        """Cast the gradients into the masters' float32 ones and unscale those, once per
+        step (for clipping: see :meth:`TrainSetup.unscale_`). No sync."""
         self.optimizer.grads_to_masters()
+        self.scaler.unscale_(self.optimizer)
+
+    def step(self) -> bool:
+        """As :meth:`TrainSetup.step`. Where the fused step reads the low-precision
+        gradients under loss scaling, the scaler checks those (one pass over them) and
+        the kernel unscales them. Syncs once when the recipe scales the loss."""
+        if not (self.scaler.is_enabled() and self.optimizer._takes_low_gradients()):
+            return super().step()
+        checked = _LowGradients(self.optimizer)
+        self.scaler.step(cast(torch.optim.Optimizer, checked))
+        self.scaler.update()
+        self._after_step(not checked.skipped)
+        if self.fp8_layers is not None:
+            self.fp8_layers.update()
+        return not checked.skipped
+
+    def teardown(self) -> None:
+        """As :meth:`TrainSetup.teardown`; also removes the norm layers' float32 hooks."""
+        super().teardown()
+        for handle in self._norm_hooks:
+            handle.remove()
+        self._norm_hooks = ()
 
     def _after_step(self, stepped: bool) -> None:
         if not stepped:  # a skipped step leaves float32 gradients behind: free them now
@@ -112,9 +146,10 @@ class MasterSetup(TrainSetup):
         return self.fp32_state_dict()
 
     def _restore_weights(self) -> None:
-        # Each master becomes its parameter's data again (before any step, the very
-        # float32 storage the parameter had), and the parameter goes back under the
-        # user's optimizer in the master's place, with the master's optimizer state.
+        # Each master becomes its parameter's data again (the very float32 storage the
+        # parameter had, or a copy where the fused step laid the masters out in one
+        # tensor), and the parameter goes back under the user's optimizer in the
+        # master's place, with the master's optimizer state.
         inner = self.optimizer.optimizer
         back = {id(master): param for param, master in self.optimizer.pairs}
         for group in inner.param_groups:
@@ -128,14 +163,50 @@ class MasterSetup(TrainSetup):
                     inner.state[param] = inner.state.pop(master)
         with torch.no_grad():
             for param, master in self.optimizer.pairs:
-                param.data = master.detach()
+                data = master.detach()
+                if data.untyped_storage().nbytes() != data.numel() * data.element_size():
+                    data = data.clone()  # a view of the fused step's masters: its own memory
+                param.data = data
                 param.grad = None
         self.optimizer._pairs.clear()
 
 
-def o2_policy(policy: Policy | None, model: torch.nn.Module, device_type: str) -> Policy:
-    """``policy`` (torch's by default) with the model's norm layers in float32 first."""
-    return with_norms_in_fp32(policy or Policy.preset("torch", device_type), model)
+class _LowGradients:
+    """What the scaler checks and steps when the fused step reads low-precision
+    gradients: those gradients (with the float32 parameters'), in an optimizer that, as
+    torch's fused ones, unscales and skips inside its own step
+    (``_step_supports_amp_scaling``: the scaler then checks the gradients without
+    unscaling them and hands over ``grad_scale`` and ``found_inf``)."""
+
+    _step_supports_amp_scaling = True
+
+    def __init__(self, optimizer: MasterWeightOptimizer) -> None:
+        self.optimizer = optimizer
+        lows = {id(master): param for param, master in optimizer.pairs}
+        params = [lows.get(id(p), p) for g in optimizer.param_groups for p in g["params"]]
+        self.param_groups = [{"params": params}]
+        self.skipped = False
+
+    def step(self) -> None:
+        found_inf = cast(torch.Tensor, self.found_inf)  # type: ignore[attr-defined]
+        self.skipped = bool(found_inf.item() > 0)  # the step's one sync
+        if not self.skipped:
+            self.optimizer._step_unscaling(self.grad_scale)  # type: ignore[attr-defined]
+
+
+def float32_norms(plain: TrainSetup) -> tuple[Policy, list[torch.nn.Module]]:
+    """The policy that decides which weights stay float32 (the user's, torch's by default,
+    with the model's norm layers added first), and the modules kept in float32 by the
+    added rules alone, outermost only: those the recipe hooks to run in float32."""
+    user = plain.policy or Policy.preset("torch", plain.device_type)
+    policy = with_norms_in_fp32(user, plain.model)
+    added = kept_in_fp32(plain.model, policy) - kept_in_fp32(plain.model, user)
+    modules = [
+        module
+        for name, module in plain.model.named_modules()
+        if name in added and name.rpartition(".")[0] not in added
+    ]
+    return policy, modules
 
 
 def build_master_setup(plain: TrainSetup) -> MasterSetup:
@@ -143,7 +214,11 @@ def build_master_setup(plain: TrainSetup) -> MasterSetup:
     check_wrappable(plain.optimizer)  # before the model is touched
     dtype = plain.recipe.dtype
     assert dtype is not None  # Recipe.__post_init__ guarantees it
-    policy = o2_policy(plain.policy, plain.model, plain.device_type)
+    policy, norms = float32_norms(plain)
     originals = lower_model_(plain.model, dtype, policy)
     wrapped = MasterWeightOptimizer(plain.optimizer, originals)
-    return MasterSetup(plain.recipe, plain.model, wrapped, plain.scaler, plain.device_type, policy)
+    setup = MasterSetup(
+        plain.recipe, plain.model, wrapped, plain.scaler, plain.device_type, plain.policy
+    )
+    setup._norm_hooks = tuple(run_in_float32(norms, plain.device_type))
+    return setup

@@ -35,7 +35,8 @@ def old_pair(out: Path, command: str = "compare") -> None:
 def pair_state(out: Path, command: str = "compare") -> str:
     """'old' or 'new' when the folder holds one whole, consistent pair; fails otherwise."""
     data, page = PAIRS[command]
-    names = sorted(os.listdir(out))
+    # The run's lock file (amped.cli.out_dir) stays beside the pair, unlocked.
+    names = sorted(n for n in os.listdir(out) if n != ".amped.lock")
     assert names == sorted(PAIRS[command]), f"not a pair (torn or half-written): {names}"
     document = json.loads((out / data).read_text())  # whole JSON, or this raises
     html = (out / page).read_text()

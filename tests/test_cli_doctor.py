@@ -71,7 +71,7 @@ def test_doctor_names_the_culprit_of_a_user_factory(capsys, tmp_path):
         (["--device", "tpu"], "--device"),
         (["--batch-size", "0"], "argument --batch-size: expected a positive integer, got '0'"),
         (["--batch-size", "two"], "argument --batch-size: expected a positive integer"),
-        (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+        (["--seed", "x"], "argument --seed: expected an integer in [0, 2**64 - 1]"),
     ],
     ids=["bad-model", "bad-dtype", "bad-scale", "bad-device", "zero-batch", "word-batch",
          "bad-seed"],

@@ -39,7 +39,7 @@ class Reference:
 
     def _from(self, amax: float, role: int) -> float:
         if amax > 0 and math.isfinite(amax):
-            return f32(FP8_MAX[role] / amax / 2.0**self.rule.margin)
+            return f32(FP8_MAX[role] / max(amax, 1e-12) / 2.0**self.rule.margin)
         return self.scale[role]
 
     def scale_for(self, role: int, amax_now: float) -> float:

@@ -16,7 +16,7 @@ from amped.autocast_mode import (
     is_autocast_enabled,
 )
 from amped.policy import Cast, ModuleRule, Policy
-from amped.recipes import Recipe, TrainSetup, memory_report, prepare
+from amped.recipes import Recipe, TrainSetup, memory_report, monitor, prepare
 from amped.scaling import GradScaler, ScaleRecord
 
 __version__ = "0.1.0"
@@ -39,5 +39,6 @@ __all__ = [
     "get_autocast_dtype",
     "is_autocast_enabled",
     "memory_report",
+    "monitor",
     "prepare",
 ]

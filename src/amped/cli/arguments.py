@@ -10,6 +10,7 @@ import argparse
 from typing import NoReturn
 
 from amped.cli.errors import UsageError
+from amped.cli.out_dir import out_folder, seed
 from amped.recipes import recipe_names
 
 __all__ = ["build_parser", "positive_int", "seconds"]
@@ -54,9 +55,12 @@ def _add_task_arguments(add: argparse._ActionsContainer, device_help: str, out: 
     add.add_argument("--batch-size", type=positive_int, default=None,
                      help="passed to the factory")  # fmt: skip
     add.add_argument("--device", default=None, help=device_help)
-    add.add_argument("--seed", type=int, default=0,
-                     help="seed for weights, data and dropout (default: 0)")  # fmt: skip
-    add.add_argument("--out", default=out, help=f"report folder (default: {out}/)")
+    add.add_argument("--seed", type=seed, default=0,
+                     help="seed for weights, data and dropout, in [0, 2**64 - 1] "
+                     "(default: 0)")  # fmt: skip
+    add.add_argument("--out", type=out_folder, default=out,
+                     help=f"report folder (default: {out}/); one run at a time "
+                     "writes into it")  # fmt: skip
 
 
 _COMPARE = (

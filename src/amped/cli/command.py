@@ -9,13 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
 
-from amped._internal.files import check_writable
 from amped.cli import interrupt
 from amped.cli.budget import Budget
 from amped.cli.compare import Comparison, baseline_first, run_comparison
@@ -24,6 +22,7 @@ from amped.cli.dtypes import recipe_for_dtype
 from amped.cli.environment import default_device, describe, resolve_device
 from amped.cli.errors import EXIT_DIVERGED, EXIT_OK, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
+from amped.cli.out_dir import resolve_out
 from amped.cli.progress import LineProgress, RichProgress
 from amped.cli.results import dumps, to_dict
 from amped.cli.run import CompareConfig
@@ -56,30 +55,6 @@ def parse_recipes(text: str) -> tuple[Recipe, ...]:
         if recipe not in chosen:
             chosen.append(recipe)
     return tuple(chosen)
-
-
-def resolve_out(path: str) -> Path:
-    """The report folder, created and test-written now, so that a bad or unwritable
-    ``--out`` fails before any training (UsageError)."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise UsageError(
-            f"--out must be a folder, but {path!r} is a file. Received: --out {path!r}"
-        )
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as error:
-        raise UsageError(
-            f"Cannot create the report folder ({error.strerror}). Received: --out {path!r}"
-        ) from None
-    try:
-        check_writable(out)
-    except OSError as error:
-        raise UsageError(
-            f"Cannot write into the report folder ({error.strerror or error}); choose a "
-            f"writable --out. Received: --out {path!r}"
-        ) from None
-    return out
 
 
 def _config(args: argparse.Namespace) -> CompareConfig:
@@ -147,7 +122,7 @@ def run_compare(args: argparse.Namespace, command: list[str]) -> int:
 def _compare(args: argparse.Namespace, command: list[str]) -> int:
     budget = Budget(args.max_time or None)  # --max-time counts from here: the check included
     config = _config(args)
-    out = resolve_out(args.out)
+    out = resolve_out(args.out)  # created only once the task is known to build
     observer = _observer(args, config)
     # SIGINT/SIGTERM from here on: training stops at the next step, and the report
     # (partial or not) is still rendered and written; a second signal raises at once.

@@ -16,12 +16,12 @@ from rich.console import Console
 from rich.table import Table
 
 from amped._internal.files import write_files
-from amped.cli.command import resolve_out
 from amped.cli.doctor_report import doctor_html
 from amped.cli.dtypes import parse_low_dtype
 from amped.cli.environment import default_device, resolve_device
 from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
+from amped.cli.out_dir import resolve_out
 from amped.cli.task import to_device
 from amped.doctor import Report, diagnose
 from amped.doctor.report import OpStat

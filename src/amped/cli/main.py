@@ -12,7 +12,7 @@ import threading
 import traceback
 from collections.abc import Sequence
 
-from amped.cli import interrupt
+from amped.cli import interrupt, out_dir
 from amped.cli.arguments import build_parser
 from amped.cli.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunError, UsageError
 
@@ -62,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(arguments)
     finally:
+        out_dir.release_all()
         if threading.current_thread() is not threading.main_thread():
             pass
         elif argv is None and hasattr(signal, "pthread_sigmask"):

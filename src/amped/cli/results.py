@@ -208,6 +208,8 @@ def _notes(run: RecipeRun, slowdown: float | None, diverged: int | None) -> list
         notes.append(f"failed: {run.error}")
     if run.status == "not_run":
         notes.append("not run (the comparison was interrupted)")
+    if run.health is not None:
+        notes.append(run.health)
     return notes
 
 

@@ -21,6 +21,7 @@ from amped.cli.environment import synchronize
 from amped.cli.errors import UsageError
 from amped.cli.factory import TaskFactory
 from amped.cli.footprint import PeakMemory, StateBytes, grad_bytes, state_bytes
+from amped.cli.health import attach_monitor, health_note
 from amped.cli.task import Task, call_model, check_loss, count_samples, to_device
 from amped.cli.timing import step_stats
 from amped.recipes import Recipe
@@ -92,6 +93,7 @@ class RecipeRun:
     peak_memory_kind: str | None = None
     evaluation: dict[str, float] | None = None
     task: dict[str, Any] | None = None
+    health: str | None = None  # the FP8 recipes' GEMM health note (amped.cli.health)
 
     def samples_per_s(self) -> float | None:
         """Throughput as ``results.json`` defines it: mean samples per step over the
@@ -186,6 +188,7 @@ def _train(
     run.task = describe_task(task, config.factory.spec)
     model = task.model.to(config.device)
     setup = amped.prepare(model, task.optimizer(model), run.recipe)
+    health = attach_monitor(setup)
     peak = PeakMemory(config.device)
     peak.start()
     batches = iter(task.batches)
@@ -204,6 +207,7 @@ def _train(
     else:
         run.status = "complete"
     run.peak_memory_bytes, run.peak_memory_kind = peak.peak_bytes(), peak.kind
+    run.health = health_note(health)
     run.final_loss_scale = setup.scaler.get_scale() if run.recipe.loss_scaling else None
     if evaluate:
         run.evaluation = _evaluate(setup, task, config.device)

@@ -42,6 +42,15 @@ class CastRule:
         return f"{str(self.dtype).removeprefix('torch.float8_')}/{self.granularity}"
 
 
+MAX_HISTORY_LEN = 1 << 16
+MAX_MARGIN = 64
+"""The bounds :class:`DelayedScaling` accepts (see its validation)."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True)
 class DelayedScaling:
     """Transformer Engine's delayed scaling: scales from a history of past amaxes.
@@ -50,8 +59,16 @@ class DelayedScaling:
 
         history = [amax of this step (max over ranks)] + history[:-1]
         amax    = max(history) if amax_compute == "max" else history[0]
-        scale   = fp8_max / amax / 2**margin   if 0 < amax < inf
-                  previous scale                 otherwise
+        scale   = fp8_max / max(amax, 1e-12) / 2**margin   if 0 < amax < inf
+                  previous scale                              otherwise
+        scale   = clamp(scale, 2**-126, fp8_max / 1e-12)
+
+    The amax is clamped as the dynamic path clamps it (:data:`amped.fp8.cast.EPS`), so
+    a step with a tiny amax cannot make a scale inf; the lower clamp keeps a scale
+    non-zero (float32's smallest normal), so dequantizing never divides by zero. A
+    tensor holding an inf or NaN casts to NaN (it is not saturated to a finite value):
+    the step's loss is non-finite, as under dynamic scaling, and a monitor or a loss
+    scaler can skip it.
 
     The first step, with no history yet, scales each tensor by its own amax (reduced
     over ranks), so it never starts from an arbitrary scale.
@@ -67,14 +84,25 @@ class DelayedScaling:
     margin: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.history_len, int) or self.history_len < 1:
-            raise value_error("history_len is a positive int", "history_len", self.history_len)
+        if not _is_int(self.history_len) or not 1 <= self.history_len <= MAX_HISTORY_LEN:
+            raise value_error(
+                f"history_len is an int in [1, {MAX_HISTORY_LEN}] (steps of amax kept per "
+                "tensor; Transformer Engine's default is 1024)",
+                "history_len",
+                self.history_len,
+            )
         if self.amax_compute not in ("max", "most_recent"):
             raise value_error(
                 "amax_compute is 'max' or 'most_recent'", "amax_compute", self.amax_compute
             )
-        if not isinstance(self.margin, int) or self.margin < 0:
-            raise value_error("margin is an int >= 0", "margin", self.margin)
+        if not _is_int(self.margin) or not 0 <= self.margin <= MAX_MARGIN:
+            raise value_error(
+                f"margin is an int in [0, {MAX_MARGIN}]: the scale is fp8_max / amax / "
+                "2**margin, and a larger margin leaves no FP8 value above zero for any "
+                "ordinary amax (margin=160 made every scale 0 and every output NaN)",
+                "margin",
+                self.margin,
+            )
 
 
 @dataclass(frozen=True)

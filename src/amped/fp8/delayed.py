@@ -23,22 +23,51 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from amped.fp8.cast import EPS
 from amped.fp8.config import DelayedScaling
 
-__all__ = ["GRAD_OUTPUT", "INPUT", "WEIGHT", "next_scale", "reduce_max", "update_delayed_scaling"]
+__all__ = [
+    "GRAD_OUTPUT",
+    "INPUT",
+    "WEIGHT",
+    "next_scale",
+    "propagate_nonfinite",
+    "reduce_max",
+    "update_delayed_scaling",
+]
 
 INPUT, WEIGHT, GRAD_OUTPUT = 0, 1, 2
 """Rows of the history and entries of the scale, by tensor."""
 
 
+# float32's smallest normal: the lowest scale, so 1/scale stays finite.
+SCALE_MIN = 2.0**-126
+
+
 def next_scale(
     amax: torch.Tensor, fp8_max: torch.Tensor, previous: torch.Tensor, margin: int
 ) -> torch.Tensor:
-    """``fp8_max / amax / 2**margin`` (float64, rounded once to float32) where
-    ``0 < amax < inf``, else ``previous``."""
-    fresh = (fp8_max.to(torch.float64) / amax.to(torch.float64) / 2.0**margin).to(torch.float32)
+    """``fp8_max / max(amax, EPS) / 2**margin`` (float64, rounded once to float32) where
+    ``0 < amax < inf``, else ``previous``; clamped to ``[2**-126, fp8_max / EPS]``.
+
+    The amax clamp is the dynamic path's (:func:`~amped.fp8.cast.amax_to_scale`): an
+    amax of 1e-40 would otherwise make the scale inf, and every later step NaN.
+    """
+    wide = amax.to(torch.float64).clamp(min=EPS)
+    fresh = (fp8_max.to(torch.float64) / wide / 2.0**margin).to(torch.float32)
+    fresh = torch.minimum(fresh.clamp(min=SCALE_MIN), fp8_max / EPS)
     usable = (amax > 0) & torch.isfinite(amax)
     return torch.where(usable, fresh, previous)
+
+
+def propagate_nonfinite(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """``scale``, or NaN where ``amax`` is inf or NaN (bitwise ``scale`` otherwise).
+
+    A delayed scale is finite whatever this tensor holds, and the saturating cast would
+    turn an inf into the FP8 maximum: the step would look clean. A NaN scale makes the
+    cast NaN, as the dynamic path's scale of 0 does (inf * 0).
+    """
+    return scale * (amax * 0 + 1)
 
 
 def reduce_max(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:

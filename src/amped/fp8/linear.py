@@ -23,8 +23,16 @@ from amped.autocast_mode import autocast
 from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
 from amped.fp8.config import CastRule, Fp8Config
 from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims, low_precision_class
-from amped.fp8.delayed import GRAD_OUTPUT, INPUT, WEIGHT, next_scale, reduce_max
+from amped.fp8.delayed import (
+    GRAD_OUTPUT,
+    INPUT,
+    WEIGHT,
+    next_scale,
+    propagate_nonfinite,
+    reduce_max,
+)
 from amped.fp8.gemm import has_scaled_mm, scaled_mm
+from amped.fp8.health import Operand, record_gemm
 
 __all__ = ["Float8Linear"]
 
@@ -41,6 +49,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         out = scaled_mm(
             xq, wq.t(), x.dtype, emulate=layer.fp8_emulate, use_fast_accum=cfg.fast_accum_output
         )
+        record_gemm(layer, "forward", "output", out, {"input": (x2, xq), "weight": (weight, wq)})
         ctx.reuse_x = cfg.input.granularity == "tensorwise" and not cfg.grad_weight_hp
         ctx.reuse_w = cfg.weight.granularity == "tensorwise" and cfg.w_gi == cfg.weight
         x_saved = (xq.data, xq.scale) if ctx.reuse_x else (x2,)
@@ -59,6 +68,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         else:
             x2, saved = saved[0], saved[1:]
         w_gi = Fp8Tensor(saved[0], saved[1]) if ctx.reuse_w else None
+        w_high = None if ctx.reuse_w else saved[0]
         go = grad.reshape(-1, grad.shape[-1])
         goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1)
         grad_x = grad_w = None
@@ -66,10 +76,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
             if w_gi is None:  # rowwise over the output dim: one scale per input feature
                 w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0)
             grad_x = scaled_mm(goq, w_gi, grad.dtype, emulate=layer.fp8_emulate)
+            operands: dict[str, Operand] = {"grad_output": (go, goq), "weight": (w_high, w_gi)}
+            record_gemm(layer, "grad_input", "grad_input", grad_x, operands)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             if cfg.grad_weight_hp:
                 grad_w = go.t() @ x2.to(go.dtype)
+                operands = {"grad_output": (go, None), "input": (x2, None)}
             else:
                 go_gw = goq
                 if cfg.grad_output.granularity == "rowwise":  # one scale per output feature
@@ -77,6 +90,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 if not ctx.reuse_x:  # one scale per input feature
                     x_q = layer.fp8_cast(x2, cfg.input, None, dim=0)
                 grad_w = scaled_mm(go_gw.t(), x_q, grad.dtype, emulate=layer.fp8_emulate)
+                x_high = None if ctx.reuse_x else x2
+                operands = {"grad_output": (go, go_gw), "input": (x_high, x_q)}
+            record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands)
             grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None
 
@@ -176,6 +192,7 @@ class Float8Linear(torch.nn.Linear):
             else:  # first step: this tensor's own amax, the same on every rank
                 amax = reduce_max(amax.clone())
                 scale = next_scale(amax, self.fp8_max[role], self.fp8_scale[role], delayed.margin)
+            scale = propagate_nonfinite(scale, amax)
         return Fp8Tensor(cast_saturated(x, scale, rule.dtype), scale)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

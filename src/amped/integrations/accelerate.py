@@ -43,9 +43,11 @@ import amped
 from amped._internal.errors import received, type_error, value_error
 from amped.autocast_mode import autocast
 from amped.integrations.common import default_scaler, rebind_scheduler, resolve_arguments
+from amped.integrations.health import health_metrics
 from amped.policy import Policy
-from amped.recipes import MemoryReport, Recipe, TrainSetup, memory_report
+from amped.recipes import MemoryReport, Monitor, Recipe, TrainSetup, memory_report, monitor
 from amped.scaling import GradScaler
+from amped.scaling.checkpoint import refuse_nonfinite
 
 __all__ = ["Accelerator", "RecipeState"]
 
@@ -59,6 +61,9 @@ class Accelerator(accelerate.Accelerator):
         policy: the autocast policy, an :class:`amped.Policy` for this accelerator's
             device or a preset name.
         scaler: an :class:`amped.GradScaler` to use instead of the recipe's default.
+        allow_nonfinite: ``save_state`` writes model weights or optimizer state holding
+            an inf or NaN; by default it raises :class:`amped.scaling.CheckpointError`
+            naming the first such tensor, before anything is written.
         **kwargs: Accelerate's keyword arguments.
 
     Raises:
@@ -75,6 +80,7 @@ class Accelerator(accelerate.Accelerator):
         recipe: str | Recipe = "bf16-mixed",
         policy: Policy | str | None = None,
         scaler: GradScaler | None = None,
+        allow_nonfinite: bool = False,
         **kwargs: Any,
     ) -> None:
         chosen, _, _ = resolve_arguments(recipe, None, "cpu")  # unknown recipes fail first
@@ -96,6 +102,37 @@ class Accelerator(accelerate.Accelerator):
         self.setup: TrainSetup | None = None
         self.recipe_state = RecipeState(self)
         self.register_for_checkpointing(self.recipe_state)
+        self.allow_nonfinite = allow_nonfinite
+        self.register_save_state_pre_hook(self._refuse_nonfinite_state)
+        self.health: Monitor | None = None
+
+    def monitor(
+        self, every: int = 50, *, on_nonfinite: str = "skip", strict: bool = False
+    ) -> Monitor:
+        """Attach :func:`amped.monitor` to the prepared setup (after :meth:`prepare`);
+        :meth:`log_health` then sends its counters to the trackers."""
+        if self.setup is None:
+            raise RuntimeError(
+                "monitor() needs a prepared model and optimizer; call prepare first."
+            )
+        self.health = monitor(self.setup, every, on_nonfinite=on_nonfinite, strict=strict)
+        return self.health
+
+    def log_health(self, step: int | None = None) -> dict[str, float]:
+        """Log the monitor's per-GEMM counters with :meth:`log` (to every tracker given
+        as ``log_with``); returns them. One sync."""
+        if self.health is None:
+            raise RuntimeError("log_health() needs a monitor; call accelerator.monitor() first.")
+        metrics = health_metrics(self.health)
+        self.log(metrics, step=step)
+        return metrics
+
+    def _refuse_nonfinite_state(self, models: Any, weights: Any, output_dir: Any) -> None:
+        """``save_state``'s pre-hook: refuse inf/NaN weights or optimizer state."""
+        if self.allow_nonfinite:
+            return
+        state = {"weights": weights, "optimizers": [o.state_dict() for o in self._optimizers]}
+        refuse_nonfinite(state, f"the Accelerate state in {str(output_dir)!r}", root="save_state")
 
     # --- prepare -----------------------------------------------------------------------
 

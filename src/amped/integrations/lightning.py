@@ -50,6 +50,7 @@ from amped.policy import Policy
 from amped.recipes import MemoryReport, Recipe, TrainSetup
 from amped.recipes.o2 import MasterSetup
 from amped.scaling import GradScaler
+from amped.scaling.checkpoint import refuse_nonfinite
 
 __all__ = ["FSDPPrecision", "FabricFSDPPrecision", "FabricPrecision", "Precision"]
 
@@ -76,8 +77,11 @@ class _Plugin(RecipeDriver):
         policy: Policy | str | None = None,
         device: str | None = None,
         scaler: GradScaler | None = None,
+        allow_nonfinite: bool = False,
     ) -> None:
         self._init_recipe(recipe, policy, device, scaler)
+        # Lightning checkpoints with an inf/NaN weight or optimizer state are refused.
+        self.allow_nonfinite = allow_nonfinite
         # Lightning's own code reads `precision` (model summary sizes, FSDP dtypes, the
         # throughput monitor), so it stays one of Lightning's strings; the recipe's own
         # name is `recipe.name`, in repr() and in the line logged when training starts.
@@ -222,9 +226,18 @@ class Precision(_Plugin, _LightningBase):
             super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Save the model at the recipe's full precision: O2's float32 masters as the weights."""
+        """Save the model at the recipe's full precision: O2's float32 masters as the weights.
+
+        Raises:
+            CheckpointError: a weight or optimizer state holds an inf or NaN (named);
+                ``Precision(..., allow_nonfinite=True)`` saves it anyway.
+        """
         if isinstance(self.setup, MasterSetup) and "state_dict" in checkpoint:
             checkpoint["state_dict"] = self.setup.model_state_dict()
+        if not self.allow_nonfinite:
+            keys = ("state_dict", "optimizer_states")
+            saved = {key: checkpoint[key] for key in keys if key in checkpoint}
+            refuse_nonfinite(saved, "the Lightning checkpoint", root="checkpoint")
 
     def state_dict(self) -> dict[str, Any]:
         """The recipe's name and its scaler's state (saved in Lightning checkpoints; O2's

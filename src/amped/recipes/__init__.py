@@ -6,13 +6,15 @@
 alone with compensated updates (:mod:`.pure`, :mod:`.compensated`, :mod:`.rounding`).
 ``fp8-*`` run the Linear GEMMs in FP8 over a bfloat16 base recipe (:mod:`.fp8`).
 :func:`prepare` (:mod:`.build`) sets any of them up; :func:`memory_report` counts
-what each holds (:mod:`.memory`). Everything else is importable by module path.
+what each holds (:mod:`.memory`); :func:`monitor` watches an FP8 setup's GEMMs
+(:mod:`.monitoring`). Everything else is importable by module path.
 """
 
 from amped.recipes.build import prepare
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
 from amped.recipes.master import MasterWeightOptimizer
 from amped.recipes.memory import MemoryReport, memory_report
+from amped.recipes.monitoring import Monitor, NonFinite, NonFiniteError, monitor
 from amped.recipes.registry import (
     OPT_IN_RECIPES,
     RECIPES,
@@ -30,9 +32,13 @@ __all__ = [
     "CompensatedSGD",
     "MasterWeightOptimizer",
     "MemoryReport",
+    "Monitor",
+    "NonFinite",
+    "NonFiniteError",
     "Recipe",
     "TrainSetup",
     "memory_report",
+    "monitor",
     "prepare",
     "recipe_names",
     "register",

@@ -233,6 +233,8 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             foreach_copy_(params, chunk.views[_WEIGHT])  # rounds once, to nearest
             foreach_copy_(scratches, params)
             total.sub_(scratch)  # what the rounding lost, exactly
+            # (nothing, for a weight at +-inf: inf - inf must not become its compensation)
+            total.nan_to_num_(nan=0.0, posinf=math.inf, neginf=-math.inf)
             foreach_copy_(compensations, chunk.views[_WEIGHT])
 
     def __getstate__(self) -> dict[str, Any]:

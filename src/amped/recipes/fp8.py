@@ -260,6 +260,7 @@ class Fp8Plan:
             names = plan_fp8(model, self.module_filter, keep, self.config)
             converted = convert_to_fp8(model, self.config, names)
         setup.fp8_layers = converted
+        setup.fp8_base = self.base.name
         setup.recipe = dataclasses.replace(
             self.recipe, weights=self.base.weights, compensation=self.base.compensation
         )

@@ -195,6 +195,12 @@ def _split(total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lost
 
 
+def _plus(value: torch.Tensor, weight: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``value + weight * factor``, or ``value`` itself where ``factor`` is 0, as the eager
+    step skips a zero decay: ``inf * 0`` is NaN, and a weight at +-inf must stay there."""
+    return torch.where(factor == 0, value, value + weight * factor)
+
+
 def _adamw(
     grad: torch.Tensor,
     param: torch.Tensor,
@@ -218,14 +224,14 @@ def _adamw(
     correction2, eps, step_size, decay = scalars[5], scalars[6], scalars[7], scalars[8]
     g = grad.to(torch.float32) * sign  # neg_() when maximizing: exact
     w = param.to(torch.float32)
-    g = g + w * l2  # grad.add_(weight, alpha=wd); adds 0 without L2
+    g = _plus(g, w, l2)  # grad.add_(weight, alpha=wd), only with L2
     m = exp_avg.to(torch.float32).lerp(g, weight1)
     v = exp_avg_sq.to(torch.float32) * beta2 + weight2 * g * g  # mul_, addcmul_
     m = _store(exp_avg, m, starts[0] if stochastic_avg else None)
     v = _store(exp_avg_sq, v, starts[1] if stochastic_avg_sq else None)
     denom = v.sqrt() / correction2 + eps  # sqrt_, div_, add_
     update = m / denom * step_size  # div_, mul_
-    update = update + w * decay  # update.add_(weight, alpha=-lr * wd); 0 if not decoupled
+    update = _plus(update, w, decay)  # update.add_(weight, alpha=-lr * wd), if decoupled
     noise_param = None if kahan else _noise(numel, starts[2], device)
     _write(param, compensation, w, update, noise_param)
 
@@ -250,7 +256,7 @@ def _sgd(
     sign, decay, momentum, undamped, step_size = (scalars[i] for i in range(5))
     g = grad.to(torch.float32) * sign
     w = param.to(torch.float32)
-    g = g + w * decay  # grad.add_(weight, alpha=weight_decay)
+    g = _plus(g, w, decay)  # grad.add_(weight, alpha=weight_decay), only with decay
     velocity = buffer.to(torch.float32) * momentum + g * undamped  # mul_, add_(alpha=)
     velocity = _store(buffer, velocity, starts[0] if stochastic_buffer else None)
     if nesterov:

@@ -26,7 +26,7 @@ from amped._internal.errors import value_error
 from amped.policy import Policy
 from amped.recipes.fp32_modules import run_in_float32
 from amped.recipes.master import MasterWeightOptimizer, check_wrappable
-from amped.recipes.setup import TrainSetup, check_recipe_state
+from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import kept_in_fp32, lower_model_, with_norms_in_fp32
 
 __all__ = ["MasterSetup", "build_master_setup"]
@@ -95,7 +95,7 @@ class MasterSetup(TrainSetup):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict`: masters exactly, model weights rounded from them."""
-        check_recipe_state(state, self.recipe)
+        self.check_state(state)
         model_state = state["model"]
         self.model.load_state_dict(model_state)  # rounds into the low-precision weights
         masters = {id(param): master for param, master in self.optimizer.pairs}

@@ -51,7 +51,9 @@ def kahan_add_(param: torch.Tensor, update: torch.Tensor, compensation: torch.Te
     param.copy_(total)  # rounds once, to nearest
     # What that rounding lost: exact in float32, since the rounded weight lies within
     # half an ulp of the total (Sterbenz). Stored in the low dtype, it keeps 8 bits.
-    compensation.copy_(total.sub_(param))
+    # A weight at +-inf loses nothing (inf - inf would be a NaN compensation, which the
+    # next step would add to the weight): it stays at +-inf, as in torch and the fused step.
+    compensation.copy_(total.sub_(param).nan_to_num_(nan=0.0, posinf=_INF, neginf=-_INF))
 
 
 @torch.no_grad()

@@ -42,9 +42,12 @@ class TrainSetup:
         device_type: where the model's parameters live.
         policy: the autocast policy (None for torch's default).
         fp8_layers: for the FP8 recipes, the layers converted to FP8 (else None).
+        fp8_base: for the FP8 recipes, the name of the base recipe (else None).
     """
 
     fp8_layers: Fp8Layers | None = None
+    fp8_base: str | None = None
+    monitor: Any = None  # an amped.recipes.Monitor (amped.monitor attaches it)
 
     def __init__(
         self,
@@ -100,12 +103,20 @@ class TrainSetup:
         recipe scales the loss (the inf/NaN check); never otherwise.
         """
         self._prepare_grads()
+        monitor = self.monitor
+        if monitor is not None and not monitor.check_step():  # one sync; may raise
+            monitor.skip_step()
+            self._after_step(False)
+            monitor.end_step()
+            return False
         self.scaler.step(self.optimizer)
         self.scaler.update()
         stepped = not self.scaler.last_step_skipped
         self._after_step(stepped)
         if self.fp8_layers is not None:
             self.fp8_layers.update()  # delayed scaling's histories and next scales
+        if monitor is not None:
+            monitor.end_step()
         return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -119,15 +130,16 @@ class TrainSetup:
         Loading it back with :meth:`load_state_dict` restores every tensor bitwise.
         """
         return {
-            "recipe": self.recipe.name,
+            **self._identity(),
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` written by a setup of the same recipe."""
-        check_recipe_state(state, self.recipe)
+        """Restore a :meth:`state_dict` written by a setup of the same recipe (and, for
+        the FP8 recipes, the same base recipe and FP8 config)."""
+        self.check_state(state)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scaler.load_state_dict(state["scaler"])
@@ -180,12 +192,42 @@ class TrainSetup:
     def recipe_state_dict(self) -> dict[str, Any]:
         """What the recipe keeps beside the model and optimizer state: its name and the
         scaler (strategy, scale, counters). Syncs when the scaler is enabled."""
-        return {"recipe": self.recipe.name, "scaler": self.scaler.state_dict()}
+        return {**self._identity(), "scaler": self.scaler.state_dict()}
 
     def load_recipe_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`recipe_state_dict`."""
-        check_recipe_state(state, self.recipe)
+        self.check_state(state)
         self.scaler.load_state_dict(state["scaler"])
+
+    def _identity(self) -> dict[str, Any]:
+        """What a state this setup writes must match to load: the recipe's name, and for
+        the FP8 recipes the base recipe and the FP8 config."""
+        identity: dict[str, Any] = {"recipe": self.recipe.name}
+        if self.fp8_layers is not None:
+            identity["fp8"] = {"base": self.fp8_base, "config": str(self.fp8_layers.config)}
+        return identity
+
+    def check_state(self, state: dict[str, Any]) -> None:
+        """Refuse a state written by another recipe, or by an FP8 recipe over another base
+        or with another FP8 config (the error names both).
+
+        Raises:
+            ValueError: the state does not belong to this setup's recipe.
+        """
+        check_recipe_state(state, self.recipe)
+        mine, theirs = self._identity().get("fp8"), state.get("fp8")
+        if mine is None or theirs is None or mine == theirs:
+            return  # (a state from before amped recorded the base loads as it did)
+        raise value_error(
+            f"This state was written by recipe {self.recipe.name!r} over base "
+            f"{theirs.get('base')!r} with FP8 config {theirs.get('config')!r}; this setup "
+            f"runs it over base {mine['base']!r} with FP8 config {mine['config']!r}. Weights "
+            "and optimizer state differ between bases (bf16-pure keeps a compensation, "
+            "bf16-master float32 masters), so it would load wrong or fail at the next "
+            f"step. Prepare with base={theirs.get('base')!r} to resume it",
+            "state['fp8']",
+            theirs,
+        )
 
     def teardown(self) -> None:
         """Remove what :func:`prepare` installed and give the model float32 weights back.

@@ -9,6 +9,7 @@ importable by module path but not public API. Depends on torch only (never on
 from amped.scaling.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from amped.scaling.grad_scaler import GradScaler
 from amped.scaling.records import ScaleRecord
+from amped.scaling.stall import ScaleStallError
 from amped.scaling.strategies import (
     Bounded,
     DynamicScale,
@@ -27,6 +28,7 @@ __all__ = [
     "GrowthFactors",
     "Hysteresis",
     "ScaleRecord",
+    "ScaleStallError",
     "ScaleState",
     "ScaleStrategy",
     "StaticScale",

@@ -36,13 +36,20 @@ import torch
 
 from amped._internal.files import fsync_directory
 from amped.scaling.archive import ArchiveError, verify_archive
+from amped.scaling.finite import first_nonfinite, nonfinite_message
 
 try:
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["CheckpointError", "load_checkpoint", "remove_stale_temporaries", "save_checkpoint"]
+__all__ = [
+    "CheckpointError",
+    "load_checkpoint",
+    "refuse_nonfinite",
+    "remove_stale_temporaries",
+    "save_checkpoint",
+]
 
 _ADVICE = "Nothing was loaded; resume from an earlier checkpoint."
 # A temporary whose writer's pid now names another process is removed only when older
@@ -51,22 +58,54 @@ _REUSED_PID_AGE_S = 3600.0
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint file is torn, truncated or corrupt; nothing was loaded from it."""
+    """A checkpoint file is torn, truncated or corrupt (nothing was loaded from it), or
+    a state to save holds an inf or NaN (nothing was written)."""
 
 
-def save_checkpoint(path: str | os.PathLike[str], **state: Any) -> None:
+def refuse_nonfinite(state: Any, where: str, root: str = "state") -> None:
+    """Raise :class:`CheckpointError` naming the first floating tensor of ``state`` that
+    holds an inf or NaN. Syncs once per device.
+
+    Args:
+        state: what is about to be written (nested dicts, lists, tuples of tensors).
+        where: the file or checkpoint, for the message.
+        root: how the message names ``state`` itself.
+    """
+    found = first_nonfinite(state, root)
+    if found is None:
+        return
+    raise CheckpointError(
+        f"Refusing to write {where}: {nonfinite_message(*found)}. A checkpoint with "
+        "non-finite parameters or optimizer state poisons every run resumed from it. "
+        "Resume from the last good checkpoint and find where the values went non-finite "
+        "(amped.monitor names the first GEMM, amped.doctor.diagnose the op), or pass "
+        "allow_nonfinite=True to write it anyway. Nothing was written."
+    )
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str], *, allow_nonfinite: bool = False, **state: Any
+) -> None:
     """Atomically write ``state`` (a dict of keyword arguments) to ``path`` with torch.save.
+
+    Every floating tensor is checked first (one sync per device): a state holding an
+    inf or NaN is refused, with the first bad tensor named, and nothing is written.
 
     Args:
         path: the checkpoint file; its directory must exist.
+        allow_nonfinite: keyword-only. Write a state with inf/NaN values anyway.
         **state: what to save, e.g. ``model=model.state_dict(),
             scaler=scaler.state_dict(), step=step``.
 
     Raises:
+        CheckpointError: a floating tensor holds an inf or NaN (unless
+            ``allow_nonfinite``); the message names it (``state['model']['0.weight']``).
         OSError: the file could not be written (``ENOSPC`` for a full disk, ``EFBIG``
             for a file-size limit, ...); the previous checkpoint is left as it was.
     """
     target = os.fspath(path)
+    if not allow_nonfinite:
+        refuse_nonfinite(state, f"checkpoint {target!r}")
     directory = os.path.dirname(target) or "."
     prefix = f".{os.path.basename(target)}."
     remove_stale_temporaries(directory, prefix)

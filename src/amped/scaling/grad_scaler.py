@@ -40,6 +40,7 @@ from amped.scaling.checks import (
 from amped.scaling.distributed import agree_across_ranks, check_process_group
 from amped.scaling.optimizer_state import OptimizerState, OptState
 from amped.scaling.records import History, ScaleRecord
+from amped.scaling.stall import StallGuard
 from amped.scaling.state_dict import AMPED_KEY, amped_entry, read_state_dict
 from amped.scaling.strategies import (
     DynamicScale,
@@ -92,6 +93,12 @@ class GradScaler:
             and needs none for plain ones (one process, DDP); a ``ProcessGroup`` is
             always used, with one all-reduce per step. See
             :mod:`amped.scaling.distributed`. Not pickled (it belongs to one process).
+        on_stall: keyword-only. What a stall does: a step with all gradients zero while
+            the loss is finite and non-zero, or a step at the scale floor (see
+            :mod:`amped.scaling.stall`). ``"recover"`` (default) warns once and returns
+            the scale to the last one that gave a clean step; ``"warn"`` warns once and
+            keeps the strategy's scale (torch's numbers); ``"raise"`` raises
+            :class:`~amped.scaling.ScaleStallError` before ``optimizer.step()``.
 
     Example:
         >>> import torch, amped
@@ -123,6 +130,7 @@ class GradScaler:
         max_scale: float | None = None,
         record_history: bool = False,
         process_group: Any = None,
+        on_stall: str = "recover",
     ) -> None:
         self._device = check_device_type(device)
         self._enabled = check_bool("enabled", enabled)
@@ -146,6 +154,7 @@ class GradScaler:
         self._history = History() if check_bool("record_history", record_history) else None
         self._process_group = check_process_group(process_group)
         self._updates = 0
+        self._stall = StallGuard(on_stall, self._init_scale)
         self._last_skipped: bool | torch.Tensor = False
         self._synced = False  # whether this iteration's step() has synced already
         if self._device == "cuda" and self._enabled and _cuda_definitely_unavailable():
@@ -183,6 +192,7 @@ class GradScaler:
             return outputs
         if isinstance(outputs, torch.Tensor):
             scale = self._scale if self._scale is not None else self._lazy_init(outputs.device)
+            self._stall.note_loss(outputs)
             return outputs * scale.to(device=outputs.device, non_blocking=True)
         replicas: list[PerDevice] = []  # one, made at the first tensor met
         return self._scale_nested(outputs, replicas)
@@ -192,6 +202,7 @@ class GradScaler:
             if not replicas:
                 scale = self._scale if self._scale is not None else self._lazy_init(value.device)
                 replicas.append(PerDevice(scale))
+            self._stall.note_loss(value)
             return value * replicas[0].get(value.device)
         if isinstance(value, abc.Iterable) and not isinstance(value, (str, bytes)):
             scaled = map(lambda item: self._scale_nested(item, replicas), value)
@@ -232,8 +243,13 @@ class GradScaler:
         else:
             inv_scale = scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
+        state.grads_all_zero = []
         state.found_inf_per_device = unscale_grads_(
-            optimizer, inv_scale, found_inf, allow_fp16=False
+            optimizer,
+            inv_scale,
+            found_inf,
+            allow_fp16=False,
+            all_zero=state.grads_all_zero if self._stall.watch else None,
         )
         state.found_inf_per_device = agree_across_ranks(
             self._process_group, optimizer, state.found_inf_per_device, scale.device
@@ -272,10 +288,17 @@ class GradScaler:
                 "a gradient. Call scaler.scale(loss).backward() before scaler.step()."
             )
         found = combine_on(scale.device, list(state.found_inf_per_device.values()))
-        # The one host-device sync of the step (it also fetches waiting history records).
-        flag = found.item() if self._history is None else self._history.fetch(found)
+        stalled = self._stall.stalled(found, state.grads_all_zero)
+        parts = [found, scale] if stalled is None else [found, scale, stalled.float()]
+        # The one host-device sync of the step (it also fetches waiting history records
+        # and brings the scale, for the stall check).
+        if self._history is None:
+            flag, used, *stall = torch.stack(parts).tolist()
+        else:
+            flag, used, *stall = self._history.fetch(torch.stack(parts))
         self._synced = True
         self._last_skipped = flag > 0
+        self._stall.check_step(used, flag > 0, bool(stall and stall[0] > 0), self._updates)
         retval = None if self._last_skipped else optimizer.step(*args, **kwargs)
         state.stage = OptState.STEPPED
         return retval
@@ -349,6 +372,11 @@ class GradScaler:
             )
         before = scale.clone() if self._history is not None else None
         found = combine_on(scale.device, found_infs)
+        all_zero = [
+            flag for state in self._per_optimizer_states.values() for flag in state.grads_all_zero
+        ]
+        # A scale the caller chose is not overridden.
+        stalled = self._stall.stalled(found, all_zero) if new_scale is None else None
         if new_scale is not None:
             value = check_new_scale(new_scale, self._device)
             if isinstance(value, float):
@@ -363,6 +391,7 @@ class GradScaler:
         # The floor, whatever the strategy or new_scale did. Clamping an in-range float32
         # returns it unchanged, so wherever torch's rule is sound the scale is torch's.
         scale.clamp_(min=SCALE_FLOOR)
+        self._stall.update(scale, stalled)
         if before is not None and self._history is not None:
             floats = [before, found, self._skipped_flag(scale.device), scale]
             streak = self._counters.get("overflow_streak")  # Hysteresis's counter
@@ -494,6 +523,7 @@ class GradScaler:
         self._init_scale, self._init_growth_tracker = loaded.scale, loaded.growth_tracker
         if loaded.updates is not None:
             self._updates = loaded.updates
+        self._stall.reset(loaded.scale)
         if self._scale is not None:
             self._refill(self._scale)
 
@@ -519,6 +549,7 @@ class GradScaler:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state.setdefault("_process_group", None)  # pickled before process_group existed
+        state.setdefault("_stall", StallGuard("recover", state.get("_init_scale", 2.0**16)))
         self.__dict__.update(state)
 
     # --- torch's private methods, which frameworks call --------------------------
@@ -547,7 +578,10 @@ class GradScaler:
         unit = torch.ones((), dtype=torch.float32, device=scale.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         state = self._per_optimizer_states[id(optimizer)]
-        state.found_inf_per_device = unscale_grads_(optimizer, unit, found_inf, allow_fp16=True)
+        state.grads_all_zero = []
+        state.found_inf_per_device = unscale_grads_(
+            optimizer, unit, found_inf, allow_fp16=True, all_zero=state.grads_all_zero
+        )
         state.found_inf_per_device = agree_across_ranks(
             self._process_group, optimizer, state.found_inf_per_device, scale.device
         )

@@ -78,14 +78,16 @@ class History:
         if may_sync and len(self._pending) >= FLUSH_AT:
             self.records()
 
-    def fetch(self, flag: torch.Tensor) -> float:
-        """Return ``flag.item()``, bringing the queued records in the same transfer (one sync)."""
+    def fetch(self, numbers: torch.Tensor) -> list[float]:
+        """Return ``numbers.tolist()`` (1-d), bringing the queued records in the same
+        transfer (one sync)."""
         if not self._pending:
-            return flag.item()
+            return list(numbers.tolist())
         dtype = self._pending[0][1].dtype
-        flat = torch.cat([flag.reshape(1).to(dtype)] + [v for _, v in self._pending]).tolist()
-        self._unpack(flat[1:])
-        return flat[0]
+        count = numbers.numel()
+        flat = torch.cat([numbers.to(dtype)] + [v for _, v in self._pending]).tolist()
+        self._unpack(flat[count:])
+        return flat[:count]
 
     def records(self) -> list[ScaleRecord]:
         """All records, oldest first. Syncs once if some are still on the device."""

@@ -1,0 +1,122 @@
+"""Per-GEMM health: what an FP8 (or block-format) layer reports after each of its GEMMs.
+
+A low-precision linear layer runs three GEMMs, one per *role*::
+
+    forward      output      = input       @ weight.T
+    grad_input   grad_input  = grad_output @ weight
+    grad_weight  grad_weight = grad_output.T @ input
+
+After each one the layer calls :func:`record_gemm` with the GEMM's operands (the
+high-precision tensor and its quantized form, where it has them) and its output. When
+no observer is attached (``layer.fp8_observer`` is None, the default) that is one
+attribute read. An observer (:class:`amped.recipes.Monitor`) gets, on the device and
+without a sync:
+
+- every step, per tensor, a *probe* that tells whether it holds an inf or NaN, left on
+  the device: an operand's is the smallest of its scales, which the cast computed
+  anyway (a dynamic scale is 0 for an inf amax and NaN for a NaN one; a delayed one is
+  NaN, see :func:`amped.fp8.delayed.propagate_nonfinite`), so it is bad unless > 0; an
+  output's is its min and max (one ``aminmax`` pass), bad unless both are finite;
+- on the steps it samples (``observer.sampling``), the counts in :data:`STATS`.
+
+Any layer can report the same way: call ``record_gemm(self, role, output_name, output,
+{operand_name: (high, quantized)})`` after each GEMM, with ``quantized`` an
+:class:`~amped.fp8.cast.Fp8Tensor` (its ``scale`` multiplies, ``data`` is the
+low-precision payload) or None, and ``high`` the tensor before the cast or None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from amped.fp8.cast import EPS, Fp8Tensor
+
+__all__ = ["ROLES", "STATS", "GemmObserver", "Operand", "record_gemm"]
+
+ROLES = ("forward", "grad_input", "grad_weight")
+"""The three GEMMs of a linear layer, in the order a training step runs them."""
+
+STATS = (
+    "nonfinite",  # elements that are inf or NaN, in the operands and the output
+    "underflow",  # non-zero operand elements the cast made zero
+    "nonzero",  # non-zero operand elements (underflow's denominator)
+    "saturated",  # operand elements the cast clamped to the format's largest value
+    "elements",  # operand elements cast (saturated's denominator)
+    "scale_clamps",  # scales at a clamp: amax below EPS, or a delayed scale at a bound
+    "amax",  # the largest finite magnitude among the operands
+)
+"""The sampled counters of one GEMM, in this order (float32, summed; ``amax``: max)."""
+
+Operand = tuple[torch.Tensor | None, Fp8Tensor | None]
+
+
+class GemmObserver(Protocol):
+    """What :func:`record_gemm` reports to (``layer.fp8_observer``)."""
+
+    sampling: bool
+
+    def observe(
+        self,
+        layer: torch.nn.Module,
+        role: str,
+        scale_probes: list[tuple[str, torch.Tensor]],
+        end_probes: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]],
+        stats: torch.Tensor | None,
+    ) -> None:
+        """``scale_probes``: (tensor, smallest scale), bad unless > 0; ``end_probes``:
+        (tensor, (min, max)), bad unless both finite; ``stats``: :data:`STATS` or None."""
+
+
+def record_gemm(
+    layer: torch.nn.Module,
+    role: str,
+    output_name: str,
+    output: torch.Tensor,
+    operands: Mapping[str, Operand],
+) -> None:
+    """Report one GEMM of ``layer`` to its observer, if it has one (see the module)."""
+    observer: Any = getattr(layer, "fp8_observer", None)
+    if observer is None:
+        return
+    # One op per tensor (the flags are made from these in one batch, at the step's end).
+    scale_probes, end_probes = [], []
+    with torch.no_grad():
+        for name, (high, low) in operands.items():
+            if low is not None:
+                scale_probes.append((name, low.scale.amin()))
+            elif high is not None and high.numel():
+                end_probes.append((name, torch.aminmax(high)))
+        if output.numel():
+            # aminmax: one vectorized pass without a copy; NaN propagates through it.
+            end_probes.append((output_name, torch.aminmax(output)))
+        stats = _stats(operands, output) if observer.sampling else None
+    observer.observe(layer, role, scale_probes, end_probes, stats)
+
+
+def _stats(operands: Mapping[str, Operand], output: torch.Tensor) -> torch.Tensor:
+    """The :data:`STATS` of one GEMM, as a float32 vector on the output's device."""
+    zero = torch.zeros((), dtype=torch.float32, device=output.device)
+    nonfinite = (~torch.isfinite(output)).sum().float()
+    underflow, nonzero, saturated, elements, clamps = zero, zero, zero, zero, zero
+    amax = zero
+    for high, low in operands.values():
+        if high is not None:
+            wide = high.detach().float()
+            nonfinite = nonfinite + (~torch.isfinite(wide)).sum()
+            finite = torch.where(torch.isfinite(wide), wide.abs(), 0.0)
+            amax = torch.maximum(amax, finite.amax() if finite.numel() else zero)
+        if low is None:
+            continue
+        dtype_max = torch.finfo(low.data.dtype).max
+        scale = low.scale.float()
+        clamps = clamps + ((scale >= dtype_max / EPS) | (scale <= 2.0**-126)).sum()
+        elements = elements + low.data.numel()
+        if high is not None and high.shape == low.data.shape:
+            scaled = wide.abs() * scale
+            nonzero = nonzero + (wide != 0).sum()
+            underflow = underflow + ((low.data.float() == 0) & (wide != 0)).sum()
+            saturated = saturated + (scaled > dtype_max).sum()
+    return torch.stack([nonfinite, underflow, nonzero, saturated, elements, clamps, amax]).float()

@@ -1,0 +1,322 @@
+"""``amped.monitor``: per-GEMM health of a setup's FP8 layers, the first non-finite named.
+
+Attach one to a :class:`~amped.recipes.TrainSetup`; :meth:`TrainSetup.step` then
+consults it::
+
+    setup = amped.prepare(model, optimizer, "fp8-tensorwise")
+    monitor = amped.monitor(setup, every=50)          # on_nonfinite="skip"
+    ...training loop as usual...
+    monitor.read()       # {layer: {role: {"nonfinite": ..., "underflow": ...}}}, one sync
+    monitor.first_nonfinite   # NonFinite(step=..., module=..., role=..., tensor=...) or None
+
+Every step, each FP8 layer flags, per GEMM role (forward, grad_input, grad_weight),
+whether an operand or the output held an inf or NaN (:mod:`amped.fp8.health`), and
+the monitor checks the gradients the optimizer would step on. Before the optimizer
+steps it brings those flags to the host in **one** sync and, if one is set, names the
+first in the order the step ran them (module, role, step, tensor), then:
+
+- ``on_nonfinite="skip"`` (default): the optimizer step is skipped (no parameter or
+  optimizer state changes; delayed scaling's amaxes of the step are dropped); the
+  first occurrence warns once. Under a loss-scaling recipe the scaler skips the step
+  and the monitor only names it.
+- ``"warn"``: a warning per bad step; the step is taken.
+- ``"raise"``: :class:`NonFiniteError` at that step, before the optimizer steps.
+
+Every ``every`` steps (the first step included) the layers also count, on the device,
+the :data:`~amped.fp8.health.STATS` of each GEMM; :meth:`Monitor.read` fetches them
+in one sync. The *audit* runs on those sampled steps: every layer the plan converted
+must still be the model's module of that name and must have run its FP8 forward; a
+layer replaced after ``prepare`` or a compile that dropped the conversion is reported
+in :attr:`Monitor.audit`, and with ``strict=True`` raises :class:`NonFiniteError`'s
+sibling, ``RuntimeError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any
+
+import torch
+
+from amped._internal.errors import value_error
+from amped.fp8.health import ROLES, STATS
+from amped.recipes.setup import TrainSetup
+
+__all__ = ["Monitor", "NonFinite", "NonFiniteError", "monitor"]
+
+_MODES = ("skip", "warn", "raise")
+
+
+class NonFiniteError(RuntimeError):
+    """A step produced an inf or NaN (``on_nonfinite="raise"``); nothing was stepped."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NonFinite:
+    """Where a non-finite value first appeared in a step.
+
+    Attributes:
+        step: the setup's step index (0 for the first ``setup.step()``).
+        module: the layer's qualified name in the model, or ``None`` when no FP8 GEMM
+            flagged and only the gradients held it (the value arose elsewhere).
+        role: ``"forward"``, ``"grad_input"`` or ``"grad_weight"`` (None likewise).
+        tensor: which tensor of that GEMM: ``"input"``, ``"weight"``, ``"output"``,
+            ``"grad_output"``, ``"grad_input"``, ``"grad_weight"``; ``"gradients"`` for
+            the optimizer's gradients.
+    """
+
+    step: int
+    module: str | None
+    role: str | None
+    tensor: str
+
+    def __str__(self) -> str:
+        if self.module is None:
+            return f"step {self.step}: the gradients (no FP8 GEMM flagged one)"
+        return f"step {self.step}: module {self.module!r}, {self.role} GEMM, its {self.tensor}"
+
+
+class Monitor:
+    """The health monitor of one setup (see :mod:`amped.recipes.monitoring`); make one with
+    :func:`amped.monitor`."""
+
+    def __init__(
+        self, setup: TrainSetup, every: int = 50, on_nonfinite: str = "skip", strict: bool = False
+    ) -> None:
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise value_error("every is an int >= 1 (sample every that many steps)", "every", every)
+        if on_nonfinite not in _MODES:
+            raise value_error(
+                "on_nonfinite is 'skip', 'warn' or 'raise'", "on_nonfinite", on_nonfinite
+            )
+        self.setup, self.every, self.on_nonfinite, self.strict = setup, every, on_nonfinite, strict
+        self.step = 0
+        self.sampling = True
+        self.first_nonfinite: NonFinite | None = None
+        self.nonfinite_steps: list[NonFinite] = []
+        self.audit: list[str] = []
+        self.sampled_steps = 0
+        self._layers: dict[str, torch.nn.Module] = (
+            {} if setup.fp8_layers is None else dict(setup.fp8_layers.layers)
+        )
+        self._names = {id(layer): name for name, layer in self._layers.items()}
+        # Per tensor reported this step: (module, role, tensor, kind, index), kind 0 for a
+        # scale probe (bad unless > 0), 1 for a min/max pair (bad unless finite).
+        self._events: list[tuple[str, str, str, int, int]] = []
+        self._scale_probes: list[torch.Tensor] = []
+        self._end_probes: list[torch.Tensor] = []
+        self._stats: dict[tuple[str, str], torch.Tensor] = {}
+        self._ran: set[str] = set()
+        self._warned = False
+        for layer in self._layers.values():
+            layer.fp8_observer = self  # type: ignore[assignment]
+        self._probed = {id(layer.weight) for layer in self._layers.values()}
+        setup.monitor = self
+
+    # --- what the layers report (amped.fp8.health.record_gemm) ---------------------------
+
+    def observe(
+        self,
+        layer: torch.nn.Module,
+        role: str,
+        scale_probes: list[tuple[str, torch.Tensor]],
+        end_probes: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]],
+        stats: torch.Tensor | None,
+    ) -> None:
+        """A layer's GEMM of this step: its probes and, on a sampled step, its counters."""
+        name = self._names.get(id(layer), type(layer).__name__)
+        for tensor, probe in scale_probes:
+            self._events.append((name, role, tensor, 0, len(self._scale_probes)))
+            self._scale_probes.append(probe)
+        for tensor, (low, high) in end_probes:
+            self._events.append((name, role, tensor, 1, len(self._end_probes)))
+            self._end_probes += [low, high]
+        if stats is None:
+            return
+        self._ran.add(name)
+        key = (name, role)
+        total = self._stats.get(key)
+        if total is None:
+            self._stats[key] = stats.clone()
+        else:
+            total[:-1] += stats[:-1]
+            total[-1] = torch.maximum(total[-1], stats[-1])
+
+    # --- what TrainSetup.step calls -----------------------------------------------------
+
+    def check_step(self) -> bool:
+        """Before the optimizer steps: one sync; name the first non-finite, if any, and act.
+
+        Returns False if the step must be skipped. Raises :class:`NonFiniteError` with
+        ``on_nonfinite="raise"``.
+        """
+        setup = self.setup
+        scaled = setup.scaler.is_enabled()  # the scaler checks (and skips) the gradients
+        # The model's own gradients (a fused master step may never fill the masters'); the
+        # FP8 weights' ones are their grad_weight GEMMs' outputs, probed already.
+        grads = [
+            p.grad
+            for p in setup.model.parameters()
+            if p.grad is not None and id(p) not in self._probed
+        ]
+        ends = list(self._end_probes)
+        if grads and not scaled:
+            # aminmax: one vectorized pass per gradient (CPU: 10x faster than _foreach_norm).
+            ends += [end for grad in grads for end in torch.aminmax(grad)]
+        parts = []
+        if self._scale_probes:
+            parts.append(~(_stack(self._scale_probes) > 0))
+        if ends:
+            parts.append(~torch.isfinite(_stack(ends)))
+        bad = torch.cat(parts).tolist() if parts else []  # the one sync
+        offset = len(self._scale_probes)
+        flagged = [
+            event
+            for event in self._events
+            if bad[event[4] if event[3] == 0 else offset + event[4]]
+            or (event[3] == 1 and bad[offset + event[4] + 1])
+        ]
+        if flagged:
+            module, role, tensor, _, _ = flagged[0]
+            found = NonFinite(self.step, module, role, tensor)
+        elif any(bad):
+            found = NonFinite(self.step, None, None, "gradients")
+        else:
+            return True
+        self.nonfinite_steps.append(found)
+        if self.first_nonfinite is None:
+            self.first_nonfinite = found
+        message = f"amped.monitor: a non-finite value (inf/NaN) first appeared at {found}"
+        if self.on_nonfinite == "raise":
+            raise NonFiniteError(
+                f"{message}. Stopping before the optimizer step (on_nonfinite='raise'); "
+                "nothing was changed. amped.doctor.diagnose_fp8 finds the op and a fix."
+            )
+        if self.on_nonfinite == "warn" or not self._warned:
+            action = "taken anyway (on_nonfinite='warn')"
+            if self.on_nonfinite == "skip":
+                action = "skipped (on_nonfinite='skip'; warned once)"
+            warnings.warn(f"{message}; the step is {action}.", RuntimeWarning, stacklevel=3)
+            self._warned = True
+        return self.on_nonfinite == "warn" or scaled
+
+    def skip_step(self) -> None:
+        """Drop what the skipped step recorded: delayed scaling's pending amaxes."""
+        for layer in self._layers.values():
+            pending = getattr(layer, "fp8_pending", None)
+            if pending is not None:
+                pending.zero_()
+
+    def end_step(self) -> None:
+        """After the step (taken or skipped): audit a sampled step, start the next one."""
+        if self.sampling:
+            self.sampled_steps += 1
+            self._audit()
+        self._events.clear()
+        self._scale_probes.clear()
+        self._end_probes.clear()
+        self.step += 1
+        self.sampling = self.step % self.every == 0
+        if self.sampling:
+            self._ran = set()
+
+    def _audit(self) -> None:
+        model = self.setup.model
+        found = []
+        for name, layer in self._layers.items():
+            try:
+                current = model.get_submodule(name) if name else model
+            except AttributeError:
+                current = None
+            if current is not layer:
+                found.append(f"{name!r} was replaced after prepare: it no longer runs FP8")
+            elif layer.training and name not in self._ran:
+                found.append(f"{name!r} did not run its FP8 GEMMs in sampled step {self.step}")
+        self.audit = found
+        if found and self.strict:
+            raise RuntimeError(
+                "amped.monitor audit (strict=True): " + "; ".join(found) + ". The plan "
+                "converted these layers; check for a module swapped after prepare, or a "
+                "compile that dropped the conversion."
+            )
+
+    # --- reading --------------------------------------------------------------------------
+
+    def read(self) -> dict[str, dict[str, dict[str, float]]]:
+        """The counters summed over the sampled steps so far, per layer and role (one sync).
+
+        Each role's entry has :data:`~amped.fp8.health.STATS` plus ``underflow_fraction``
+        (of non-zero operand elements) and ``saturation_fraction`` (of operand elements).
+        """
+        keys = list(self._stats)
+        if not keys:
+            return {}
+        values = torch.stack([self._stats[k].to(torch.float64).cpu() for k in keys]).tolist()
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for (name, role), row in zip(keys, values, strict=True):
+            entry = dict(zip(STATS, row, strict=True))
+            entry["underflow_fraction"] = entry["underflow"] / max(entry["nonzero"], 1.0)
+            entry["saturation_fraction"] = entry["saturated"] / max(entry["elements"], 1.0)
+            out.setdefault(name, {})[role] = entry
+        for roles in out.values():  # the order a step runs them
+            ordered = {role: roles[role] for role in ROLES if role in roles}
+            roles.clear()
+            roles.update(ordered)
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        """A JSON-ready summary: steps, sampled steps, first non-finite, audit, counters."""
+        first = self.first_nonfinite
+        return {
+            "steps": self.step,
+            "every": self.every,
+            "sampled_steps": self.sampled_steps,
+            "first_nonfinite": None if first is None else dataclasses.asdict(first),
+            "nonfinite_steps": len(self.nonfinite_steps),
+            "audit": list(self.audit),
+            "gemms": self.read(),
+        }
+
+    def detach(self) -> None:
+        """Stop monitoring: the layers and the setup forget this monitor."""
+        for layer in self._layers.values():
+            if getattr(layer, "fp8_observer", None) is self:
+                layer.fp8_observer = None  # type: ignore[assignment]
+        if self.setup.monitor is self:
+            self.setup.monitor = None
+
+
+def _stack(values: list[torch.Tensor]) -> torch.Tensor:
+    """0-d tensors stacked (dtypes promoted) on the first one's device."""
+    device = values[0].device
+    if any(value.device != device for value in values):
+        values = [value.to(device) for value in values]
+    return torch.stack(values)
+
+
+def monitor(
+    setup: TrainSetup, every: int = 50, *, on_nonfinite: str = "skip", strict: bool = False
+) -> Monitor:
+    """Attach a :class:`Monitor` to ``setup`` (see :mod:`amped.recipes.monitoring`).
+
+    Args:
+        setup: what :func:`amped.prepare` returned; its FP8 layers report per-GEMM
+            health (a setup without any is checked for non-finite gradients only).
+        every: sample the counters (and audit the plan) every this many steps.
+        on_nonfinite: ``"skip"`` (default), ``"warn"`` or ``"raise"``.
+        strict: make a failed audit fatal (``RuntimeError``).
+
+    Example:
+        >>> import torch, amped
+        >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        >>> setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                       "fp8-tensorwise")
+        >>> health = amped.monitor(setup, every=50)
+        >>> setup.backward(setup.model(torch.randn(16, 64)).float().square().mean())
+        >>> setup.step()
+        True
+        >>> sorted(health.read()["0"])
+        ['forward', 'grad_weight']
+    """
+    return Monitor(setup, every, on_nonfinite, strict)

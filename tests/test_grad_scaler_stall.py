@@ -1,0 +1,181 @@
+"""No silent stall: after an overflow burst the scaler recovers, warns once, or raises.
+
+The scenario of issue 26: a float16 model under autocast overflows for 200 steps in a
+row (a NaN loss), the scale falls to the floor (2**-126), and there every float16
+gradient flushes to zero. torch's rule then takes 126 * growth_interval steps to climb
+back; amped's default restores the last clean scale on the first stalled step.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import amped
+from amped.scaling import ScaleStallError
+from amped.scaling.checks import SCALE_FLOOR
+
+WARMUP, BURST, CLEAN = 5, 200, 50
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+
+def _step(model, scaler, optimizer, step: int, poison: bool) -> None:
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(4, 8, generator=generator)
+    optimizer.zero_grad()
+    with amped.autocast("cpu", dtype=torch.float16):
+        loss = (model(x).float() - 1.0).pow(2).mean()
+    if poison:
+        loss = loss * math.nan
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def _params(model: nn.Module) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _moved(before: list[torch.Tensor], model: nn.Module) -> bool:
+    return any(not torch.equal(b, p) for b, p in zip(before, model.parameters(), strict=True))
+
+
+def _burst(model, scaler, optimizer) -> None:
+    for step in range(WARMUP):
+        _step(model, scaler, optimizer, step, poison=False)
+    for step in range(WARMUP, WARMUP + BURST):
+        _step(model, scaler, optimizer, step, poison=True)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "adam-fused"])
+def test_burst_then_params_move_within_50_clean_steps_with_one_warning(fused: bool) -> None:
+    model = _model()
+    if fused:
+        optimizer: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), fused=True)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = amped.GradScaler("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _burst(model, scaler, optimizer)
+        assert scaler.get_scale() == SCALE_FLOOR
+        before = _params(model)
+        moved_at = None
+        for step in range(CLEAN):
+            _step(model, scaler, optimizer, WARMUP + BURST + step, poison=False)
+            if _moved(before, model):
+                moved_at = step
+                break
+    assert moved_at is not None and moved_at < CLEAN
+    stalls = [w for w in caught if issubclass(w.category, RuntimeWarning)]
+    # torch's fused optimizers decide on the device (no sync): recovered, not warned about.
+    assert len(stalls) == (0 if fused else 1), [str(w.message) for w in stalls]
+    if not fused:
+        assert "all gradients zero" in str(stalls[0].message)
+        assert "on_stall" in str(stalls[0].message)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_warn_mode_keeps_torchs_scale_and_warns_once() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = amped.GradScaler("cpu", on_stall="warn")
+    _burst(model, scaler, optimizer)
+    before = _params(model)
+    with pytest.warns(RuntimeWarning, match="all gradients zero") as caught:
+        for step in range(CLEAN):
+            _step(model, scaler, optimizer, WARMUP + BURST + step, poison=False)
+    assert len([w for w in caught if "amped.GradScaler" in str(w.message)]) == 1
+    assert not _moved(before, model)  # the stall itself, now reported
+    assert scaler.get_scale() == SCALE_FLOOR
+
+
+def test_raise_mode_raises_at_the_floor_before_stepping() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = amped.GradScaler("cpu", on_stall="raise")
+    for step in range(WARMUP):
+        _step(model, scaler, optimizer, step, poison=False)
+    before = _params(model)
+    # Each overflow halves the scale 2**e: the floor 2**-126 is reached after e + 126.
+    floor_at = WARMUP + int(math.log2(scaler.get_scale())) + 126
+    with pytest.raises(ScaleStallError, match=rf"iteration {floor_at} overflowed"):
+        for step in range(WARMUP, WARMUP + BURST):
+            _step(model, scaler, optimizer, step, poison=True)
+    assert step == floor_at
+    assert not _moved(before, model)
+
+
+def test_zero_gradients_with_a_finite_loss_warn_without_a_burst() -> None:
+    param = torch.ones(3, requires_grad=True)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = amped.GradScaler("cpu")
+    with pytest.warns(RuntimeWarning, match="all gradients zero") as caught:
+        for _ in range(3):
+            optimizer.zero_grad()
+            scaler.scale(param.sum() * 0.0 + 2.0).backward()
+            scaler.step(optimizer)
+            scaler.update()
+    assert len(caught) == 1
+    assert scaler.get_scale() == 2.0**16  # nothing to recover: no clean scale was higher
+
+
+@pytest.mark.parametrize(
+    "loss_value", [0.0, math.nan], ids=["zero-loss", "nan-loss-is-an-overflow"]
+)
+def test_no_stall_reported_for_a_zero_or_non_finite_loss(loss_value: float) -> None:
+    param = torch.ones(3, requires_grad=True)
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = amped.GradScaler("cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        optimizer.zero_grad()
+        scaler.scale(param.sum() * 0.0 + loss_value).backward()
+        scaler.step(optimizer)
+        scaler.update()
+
+
+def test_default_scaler_matches_torch_bitwise_through_single_overflows() -> None:
+    """Where torch's rule is sound (isolated overflows, no stall) amped's scale is torch's."""
+    runs = {}
+    for name, scaler in [
+        ("amped", amped.GradScaler("cpu", growth_interval=3)),
+        ("torch", torch.amp.GradScaler("cpu", growth_interval=3)),
+    ]:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scales = []
+        for step in range(30):
+            _step(model, scaler, optimizer, step, poison=step % 7 == 3)
+            scales.append(scaler.get_scale())
+        runs[name] = (scales, _params(model))
+    assert runs["amped"][0] == runs["torch"][0]
+    assert all(torch.equal(a, t) for a, t in zip(runs["amped"][1], runs["torch"][1], strict=True))
+
+
+def test_recovery_survives_pickling() -> None:
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = amped.GradScaler("cpu")
+    _burst(model, scaler, optimizer)
+    scaler = pickle.loads(pickle.dumps(scaler))
+    before = _params(model)
+    with pytest.warns(RuntimeWarning, match="all gradients zero"):
+        for step in range(3):
+            _step(model, scaler, optimizer, WARMUP + BURST + step, poison=False)
+    assert _moved(before, model)
+    assert scaler.get_scale() > 1.0
+
+
+def test_bad_on_stall_is_refused() -> None:
+    with pytest.raises(ValueError, match="on_stall must be 'recover'"):
+        amped.GradScaler("cpu", on_stall="ignore")

@@ -44,10 +44,12 @@ SUBPACKAGE_EXPECTED = {
         "Policy",
     },
     "autocast_mode": {
+        "Path",
         "autocast",
         "autocast_op",
         "current_policy",
         "custom_bwd",
+        "current_path",
         "custom_fwd",
         "engine_always",
         "get_autocast_dtype",

@@ -18,8 +18,9 @@ import torch
 
 from amped._internal import torch_compat
 from amped._internal.errors import type_error
-from amped.autocast_mode import state
+from amped.autocast_mode import engine
 from amped.autocast_mode.region import autocast
+from amped.autocast_mode.state import STATE, current_policy
 from amped.autocast_mode.targets import PYTHON_OP
 
 __all__ = ["autocast_op", "custom_bwd", "custom_fwd"]
@@ -88,7 +89,7 @@ def custom_fwd(
     def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
         ctx = args[0]
         ctx._dtype = torch.get_autocast_dtype(device_type)
-        ctx._amped_policy = state.current_policy(device_type)
+        ctx._amped_policy = current_policy(device_type)
         enabled = torch.is_autocast_enabled(device_type)
         if cast_inputs is None:
             ctx._fwd_used_autocast = enabled
@@ -141,9 +142,9 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
     ``__torch_function__`` overrides (tensor subclasses, torch-function modes, amped's
     own mode engine), which see the decorated function as one call.
 
-    Where no mode is on the torch-function stack (amped's fast path, or a parked lean
-    mode: docs/engine.md) the decorated function looks its rule up itself, so naming one
-    in a policy keeps the policy on those paths.
+    Where no mode is on the torch-function stack (the ``TORCH`` and ``KERNELS`` paths:
+    docs/engine.md) the decorated function looks its rule up itself, so naming one in a
+    policy keeps the policy on those paths.
 
     Example:
         >>> import torch, amped
@@ -178,8 +179,8 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
             if _mode_enabled():
                 return _handle_torch_function(op, relevant, *args, **kwargs)
             return func(*args, **kwargs)
-        if state.regions_open():
-            return state.run_python_op(op, func, args, kwargs)
+        if STATE.regions:
+            return engine.run_python_op(op, func, args, kwargs)
         return func(*args, **kwargs)
 
     setattr(op, PYTHON_OP, True)

@@ -10,17 +10,13 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped.doctor.gradients import check_gradient, recommended_scale
-from amped.doctor.report import Culprit, OpStat, Report, Suggestion
+from amped.doctor.report import UNDERFLOW_WARN, Culprit, OpStat, Report, Suggestion
 from amped.doctor.runs import StepResult, input_tensors, run_step
 from amped.doctor.stats import measure_error, summarize
 from amped.policy import Cast, Policy
 from amped.policy.policy import LOW_DTYPES
 
 __all__ = ["diagnose"]
-
-UNDERFLOW_WARN = 0.01
-"""A parameter whose gradient loses more than 1% of its non-zero values to underflow is
-reported; below that, the lost values are too few to bias the update noticeably."""
 
 
 def _check_args(model: object, inputs: Any, device_type: str, dtype: object) -> None:

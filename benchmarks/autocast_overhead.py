@@ -62,8 +62,8 @@ from device_sync import synchronize
 import amped
 from amped._internal.jsonio import to_json
 from amped.autocast_mode import Path as EnginePath
-from amped.autocast_mode import current_path, dispatch, engine_always
-from amped.autocast_mode.engine import forced_path
+from amped.autocast_mode import current_path, dispatch
+from amped.autocast_mode.engine import engine_always, forced_path
 from amped.autocast_mode.mode import AutocastMode
 
 SIDES = ("torch", "engine", "module", "fast", "kernels", "pyop", "amped")

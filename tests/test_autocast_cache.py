@@ -19,8 +19,8 @@ import torch
 import torch.nn as nn
 
 import amped
-from amped.autocast_mode import current_path, engine_always
-from amped.autocast_mode.engine import forced_path
+from amped.autocast_mode import current_path
+from amped.autocast_mode.engine import engine_always, forced_path
 from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import amped
-from amped.autocast_mode import compiling, current_path, engine_always
+from amped.autocast_mode import compiling, current_path
+from amped.autocast_mode.engine import engine_always
 from amped.autocast_mode.mode import AutocastMode
 from amped.autocast_mode.state import Path
 from recipes_helpers import batches, mlp
@@ -381,6 +382,7 @@ def train_steps(recipe: str, compiled: bool, inject_inf_at: int | None = None):
     return torch.stack(losses), params, setup
 
 
+@pytest.mark.slow  # 5-10 s each: a recipe's whole step compiled
 @pytest.mark.parametrize(
     ("recipe", "inject"),
     [("bf16-master", None), ("bf16-pure", None), ("fp16-mixed", 1), ("fp16-master", 2)],
@@ -407,7 +409,7 @@ def step(x):
 
 x = torch.randn(4, 16)
 compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
-with amped.autocast_mode.engine_always():
+with amped.autocast_mode.engine.engine_always():
     eager = step(x)
 assert compiled.dtype == eager.dtype == torch.bfloat16, (compiled.dtype, eager.dtype)
 assert torch.equal(compiled, eager)

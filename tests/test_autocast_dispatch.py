@@ -41,7 +41,6 @@ def on_mode():
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 def test_op_lists_bitwise_equal_to_mode_engine(name, dtype):
     policy = POLICIES[name]
-    assert dispatch.plan(policy), f"{name} should be served by the fast path"
     with amped.autocast("cpu", dtype, policy=policy):
         assert current_path("cpu") is Path.KERNELS
     for list_name, op, args, kwargs in _cpu_cases():
@@ -304,7 +303,6 @@ _scaled.register_autograd(_scaled_backward, setup_context=_scaled_setup)
 
 def test_torch_library_custom_op_bitwise_equal_to_engine():
     policy = _TORCH.with_ops(lower=[_scaled])
-    assert dispatch.plan(policy)
     x, w = torch.randn(3, 4), torch.randn(4, requires_grad=True)
 
     def run():
@@ -344,8 +342,8 @@ def test_python_numbers_in_tensor_slots_pass_through_idle_kernels(case):
         "mode engine": _run(op, (x,), {}, amped.autocast("cpu", policy=WITH_LOW_RULE)),
     }
     arithmetic = _TORCH.with_ops(promote=["add", "sub", "mul", "div"], fp32=["cdist"])
-    assert dispatch.plan(arithmetic)
     with amped.autocast("cpu", policy=arithmetic):  # registers the kernels, and uses them
+        assert current_path("cpu") is Path.KERNELS
         ours = op(x)
     assert ours.dtype == op(x).dtype
     torch.testing.assert_close(ours, op(x), **BITWISE)  # promote: the one input's dtype

@@ -18,8 +18,8 @@ import torch.nn as nn
 
 import amped
 import model_zoo
-from amped.autocast_mode import compiling, current_path, engine_always
-from amped.autocast_mode.engine import forced_path
+from amped.autocast_mode import compiling, current_path
+from amped.autocast_mode.engine import engine_always, forced_path
 from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import amped
-from amped.autocast_mode import current_path, engine_always
-from amped.autocast_mode.engine import forced_path
+from amped.autocast_mode import current_path
+from amped.autocast_mode.engine import engine_always, forced_path
 from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 

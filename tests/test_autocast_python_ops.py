@@ -17,7 +17,8 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 import amped
-from amped.autocast_mode import current_path, engine_always
+from amped.autocast_mode import current_path
+from amped.autocast_mode.engine import engine_always
 from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 

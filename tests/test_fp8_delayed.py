@@ -10,13 +10,8 @@ import struct
 import pytest
 import torch
 
-from amped.fp8 import (
-    DelayedScaling,
-    Float8Linear,
-    Fp8Config,
-    quantize,
-    scaled_mm,
-)
+from amped.fp8 import DelayedScaling, Float8Linear, Fp8Config, scaled_mm
+from amped.fp8.cast import quantize
 from amped.fp8.config import CastRule
 from amped.fp8.delayed import update_delayed_scaling
 

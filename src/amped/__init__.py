@@ -6,15 +6,7 @@ read and change.
 """
 
 from amped import doctor
-from amped.autocast_mode import (
-    autocast,
-    autocast_op,
-    current_policy,
-    custom_bwd,
-    custom_fwd,
-    get_autocast_dtype,
-    is_autocast_enabled,
-)
+from amped.autocast_mode import autocast, autocast_op, current_policy, custom_bwd, custom_fwd
 from amped.policy import Cast, ModuleRule, Policy
 from amped.recipes import Recipe, TrainSetup, memory_report, prepare
 from amped.scaling import GradScaler, ScaleRecord
@@ -36,8 +28,6 @@ __all__ = [
     "custom_bwd",
     "custom_fwd",
     "doctor",
-    "get_autocast_dtype",
-    "is_autocast_enabled",
     "memory_report",
     "prepare",
 ]

@@ -1,8 +1,8 @@
 """Autocast layer: the engine that applies a :class:`~amped.policy.Policy` op by op."""
 
 from amped.autocast_mode.custom import autocast_op, custom_bwd, custom_fwd
-from amped.autocast_mode.engine import current_path, engine_always
-from amped.autocast_mode.region import autocast, get_autocast_dtype, is_autocast_enabled
+from amped.autocast_mode.engine import current_path
+from amped.autocast_mode.region import autocast
 from amped.autocast_mode.state import Path, current_policy
 
 __all__ = [
@@ -13,7 +13,4 @@ __all__ = [
     "current_policy",
     "custom_bwd",
     "custom_fwd",
-    "engine_always",
-    "get_autocast_dtype",
-    "is_autocast_enabled",
 ]

@@ -16,7 +16,7 @@ from amped.autocast_mode.state import Region
 from amped.policy import Policy
 from amped.policy.ops import TORCH_OP_TABLES
 
-__all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
+__all__ = ["autocast"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -213,13 +213,3 @@ class autocast:
             f"amped.autocast({self.device!r}, dtype={self.fast_dtype}, enabled={self._enabled}, "
             f"cache_enabled={self._cache_enabled}, policy={self.policy!r}{path})"
         )
-
-
-def is_autocast_enabled(device_type: str = "cuda") -> bool:
-    """Whether autocast (amped's or torch's) is on for ``device_type`` on this thread."""
-    return torch.is_autocast_enabled(device_type)
-
-
-def get_autocast_dtype(device_type: str) -> torch.dtype:
-    """The low dtype autocast uses for ``device_type`` on this thread."""
-    return torch.get_autocast_dtype(device_type)

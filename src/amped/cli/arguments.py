@@ -10,7 +10,7 @@ import argparse
 from typing import NoReturn
 
 from amped.cli.errors import UsageError
-from amped.recipes import recipe_names
+from amped.recipes.registry import recipe_names
 
 __all__ = ["build_parser", "positive_int", "seconds"]
 

@@ -163,9 +163,9 @@ def diagnose(
         seed: seeds dropout and other randomness identically in every run.
 
     Returns:
-        A :class:`~amped.doctor.Report`: per-op statistics, the first op that produced a
+        A :class:`~amped.doctor.report.Report`: per-op statistics, the first op that produced a
         non-finite value (forward or backward), per-parameter gradient underflow, and a
-        verified :class:`~amped.doctor.Suggestion`.
+        verified :class:`~amped.doctor.report.Suggestion`.
     """
     _check_args(model, inputs, device_type, dtype)
     policy = (

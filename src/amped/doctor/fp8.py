@@ -16,10 +16,12 @@ from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
 from amped.doctor.fp8_report import CastStat, Fp8LayerStat, Fp8Report, Fp8Suggestion
 from amped.doctor.runs import call_model, model_output
-from amped.fp8 import FP8_CONFIGS, Fp8Config, ModuleFilter, convert_to_fp8, plan_fp8, quantize, sqnr
+from amped.fp8 import FP8_CONFIGS, Fp8Config, convert_to_fp8
+from amped.fp8.cast import quantize, sqnr
+from amped.fp8.convert import ModuleFilter, plan_fp8
 from amped.policy import Policy
-from amped.recipes import resolve_recipe
 from amped.recipes.fp8 import ruled_modules
+from amped.recipes.registry import resolve_recipe
 
 __all__ = ["diagnose_fp8"]
 

@@ -13,31 +13,16 @@ building blocks (``amax_to_scale``, ``has_scaled_mm``, ``update_delayed_scaling`
 are importable from their modules.
 """
 
-from amped.fp8.cast import Fp8Tensor, quantize, sqnr
-from amped.fp8.config import FP8_CONFIGS, CastRule, DelayedScaling, Fp8Config
-from amped.fp8.convert import (
-    Fp8Layers,
-    ModuleFilter,
-    convert_to_fp8,
-    default_module_filter,
-    plan_fp8,
-)
+from amped.fp8.config import FP8_CONFIGS, DelayedScaling, Fp8Config
+from amped.fp8.convert import convert_to_fp8
 from amped.fp8.gemm import scaled_mm
 from amped.fp8.linear import Float8Linear
 
 __all__ = [
     "FP8_CONFIGS",
-    "CastRule",
     "DelayedScaling",
     "Float8Linear",
     "Fp8Config",
-    "Fp8Layers",
-    "Fp8Tensor",
-    "ModuleFilter",
     "convert_to_fp8",
-    "default_module_filter",
-    "plan_fp8",
-    "quantize",
     "scaled_mm",
-    "sqnr",
 ]

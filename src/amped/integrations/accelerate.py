@@ -55,7 +55,7 @@ class Accelerator(accelerate.Accelerator):
 
     Args:
         *args: Accelerate's arguments (not ``mixed_precision``: the recipe says it).
-        recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
+        recipe: a recipe name or alias (see :data:`amped.recipes.registry.RECIPES`).
         policy: the autocast policy, an :class:`amped.Policy` for this accelerator's
             device or a preset name.
         scaler: an :class:`amped.GradScaler` to use instead of the recipe's default.

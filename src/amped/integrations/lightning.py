@@ -105,7 +105,7 @@ class Precision(_Plugin, _LightningBase):
 
     Args:
         recipe: a recipe name or alias (``"bf16-mixed"``, ``"fp16-mixed"``,
-            ``"bf16-master"``, ``"bf16-pure"``, ...; see :data:`amped.recipes.RECIPES`).
+            ``"bf16-master"``, ``"bf16-pure"``, ...; see :data:`amped.recipes.registry.RECIPES`).
         policy: the autocast policy, an :class:`amped.Policy` for ``device`` or a
             preset name.
         device: the device type the model trains on (default: the policy's, else

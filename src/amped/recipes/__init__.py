@@ -13,19 +13,10 @@ from amped.recipes.build import prepare
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
 from amped.recipes.master import MasterWeightOptimizer
 from amped.recipes.memory import MemoryReport, memory_report
-from amped.recipes.registry import (
-    OPT_IN_RECIPES,
-    RECIPES,
-    Recipe,
-    recipe_names,
-    register,
-    resolve_recipe,
-)
+from amped.recipes.registry import Recipe, register
 from amped.recipes.setup import TrainSetup
 
 __all__ = [
-    "OPT_IN_RECIPES",
-    "RECIPES",
     "CompensatedAdamW",
     "CompensatedSGD",
     "MasterWeightOptimizer",
@@ -34,7 +25,5 @@ __all__ = [
     "TrainSetup",
     "memory_report",
     "prepare",
-    "recipe_names",
     "register",
-    "resolve_recipe",
 ]

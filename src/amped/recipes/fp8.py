@@ -24,15 +24,8 @@ import dataclasses
 import torch
 
 from amped._internal.errors import value_error
-from amped.fp8 import (
-    FP8_CONFIGS,
-    Float8Linear,
-    Fp8Config,
-    Fp8Layers,
-    ModuleFilter,
-    convert_to_fp8,
-    plan_fp8,
-)
+from amped.fp8 import FP8_CONFIGS, Float8Linear, Fp8Config, convert_to_fp8
+from amped.fp8.convert import Fp8Layers, ModuleFilter, plan_fp8
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, register, resolve_recipe
 from amped.recipes.setup import TrainSetup
@@ -134,7 +127,7 @@ class Fp8Plan:
         recipe: the FP8 recipe.
         base: the recipe that keeps the weights and optimizer state.
         policy: the user's policy, whose module rules keep modules out of FP8.
-        module_filter: the user's filter (None: :func:`amped.fp8.default_module_filter`).
+        module_filter: the user's filter (None: :func:`amped.fp8.convert.default_module_filter`).
         converted: layers the model had converted before ``prepare`` (FSDP2), else None.
     """
 

@@ -12,9 +12,7 @@ from amped.scaling.records import ScaleRecord
 from amped.scaling.strategies import (
     Bounded,
     DynamicScale,
-    GrowthFactors,
     Hysteresis,
-    ScaleState,
     ScaleStrategy,
     StaticScale,
 )
@@ -24,10 +22,8 @@ __all__ = [
     "CheckpointError",
     "DynamicScale",
     "GradScaler",
-    "GrowthFactors",
     "Hysteresis",
     "ScaleRecord",
-    "ScaleState",
     "ScaleStrategy",
     "StaticScale",
     "load_checkpoint",

@@ -105,7 +105,7 @@ def torch_rules_only(policy: Policy) -> bool:
 def _prepare(policy: Policy) -> None:
     # Every look-up table the engine needs, built when the policy is made: a region
     # opened inside a compiled function then only reads them (Dynamo cannot build them).
-    torch_rules_only(policy)
+    _unplain(policy)
     prepare(policy)
 
 
@@ -171,10 +171,11 @@ def enter(region: Region) -> None:
     st = STATE
     dev = region.device_type
     policy = region.policy
-    if _unplain(policy):  # (first: it may find Dynamo was reset, which frees the hooks)
+    region.unplain = unplain = _unplain(policy)
+    if unplain:  # (first: it may find Dynamo was reset, which frees the hooks)
         if _is_compiling():
             _prepare_while_tracing()
-        else:
+        elif _on_compile_start not in _CALLBACKS.start_callbacks:
             _listen_for_compiles()
     if policy is not None and policy.module_rules:
         hooks.acquire()
@@ -241,21 +242,32 @@ def exit(region: Region) -> None:
 def _publish(st: EngineState) -> None:
     # Make the open regions' policies active: in the mode (every one), or as the fast
     # path's kernel tables (the innermost region's per device type), and for the hooks.
-    active = innermost_policies(st.regions)
-    st.ruled = {dev: p for dev, p in active.items() if p.module_rules}
-    _mark_for_guards(st, any(_unplain(r.policy) for r in st.regions))
+    regions = st.regions
+    if not regions:  # the last region closed
+        st.ruled, st.kernels = {}, {}
+        _mark_for_guards(st, False)
+        return
+    if len(regions) == 1:  # the usual case
+        region = regions[0]
+        policy = region.policy
+        active = {region.device_type: policy} if policy is not None else {}
+        unplain = region.unplain
+    else:
+        active = innermost_policies(regions)
+        unplain = any(r.unplain for r in regions)
+    st.ruled = {dev: p for dev, p in active.items() if p.module_rules} if unplain else {}
+    _mark_for_guards(st, unplain)
     mode = st.mode
     if mode is not None:
         st.kernels = {}
         # (Policy.__eq__ cannot be traced: under torch.compile, another object refreshes.)
-        same = active.keys() == mode.policies.keys() and all(
-            active[k] is mode.policies[k] for k in active
-        )
-        if not same and (_is_compiling() or active != mode.policies):
+        current = mode.policies
+        same = active.keys() == current.keys() and all(active[k] is current[k] for k in active)
+        if not same and (_is_compiling() or active != current):
             mode.refresh(active)
         return
     kernels: dict[str, Any] = {}
-    for region in st.regions:
+    for region in regions:
         if region.policy is not None:
             on = region.path is Path.KERNELS
             rules = dispatch.kernel_rules(region.policy, st.forced is Path.KERNELS) if on else {}
@@ -264,7 +276,15 @@ def _publish(st: EngineState) -> None:
 
 
 def _unplain(policy: Policy | None) -> bool:
-    return policy is not None and (bool(policy.module_rules) or not torch_rules_only(policy))
+    # A policy other than torch's own rules alone: it needs the mark for Dynamo's guards.
+    if policy is None:
+        return False
+    found = policy._engine_cache.get("unplain")
+    if found is None:
+        found = policy._engine_cache["unplain"] = bool(policy.module_rules) or not torch_rules_only(
+            policy
+        )
+    return bool(found)
 
 
 def _mark_for_guards(st: EngineState, on: bool) -> None:
@@ -353,10 +373,13 @@ def run_python_op(
 # torch.compile: hearing when Dynamo starts, and moving this thread's regions then.
 
 
+_CALLBACKS = torch_compat.dynamo_callbacks
+
+
 def _listen_for_compiles() -> None:
     # (Again at each region that may need it: torch._dynamo.reset() drops callbacks, and
     # every graph: then no policy is traced any more, and the hooks may go.)
-    callbacks = torch_compat.dynamo_callbacks
+    callbacks = _CALLBACKS
     if _on_compile_start not in callbacks.start_callbacks:
         callbacks.register_start_callback(_on_compile_start)
         if _Traced.listening:  # it was registered: Dynamo was reset since
@@ -380,7 +403,7 @@ def _on_compile_start(args: Any) -> None:
 def _move_to_mode(st: EngineState) -> None:
     """Move this thread's regions to the mode now (a compile is starting)."""
     for region in st.regions:
-        if _unplain(region.policy):
+        if region.unplain:
             region.path = Path.MODE
             _mark_traced(region.policy)  # type: ignore[arg-type]
     if st.mode is None and any(r.path is Path.MODE for r in st.regions):

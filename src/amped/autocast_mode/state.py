@@ -60,6 +60,7 @@ class Region:
         "path",
         "policy",
         "saved",
+        "unplain",
     )
 
     def __init__(
@@ -76,6 +77,7 @@ class Region:
         self.dtype = dtype
         self.cache_enabled = cache_enabled
         self.path = Path.TORCH
+        self.unplain = False  # a policy other than torch's rules alone (engine.py)
         self.depth = 0  # the torch-function stack's depth on entry
         # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
         self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)

@@ -50,8 +50,7 @@ class WeightCache:
     once per grad mode and served again until the outermost region closes, even if it
     is changed in place meanwhile (an optimizer step inside the region, ``copy_`` under
     ``no_grad``): the later calls see the copy made before the change, as under
-    ``torch.autocast``. Close the region (or call ``torch.clear_autocast_cache()``) to
-    cast afresh. A copy made under ``torch.no_grad()`` is never served to a
+    ``torch.autocast``. Close the region to cast afresh. A copy made under ``torch.no_grad()`` is never served to a
     grad-enabled call (pytorch issue 158232), and nothing is cached under
     ``torch.inference_mode()``. The entry holds the source tensor, so its id cannot be
     reused by another tensor while the entry lives.
@@ -132,7 +131,7 @@ def _cast(
     return value
 
 
-def _cast_call(
+def cast_call(
     func: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -141,8 +140,9 @@ def _cast_call(
     low: torch.dtype,
     cache: WeightCache | None,
 ) -> Any:
-    # The per-op hot path: the common argument (a tensor) is handled inline, without a
-    # call per argument.
+    """``func`` called with its floating arguments on ``device_type`` cast to ``dtype``.
+
+    The per-op hot path: the common argument (a tensor) is handled inline."""
     cast_args = []
     on_cpu = device_type == "cpu"
     for a in args:
@@ -164,10 +164,6 @@ def _cast_call(
         kwargs = {k: _cast(v, dtype, device_type, low, cache) for k, v in kwargs.items()}
         return func(*cast_args, **kwargs)
     return func(*cast_args)
-
-
-cast_call = _cast_call
-"""``func`` called with its floating arguments on ``device_type`` cast to ``dtype``."""
 
 
 def _first_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -216,10 +212,10 @@ def run(
     cache: WeightCache | None,
 ) -> Any:
     """Call ``func`` with its arguments cast as ``cast`` says, in a region of dtype ``low``."""
-    if cast is Cast.LOWER:  # (the mode calls _cast_call itself for LOWER and FP32)
-        return _cast_call(func, args, kwargs, low, device_type, low, cache)
+    if cast is Cast.LOWER:  # (the mode calls cast_call itself for LOWER and FP32)
+        return cast_call(func, args, kwargs, low, device_type, low, cache)
     if cast is Cast.FP32:
-        return _cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache)
+        return cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache)
     if cast is Cast.FP32_SET_OPT_DTYPE or cast is Cast.FP32_APPEND_DTYPE:
         first = _first_arg(args, kwargs)
         if (
@@ -233,9 +229,9 @@ def run(
         return func(*args, **kwargs)
     if cast is Cast.PROMOTE:
         to = _promote_type((*args, *kwargs.values()), device_type, low)
-        return _cast_call(func, args, kwargs, to, device_type, low, cache)
+        return cast_call(func, args, kwargs, to, device_type, low, cache)
     if cast is Cast.FP32_LOW_OUT:
-        return _to_low(_cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache), low)
+        return _to_low(cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache), low)
     if cast is Cast.KEEP:
         return func(*args, **kwargs)
     if cast is Cast.BANNED:

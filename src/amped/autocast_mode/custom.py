@@ -18,9 +18,9 @@ import torch
 
 from amped._internal import torch_compat
 from amped._internal.errors import type_error
-from amped.autocast_mode import engine
+from amped.autocast_mode.mode import AutocastMode, merged_rules
 from amped.autocast_mode.region import autocast
-from amped.autocast_mode.state import STATE, current_policy
+from amped.autocast_mode.state import STATE, current_policy, innermost_policies
 from amped.autocast_mode.targets import PYTHON_OP
 
 __all__ = ["autocast_op", "custom_bwd", "custom_fwd"]
@@ -180,7 +180,7 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
                 return _handle_torch_function(op, relevant, *args, **kwargs)
             return func(*args, **kwargs)
         if STATE.regions:
-            return engine.run_python_op(op, func, args, kwargs)
+            return _run_python_op(op, func, args, kwargs)
         return func(*args, **kwargs)
 
     setattr(op, PYTHON_OP, True)
@@ -191,3 +191,20 @@ _has_torch_function = torch.overrides.has_torch_function
 _handle_torch_function = torch.overrides.handle_torch_function
 _is_compiling = torch.compiler.is_dynamo_compiling
 _mode_enabled = torch_compat.torch_function_mode_enabled
+
+
+def _run_python_op(
+    op: Callable[..., Any], func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Call ``func``, the function of the ``@amped.autocast_op`` ``op``, under the rule
+    the open regions' policies give ``op``, applied as the mode applies it (for calls
+    made where no mode is on the torch-function stack)."""
+    st = STATE
+    per_device = merged_rules(innermost_policies(st.regions)).get(op)
+    if per_device is None:
+        return func(*args, **kwargs)
+    runner = st.runner
+    if runner is None:
+        runner = st.runner = AutocastMode()
+        runner.cache = st.cache
+    return runner.run_listed(func, per_device, args, kwargs)

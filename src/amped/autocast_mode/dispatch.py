@@ -12,7 +12,7 @@ fallthrough would. Untouched ops and the ops whose rule is torch's never reach P
 
 Kernels are registered the first time a policy needing them is entered and stay
 registered, idle, until :func:`release_kernels`: registering per region would cost more
-than the region (costs in docs/engine.md, "The fast path").
+than the region.
 
 Dynamo does not guard on the kernels' thread state, so a graph traced through them
 could be reused under another policy: the fast path serves eager code only

@@ -10,36 +10,26 @@ trace): a ``TorchFunctionMode`` on every call. The table, with costs: docs/engin
 (:mod:`amped.autocast_mode.module_hooks`). All per-thread state is in
 :data:`amped.autocast_mode.state.STATE`.
 
-``torch.compile``: Dynamo guards on the torch-function mode stack and on torch's
-autocast state, never on the fast path's kernel tables nor on the hooks' policies. So:
-
-* a region opened inside a compiled function takes ``MODE`` (unless its policy is
-  torch's own, without module rules), and so do the regions open on the compiling
-  thread when a compile starts (moved to the mode there, below modes entered since);
-  their policies are remembered as *traced*, and later regions of a traced policy
-  take ``MODE`` too, so that they reuse the graph rather than recompile it;
-* while a region whose policy is not torch's own (or has module rules) is open, amped
-  turns on autocast for :data:`GUARD_DEVICE_TYPE`, a device type no tensor lives on,
-  which Dynamo's global-state guard checks: a graph traced without that mark (under
-  ``torch.autocast`` or the default policy) is never reused inside such a region, it
-  compiles again there (and the compile moves the region to the mode).
-
-Nothing is process-wide: a compile changes the path of the regions open on its thread
-and of later regions of the same policy, never of unrelated regions.
+``torch.compile`` (Dynamo guards on the mode stack and torch's autocast state, never on
+the kernel tables or the hooks' policies; docs/engine.md, "torch.compile"): regions
+Dynamo may trace take ``MODE``; a compile moves its thread's open regions there and
+marks their policies traced (later regions of those take ``MODE``); and regions of a
+non-default policy set :data:`GUARD_DEVICE_TYPE`'s autocast flag, so a graph traced
+without one is never reused inside one. Nothing is process-wide.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 
 from amped._internal import torch_compat
 from amped.autocast_mode import compiling, dispatch, transparent
-from amped.autocast_mode.mode import AutocastMode, merged_rules, prepare
+from amped.autocast_mode.mode import AutocastMode, prepare
 from amped.autocast_mode.module_hooks import hooks
 from amped.autocast_mode.state import STATE, EngineState, Path, Region, innermost_policies
 from amped.policy import Policy
@@ -47,7 +37,7 @@ from amped.policy.created import add_creation_listener
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
 
-__all__ = ["current_path", "engine_always", "enter", "exit", "forced_path", "run_python_op"]
+__all__ = ["current_path", "engine_always", "enter", "exit", "forced_path"]
 
 _is_compiling = torch.compiler.is_dynamo_compiling
 _push = torch_compat.push_torch_function_mode
@@ -351,23 +341,6 @@ def _index(regions: list[Region], region: Region) -> int:
         "or entered on another thread. Exit each region once, on the thread that "
         f"entered it. Received: region for device_type={region.device_type!r}"
     )
-
-
-def run_python_op(
-    op: Callable[..., Any], func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    """Call ``func``, the function of the ``@amped.autocast_op`` ``op``, under the rule
-    the open regions' policies give ``op``, applied as the mode applies it (for calls
-    made where no mode is on the torch-function stack)."""
-    st = STATE
-    per_device = merged_rules(innermost_policies(st.regions)).get(op)
-    if per_device is None:
-        return func(*args, **kwargs)
-    runner = st.runner
-    if runner is None:
-        runner = st.runner = AutocastMode()
-        runner.cache = st.cache
-    return runner.run_listed(func, per_device, args, kwargs)
 
 
 # torch.compile: hearing when Dynamo starts, and moving this thread's regions then.

@@ -50,10 +50,10 @@ class WeightCache:
     once per grad mode and served again until the outermost region closes, even if it
     is changed in place meanwhile (an optimizer step inside the region, ``copy_`` under
     ``no_grad``): the later calls see the copy made before the change, as under
-    ``torch.autocast``. Close the region to cast afresh. A copy made under ``torch.no_grad()`` is never served to a
-    grad-enabled call (pytorch issue 158232), and nothing is cached under
-    ``torch.inference_mode()``. The entry holds the source tensor, so its id cannot be
-    reused by another tensor while the entry lives.
+    ``torch.autocast``. Close the region to cast afresh. A copy made under
+    ``torch.no_grad()`` is never served to a grad-enabled call (pytorch issue 158232),
+    and nothing is cached under ``torch.inference_mode()``. The entry holds the source
+    tensor, so its id cannot be reused by another tensor while the entry lives.
     """
 
     def __init__(self) -> None:

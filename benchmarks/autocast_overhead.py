@@ -1,33 +1,21 @@
-"""What amped's two engines cost against torch.autocast, per call, per region and per step.
+"""What amped's paths cost against torch.autocast, per call, per region and per step.
 
-A policy other than torch's default runs one of two paths:
+Each region decides its path on entry (``amped.autocast_mode.current_path``):
 
-* "fast": its changed op rules as Python kernels at torch's Autocast dispatch keys
-  (``amped.autocast_mode.dispatch``), no TorchFunctionMode: a changed op rule,
-  ``"strict"``, a custom op. Measured with a policy that changes one rule (cdist, which
-  these models never call): what a region on the fast path costs around torch's own
-  work. "kernels" is the fast path's worst case: every rule routed through amped's
-  kernels (``dispatch.route_all``), torch's own rules too, so it computes what torch
-  computes and only the kernels' cost differs.
-* "engine": the full TorchFunctionMode, forced here on the default policy
-  (``amped.autocast_mode.engine_always``), so it computes what torch computes: amped
-  casts every listed op and re-enters every Python composite. It runs for the doctor,
-  inside ``engine_always()``, and for eager regions once ``torch.compile`` has compiled
-  a graph under autocast or inside a region (Dynamo must find the mode it traced).
-* "pyop": a policy that names an ``@amped.autocast_op`` function (which these models
-  never call): the function applies its own rule, so the policy runs the fast path
-  with no kernel registered: what naming such a function costs the rest of the step.
+* "amped": the default policy, path ``TORCH``: torch's C++ autocast does the casts.
 * "module": a module-rule policy (what the bf16-master / fp16-master recipes use) whose
   rule matches no module of these models (``nn.LSTM`` in float32), so it computes what
-  torch computes: the mode engine's lean mode, its cost outside the ruled modules.
-
-``--after-compile`` measures as in a process where ``torch.compile`` has compiled a
-graph under autocast or inside a region (``dispatch.compiled_once``): the fast path is
-off there (a policy of the fast, kernels or pyop kind runs the full mode engine, the
-"engine" side), and a module-rule policy runs its lean mode on the stack, unparked, as
-Dynamo must find it; the module rules' hooks stay installed.
-
-"amped" is the default path, for reference: it leaves the casts to torch's C++ autocast.
+  torch computes: path ``TORCH`` plus the module rules' global hooks.
+* "fast": a policy that changes one op rule (cdist, which these models never call):
+  path ``KERNELS``, that op's rule as a Python kernel at torch's Autocast key.
+* "kernels": the ``KERNELS`` path's worst case: every rule, torch's own too, routed
+  through amped's kernels (the private ``forced_path(Path.KERNELS)``), so it computes
+  what torch computes and only the kernels' cost differs.
+* "pyop": a policy naming an ``@amped.autocast_op`` function the models never call:
+  path ``KERNELS`` with no kernel registered.
+* "engine": path ``MODE`` (the TorchFunctionMode), forced on the default policy
+  (``engine_always``), so it computes what torch computes: the diagnostic path (the
+  doctor), and the path of ``"low"`` module rules and of compiled regions.
 
 Everything runs in one process, the sides interleaved (torch, engine, amped, then the
 next order, ...), and the figures are medians over repeats. Times are the thread's CPU
@@ -73,7 +61,9 @@ from device_sync import synchronize
 
 import amped
 from amped._internal.jsonio import to_json
-from amped.autocast_mode import dispatch, engine_always, state
+from amped.autocast_mode import Path as EnginePath
+from amped.autocast_mode import current_path, dispatch
+from amped.autocast_mode.engine import engine_always, forced_path
 from amped.autocast_mode.mode import AutocastMode
 
 SIDES = ("torch", "engine", "module", "fast", "kernels", "pyop", "amped")
@@ -101,13 +91,6 @@ def set_device(device: str) -> None:
     PYTHON_OP = amped.Policy.preset("torch", device).with_ops(lower=[unused_op])
 
 
-def set_after_compile() -> None:
-    """Measure as after a compile that may meet a region (see the module docstring)."""
-    global SIDES
-    dispatch.compiled_once = True
-    SIDES = ("torch", "engine", "module", "amped")
-
-
 def set_calls(calls: int) -> None:
     """Set how many calls (or regions) one timed sample makes."""
     global CALLS
@@ -126,10 +109,9 @@ def prepare(side: str) -> None:
     """Register exactly the kernels ``side`` uses (outside the timed part): none for
     torch, engine and amped; cdist's for fast; every rule's for kernels."""
     dispatch.release_kernels()
-    dispatch.route_all = side == "kernels"
     if side in ("fast", "kernels", "pyop"):
-        with amped.autocast(DEVICE, policy=PYTHON_OP if side == "pyop" else CHANGED):
-            assert state._state.regions[-1].fast, "a compile turned the fast path off"
+        with region(side):
+            assert current_path(DEVICE) is EnginePath.KERNELS, current_path(DEVICE)
     gc.collect()  # registering allocates: collect now, not inside the timed part
 
 
@@ -140,10 +122,18 @@ def amped_engine():
         yield
 
 
+@contextlib.contextmanager
+def every_rule_through_kernels():
+    with forced_path(EnginePath.KERNELS), amped.autocast(DEVICE, policy=CHANGED):
+        yield
+
+
 def region(side: str) -> contextlib.AbstractContextManager:
     if side == "torch":
         return torch.autocast(DEVICE)
-    if side in ("fast", "kernels"):
+    if side == "kernels":
+        return every_rule_through_kernels()
+    if side == "fast":
         return amped.autocast(DEVICE, policy=CHANGED)
     if side == "module":
         return amped.autocast(DEVICE, policy=MODULE_RULE)
@@ -256,13 +246,12 @@ def per_region(repeats: int) -> dict[str, float]:
 
     def measure(side: str) -> float:
         new = make[side]
-        state.FAST_PATH = side != "engine"
-        start = clock()
-        for _ in range(n):
-            with new():
-                pass
-        state.FAST_PATH = True
-        return (clock() - start) / n * 1e6
+        with forced_path(EnginePath.MODE) if side == "engine" else contextlib.nullcontext():
+            start = clock()
+            for _ in range(n):
+                with new():
+                    pass
+            return (clock() - start) / n * 1e6
 
     sides = tuple(side for side in ("torch", "engine", "module", "fast", "pyop") if side in SIDES)
     samples = interleaved(measure, sides, repeats)
@@ -314,14 +303,12 @@ def train_step(name: str, repeats: int) -> dict[str, float]:
             step_time(model, run, opt, side)
     samples = interleaved(lambda side: step_time(model, run, opt, side), SIDES, repeats)
     calls = count_intercepted(model, run)
-    lean_calls = count_intercepted(model, run, "module")
     ratios = {side: ratio(samples, side) for side in SIDES[1:]}
     per = added(samples, "engine") / calls * 1e6
     print(
         f"  {name:8s} torch {statistics.median(samples['torch']) * 1e3:8.2f} ms   ratio/torch: "
         + "   ".join(f"{side} {ratios[side]:.3f}" for side in SIDES[1:])
-        + f"   (intercepted calls/step: engine {calls}, {per:+.2f} us each; "
-        f"module {lean_calls})"
+        + f"   (intercepted calls/step: engine {calls}, {per:+.2f} us each)"
     )
     return ratios
 
@@ -391,13 +378,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--json", default=None, help="also write the figures to this file")
     parser.add_argument("--calls", type=int, default=CALLS, help="calls per timed sample")
-    parser.add_argument(
-        "--after-compile", action="store_true", help="as after a compile under autocast"
-    )
     args = parser.parse_args()
-    if args.after_compile:
-        set_after_compile()
-        print("as after a compile under autocast: no fast path, module rules' mode unparked")
     set_device(args.device)
     set_calls(args.calls)
     torch.set_num_threads(1)

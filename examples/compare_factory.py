@@ -14,7 +14,7 @@ and ``device`` as keyword arguments and returns ``(model, batches, loss_fn)``:
 
 ``amped compare`` calls the factory once per recipe after ``torch.manual_seed(seed)``, so
 every recipe starts from the same weights and sees the same batches. To add held-out
-metrics, a custom optimizer or a name for the report, return an ``amped.cli.Task``.
+metrics, a custom optimizer or a name for the report, return an ``amped.cli.task.Task``.
 """
 
 from __future__ import annotations

@@ -26,8 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amped.cli import save_doctor_html, save_doctor_plot
-from amped.doctor import Report, diagnose
+from amped.cli import save_doctor_html
+from amped.cli.doctor_report import save_doctor_plot
+from amped.doctor import diagnose
+from amped.doctor.report import Report
 
 
 class ExpHead(nn.Module):

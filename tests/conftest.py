@@ -5,20 +5,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amped.autocast_mode import state as amped_state
+from amped.autocast_mode import current_path
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def _snapshot() -> tuple[object, ...]:
     per_device = tuple(
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d), current_path(d))
+        for d in ("cpu", "cuda", "ipu")  # (ipu: amped's mark for Dynamo's guards)
     )
     return (
         per_device,
         torch.is_autocast_cache_enabled(),
         torch._C._len_torch_function_stack(),
-        len(amped_state._state.regions),
         torch.get_default_dtype(),
     )
 

@@ -158,7 +158,7 @@ def equivalence_fsdp(rank: int, recipe: str) -> dict[str, Any]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     model = mlp()
-    chosen = amped.recipes.resolve_recipe(recipe)
+    chosen = amped.recipes.registry.resolve_recipe(recipe)
     if chosen.weights == "low-with-masters":
         low = MixedPrecisionPolicy(param_dtype=chosen.dtype, reduce_dtype=torch.float32)
         # amped's per-module "fp32" rule, in FSDP2's terms: float32 parameters and inputs.

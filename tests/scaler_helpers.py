@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from amped.scaling import GrowthFactors, ScaleState, ScaleStrategy
+from amped.scaling import ScaleStrategy
+from amped.scaling.strategies import GrowthFactors, ScaleState
 
 # Soak test: SGD on a least-squares problem with a known optimum, learning rate decayed
 # to zero. The poisoned run skips ~5% of its 1000 steps (and its scheduler skips with

@@ -1,5 +1,6 @@
 """The layering in docs/architecture.md, checked on the source: no module imports a layer
-above its own, and every use of a private torch API is in ``amped/_internal/torch_compat.py``.
+above its own, no modules import each other in a cycle, and every use of a private torch
+API is in ``amped/_internal/torch_compat.py``.
 
 Imports are read with ``ast``, so lazy imports inside functions and imports under
 ``TYPE_CHECKING`` count too: each is a dependency on that layer all the same.
@@ -127,6 +128,80 @@ def test_the_core_depends_on_torch_alone():
     assert not foreign, "imports outside the layer's dependencies:\n" + "\n".join(foreign)
 
 
+NAMES = {m.name.removesuffix(".__init__") for m in MODULES} | {"amped"}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the amped modules it imports (a package counts as its ``__init__``)."""
+    graph: dict[str, set[str]] = {}
+    for module in MODULES:
+        name = module.name.removesuffix(".__init__")
+        targets = graph.setdefault(name, set())
+        for _, dotted in _imported(module):
+            if dotted.split(".")[0] != "amped":
+                continue
+            while dotted not in NAMES:  # ``from pkg import Name``: the package
+                dotted = dotted.rpartition(".")[0]
+            if dotted != name:
+                targets.add(dotted)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per strongly connected group of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def _package_edges_removed(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    # A package's __init__ importing its own submodules, which import names back from
+    # the package's other modules through it, is how Python packages re-export: an edge
+    # from a submodule to its own package is kept only if the package is not above it.
+    return {
+        node: {t for t in targets if not node.startswith(t + ".")}
+        for node, targets in graph.items()
+    }
+
+
+def test_no_import_cycles():
+    cycles = _cycles(_package_edges_removed(_module_graph()))
+    assert not cycles, "modules that import each other in a cycle:\n" + "\n".join(
+        " <-> ".join(group) for group in cycles
+    )
+
+
+def test_the_cycle_check_finds_a_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
 def _is_private(dotted: str) -> bool:
     """``torch._C``, ``torch.utils._pytree.tree_map``, ``grad_scaler._refresh...``:
     any segment after ``torch`` with a leading underscore, dunders aside."""
@@ -150,6 +225,20 @@ def _torch_aliases(tree: ast.Module) -> dict[str, str]:
                 continue
             for alias in node.names:
                 aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    # Names bound by assignment to a torch object (``compiler = torch.compiler``), to a
+    # fixed point: their attributes are that object's.
+    changed = True
+    while changed:
+        changed = False
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Assign) and len(node.targets) == 1):
+                continue
+            target, chain = node.targets[0], _dotted(node.value)
+            if isinstance(target, ast.Name) and chain and chain[0] in aliases:
+                bound = ".".join([aliases[chain[0]], *chain[1:]])
+                if aliases.get(target.id) != bound and target.id not in aliases:
+                    aliases[target.id] = bound
+                    changed = True
     return aliases
 
 
@@ -233,6 +322,14 @@ def test_private_torch_apis_are_used_only_in_torch_compat():
         ("import torch\ngetattr(torch._C, '_fft')", ["torch._C._fft"]),
         ("import torch\ngetattr(torch, 'float8_e4m3fn')", []),
         ("x = object()\nx._private", []),
+        (
+            "import torch\nc = torch.compiler\nc._is_compiling_flag",
+            ["torch.compiler._is_compiling_flag"],
+        ),
+        (
+            "from torch.nn.modules import module\nm = module\nm._global_forward_hooks",
+            ["torch.nn.modules.module._global_forward_hooks"],
+        ),
     ],
 )
 def test_the_private_api_check_sees_every_spelling(source, expected):

@@ -1,17 +1,17 @@
-"""The engine's weight cache under grad-mode changes, inference mode and in-place updates.
+"""The weight cache: one rule on every path, torch's.
 
-torch's own autocast tests for pytorch issue 158232 (a weight cast under ``no_grad``
-served to a later grad-enabled call, so the weight silently got no gradient), ported to
-amped's engine and run for each way a user enters it: a changed op rule, a module rule
-(to float32 and to low precision) and the ``"strict"`` preset. Each scenario runs under
-``torch.autocast`` too (torch >= 2.10 has the fix) and must match it bitwise: the model's
-ops (linear, relu) get the same dtype under every policy here, so torch is the oracle.
-Beyond torch: a weight changed in place inside the region is cast again, not served
-stale; there the oracle is torch without its cache.
+A weight's low-precision cast is served until the outermost region closes: a weight
+changed in place inside the region (an optimizer step, ``copy_`` under ``no_grad``) is
+served stale, as ``torch.autocast`` serves it. A cast made under ``no_grad`` never
+reaches a grad-enabled call (torch's own tests for pytorch issue 158232), and nothing is
+cached under ``inference_mode``. Every scenario runs on every path a region can take
+(the policies below are chosen so each takes one; the model's ops get the same dtype
+under each), and must match ``torch.autocast`` bitwise.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import pytest
@@ -19,22 +19,47 @@ import torch
 import torch.nn as nn
 
 import amped
-from amped.autocast_mode import state
+from amped.autocast_mode import current_path
+from amped.autocast_mode.engine import engine_always, forced_path
+from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 
 _TORCH = amped.Policy.preset("torch", "cpu")
-POLICIES = {
-    "changed-rule": _TORCH.with_ops(fp32=["mm"]),
-    "module-rule-fp32": _TORCH.with_module(nn.ReLU, "fp32"),  # relu is exact in any dtype
-    "module-rule-low": _TORCH.with_module(nn.Linear, "low"),
-    "strict": amped.Policy.preset("strict", "cpu"),
+# id -> (policy, context the region opens in, the path it must take)
+PATHS = {
+    "torch-default": (_TORCH, contextlib.nullcontext, Path.TORCH),
+    "torch-module-rule-fp32": (
+        _TORCH.with_module(nn.ReLU, "fp32"),
+        contextlib.nullcontext,
+        Path.TORCH,
+    ),
+    "kernels-changed-rule": (_TORCH.with_ops(fp32=["mm"]), contextlib.nullcontext, Path.KERNELS),
+    "kernels-strict": (amped.Policy.preset("strict", "cpu"), contextlib.nullcontext, Path.KERNELS),
+    "mode-module-rule-low": (
+        _TORCH.with_module(nn.Linear, "low"),
+        contextlib.nullcontext,
+        Path.MODE,
+    ),
+    "mode-engine_always": (_TORCH, engine_always, Path.MODE),
+    "mode-amped-casts-only": (
+        _TORCH,
+        lambda: forced_path(Path.MODE, torch_alongside=False),
+        Path.MODE,
+    ),
 }
 
 
-@pytest.fixture(params=list(POLICIES), ids=list(POLICIES))
-def policy(request):
-    assert state.needs_engine(POLICIES[request.param])
-    return POLICIES[request.param]
+@pytest.fixture(params=list(PATHS), ids=list(PATHS))
+def region(request):
+    policy, context, path = PATHS[request.param]
+
+    @contextlib.contextmanager
+    def open_region():
+        with context(), amped.autocast("cpu", policy=policy):
+            assert current_path("cpu") is path
+            yield
+
+    return open_region
 
 
 def model() -> nn.Module:
@@ -123,22 +148,11 @@ SCENARIOS = {
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS.values()), ids=list(SCENARIOS))
-def test_grad_mode_changes_never_lose_gradients(policy, scenario):
-    got = run(scenario, lambda: amped.autocast("cpu", policy=policy))
+def test_grad_mode_changes_never_lose_gradients(region, scenario):
+    got = run(scenario, region)
     expected = run(scenario, lambda: torch.autocast("cpu"))
     assert_same(got, expected)
     assert all(g is not None for g in got[1]), "every weight gets its gradient"
-
-
-@pytest.mark.parametrize("scenario", list(SCENARIOS.values()), ids=list(SCENARIOS))
-def test_engine_forced_on_torch_rules_matches_torch(scenario):
-    def region():
-        stack = __import__("contextlib").ExitStack()
-        stack.enter_context(state.engine_always())
-        stack.enter_context(amped.autocast("cpu"))
-        return stack
-
-    assert_same(run(scenario, region), run(scenario, lambda: torch.autocast("cpu")))
 
 
 def optimizer_step_inside_region(m):
@@ -164,26 +178,23 @@ IN_PLACE = {
 
 
 @pytest.mark.parametrize("scenario", list(IN_PLACE.values()), ids=list(IN_PLACE))
-def test_weight_changed_in_place_is_cast_again(policy, scenario):
-    got = run(scenario, lambda: amped.autocast("cpu", policy=policy))
+def test_weight_changed_in_place_is_served_until_the_region_closes(region, scenario):
+    got = run(scenario, region)
+    stale = run(scenario, lambda: torch.autocast("cpu"))  # torch's cache: the old cast
+    assert_same(got, stale)
     fresh = run(scenario, lambda: torch.autocast("cpu", cache_enabled=False))
-    assert_same(got, fresh)
-    stale = run(scenario, lambda: torch.autocast("cpu"))  # torch's cache serves the old cast
-    assert not torch.equal(got[0][1], stale[0][1])
+    assert not torch.equal(got[0][1], fresh[0][1])  # (the scenario does change the weight)
 
 
-def test_cache_entries_are_per_grad_mode_and_skip_inference_mode(monkeypatch):
-    monkeypatch.setattr(state, "FAST_PATH", False)  # the engine's cache (fast path: elsewhere)
-    w = torch.randn(4, 4, requires_grad=True)
-    x = torch.randn(2, 4)
-    with amped.autocast("cpu", policy="strict"):
-        cache = state._state.mode.cache
-        with torch.inference_mode():
-            torch.nn.functional.linear(x, w)
-        assert len(cache) == 0
-        with torch.no_grad():
-            torch.nn.functional.linear(x, w)
-            torch.nn.functional.linear(x, w)
-        assert len(cache) == 1
-        out = torch.nn.functional.linear(x, w)
-        assert len(cache) == 2 and out.requires_grad
+def test_cache_is_dropped_when_the_outermost_region_closes(region):
+    m = model()
+    with region():
+        first = m(X)
+    with torch.no_grad():
+        m[0].weight.add_(1)
+    with region():
+        again = m(X)
+    with torch.autocast("cpu"):
+        expected = m(X)
+    assert not torch.equal(first, again)
+    torch.testing.assert_close(again, expected, **BITWISE)

@@ -21,13 +21,25 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import amped
-from amped.autocast_mode import compiling, dispatch, state
+from amped.autocast_mode import compiling, current_path
+from amped.autocast_mode.engine import engine_always
+from amped.autocast_mode.mode import AutocastMode
+from amped.autocast_mode.state import Path
 from recipes_helpers import batches, mlp
 from tolerances import BITWISE, INDUCTOR_BF16
 
 pytestmark = pytest.mark.skipif(
     not compiling.COMPILE_SUPPORTED, reason="compiling amped's engine needs a newer torch"
 )
+
+
+@pytest.fixture(autouse=True)
+def _no_graphs_left_behind():
+    """Each test's graphs go with it (torch._dynamo.reset(): a later test starts as a
+    process that compiled nothing)."""
+    yield
+    torch._dynamo.reset()
+
 
 _TORCH = amped.Policy.preset("torch", "cpu")
 
@@ -100,7 +112,6 @@ def assert_close(got, expected, tolerance):
 @pytest.mark.parametrize("name", list(POLICIES))
 def test_aot_eager_is_bitwise_eager(name, where):
     policy = POLICIES[name]
-    assert name == "default" or state.needs_engine(policy)
     expected = forward_backward(policy, where, backend=None)
     assert_close(forward_backward(policy, where, backend="aot_eager"), expected, BITWISE)
 
@@ -154,13 +165,12 @@ def test_attention_layers_compile_fullgraph_like_torch_autocast(layer, name, whe
     fullgraph; the mode engine must too (F._in_projection_packed calls Tensor.unflatten,
     whose super() call Dynamo cannot inline)."""
     policy = ATTENTION_POLICIES[name]
-    assert name == "default" or state.needs_engine(policy)
     expected = attention_step(layer, policy, where, backend=None)
     assert_close(attention_step(layer, policy, where, backend="aot_eager"), expected, BITWISE)
 
 
 def test_eager_backend_with_the_engine_forced_on_torch_rules():
-    with state.engine_always():
+    with engine_always():
         expected = forward_backward(None, "outside", backend=None)
         got = forward_backward(None, "outside", backend="eager")
     assert_close(got, expected, BITWISE)
@@ -178,7 +188,7 @@ def test_inductor_within_bfloat16_rounding(name, where):
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_each_step_reuses_the_graph(name, where, monkeypatch):
+def test_each_step_reuses_the_graph(name, where):
     # A training loop opens a new region each step: the graph compiled at the first must
     # serve every later one (hooks gone or filled caches would be guard failures: a
     # recompile each step, then eager after Dynamo's recompile limit), also with an
@@ -186,8 +196,6 @@ def test_each_step_reuses_the_graph(name, where, monkeypatch):
     # compiled before: the compile itself moves the regions off the fast path.
     policy = POLICIES[name]
     torch._dynamo.reset()
-    dispatch.watch_compiles()
-    monkeypatch.setattr(dispatch, "compiled_once", False)
     torch.manual_seed(0)
     model, graphs = Net(), []
 
@@ -240,7 +248,7 @@ def test_autocast_op_rule_applies_in_the_graph(where):
 
 
 @pytest.mark.parametrize("kind", ["kernel", "autocast-op"])
-def test_compile_under_a_mode_entered_in_the_region_keeps_the_stack_in_order(kind, monkeypatch):
+def test_compile_under_a_mode_entered_in_the_region_keeps_the_stack_in_order(kind):
     # The compile moves the region onto the mode; it goes where the region would have
     # pushed it, below the user's mode, which then exits cleanly (it pops itself).
     class Passthrough(TorchFunctionMode):
@@ -252,8 +260,6 @@ def test_compile_under_a_mode_entered_in_the_region_keeps_the_stack_in_order(kin
         return a @ b
 
     torch._dynamo.reset()
-    dispatch.watch_compiles()
-    monkeypatch.setattr(dispatch, "compiled_once", False)
     policy = _TORCH.with_ops(fp32=["mm"]) if kind == "kernel" else _TORCH.with_ops(lower=[mul])
     a, b = torch.randn(8, 8), torch.randn(8, 8)
     compiled = torch.compile(mul, backend="aot_eager")
@@ -263,10 +269,11 @@ def test_compile_under_a_mode_entered_in_the_region_keeps_the_stack_in_order(kin
         with user:
             got = compiled(a, b)
             assert [type(m) for m in _get_current_function_mode_stack()] == [
-                state.AutocastMode,
+                AutocastMode,
                 Passthrough,
             ]
-        assert _get_current_function_mode_stack() == [state._state.mode]
+        assert [type(m) for m in _get_current_function_mode_stack()] == [AutocastMode]
+        assert current_path("cpu") is Path.MODE
     assert _get_current_function_mode_stack() == []
     torch.testing.assert_close(got, eager, **BITWISE)
 
@@ -324,6 +331,10 @@ def test_compiled_backward_is_traced_without_autocast_while_the_engine_is_on():
     config = torch._functorch.config
     before = config.backward_pass_autocast
     with amped.autocast("cpu", policy=POLICIES["changed-rule"]):
+        assert current_path("cpu") is Path.KERNELS  # no mode: a compile would move it there
+        assert config.backward_pass_autocast == before
+    with amped.autocast("cpu", policy=POLICIES["module-rule-low"]):
+        assert current_path("cpu") is Path.MODE
         assert config.backward_pass_autocast == "off"
         with amped.autocast("cpu", policy="strict"):
             assert config.backward_pass_autocast == "off"
@@ -371,6 +382,7 @@ def train_steps(recipe: str, compiled: bool, inject_inf_at: int | None = None):
     return torch.stack(losses), params, setup
 
 
+@pytest.mark.slow  # 5-10 s each: a recipe's whole step compiled
 @pytest.mark.parametrize(
     ("recipe", "inject"),
     [("bf16-master", None), ("bf16-pure", None), ("fp16-mixed", 1), ("fp16-master", 2)],
@@ -397,7 +409,7 @@ def step(x):
 
 x = torch.randn(4, 16)
 compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
-with amped.autocast_mode.engine_always():
+with amped.autocast_mode.engine.engine_always():
     eager = step(x)
 assert compiled.dtype == eager.dtype == torch.bfloat16, (compiled.dtype, eager.dtype)
 assert torch.equal(compiled, eager)

@@ -1,6 +1,6 @@
 """The fast path: a policy's changed op rules as kernels at torch's Autocast keys.
 
-Checked against the mode engine (the same policy with the fast path off) on every entry
+Checked against the mode engine (the same policy on the forced ``MODE`` path) on every entry
 of torch's CPU autocast test lists, bitwise; against torch for plain ``torch.autocast``
 while the kernels are registered; and for the weight cache, undoing the registration,
 thread isolation and ``torch.compile``.
@@ -15,7 +15,9 @@ import torch
 import torch.nn.functional as F
 
 import amped
-from amped.autocast_mode import dispatch, state
+from amped.autocast_mode import current_path, dispatch
+from amped.autocast_mode.engine import forced_path
+from amped.autocast_mode.state import Path
 from amped.policy import Cast
 from amped.policy.ops import torch_default_rules
 from test_autocast_op_lists import LOW_DTYPES, _assert_same, _cpu_cases, _run, _variants
@@ -31,39 +33,22 @@ SWAPPED = _TORCH.with_ops(
 POLICIES = {"strict": amped.Policy.preset("strict", "cpu"), "swapped": SWAPPED}
 
 
-@pytest.fixture(autouse=True)
-def _fast_path_available(monkeypatch):
-    # Once anything in the process compiled (an earlier test file), amped runs the mode
-    # engine for every later region: these tests are about the fast path before that.
-    dispatch.watch_compiles()  # listening (an earlier test may have reset Dynamo)
-    monkeypatch.setattr(dispatch, "compiled_once", False)
-
-
-@pytest.fixture
-def fast_off(monkeypatch):
-    def off():
-        monkeypatch.setattr(state, "FAST_PATH", False)
-
-    return off
+def on_mode():
+    return forced_path(Path.MODE)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 def test_op_lists_bitwise_equal_to_mode_engine(name, dtype):
     policy = POLICIES[name]
-    assert dispatch.plan(policy), f"{name} should be served by the fast path"
     with amped.autocast("cpu", dtype, policy=policy):
-        assert state._state.regions[-1].fast and torch._C._len_torch_function_stack() == 0
-    try:
-        for list_name, op, args, kwargs in _cpu_cases():
-            for label, fn, call_args in _variants(list_name, op, args):
-                state.FAST_PATH = False
+        assert current_path("cpu") is Path.KERNELS
+    for list_name, op, args, kwargs in _cpu_cases():
+        for label, fn, call_args in _variants(list_name, op, args):
+            with on_mode():
                 engine = _run(fn, call_args, kwargs, amped.autocast("cpu", dtype, policy=policy))
-                state.FAST_PATH = True
-                fast = _run(fn, call_args, kwargs, amped.autocast("cpu", dtype, policy=policy))
-                _assert_same(engine, fast, f"{name}: {label} under {dtype}")
-    finally:
-        state.FAST_PATH = True
+            fast = _run(fn, call_args, kwargs, amped.autocast("cpu", dtype, policy=policy))
+            _assert_same(engine, fast, f"{name}: {label} under {dtype}")
 
 
 def test_fast_path_runs_no_mode_and_registers_only_changed_ops():
@@ -71,7 +56,7 @@ def test_fast_path_runs_no_mode_and_registers_only_changed_ops():
     policy = _TORCH.with_ops(fp32=["mm"])
     with amped.autocast("cpu", policy=policy):
         assert torch._C._len_torch_function_stack() == 0
-        assert [r.fast for r in state._state.regions] == [True]
+        assert current_path("cpu") is Path.KERNELS
         assert torch.mm(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.float32
         assert torch.matmul(torch.randn(2, 2), torch.randn(2, 2)).dtype == torch.bfloat16
     names = {name for name, _ in dispatch.registered_ops()}
@@ -128,42 +113,32 @@ class _Loss(torch.nn.Module):
 LOW_LOSS = _TORCH.with_ops(lower=["l1_loss"])  # torch runs it in fp32: amped's kernel casts
 
 
-def test_cache_reuses_weight_and_keeps_gradients_after_no_grad():
-    m, x = _Loss(), torch.randn(3, 4)
-    with amped.autocast("cpu", policy=LOW_LOSS):
-        assert state._state.regions[-1].fast
-        with torch.no_grad():
-            m(x)
-        out = m(x)
-        assert len(dispatch._tls.cache) == 2  # the no-grad cast and the grad-enabled one
-        assert out.dtype == torch.bfloat16 and out.requires_grad
-        m(x).sum().backward()
-    assert m.weight.grad is not None
-    assert len(dispatch._tls.cache) == 0  # dropped when the outermost region closed
-    with amped.autocast("cpu", policy=LOW_LOSS), torch.inference_mode():
-        m(x)
-        assert len(dispatch._tls.cache) == 0
-
-
-def test_in_place_update_recasts_like_the_engine(fast_off):
+def test_kernels_keep_gradients_after_no_grad_and_match_the_mode():
     def run():
         torch.manual_seed(0)
         m, x = _Loss(), torch.randn(3, 4)
         with amped.autocast("cpu", policy=LOW_LOSS):
-            first = m(x)
+            path = current_path("cpu")
+            with torch.no_grad():
+                m(x)
+            out = m(x)
             with torch.no_grad():
                 m.weight.mul_(3.0)
-            return first, m(x)
+            stale = m(x)  # the weight's cast is served until the region closes
+        (out.float().sum() + stale.float().sum()).backward()
+        return path, out, stale, m.weight.grad
 
-    fast = run()
-    fast_off()
-    engine = run()
+    path, *fast = run()
+    assert path is Path.KERNELS and fast[0].dtype == torch.bfloat16 and fast[0].requires_grad
+    assert torch.equal(fast[0], fast[1]) and fast[2] is not None
+    with on_mode():
+        path, *engine = run()
+    assert path is Path.MODE
     for a, b in zip(fast, engine, strict=True):
         assert torch.equal(a, b)
-    assert not torch.equal(*fast)
 
 
-def test_gradients_bitwise_equal_to_engine(fast_off):
+def test_gradients_bitwise_equal_to_engine():
     def run():
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
@@ -174,8 +149,9 @@ def test_gradients_bitwise_equal_to_engine(fast_off):
         return [loss, *(p.grad for p in model.parameters())]
 
     fast = run()
-    fast_off()
-    for a, b in zip(fast, run(), strict=True):
+    with on_mode():
+        engine = run()
+    for a, b in zip(fast, engine, strict=True):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
 
@@ -199,7 +175,7 @@ def test_threads_are_isolated():
     assert other["dtype"] == torch.bfloat16
 
 
-def test_compile_switches_to_the_engine_and_guards():
+def test_compile_switches_the_region_to_the_engine_and_guards():
     torch._dynamo.reset()
 
     def f(a, b):
@@ -209,58 +185,61 @@ def test_compile_switches_to_the_engine_and_guards():
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     policy = _TORCH.with_ops(fp32=["mm"])
     with amped.autocast("cpu", policy=policy):
-        assert state._state.regions[-1].fast
+        assert current_path("cpu") is Path.KERNELS
         got = compiled(a, b)  # compiling: the region moves to the mode engine
-        assert not state._state.regions[-1].fast and state._state.mode is not None
+        assert current_path("cpu") is Path.MODE
         assert got.dtype == torch.float32 and torch.equal(got, f(a, b))
-    assert dispatch.compiled_once
     with torch.autocast("cpu"):  # the graph is not reused for plain torch.autocast
         assert compiled(a, b).dtype == torch.bfloat16
-    with amped.autocast("cpu", policy=policy):  # after a compile: the mode engine
-        assert not state._state.regions[-1].fast
+    with amped.autocast("cpu", policy=policy):  # a traced policy: the mode, graph reused
+        assert current_path("cpu") is Path.MODE
         assert compiled(a, b).dtype == torch.float32
-
-
-def test_compile_with_autocast_off_everywhere_leaves_the_fast_path():
-    # A graph traced with autocast off on every device type is guarded on that state, so
-    # it never runs inside a region: a compiled optimizer step or helper, compiled
-    # outside any region, must not cost every later region the fast path.
     torch._dynamo.reset()
-    dispatch.watch_compiles()  # amped listens again (as when a region opens)
-    a, b = torch.randn(4, 4), torch.randn(4, 4)
-    helper = torch.compile(lambda x: torch.mm(x, x) * 2, backend="aot_eager")
-    outside = helper(a)
-    assert not dispatch.compiled_once
-    policy = _TORCH.with_ops(fp32=["mm"])
-    with amped.autocast("cpu", policy=policy):
-        assert state._state.regions[-1].fast and state._state.mode is None
-        assert torch.mm(a, b).dtype == torch.float32
-        got = helper(a)  # the guard on autocast fails: compiled again, inside the region
-        assert state._state.mode is not None and not state._state.regions[-1].fast
-    assert dispatch.compiled_once  # that compile was inside a region
-    assert got.dtype == torch.float32 and torch.equal(got, outside)
-    with amped.autocast("cpu", policy=policy):
-        assert not state._state.regions[-1].fast  # the mode, so the graph is reused
 
 
-@pytest.mark.parametrize("heard", [True, False], ids=["heard", "after-a-reset"])
-def test_compile_under_torch_autocast_turns_later_regions_to_the_mode(heard):
-    # A graph traced under plain torch.autocast has guards a fast-path region also
-    # passes (same autocast state, no mode on the stack): reused there, it would apply
-    # torch's rule for mm, not the policy's. torch._dynamo.reset() drops amped's compile
-    # callback: a compile made before amped listens again counts when the next region
-    # opens.
+def test_compile_isolation_unrelated_regions_keep_their_path():
+    # A function compiled under autocast (torch's, the default policy's, another
+    # policy's) changes nothing for an eager region of another policy: it runs its own
+    # path, and the compiled function called there compiles again for it (Dynamo's
+    # guards see amped's mark), never reusing a graph traced for other rules.
     torch._dynamo.reset()
-    if heard:
-        dispatch.watch_compiles()
     a = torch.randn(4, 4)
     compiled = torch.compile(lambda x: torch.mm(x, x), backend="aot_eager")
     with torch.autocast("cpu"):
         assert compiled(a).dtype == torch.bfloat16
-    assert dispatch.compiled_once is heard
-    with amped.autocast("cpu", policy=_TORCH.with_ops(fp32=["mm"])):
-        assert not state._state.regions[-1].fast
-        assert compiled(a).dtype == torch.float32
+    with amped.autocast("cpu"):
+        assert compiled(a).dtype == torch.bfloat16
+    with amped.autocast("cpu", policy=_TORCH.with_ops(fp32=["addmm"])):
+        assert compiled(a).dtype == torch.bfloat16
+    policy = _TORCH.with_ops(fp32=["mm"])
+    with amped.autocast("cpu", policy=policy):
+        assert current_path("cpu") is Path.KERNELS  # unrelated compiles: its normal path
+        assert torch.mm(a, a).dtype == torch.float32
+        assert compiled(a).dtype == torch.float32  # compiled again here, for its rules
+        assert current_path("cpu") is Path.MODE
+    with amped.autocast("cpu", policy=amped.Policy.preset("strict", "cpu")):
+        assert current_path("cpu") is Path.KERNELS
+    torch._dynamo.reset()
+
+
+def test_compile_with_autocast_off_everywhere_leaves_the_fast_path():
+    # A graph traced with autocast off on every device type is guarded on that state, so
+    # it never runs inside a region: compiled outside any region (a compiled optimizer
+    # step), it costs later regions nothing.
+    torch._dynamo.reset()
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    helper = torch.compile(lambda x: torch.mm(x, x) * 2, backend="aot_eager")
+    outside = helper(a)
+    policy = _TORCH.with_ops(fp32=["mm"])
+    with amped.autocast("cpu", policy=policy):
+        assert current_path("cpu") is Path.KERNELS
+        assert torch.mm(a, b).dtype == torch.float32
+        got = helper(a)  # the guard on autocast fails: compiled again, inside the region
+        assert current_path("cpu") is Path.MODE
+    assert got.dtype == torch.float32 and torch.equal(got, outside)
+    with amped.autocast("cpu", policy=policy):
+        assert current_path("cpu") is Path.MODE  # the mode, so the graph is reused
+    torch._dynamo.reset()
 
 
 def test_compile_inside_a_region_with_autocast_disabled_compiles_once():
@@ -277,7 +256,8 @@ def test_compile_inside_a_region_with_autocast_disabled_compiles_once():
         policy = _TORCH.with_ops(fp32=["mm"])
         with amped.autocast("cpu", policy=policy), torch.autocast("cpu", enabled=False):
             assert fn(a).dtype == torch.float32
-    assert dispatch.compiled_once and len(compiles) == 1
+    assert len(compiles) == 1
+    torch._dynamo.reset()
 
 
 def test_nested_regions_each_apply_their_own_rules():
@@ -287,16 +267,16 @@ def test_nested_regions_each_apply_their_own_rules():
         with amped.autocast("cpu"):  # torch's rules inside
             assert torch.mm(a, a).dtype == torch.bfloat16
         assert torch.mm(a, a).dtype == torch.float32
-        with amped.autocast("cpu", policy=WITH_MODULE_RULE):  # needs the mode: it takes over
-            assert state._state.mode is not None and dispatch.active_tables() == {}
+        with amped.autocast("cpu", policy=WITH_LOW_RULE):  # needs the mode: it takes over
+            assert current_path("cpu") is Path.MODE
             assert torch.mm(a, a).dtype == torch.bfloat16
-        assert state._state.mode is None and torch.mm(a, a).dtype == torch.float32
-    assert dispatch.active_tables() == {}
+        assert current_path("cpu") is Path.KERNELS and torch.mm(a, a).dtype == torch.float32
     with amped.autocast("cpu"), amped.autocast("cpu", policy=changed):
         assert torch.mm(a, a).dtype == torch.float32
 
 
 WITH_MODULE_RULE = _TORCH.with_module(torch.nn.LayerNorm, "fp32")
+WITH_LOW_RULE = _TORCH.with_module(torch.nn.LayerNorm, "low")
 
 
 @torch.library.custom_op("amped_dispatch_test::scaled", mutates_args=())
@@ -321,24 +301,23 @@ def _scaled_setup(ctx, inputs, output):
 _scaled.register_autograd(_scaled_backward, setup_context=_scaled_setup)
 
 
-def test_torch_library_custom_op_bitwise_equal_to_engine(fast_off):
+def test_torch_library_custom_op_bitwise_equal_to_engine():
     policy = _TORCH.with_ops(lower=[_scaled])
-    assert dispatch.plan(policy)
     x, w = torch.randn(3, 4), torch.randn(4, requires_grad=True)
 
     def run():
         with amped.autocast("cpu", policy=policy):
             out = _scaled(x, w)
-            fast = state._state.regions[-1].fast
+            path = current_path("cpu")
         out.float().sum().backward()
         grad, w.grad = w.grad, None
-        return out, grad, fast
+        return out, grad, path
 
-    out, grad, fast = run()
-    assert fast and out.dtype == torch.bfloat16
-    fast_off()
-    out2, grad2, fast2 = run()
-    assert not fast2 and torch.equal(out, out2) and torch.equal(grad, grad2)
+    out, grad, path = run()
+    assert path is Path.KERNELS and out.dtype == torch.bfloat16
+    with on_mode():
+        out2, grad2, path2 = run()
+    assert path2 is Path.MODE and torch.equal(out, out2) and torch.equal(grad, grad2)
 
 
 SCALAR_OPERANDS = {
@@ -360,18 +339,18 @@ def test_python_numbers_in_tensor_slots_pass_through_idle_kernels(case):
     expected = {
         "torch.autocast": _run(op, (x,), {}, torch.autocast("cpu")),
         "amped default": _run(op, (x,), {}, amped.autocast("cpu")),
-        "mode engine": _run(op, (x,), {}, amped.autocast("cpu", policy=WITH_MODULE_RULE)),
+        "mode engine": _run(op, (x,), {}, amped.autocast("cpu", policy=WITH_LOW_RULE)),
     }
     arithmetic = _TORCH.with_ops(promote=["add", "sub", "mul", "div"], fp32=["cdist"])
-    assert dispatch.plan(arithmetic)
     with amped.autocast("cpu", policy=arithmetic):  # registers the kernels, and uses them
+        assert current_path("cpu") is Path.KERNELS
         ours = op(x)
     assert ours.dtype == op(x).dtype
     torch.testing.assert_close(ours, op(x), **BITWISE)  # promote: the one input's dtype
     for label, region in (
         ("torch.autocast", torch.autocast("cpu")),
         ("amped default", amped.autocast("cpu")),
-        ("mode engine", amped.autocast("cpu", policy=WITH_MODULE_RULE)),
+        ("mode engine", amped.autocast("cpu", policy=WITH_LOW_RULE)),
     ):
         got = _run(op, (x,), {}, region)
         assert not isinstance(got, Exception), f"{label}: {got!r}"

@@ -8,7 +8,8 @@ import torch
 
 import amped
 import model_zoo
-from amped.autocast_mode import mode
+from amped.autocast_mode.engine import forced_path
+from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 
 pytest.importorskip("transformers")
@@ -43,13 +44,15 @@ def _assert_bitwise_step(model, run, dtype):
 
 
 @pytest.fixture(params=[False, True], ids=["default-policy-passthrough", "engine=forced"])
-def amped_only(request, monkeypatch):
+def amped_only(request):
     """``engine=forced``: torch's C++ autocast never runs inside amped's region, so every
     cast in the step is the engine's own. ``default-policy-passthrough``: the default
     policy needs no engine and torch's autocast does the casts (see test_autocast_op_lists)."""
     if request.param:
-        monkeypatch.setattr(mode, "TORCH_AUTOCAST_ALONGSIDE", False)
-    return request.param
+        with forced_path(Path.MODE, torch_alongside=False):
+            yield request.param
+    else:
+        yield request.param
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
@@ -68,7 +71,7 @@ def test_torch_nn_model_is_bitwise_equal(name, dtype, amped_only):
         pytest.skip(
             "nn.LSTM/nn.GRU call one C++ composite (aten::lstm / aten::gru) whose inner "
             "linear/mkldnn_rnn_layer casts only torch's C++ autocast can make; amped leaves "
-            "them to it (mode.TORCH_AUTOCAST_ALONGSIDE), which the other id covers"
+            "them to it (torch_alongside=False keeps it out), which the other id covers"
         )
     torch.manual_seed(0)
     model, run = model_zoo.TORCH_NN[name]()

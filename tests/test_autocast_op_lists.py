@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 import amped
-from amped.autocast_mode import mode
+from amped.autocast_mode.engine import forced_path
+from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 
 autocast_test_lists = pytest.importorskip("torch.testing._internal.autocast_test_lists")
@@ -115,7 +116,7 @@ def _check(device, list_name, op, args, kwargs, dtype):
 
 
 @pytest.fixture(params=[False, True], ids=["default-policy-passthrough", "engine=forced"])
-def amped_only(request, monkeypatch):
+def amped_only(request):
     """Each case runs twice, and the id says which check it is.
 
     ``engine=forced``: torch's C++ autocast never runs inside amped's region, so every
@@ -124,8 +125,10 @@ def amped_only(request, monkeypatch):
     only switches torch's autocast on; a pass shows that hand-off is exact, nothing more.
     """
     if request.param:
-        monkeypatch.setattr(mode, "TORCH_AUTOCAST_ALONGSIDE", False)
-    return request.param
+        with forced_path(Path.MODE, torch_alongside=False):
+            yield request.param
+    else:
+        yield request.param
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
@@ -138,13 +141,12 @@ def test_cpu_list_entry_matches_torch(list_name, op, args, kwargs, dtype, amped_
     _check("cpu", list_name, op, args, kwargs, dtype)
 
 
-def test_engine_does_the_casting_not_torch(monkeypatch):
+def test_engine_does_the_casting_not_torch():
     # Control for the test above: with torch's C++ autocast kept out, an op the policy
     # no longer lists is not cast at all, so the casts seen above are amped's.
-    monkeypatch.setattr(mode, "TORCH_AUTOCAST_ALONGSIDE", False)
     a, b = torch.randn(4, 4), torch.randn(4, 4)
     policy = amped.Policy.preset("torch", "cpu").with_ops(keep=["mm"])
-    with amped.autocast("cpu", policy=policy):
+    with forced_path(Path.MODE, torch_alongside=False), amped.autocast("cpu", policy=policy):
         assert torch.mm(a, b).dtype == torch.float32
         assert torch.matmul(a, b).dtype == torch.bfloat16
 

@@ -17,7 +17,9 @@ import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
 import amped
-from amped.autocast_mode import dispatch, state
+from amped.autocast_mode import current_path
+from amped.autocast_mode.engine import engine_always
+from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 
 LOW_DTYPES = [torch.bfloat16, torch.float16]
@@ -49,44 +51,38 @@ class Net(nn.Module):
         return self.norm(self.gate(h)).float().sum()
 
 
-POLICIES = {  # name -> (policy, whether it runs the fast path; else a parked lean mode)
-    "lower": (_TORCH.with_ops(lower=[gated]), True),
-    "fp32": (_TORCH.with_ops(fp32=[gated]), True),
-    "with-changed-rule": (_TORCH.with_ops(lower=[gated], fp32=["mm", "sigmoid"]), True),
-    "with-module-rule": (_TORCH.with_module(nn.LayerNorm, "fp32").with_ops(lower=[gated]), False),
-    "inside-ruled-module": (_TORCH.with_module(Gate, "fp32").with_ops(lower=[gated]), False),
+POLICIES = {  # name -> (policy, the path its regions take)
+    "lower": (_TORCH.with_ops(lower=[gated]), Path.KERNELS),
+    "fp32": (_TORCH.with_ops(fp32=[gated]), Path.KERNELS),
+    "with-changed-rule": (_TORCH.with_ops(lower=[gated], fp32=["mm", "sigmoid"]), Path.KERNELS),
+    "with-module-rule": (
+        _TORCH.with_module(nn.LayerNorm, "fp32").with_ops(lower=[gated]),
+        Path.KERNELS,
+    ),
+    "inside-ruled-module": (_TORCH.with_module(Gate, "fp32").with_ops(lower=[gated]), Path.KERNELS),
 }
-
-
-@pytest.fixture(autouse=True)
-def eager_process(monkeypatch):
-    dispatch.watch_compiles()  # listening (an earlier test may have reset Dynamo)
-    monkeypatch.setattr(dispatch, "compiled_once", False)
 
 
 def _step(model, x, policy, dtype, force_engine):
     model.zero_grad()
-    forced = state.engine_always() if force_engine else contextlib.nullcontext()
+    forced = engine_always() if force_engine else contextlib.nullcontext()
     with forced, amped.autocast("cpu", dtype, policy=policy):
-        paths = (state._state.regions[-1].fast, state._state.mode)
+        path = current_path("cpu")
         loss = model(x)
     loss.backward()
-    return loss, [p.grad.clone() for p in model.parameters()], paths
+    return loss, [p.grad.clone() for p in model.parameters()], path
 
 
 @pytest.mark.parametrize("dtype", LOW_DTYPES, ids=str)
 @pytest.mark.parametrize("name", POLICIES)
 def test_python_op_without_the_mode_equals_the_mode_engine(name, dtype):
-    policy, fast = POLICIES[name]
+    policy, path = POLICIES[name]
     torch.manual_seed(0)
     model, x = Net(), torch.randn(4, 8)
-    loss, grads, (was_fast, mode) = _step(model, x, policy, dtype, force_engine=False)
-    if fast:
-        assert was_fast and mode is None
-    else:
-        assert mode is not None and mode.parkable and not mode.on_stack
-    ref_loss, ref_grads, (ref_fast, ref_mode) = _step(model, x, policy, dtype, force_engine=True)
-    assert not ref_fast and ref_mode is not None and not ref_mode.lean
+    loss, grads, got_path = _step(model, x, policy, dtype, force_engine=False)
+    assert got_path is path
+    ref_loss, ref_grads, ref_path = _step(model, x, policy, dtype, force_engine=True)
+    assert ref_path is Path.MODE
     torch.testing.assert_close(loss, ref_loss, **BITWISE)
     for got, want in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(got, want, **BITWISE)
@@ -121,15 +117,15 @@ def test_outside_regions_and_where_autocast_is_off_it_is_the_plain_function():
 def test_weights_are_cast_once_per_region_and_get_their_gradients():
     w = torch.randn(8, 8, requires_grad=True)
     x = torch.randn(4, 8)
+    xl, wl = x.to(torch.bfloat16), w.detach().to(torch.bfloat16)
     with amped.autocast("cpu", policy=_TORCH.with_ops(lower=[gated])):
         first, second = gated(x, w), gated(x, w)
         with torch.no_grad():  # a cast made here is never served to a grad-enabled call
             gated(x, w)
-            w.add_(1.0)  # and a weight changed in place is cast again
+            w.add_(1.0)  # and a weight changed in place is served as cast before (torch's rule)
         third = gated(x, w)
     (first.sum() + second.sum() + third.sum()).float().backward()
     assert w.grad is not None and torch.isfinite(w.grad).all()
-    xl, wl = x.to(torch.bfloat16), w.detach().to(torch.bfloat16)
     torch.testing.assert_close(third, torch.sigmoid(xl) * (xl @ wl), **BITWISE)
 
 

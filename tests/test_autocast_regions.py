@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 import amped
-from amped.autocast_mode import state
+from amped.autocast_mode import current_path
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 _TORCH = amped.Policy.preset("torch", "cpu")
@@ -59,7 +59,7 @@ def test_generators_exited_out_of_order(order):
     with pytest.raises(StopIteration):
         next(second)
     assert in_force() == before
-    assert state._state.regions == [] and state._state.mode is None
+    assert current_path("cpu") is None
 
 
 def test_disabled_region_exited_before_the_enabled_one_inside_it():
@@ -104,7 +104,7 @@ def test_asyncio_tasks_interleaved():
     assert seen["b"][0] == (MM_KEEP, True, FP16, FP16)
     assert seen["a"][2] is MM_KEEP and seen["b"][2] is None
     assert in_force() == before
-    assert state._state.regions == [] and state._state.mode is None
+    assert current_path("cpu") is None
 
 
 def test_module_rule_region_exited_out_of_order_releases_its_hooks():
@@ -112,10 +112,11 @@ def test_module_rule_region_exited_out_of_order_releases_its_hooks():
     g1, g2 = region_gen(with_rule, BF16), region_gen(MM_FP32, BF16)
     next(g1), next(g2)
     list(g1)  # the region with module rules closes first
-    assert state._hooks._users == 0
     assert amped.current_policy("cpu") is MM_FP32
+    relu_out = nn.ReLU()(torch.randn(2, dtype=BF16))
+    assert relu_out.dtype == BF16  # the module rule is no longer applied
     list(g2)
-    assert state._state.mode is None
+    assert current_path("cpu") is None
 
 
 def test_exiting_twice_is_refused():

@@ -9,8 +9,8 @@ import warnings
 import pytest
 import torch
 
-from amped.fp8 import BLOCK_FORMATS, quantize_block
-from amped.fp8.block_cast import nvfp4_tensor_scale
+from amped.fp8.block_cast import nvfp4_tensor_scale, quantize_block
+from amped.fp8.block_format import BLOCK_FORMATS
 from amped.fp8.e2m1 import E2M1_VALUES, to_e2m1_codes, unpack_e2m1
 from amped.fp8.element_round import ELEMENTS, round_nearest_
 

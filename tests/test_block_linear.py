@@ -17,8 +17,12 @@ import warnings
 import pytest
 import torch
 
-from amped.fp8 import BLOCK_CONFIGS, BLOCK_FORMATS, BlockLinear, quantize_block, sqnr
+from amped.fp8 import BLOCK_CONFIGS
+from amped.fp8.block_cast import quantize_block
+from amped.fp8.block_format import BLOCK_FORMATS
 from amped.fp8.block_gemm import block_mm
+from amped.fp8.block_linear import BlockLinear
+from amped.fp8.cast import sqnr
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

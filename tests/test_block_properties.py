@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amped.fp8 import BLOCK_FORMATS, quantize_block, sqnr
+from amped.fp8.block_cast import quantize_block
+from amped.fp8.block_format import BLOCK_FORMATS
+from amped.fp8.cast import sqnr
 from amped.fp8.e2m1 import E2M1_VALUES
 from amped.fp8.element_round import ELEMENTS, round_nearest_, round_stochastic_
 from amped.fp8.hadamard import hadamard_matrix, random_hadamard, rotate_rows

@@ -13,7 +13,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, BlockLinear
+from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS
+from amped.fp8.block_linear import BlockLinear
 
 BLOCK = ["mxfp8", "mxfp4", "nvfp4"]
 BASES = ["bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr"]
@@ -61,7 +62,7 @@ def test_every_block_recipe_trains_on_every_base(recipe, base):
     setup = _prepare(recipe, base=base)
     assert (
         setup.recipe.name == recipe
-        and setup.recipe.weights == amped.recipes.resolve_recipe(base).weights
+        and setup.recipe.weights == amped.recipes.registry.resolve_recipe(base).weights
     )
     assert all(isinstance(setup.model.blocks[i], BlockLinear) for i in range(3))
     losses = [_train(setup, _data(1, seed)) for seed in range(3)]
@@ -152,8 +153,8 @@ def test_bad_input_is_refused_in_one_line():
 
 
 def test_block_recipes_are_opt_in_and_named_in_compare():
-    assert not set(BLOCK) & set(amped.recipes.RECIPES)
-    assert all(amped.recipes.resolve_recipe(name).fp8 == name for name in BLOCK)
+    assert not set(BLOCK) & set(amped.recipes.registry.RECIPES)
+    assert all(amped.recipes.registry.resolve_recipe(name).fp8 == name for name in BLOCK)
     pytest.importorskip("rich")
     from amped.cli.command import parse_recipes
 

@@ -23,7 +23,7 @@ from amped.cli.progress import LineProgress, RichProgress
 from amped.cli.results import to_dict
 from amped.cli.run import CompareConfig
 from amped.cli.summary import findings, rows
-from amped.recipes import resolve_recipe
+from amped.recipes.registry import resolve_recipe
 from results_schema import validate
 
 FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from amped.cli.main import main
-from amped.recipes import RECIPES
+from amped.recipes.registry import RECIPES
 from results_schema import validate
 
 pytest.importorskip("rich")

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from amped.cli import Task
 from amped.cli.default_task import CORPUS_FILES, SEQ_LEN, VOCAB, TinyGPT, build, load_corpus
 from amped.cli.errors import UsageError
 from amped.cli.factory import load_factory
-from amped.cli.task import as_task, call_model, count_samples, to_device
+from amped.cli.task import Task, as_task, call_model, count_samples, to_device
 
 FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"
 CPU = torch.device("cpu")

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 
 def unit_roundoff(recipe: str) -> float:
-    dtype = amped.recipes.resolve_recipe(recipe).dtype or torch.float32
+    dtype = amped.recipes.registry.resolve_recipe(recipe).dtype or torch.float32
     return torch.finfo(dtype).eps / 2  # 2**-8 bfloat16, 2**-11 float16, 2**-24 float32
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from amped._internal.torch_compat import cpu_scaled_mm_takes_rowwise
-from amped.fp8 import Fp8Tensor, quantize, scaled_mm, sqnr
-from amped.fp8.cast import amax_of, amax_to_scale, cast_saturated
+from amped.fp8.cast import Fp8Tensor, amax_of, amax_to_scale, cast_saturated, quantize, sqnr
+from amped.fp8.gemm import scaled_mm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 

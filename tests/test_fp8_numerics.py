@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import amped
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8, scaled_mm, sqnr
-from amped.fp8.cast import quantize
+from amped.fp8 import FP8_CONFIGS, convert_to_fp8
+from amped.fp8.cast import quantize, sqnr
+from amped.fp8.gemm import scaled_mm
 from fp8_helpers import every_linear, ffn
 
 GATE_DB = 20.0

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 import amped
 from amped.fp8 import Float8Linear
-from amped.recipes import OPT_IN_RECIPES, RECIPES, resolve_recipe
+from amped.recipes.registry import OPT_IN_RECIPES, RECIPES, resolve_recipe
 
 FP8 = ["fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp", "fp8-delayed"]
 

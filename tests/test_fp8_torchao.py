@@ -20,7 +20,8 @@ import copy
 import pytest
 import torch
 
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8, sqnr
+from amped.fp8 import FP8_CONFIGS, convert_to_fp8
+from amped.fp8.cast import sqnr
 from fp8_helpers import TORCHAO_RECIPE, every_linear, ffn, torchao_convert
 
 SQNR_DIFFERENT_SUMMATION = 40.0  # dB: the bound where algorithms differ by design

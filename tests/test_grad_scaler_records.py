@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import amped
-from amped.scaling import ScaleRecord, records
+from amped.scaling import records
+from amped.scaling.records import ScaleRecord
 from scaler_helpers import count_host_syncs
 
 CONFIGS = {

@@ -72,6 +72,10 @@ _PROBE = textwrap.dedent(
             "torch function modes": torch._C._len_torch_function_stack(),
             "torch dispatch modes": torch._C._len_torch_dispatch_stack(),
             "dynamo config": sorted(torch._dynamo.config.get_config_copy().items()),
+            "dynamo compile callbacks": (
+                list(torch._dynamo.callback_handler.start_callbacks),
+                list(torch._dynamo.callback_handler.end_callbacks),
+            ),
             "functorch config": sorted(torch._functorch.config.get_config_copy().items()),
         }}
 

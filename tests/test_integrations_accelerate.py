@@ -12,7 +12,7 @@ from accelerate.state import AcceleratorState
 
 import amped
 from amped.integrations.accelerate import Accelerator
-from amped.recipes import recipe_names
+from amped.recipes.registry import recipe_names
 from integration_helpers import (
     STEPS_PER_EPOCH,
     batches,

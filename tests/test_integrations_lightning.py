@@ -16,7 +16,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 
 import amped
 from amped.integrations.lightning import FabricPrecision, Precision
-from amped.recipes import recipe_names
+from amped.recipes.registry import recipe_names
 from integration_helpers import (
     STEPS_PER_EPOCH,
     batches,

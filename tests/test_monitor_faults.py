@@ -25,8 +25,9 @@ from torch import nn
 import amped
 import amped.fp8.linear
 from amped.fp8 import FP8_CONFIGS
-from amped.recipes import NonFinite, NonFiniteError
+from amped.recipes import NonFiniteError
 from amped.recipes.fp8 import FP8_RECIPE_NAMES
+from amped.recipes.monitoring import NonFinite
 
 STEPS = 4
 LAYERS = ("0", "2", "4")  # the converted Linear layers; "6" is the head, kept out

@@ -183,29 +183,30 @@ def test_submodule_skip_and_low(cpu_policy):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager-process", "after-a-compile"])
-def test_module_rules_leave_no_hooks_behind(cpu_policy, compiled, monkeypatch):
-    # After a compile that may meet a region, the hooks stay installed (Dynamo guards on
-    # the global hook dicts), idle: one set, whatever number of regions follow.
+def test_module_rules_leave_no_hooks_behind(cpu_policy, compiled):
+    # After a compile in a module-rule region, the hooks stay installed (Dynamo guards on
+    # the global hook dicts), idle: one set, whatever number of regions follow; until
+    # torch._dynamo.reset() drops every graph.
     from torch.nn.modules import module as nn_module
 
-    from amped.autocast_mode import dispatch
-    from amped.autocast_mode.module_hooks import hooks
-
-    dispatch.watch_compiles()
-    monkeypatch.setattr(dispatch, "compiled_once", False)
-    monkeypatch.setattr(hooks, "traced", False)  # (an earlier test's compile)
+    torch._dynamo.reset()  # as in a process that compiled nothing
     policy = cpu_policy.with_module(nn.Linear, "fp32")
     with amped.autocast("cpu", policy=policy):
         pass  # removes the idle hooks an earlier test's compile may have left
     before = len(nn_module._global_forward_pre_hooks)
     with amped.autocast("cpu", policy=policy):
         assert len(nn_module._global_forward_pre_hooks) == before + 1
-        dispatch.compiled_once = compiled
+        if compiled:
+            torch.compile(lambda x: x * 2, backend="eager")(torch.randn(2))
     assert len(nn_module._global_forward_pre_hooks) == before + compiled
     for _ in range(2):
         with amped.autocast("cpu", policy=policy):
             assert len(nn_module._global_forward_pre_hooks) == before + 1
     assert len(nn_module._global_forward_pre_hooks) == before + compiled
+    torch._dynamo.reset()
+    with amped.autocast("cpu", policy=policy):
+        pass
+    assert len(nn_module._global_forward_pre_hooks) == before
 
 
 def test_module_rule_state_restored_when_forward_raises(cpu_policy):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import amped
-from amped.recipes import RECIPES
+from amped.recipes.registry import RECIPES
 from recipes_helpers import batches, mlp, optimizer, train
 from tolerances import BITWISE
 

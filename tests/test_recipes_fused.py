@@ -389,14 +389,12 @@ def test_without_a_cpp_compiler_fused_true_raises_and_none_falls_back(tmp_path):
 def test_the_fused_step_leaves_amped_regions_on_their_fast_path(monkeypatch, kernel_calls):
     # The kernels compile outside any region with autocast off: their graphs can never
     # run inside a region (Dynamo guards on autocast), so regions opened after the first
-    # step keep the fast path and the parked lean mode (amped.autocast_mode.dispatch).
+    # step keep their path (amped.autocast_mode.engine).
     import amped
-    from amped.autocast_mode import dispatch, state
+    from amped.autocast_mode import Path, current_path
 
-    monkeypatch.setattr(dispatch, "compiled_once", False)
     monkeypatch.setattr(fused, "_compiled", {})  # so that the kernel compiles in this test
     compiles = []
-    dispatch.watch_compiles()
     callbacks = torch._dynamo.callback_handler
     callbacks.register_start_callback(compiles.append)
     try:
@@ -406,9 +404,8 @@ def test_the_fused_step_leaves_amped_regions_on_their_fast_path(monkeypatch, ker
     finally:
         callbacks.remove_start_callback(compiles.append)
     assert compiles and kernel_calls  # compiled, and stepped by the kernel
-    assert not dispatch.compiled_once
     torch_policy = amped.Policy.preset("torch", "cpu")
     with amped.autocast("cpu", policy=torch_policy.with_ops(fp32=["mm"])):
-        assert state._state.regions[-1].fast
+        assert current_path("cpu") is Path.KERNELS
     with amped.autocast("cpu", policy=torch_policy.with_module(torch.nn.LayerNorm, "fp32")):
-        assert state._state.mode.lean and not state._state.mode.on_stack
+        assert current_path("cpu") is Path.TORCH

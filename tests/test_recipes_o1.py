@@ -9,7 +9,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.recipes import RECIPES, resolve_recipe
+from amped.recipes.registry import RECIPES, resolve_recipe
 from tolerances import BITWISE
 
 

@@ -220,5 +220,5 @@ def test_recipes_are_validated():
         amped.Recipe("x", dtype=torch.bfloat16, weights="half", **loop)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="positional"):
         amped.Recipe("x", torch.bfloat16, "fp32", True, False, (), "")  # type: ignore[misc]
-    assert amped.recipes.resolve_recipe("O2").name == "fp16-master"
-    assert amped.recipes.resolve_recipe("bf16-kahan").name == "bf16-pure"
+    assert amped.recipes.registry.resolve_recipe("O2").name == "fp16-master"
+    assert amped.recipes.registry.resolve_recipe("bf16-kahan").name == "bf16-pure"

@@ -6,18 +6,10 @@ read and change.
 """
 
 from amped import doctor
-from amped.autocast_mode import (
-    autocast,
-    autocast_op,
-    current_policy,
-    custom_bwd,
-    custom_fwd,
-    get_autocast_dtype,
-    is_autocast_enabled,
-)
+from amped.autocast_mode import autocast, autocast_op, current_policy, custom_bwd, custom_fwd
 from amped.policy import Cast, ModuleRule, Policy
 from amped.recipes import Recipe, TrainSetup, memory_report, monitor, prepare
-from amped.scaling import GradScaler, ScaleRecord
+from amped.scaling import GradScaler
 
 __version__ = "0.1.0"
 
@@ -27,7 +19,6 @@ __all__ = [
     "ModuleRule",
     "Policy",
     "Recipe",
-    "ScaleRecord",
     "TrainSetup",
     "__version__",
     "autocast",
@@ -36,8 +27,6 @@ __all__ = [
     "custom_bwd",
     "custom_fwd",
     "doctor",
-    "get_autocast_dtype",
-    "is_autocast_enabled",
     "memory_report",
     "monitor",
     "prepare",

@@ -117,6 +117,28 @@ dynamo_callbacks = torch._dynamo.callback_handler
 """Dynamo's compile start/end callbacks (``torch._dynamo.reset()`` clears them)."""
 
 
+def amp_definitely_not_available() -> bool:
+    """torch.cuda.amp's check (CUDA absent, or torch_xla imported): CUDA autocast then
+    disables itself with a warning (the helper lives in a deprecated namespace)."""
+    return bool(torch.cuda.amp.common.amp_definitely_not_available())
+
+
+def op_schema(op: Any) -> Any:
+    """The ``torch._C.FunctionSchema`` of an ``OpOverload`` (its private ``_schema``)."""
+    return op._schema
+
+
+def destroy_library(lib: torch.library.Library) -> None:
+    """Undo every registration ``lib`` made (``Library._destroy``)."""
+    lib._destroy()
+
+
+def dynamo_is_compiling_flag() -> bool:
+    """``torch.compiler.is_compiling()`` read from its module flag, without the two
+    Python frames the public function costs (the fast path's kernels read it per call)."""
+    return bool(torch.compiler._is_compiling_flag)
+
+
 def dynamo_frames_compiled() -> int | None:
     """How many Python frames Dynamo started compiling since the process began or its
     last ``torch._dynamo.reset()``; None where this torch does not count them."""

@@ -3,7 +3,7 @@
 Mirrors ``at::autocast::cached_cast`` and the ``WrapFunction_`` policies in torch's
 ``autocast_mode.h``: only floating tensors on the region's device type are cast,
 float64 never is, and float32 leaf tensors that require grad (the weights) are cast
-once per region and reused (under the rules of :class:`WeightCache`). The cast is a
+once per region and reused (under the rule of :class:`WeightCache`). The cast is a
 plain ``Tensor.to``, so autograd records it and gradients flow back to the float32
 originals.
 """
@@ -44,54 +44,30 @@ BINARY_CROSS_ENTROPY_BANNED = (
 
 
 class WeightCache:
-    """Low-precision copies of weights, kept for the outermost autocast region.
+    """Low-precision copies of weights, kept until the outermost autocast region closes.
 
-    A copy is served again only to a call made under the same grad mode, and only while
-    the weight is unchanged:
-
-    * the key holds the grad mode, so a cast made under ``torch.no_grad()`` (which has
-      no autograd history) never reaches a grad-enabled op, and the weight still gets
-      its gradient (pytorch issue 158232: torch's C++ cache once served such copies);
-    * nothing is cached or served under ``torch.inference_mode()``: its tensors cannot
-      take part in autograd later;
-    * the entry holds the weight's version counter, so a weight changed in place inside
-      the region (an optimizer step, ``copy_`` under ``no_grad``) is cast again rather
-      than served stale (torch's own cache serves the stale copy).
-
-    The entry holds the source tensor too, so its id cannot be reused by another tensor
-    while the entry lives.
+    torch's rule, on every path: a weight (a float32 leaf that requires grad) is cast
+    once per grad mode and served again until the outermost region closes, even if it
+    is changed in place meanwhile (an optimizer step inside the region, ``copy_`` under
+    ``no_grad``): the later calls see the copy made before the change, as under
+    ``torch.autocast``. Close the region to cast afresh. A copy made under
+    ``torch.no_grad()`` is never served to a grad-enabled call (pytorch issue 158232),
+    and nothing is cached under ``torch.inference_mode()``. The entry holds the source
+    tensor, so its id cannot be reused by another tensor while the entry lives.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[
-            tuple[int, torch.dtype, bool], tuple[torch.Tensor, int, torch.Tensor]
-        ] = {}
-
-    def lookup(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
-        """The cached copy of ``tensor`` in ``dtype``, if one may be served now."""
-        if not self._entries:
-            return None
-        entry = self._entries.get((id(tensor), dtype, _grad_enabled()))
-        if (
-            entry is not None
-            and entry[0] is tensor
-            and entry[1] == tensor._version
-            and _cache_enabled()
-            and not _inference_mode()
-        ):
-            return entry[2]
-        return None
+        self._entries: dict[tuple[int, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if _inference_mode():
             return tensor.to(dtype)
         key = (id(tensor), dtype, _grad_enabled())
         entry = self._entries.get(key)
-        version = tensor._version
-        if entry is not None and entry[0] is tensor and entry[1] == version:
-            return entry[2]
+        if entry is not None and entry[0] is tensor:
+            return entry[1]
         casted = tensor.to(dtype)
-        self._entries[key] = (tensor, version, casted)
+        self._entries[key] = (tensor, casted)
         return casted
 
     def clear(self) -> None:
@@ -133,17 +109,11 @@ def _cast_tensor(
 
 
 def _cast_weight(t: torch.Tensor, dtype: torch.dtype, cache: WeightCache) -> torch.Tensor:
-    entries = cache._entries  # WeightCache.lookup, inlined: this runs per weight use
+    entries = cache._entries  # WeightCache.cast's look-up, inlined: this runs per weight use
     if entries:
         entry = entries.get((id(t), dtype, _grad_enabled()))
-        if (
-            entry is not None
-            and entry[0] is t
-            and entry[1] == t._version
-            and _cache_enabled()
-            and not _inference_mode()
-        ):
-            return entry[2]  # a hit skips the eligibility checks below
+        if entry is not None and entry[0] is t and _cache_enabled() and not _inference_mode():
+            return entry[1]  # a hit skips the eligibility checks below
     if _cacheable(t) and _cache_enabled():
         return cache.cast(t, dtype)
     return t.to(dtype)
@@ -161,7 +131,7 @@ def _cast(
     return value
 
 
-def _cast_call(
+def cast_call(
     func: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -170,8 +140,9 @@ def _cast_call(
     low: torch.dtype,
     cache: WeightCache | None,
 ) -> Any:
-    # The per-op hot path: the common argument (a tensor) is handled inline, without a
-    # call per argument.
+    """``func`` called with its floating arguments on ``device_type`` cast to ``dtype``.
+
+    The per-op hot path: the common argument (a tensor) is handled inline."""
     cast_args = []
     on_cpu = device_type == "cpu"
     for a in args:
@@ -193,10 +164,6 @@ def _cast_call(
         kwargs = {k: _cast(v, dtype, device_type, low, cache) for k, v in kwargs.items()}
         return func(*cast_args, **kwargs)
     return func(*cast_args)
-
-
-cast_call = _cast_call
-"""``func`` called with its floating arguments on ``device_type`` cast to ``dtype``."""
 
 
 def _first_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -245,10 +212,10 @@ def run(
     cache: WeightCache | None,
 ) -> Any:
     """Call ``func`` with its arguments cast as ``cast`` says, in a region of dtype ``low``."""
-    if cast is Cast.LOWER:  # (the mode calls _cast_call itself for LOWER and FP32)
-        return _cast_call(func, args, kwargs, low, device_type, low, cache)
+    if cast is Cast.LOWER:  # (the mode calls cast_call itself for LOWER and FP32)
+        return cast_call(func, args, kwargs, low, device_type, low, cache)
     if cast is Cast.FP32:
-        return _cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache)
+        return cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache)
     if cast is Cast.FP32_SET_OPT_DTYPE or cast is Cast.FP32_APPEND_DTYPE:
         first = _first_arg(args, kwargs)
         if (
@@ -262,9 +229,9 @@ def run(
         return func(*args, **kwargs)
     if cast is Cast.PROMOTE:
         to = _promote_type((*args, *kwargs.values()), device_type, low)
-        return _cast_call(func, args, kwargs, to, device_type, low, cache)
+        return cast_call(func, args, kwargs, to, device_type, low, cache)
     if cast is Cast.FP32_LOW_OUT:
-        return _to_low(_cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache), low)
+        return _to_low(cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache), low)
     if cast is Cast.KEEP:
         return func(*args, **kwargs)
     if cast is Cast.BANNED:

@@ -98,7 +98,8 @@ def restore_backward_autocast() -> None:
 
 def never_root_frames(*modules: object) -> None:
     """Keep Dynamo from compiling amped's own functions as frames of their own (after a
-    graph break it cannot resume); traced functions still inline them (docs/engine.md)."""
+    graph break it cannot resume); traced functions still inline them (docs/engine.md).
+    Called once, by the first region that may meet a compile."""
     skip_code = torch_compat.dynamo_skip_code()
     if skip_code is None:
         return

@@ -18,8 +18,9 @@ import torch
 
 from amped._internal import torch_compat
 from amped._internal.errors import type_error
-from amped.autocast_mode import state
+from amped.autocast_mode.mode import AutocastMode, merged_rules
 from amped.autocast_mode.region import autocast
+from amped.autocast_mode.state import STATE, current_policy, innermost_policies
 from amped.autocast_mode.targets import PYTHON_OP
 
 __all__ = ["autocast_op", "custom_bwd", "custom_fwd"]
@@ -88,7 +89,7 @@ def custom_fwd(
     def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
         ctx = args[0]
         ctx._dtype = torch.get_autocast_dtype(device_type)
-        ctx._amped_policy = state.current_policy(device_type)
+        ctx._amped_policy = current_policy(device_type)
         enabled = torch.is_autocast_enabled(device_type)
         if cast_inputs is None:
             ctx._fwd_used_autocast = enabled
@@ -141,9 +142,9 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
     ``__torch_function__`` overrides (tensor subclasses, torch-function modes, amped's
     own mode engine), which see the decorated function as one call.
 
-    Where no mode is on the torch-function stack (amped's fast path, or a parked lean
-    mode: docs/engine.md) the decorated function looks its rule up itself, so naming one
-    in a policy keeps the policy on those paths.
+    Where no mode is on the torch-function stack (the ``TORCH`` and ``KERNELS`` paths:
+    docs/engine.md) the decorated function looks its rule up itself, so naming one in a
+    policy keeps the policy on those paths.
 
     Example:
         >>> import torch, amped
@@ -178,8 +179,8 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
             if _mode_enabled():
                 return _handle_torch_function(op, relevant, *args, **kwargs)
             return func(*args, **kwargs)
-        if state.regions_open():
-            return state.run_python_op(op, func, args, kwargs)
+        if STATE.regions:
+            return _run_python_op(op, func, args, kwargs)
         return func(*args, **kwargs)
 
     setattr(op, PYTHON_OP, True)
@@ -190,3 +191,20 @@ _has_torch_function = torch.overrides.has_torch_function
 _handle_torch_function = torch.overrides.handle_torch_function
 _is_compiling = torch.compiler.is_dynamo_compiling
 _mode_enabled = torch_compat.torch_function_mode_enabled
+
+
+def _run_python_op(
+    op: Callable[..., Any], func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Call ``func``, the function of the ``@amped.autocast_op`` ``op``, under the rule
+    the open regions' policies give ``op``, applied as the mode applies it (for calls
+    made where no mode is on the torch-function stack)."""
+    st = STATE
+    per_device = merged_rules(innermost_policies(st.regions)).get(op)
+    if per_device is None:
+        return func(*args, **kwargs)
+    runner = st.runner
+    if runner is None:
+        runner = st.runner = AutocastMode()
+        runner.cache = st.cache
+    return runner.run_listed(func, per_device, args, kwargs)

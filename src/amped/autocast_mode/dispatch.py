@@ -12,17 +12,11 @@ fallthrough would. Untouched ops and the ops whose rule is torch's never reach P
 
 Kernels are registered the first time a policy needing them is entered and stay
 registered, idle, until :func:`release_kernels`: registering per region would cost more
-than the region (costs in docs/engine.md, "The fast path").
+than the region.
 
-Dynamo does not guard on this module's thread state, so a graph traced through these
-kernels could be reused under another policy. Hence the fast path serves eager code
-only. Dynamo does guard on torch's autocast state, so a graph compiled with autocast off
-on every device type and no amped region open never runs inside a region: such compiles
-(a compiled optimizer step, amped's own fused optimizer kernels, a model compiled and
-first called outside any region) leave the fast path alone. Once ``torch.compile``
-starts compiling with autocast on, or inside a region, every later region runs the mode
-engine (which Dynamo guards on), and regions open on the compiling thread at that
-moment switch to it before Dynamo captures the mode stack.
+Dynamo does not guard on the kernels' thread state, so a graph traced through them
+could be reused under another policy: the fast path serves eager code only
+(:mod:`amped.autocast_mode.engine` moves regions to the mode when a compile starts).
 """
 
 from __future__ import annotations
@@ -36,27 +30,15 @@ import torch
 from amped._internal import torch_compat
 from amped._internal.torch_compat import OpOverload
 from amped.autocast_mode import casting, targets
-from amped.autocast_mode.mode import AUTOCAST_DEVICE_TYPES
+from amped.autocast_mode.state import STATE
 from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
 
-__all__ = ["active_tables", "kernel_rules", "plan", "register", "registered_ops", "release_kernels"]
+__all__ = ["kernel_rules", "plan", "register", "registered_ops", "release_kernels"]
 
 _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
 _LOWER = Cast.LOWER
-_EXPRESSIBLE = frozenset(
-    (
-        Cast.LOWER,
-        Cast.FP32,
-        Cast.PROMOTE,
-        Cast.FP32_LOW_OUT,
-        Cast.KEEP,
-        Cast.BANNED,
-        Cast.FP32_SET_OPT_DTYPE,
-        Cast.FP32_APPEND_DTYPE,
-    )
-)
 # fp32_append_dtype: the overload torch's C++ autocast redispatches each one to.
 _APPEND_DTYPE = {
     "aten::norm.Scalar": "ScalarOpt_dtype",
@@ -67,28 +49,14 @@ Tables = dict[OpOverload, dict[torch.dtype, Cast]]
 """op overload -> low dtype -> amped's cast, for the ops whose rule differs from torch's."""
 
 
-class _Thread(threading.local):
-    def __init__(self) -> None:
-        self.active: dict[str, KernelRules] = {}  # device type -> innermost policy's rules
-        self.cache = casting.WeightCache()
-
-
-_tls = _Thread()
 _lock = threading.Lock()
 _libraries: dict[tuple[str, str], torch.library.Library] = {}  # (overload, key) -> registration
-route_all = False
-"""Route every rule of a fast-path policy through amped's kernels, torch's own rules
-too (benchmarks/autocast_overhead.py measures the kernels' cost with it)."""
-compiled_once = False
-"""Set when torch.compile first compiles a graph that could run inside an amped region
-(see :func:`_on_compile_start`): from then on the fast path is off and the mode is
-never parked (module rules keep it lean, on the stack)."""
 
 
-def plan(policy: Policy) -> Tables | None:
+def plan(policy: Policy, route_all: bool = False) -> Tables | None:
     """The fast-path tables of ``policy``, or None when the mode engine must run it.
 
-    None for: module rules, a rule the dispatcher cannot apply bitwise as the mode does
+    None for: a rule the dispatcher cannot apply bitwise as the mode does
     (``FP32_APPEND_DTYPE``, which redispatches to another overload), a device type
     without an Autocast key here. Rules for ``@amped.autocast_op`` functions need no
     kernel: the function applies its own rule where no mode is on the stack
@@ -98,7 +66,7 @@ def plan(policy: Policy) -> Tables | None:
     found = policy._engine_cache.get(key, False)
     if found is not False:
         return found
-    tables = _plan(policy)
+    tables = _plan(policy, route_all)
     policy._engine_cache[key] = tables
     return tables
 
@@ -108,18 +76,18 @@ KernelRules = dict[Any, dict[torch.dtype, Cast]]
 their op up per call: hashed in C, where ``OpOverload.__hash__`` is a Python method."""
 
 
-def kernel_rules(policy: Policy) -> KernelRules:
+def kernel_rules(policy: Policy, route_all: bool = False) -> KernelRules:
     """The fast-path tables of ``policy`` (which has some) in the kernels' form."""
     key = ("kernel_rules", route_all)
     found = policy._engine_cache.get(key)
     if found is None:
-        found = {op._op: rules for op, rules in (plan(policy) or {}).items()}
+        found = {op._op: rules for op, rules in (plan(policy, route_all) or {}).items()}
         policy._engine_cache[key] = found
     return found
 
 
-def _plan(policy: Policy) -> Tables | None:
-    if policy.module_rules or policy.device_type not in _KEYS:
+def _plan(policy: Policy, route_all: bool) -> Tables | None:
+    if policy.device_type not in _KEYS:
         return None
     torch_rules = torch_default_rules(policy.device_type)
     tables: Tables = {}
@@ -133,7 +101,7 @@ def _plan(policy: Policy) -> Tables | None:
             ) or targets.is_python_op(op):
                 continue
             overloads = _overloads(op)
-            if overloads is None or cast not in _EXPRESSIBLE:
+            if overloads is None:
                 return None
             for overload in overloads:
                 if cast is Cast.FP32_SET_OPT_DTYPE and _dtype_index(overload) is None:
@@ -161,13 +129,13 @@ def _overloads(op: Any) -> list[OpOverload] | None:
     return [
         op
         for op in overloads
-        if torch_compat.dispatch_has_kernel(op.name()) and not op._schema.is_mutable
+        if torch_compat.dispatch_has_kernel(op.name()) and not torch_compat.op_schema(op).is_mutable
     ]
 
 
 def _dtype_index(overload: OpOverload) -> int | None:
     # The position of the optional dtype argument (-1: keyword-only), None: it has none.
-    for i, arg in enumerate(overload._schema.arguments):
+    for i, arg in enumerate(torch_compat.op_schema(overload).arguments):
         if arg.name == "dtype":
             return -1 if arg.kwarg_only else i
     return None
@@ -202,31 +170,15 @@ def release_kernels() -> None:
 
     Regions using the fast path must be closed; later ones register again.
     """
-    if any(_tls.active.values()):
+    if any(STATE.kernels.values()):
         raise RuntimeError(
             "amped.autocast_mode.dispatch.release_kernels() was called inside an amped "
             "region that uses the kernels. Close the region first."
         )
     with _lock:
         for lib in _libraries.values():
-            lib._destroy()
+            torch_compat.destroy_library(lib)
         _libraries.clear()
-
-
-def active_tables() -> dict[str, KernelRules]:
-    """This thread's active fast-path rules per device type (empty: none active),
-    keyed by each op overload's C function (``op._op``)."""
-    return _tls.active
-
-
-def set_active(active: dict[str, KernelRules]) -> None:
-    """Make ``active`` (device type -> :func:`kernel_rules`) this thread's rules."""
-    _tls.active = active
-
-
-def clear_cache() -> None:
-    """Drop this thread's fast-path weight cache (the outermost region closed)."""
-    _tls.cache.clear()
 
 
 def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
@@ -245,28 +197,28 @@ def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
     dtype_at = _dtype_index(op)
     appended = _APPEND_DTYPE.get(op.name())
     with_dtype = getattr(op.overloadpacket, appended)._op if appended else None
-    positional = [a for a in op._schema.arguments if not a.kwarg_only]
+    positional = [a for a in torch_compat.op_schema(op).arguments if not a.kwarg_only]
     tensor_slots = tuple(i for i, a in enumerate(positional) if str(a.type) == "Tensor")
     defaults = [(a.name, a.default_value) for a in positional if a.has_default_value()]
     first_default = len(positional) - len(defaults)  # defaults are trailing in a schema
-    tls = _tls
+    tls = STATE
     get_dtype = torch.get_autocast_dtype
     run = casting.run
     cast_call = casting.cast_call
-    compiler = torch.compiler
+    is_compiling = torch_compat.dynamo_is_compiling_flag
     # The dispatcher calls this kernel only while its key is not excluded, so the key is
     # excluded for the op and included again after it: two calls, where an exclude-guard
     # object costs several times more.
     set_excluded = torch_compat.set_dispatch_key_excluded
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        tables = tls.active.get(device_type)
+        tables = tls.kernels.get(device_type)
         rule = tables.get(raw) if tables else None  # keyed by op._op: hashed in C
         if rule is not None:
             low = get_dtype(device_type)
             cast = rule.get(low)
             if cast is not None:
-                if compiler._is_compiling_flag:  # is_compiling() without its two frames
+                if is_compiling():
                     raise RuntimeError(_TRACED_FAST)
                 set_excluded(dispatch_key, True)
                 try:
@@ -366,44 +318,3 @@ _TRACED_FAST = (
     "and Dynamo could not guard on its policy. Open the region after "
     "torch._dynamo.reset(), or inside the compiled function."
 )
-
-
-def watch_compiles() -> None:
-    """Make sure amped hears when torch.compile starts (``torch._dynamo.reset()``
-    drops every compile callback).
-
-    Graphs compiled while amped was not listening (before it was imported, or since a
-    reset) may have been traced under autocast, and could run inside a region: if any
-    was, the fast path is off from now on, as for a compile heard under autocast.
-    """
-    global compiled_once
-    if _on_compile_start not in _callbacks.start_callbacks:
-        if torch_compat.dynamo_frames_compiled() != 0:  # (None: unknown, so assume some)
-            compiled_once = True
-        _callbacks.register_start_callback(_on_compile_start)
-
-
-def _on_compile_start(args: Any) -> None:
-    global compiled_once
-    from amped.autocast_mode import state  # the upper module of this package
-
-    regions = state.regions_open()
-    if not compiled_once and (regions or _autocast_on_anywhere()):
-        # The graph about to be traced is guarded on an autocast state that eager amped
-        # regions also set; from now on they run the mode, so that it is reused (traced
-        # with the mode on the stack) and never reused stale (traced without it).
-        compiled_once = True
-    if regions:  # fast-path regions (kernels or not) and a parked mode: onto the stack
-        state.switch_to_engine()
-
-
-def _autocast_on_anywhere() -> bool:
-    # Dynamo guards on it: a graph traced with autocast off everywhere runs only so.
-    return any(_is_autocast_enabled(device_type) for device_type in AUTOCAST_DEVICE_TYPES)
-
-
-_is_autocast_enabled = torch.is_autocast_enabled
-
-
-_callbacks = torch_compat.dynamo_callbacks
-watch_compiles()

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from amped._internal import torch_compat
 from amped.autocast_mode import casting, compiling, transparent
-from amped.autocast_mode.targets import callables_for, is_python_op
+from amped.autocast_mode.targets import callables_for
 from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
@@ -34,7 +34,6 @@ __all__ = [
     "AUTOCAST_DEVICE_TYPES",
     "AutocastMode",
     "compiled_rules",
-    "lean_rules",
     "merged_rules",
     "prepare",
 ]
@@ -63,14 +62,6 @@ _set_excluded = torch_compat.set_dispatch_key_excluded
 _exclude_guard = torch_compat.ExcludeDispatchKeyGuard
 _autocast_enabled = torch.is_autocast_enabled
 _autocast_dtype = torch.get_autocast_dtype
-
-TORCH_AUTOCAST_ALONGSIDE = True
-"""Let torch's C++ autocast run alongside amped: inside calls the policy does not name
-(C++ composites such as ``aten::lstm``, whose inner casts it makes as under
-``torch.autocast``), and after amped's casts on ops whose rule is torch's own (where it
-finds nothing left to cast). The tests turn it off, so that every cast they see is
-amped's own."""
-
 
 Rule = tuple[Cast, bool]
 """An op's cast, and whether torch's C++ autocast must be kept out while it runs."""
@@ -131,39 +122,10 @@ def _merge(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
     return rules
 
 
-def lean_rules(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
-    """:func:`merged_rules` with only the rules torch's C++ autocast cannot apply (those
-    that keep it out: a rule that differs from torch's, a Python function, a custom op).
-
-    The table of a lean mode (:attr:`AutocastMode.lean`): every other listed op is run
-    as an unlisted one, and torch's C++ autocast, on in the region, applies to it the
-    very rule the policy gives it. Kept with the policy, like :func:`merged_rules`.
-    """
-    if len(policies) == 1:
-        ((_device_type, policy),) = policies.items()
-        found = policy._engine_cache.get("lean")
-        if found is None:
-            found = _keep_excluding(merged_rules(policies))
-            policy._engine_cache["lean"] = found
-        return found
-    return _keep_excluding(merged_rules(policies))
-
-
-def _keep_excluding(
-    rules: dict[Callable[..., Any], PerDevice],
-) -> dict[Callable[..., Any], PerDevice]:
-    kept: dict[Callable[..., Any], PerDevice] = {}
-    for fn, per_device in rules.items():
-        for device_type, per_dtype in per_device.items():
-            for dtype, rule in per_dtype.items():
-                if rule[1]:
-                    kept.setdefault(fn, {}).setdefault(device_type, {})[dtype] = rule
-    return kept
-
-
 def prepare(policy: Policy) -> None:
-    """Build the engine's tables for ``policy`` now (it was just created)."""
-    lean_rules({policy.device_type: policy})
+    """Build the engine's tables for ``policy`` now (it was just created): a region
+    opened inside a compiled function then only reads them (Dynamo cannot build them)."""
+    merged_rules({policy.device_type: policy})
 
 
 def _custom_targets(op: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
@@ -205,106 +167,51 @@ def call_without_torch_autocast(
 
 _EMPTY: dict[str, Any] = {}
 _LOWER = Cast.LOWER
-_TORCH_COMPOSITES = transparent.TORCH_FUNCTIONS
-"""torch's own Python-level functions: a lean mode with no rule left runs them as they
-are (they call no module, whose rule could apply inside; a user's function re-enters)."""
 _OPAQUE = torch_compat.AUTOCAST_ENTER_EXIT
 
 
 class AutocastMode(TorchFunctionMode):
-    """Applies the policies of the amped regions active on this thread.
+    """Applies the policies of the amped regions on the ``MODE`` path on this thread.
 
-    One instance per thread is on the torch-function stack while any amped region is
-    open there; :mod:`amped.autocast_mode.state` keeps its fields current.
+    One instance per thread is on the torch-function stack while such a region is open
+    there; :mod:`amped.autocast_mode.engine` keeps its fields current.
 
     Per call it does one dict look-up: ``rules`` maps each callable some active policy
     lists to its rules per device type and low dtype. An unlisted C-level call costs
     that look-up and a type check; a Python function is run transparently. Dynamo
     traces the same method: it guards on the entries it reads, so a policy change
     between calls recompiles instead of reusing a stale graph.
-
-    A **lean** mode (eager regions whose mode has no other mode below it, outside
-    :func:`~amped.autocast_mode.state.engine_always`; see :mod:`amped.autocast_mode.state`)
-    leaves the ops whose rule is torch's own to torch's C++ autocast, which is on in the
-    region and applies that same rule (with torch's weight cache, kept fresh as on the
-    fast path), so ``rules`` holds only the others (:func:`lean_rules`). When none is
-    left, no op inside torch's Python composites can need amped, and they run without
-    the transparent re-entry; and outside the modules a module rule names the mode has
-    nothing to do at all, so it is kept off the stack there (``parkable``). Inside a
-    module rule the full tables are in force.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, torch_alongside: bool = True) -> None:
         super().__init__()
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
         self.device_types: tuple[str, ...] = ()
         self.rules: dict[Callable[..., Any], PerDevice] = {}
-        self.full_rules: dict[Callable[..., Any], PerDevice] = {}
-        self.lean_rules: dict[Callable[..., Any], PerDevice] = {}
-        # Lean rules beyond @amped.autocast_op functions' (which apply their own rule
-        # where the mode is parked): with none, the lean mode parks.
-        self.lean_work = False
-        self.lean = False  # leave torch's own rules to torch's C++ autocast (see above)
-        self.alone = False  # no other mode below this one (set when it is pushed)
-        # A lean mode with no rule left has nothing to do outside a module rule: it is
-        # "parked" off the torch-function stack, and the module rules' hooks push it for
-        # the modules a rule names (amped.autocast_mode.state).
-        self.parkable = False
-        self.may_park = True  # not once Dynamo may have traced the mode (see state)
         self.on_stack = False
-        self.held = False  # pushed by a module rule's hook, which will pop it
         self.backward_off = False  # compiled backward autocast turned off for it
         self.traced = False  # entered while Dynamo traces (the context-manager protocol)
-        self.reenter = True  # run torch's Python composites transparently
-        self.override: str | None = None  # "fp32" / "low" inside a module rule
-        self.module_rules = False  # whether an active policy has module rules
-        self.named_rules = False  # ... and some select modules by qualified name
-        self.rule_by_type: dict[type, Any] = {}  # module class -> its rule (no name rules)
-        self.alongside = TORCH_AUTOCAST_ALONGSIDE
-        self.exclude_unlisted = not self.alongside  # keep torch's autocast out of unlisted calls
-        self.cache = casting.WeightCache()
+        self.low = False  # inside a "low" module rule
+        # torch's C++ autocast may run inside calls no policy lists, and after amped's
+        # casts where the rule is torch's (off only in the tests' forced runs).
+        self.alongside = torch_alongside
+        self.exclude_unlisted = not torch_alongside
+        self.cache: casting.WeightCache | None = None  # the thread's (engine.py sets it)
         # Python functions run transparently just now, and those never to be: the graph
         # of a compiled region calls _enter_autocast/_exit_autocast, which hand
         # themselves to any mode whatever one-hop skip is set.
         self.running: dict[Callable[..., Any], None] = dict.fromkeys(_OPAQUE)
 
-    def refresh(self) -> None:
-        """Recompute the rules of the active policies (after a region change)."""
-        transparent.prepare_clones()
-        self.device_types = tuple(self.policies)
-        self.full_rules = merged_rules(self.policies)
-        self.lean_rules = lean_rules(self.policies)
-        self.lean_work = not all(is_python_op(fn) for fn in self.lean_rules)
-        self.module_rules = any(p.module_rules for p in self.policies.values())
-        self.rule_by_type = {}
-        self.named_rules = any(  # rules by qualified name: the hooks must name modules
-            isinstance(rule.selector, str)
-            for p in self.policies.values()
-            for rule in p.module_rules
-        )
-        self.alongside = TORCH_AUTOCAST_ALONGSIDE
-        self.set_override(self.override)
+    def refresh(self, policies: dict[str, Policy]) -> None:
+        """Make ``policies`` (device type -> policy) the active ones."""
+        self.policies = policies
+        self.device_types = tuple(policies)
+        self.rules = merged_rules(policies)
 
-    def set_lean(self, lean: bool, park: bool = True) -> None:
-        """Leave torch's own rules to torch's C++ autocast (True), or apply every rule;
-        with ``park`` False, never park (Dynamo guards on the mode stack it traced)."""
-        self.lean = lean
-        self.may_park = park
-        self.set_override(self.override)
-
-    def set_override(self, override: str | None) -> None:
-        """Enter (or, with None, leave) a module rule's precision."""
-        self.override = override
-        self.exclude_unlisted = override is not None or not self.alongside
-        self.parkable = self.lean and self.may_park and self.alongside and not self.lean_work
-        if self.lean and override is None and self.alongside:
-            self.rules = self.lean_rules
-            # Nothing amped must see runs inside torch's composites (they call no
-            # @amped.autocast_op function either): they need no re-entry.
-            self.reenter = self.lean_work
-        else:
-            self.rules = self.full_rules
-            self.reenter = True
+    def set_low(self, low: bool) -> None:
+        """Enter (True) or leave a ``"low"`` module rule: every listed op runs low."""
+        self.low = low
+        self.exclude_unlisted = low or not self.alongside
 
     def __torch_function__(
         self,
@@ -315,12 +222,8 @@ class AutocastMode(TorchFunctionMode):
     ) -> Any:
         per_device = self.rules.get(func)
         if per_device is not None:
-            return self._apply(func, per_device, args, kwargs or _EMPTY)
-        if (
-            type(func) is _FunctionType
-            and (self.reenter or func not in _TORCH_COMPOSITES)
-            and func not in self.running
-        ):
+            return self.run_listed(func, per_device, args, kwargs or _EMPTY)
+        if type(func) is _FunctionType and func not in self.running:
             return transparent.run_transparently(
                 self, self.running, func, types, args, kwargs or _EMPTY
             )
@@ -333,17 +236,18 @@ class AutocastMode(TorchFunctionMode):
     def call_unlisted(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
-        """Run a call no policy lists with torch's C++ autocast kept out (inside a
-        module rule, or with :data:`TORCH_AUTOCAST_ALONGSIDE` off)."""
+        """Run a call no policy lists with torch's C++ autocast kept out."""
         return call_without_torch_autocast(self.device_types, func, args, kwargs)
 
-    def _apply(
+    def run_listed(
         self,
         func: Callable[..., Any],
         per_device: dict[str, dict[torch.dtype, Rule]],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
     ) -> Any:
+        """Apply a listed op's rules to one call of ``func`` (also for an
+        ``@amped.autocast_op`` function called where no mode is on the stack)."""
         device_type = casting.device_type_of(args, kwargs)
         if device_type is None:
             return func(*args, **kwargs)
@@ -355,11 +259,11 @@ class AutocastMode(TorchFunctionMode):
         if rule is None:
             return func(*args, **kwargs)
         cast, exclude = rule
-        if self.override is not None and cast is not Cast.KEEP and cast is not Cast.BANNED:
-            cast, exclude = (Cast.FP32 if self.override == "fp32" else Cast.LOWER), True
+        if self.low and cast is not Cast.KEEP and cast is not Cast.BANNED:
+            cast, exclude = Cast.LOWER, True
         # Under torch.compile no cast is cached (as torch's compiled autocast): the graph
         # holds each cast, and a cache keyed by tensor identity cannot be traced.
-        cache: casting.WeightCache | None = self.cache
+        cache = self.cache
         if _is_compiling():
             compiling.check_supported()
             cache = None
@@ -382,8 +286,3 @@ class AutocastMode(TorchFunctionMode):
             return casting.run(cast, func, args, kwargs, device_type, low, cache)
         finally:
             _set_excluded(key, False)
-
-    run_listed = _apply
-    """Apply a listed op's rules to one call of ``func``, as ``__torch_function__`` does
-    (for an ``@amped.autocast_op`` function called where no mode is on the stack:
-    :mod:`amped.autocast_mode.custom`)."""

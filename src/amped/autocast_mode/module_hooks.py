@@ -1,10 +1,13 @@
-"""The module rules' global hooks: a region whose policy has module rules switches the
-mode engine to fp32 / low precision (or autocast off) inside matching modules.
+"""Module rules as module hooks, installed while a region whose policy has some is open.
 
-Installed while any such region is open (:class:`_GlobalHooks`), and for good, idle,
-once torch.compile may have traced them (``dispatch.compiled_once``, or a region opened
-inside a compiled function); they read the thread state of
-:mod:`amped.autocast_mode.state`.
+``"fp32"`` and ``"skip"`` rules run as ``torch.amp.custom_fwd`` runs a function: autocast
+is off for the policy's device types inside the module, and for ``"fp32"`` the floating
+positional inputs on those device types are cast to float32 on entry (where autocast was
+on). They work the same on every path. ``"low"`` rules need the mode (their regions take
+the ``MODE`` path): inside the module every op the policy lists runs in the low dtype.
+
+Once ``torch.compile`` may have traced the hooks they stay installed, idle: Dynamo
+guards on the global hook dicts, and new hooks at each region would recompile each step.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from amped._internal import torch_compat
-from amped.autocast_mode import dispatch, freshness, state
+from amped.autocast_mode.state import STATE
 from amped.policy import ModuleRule, Policy
 
 __all__ = ["hooks"]
 
+_is_compiling = torch.compiler.is_dynamo_compiling
+_UNSEEN: Any = object()
+
 
 def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule | None:
-    name = state._state.names.get(id(module))
+    name = STATE.names.get(id(module))
     for policy in policies.values():
         for rule in reversed(policy.module_rules):  # later rules take precedence
             if rule.matches(module, name):
@@ -31,108 +37,98 @@ def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule |
     return None
 
 
+def _named(policies: dict[str, Policy]) -> bool:
+    # Whether some rule selects modules by qualified name: the hooks must name modules.
+    # (Loops: Dynamo traces them, not generator expressions.)
+    for policy in policies.values():
+        for rule in policy.module_rules:
+            if isinstance(rule.selector, str):
+                return True
+    return False
+
+
+def _rule_for(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule | None:
+    if _named(policies):
+        if not STATE.frames:  # the outermost module call: name its submodules
+            STATE.names = {id(m): name for name, m in module.named_modules()}
+        return _match(module, policies)
+    if _is_compiling() or len(policies) != 1:  # traced: no cache (Dynamo guards its size)
+        return _match(module, policies)
+    ((_, policy),) = policies.items()  # rules by type alone: one look-up per class
+    by_type = policy._engine_cache.setdefault("rule_by_type", {})
+    rule = by_type.get(type(module), _UNSEEN)
+    if rule is _UNSEEN:
+        rule = by_type[type(module)] = _match(module, policies)
+    return cast("ModuleRule | None", rule)
+
+
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    st = state._state
-    mode = st.mode
-    if mode is None or not mode.module_rules:  # idle (hooks outlive compiled regions)
+    policies = STATE.ruled
+    if not policies:  # idle (no module-rule region open, or hooks outliving a graph)
         return None
-    lean = mode.lean and not _is_compiling()  # (traced: no cache, no mode below)
-    if lean:  # torch's cache serves torch's own rules: keep it fresh
-        if mode.on_stack:
-            with _no_torch_function():  # (each p._version would reach the mode: 0.8 us)
-                freshness.check(module)
-        else:
-            freshness.check(module)
-    if mode.named_rules:
-        if not st.frames:  # the outermost module call: name its submodules
-            st.names = {id(m): name for name, m in module.named_modules()}
-        rule = _match(module, mode.policies)
-        if rule is None:
-            st.frames.append((module, None))  # (the next call is not the outermost)
-            return None
-    elif _is_compiling():  # traced: no cache to fill (Dynamo would guard on its size)
-        rule = _match(module, mode.policies)
-        if rule is None:
-            return None
-    else:  # rules by type alone: one look-up per module class
-        by_type = mode.rule_by_type
-        rule = by_type.get(type(module), _UNSEEN)
-        if rule is _UNSEEN:
-            rule = by_type[type(module)] = _match(module, mode.policies)
-        if rule is None:
-            return None
-    enabled = {dev: torch.is_autocast_enabled(dev) for dev in mode.policies}
-    if rule.precision == "skip":
-        st.frames.append((module, (mode.override, enabled, False)))
-        for dev in mode.policies:
-            torch.set_autocast_enabled(dev, False)
+    rule = _rule_for(module, policies)
+    if rule is None:
+        if _named(policies):
+            STATE.frames.append((module, None))  # (the next call is not the outermost)
         return None
-    pushed = not mode.on_stack  # a parked mode: on the stack for this module's call
-    if pushed:
-        state.stack(mode)
-        mode.held = True
-    st.frames.append((module, (mode.override, enabled, pushed)))
-    mode.set_override(rule.precision)
+    enabled = {dev: torch.is_autocast_enabled(dev) for dev in policies}
+    mode = STATE.mode
+    if rule.precision == "low":
+        STATE.frames.append((module, ("low", enabled, mode.low if mode is not None else False)))
+        if mode is not None:
+            mode.set_low(True)
+        return None
+    STATE.frames.append((module, (rule.precision, enabled, None)))
     if rule.precision == "fp32":
-        if lean:  # no mode below to show the casts to; Tensor.float() is not autocast
-            with _no_torch_function():
-                return tuple(_to_float32(a, mode.policies) for a in args)
-        return tuple(_to_float32(a, mode.policies) for a in args)
-    return None
+        args = tuple([_to_float32(a, enabled) for a in args])
+    for dev in policies:
+        torch.set_autocast_enabled(dev, False)
+    return args if rule.precision == "fp32" else None
 
 
-_no_torch_function = torch_compat.DisableTorchFunction
-_is_compiling = torch.compiler.is_dynamo_compiling
-_UNSEEN: Any = object()
-
-
-def _to_float32(value: Any, device_types: dict[str, Policy]) -> Any:
+def _to_float32(value: Any, enabled: dict[str, bool]) -> Any:
     # Where autocast is off for the device type (a nested autocast(enabled=False), a
-    # "skip" rule around), a module rule applies nothing, as an op rule does not (and as
-    # torch's custom_fwd(cast_inputs=...)): a graph compiled outside any region, whose
-    # guards pass there, computes the same.
+    # "skip" rule around), nothing is cast, as torch's custom_fwd(cast_inputs=...) does.
     if (
         isinstance(value, torch.Tensor)
         and value.is_floating_point()
         and value.dtype is not torch.float64
-        and value.device.type in device_types
-        and torch.is_autocast_enabled(value.device.type)
+        and enabled.get(value.device.type, False)
     ):
         return value.float()
     return value
 
 
 def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    st = state._state
-    if not st.frames or st.frames[-1][0] is not module:
+    frames = STATE.frames
+    if not frames or frames[-1][0] is not module:
         return
-    _, saved = st.frames.pop()
-    mode = st.mode
-    if saved is not None and mode is not None:
-        override, enabled, pushed = saved
-        mode.set_override(override)
-        for dev, was_enabled in enabled.items():
-            torch.set_autocast_enabled(dev, was_enabled)
-        if pushed and mode.held:
-            mode.held = False
-            if mode.parkable:
-                state.unstack(mode)
+    _, saved = frames.pop()
+    if saved is None:
+        return
+    precision, enabled, was_low = saved
+    if precision == "low":
+        if STATE.mode is not None:
+            STATE.mode.set_low(was_low)
+        return
+    for dev, was_enabled in enabled.items():
+        torch.set_autocast_enabled(dev, was_enabled)
 
 
 class _GlobalHooks:
-    """Module hooks, installed while any region whose policy has module rules is open."""
+    """The two global module hooks, installed while any module-rule region is open."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._users = 0
         self._handles: list[Any] = []
-        self.traced = False  # installed while Dynamo traced: some graph holds them
+        self.traced = False  # a graph may hold them: they stay installed, idle
 
     def acquire(self) -> None:
-        if torch.compiler.is_compiling():
-            # Dynamo traces one thread and cannot enter a lock nor register hooks in a
-            # graph; it runs the installation for real while tracing (the hooks are
-            # then traced into every module call after it) and counts.
+        if _is_compiling():
+            # Dynamo cannot enter a lock nor register hooks in a graph; it runs the
+            # installation for real while tracing (the hooks are traced into every
+            # module call after it) and counts.
             _install_while_tracing()
             self._users += 1
             return
@@ -150,17 +146,19 @@ class _GlobalHooks:
                 nn_module.register_module_forward_hook(_post_hook, always_call=True),
             ]
 
+    def compile_started(self) -> None:
+        """torch.compile is starting: if installed, a graph may trace the hooks."""
+        if self._handles:
+            self.traced = True
+
     def release(self) -> None:
-        if torch.compiler.is_compiling():
-            # The hooks stay installed (idle, they return at once) until an eager
-            # release finds no user left: a graph cannot remove them.
+        """One user fewer; with none left, remove the hooks, unless a graph may hold them."""
+        if _is_compiling():  # a graph cannot remove them: the next eager release may
             self._users -= 1
             return
         with self._lock:
             self._users -= 1
-            # Once a graph may have traced them, they stay (idle): Dynamo guards on the
-            # global hook dicts, and new hooks at each region would recompile each step.
-            if self._users == 0 and not (dispatch.compiled_once or self.traced):
+            if self._users == 0 and not self.traced:
                 for handle in self._handles:
                     handle.remove()
                 self._handles = []

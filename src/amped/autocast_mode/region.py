@@ -11,11 +11,12 @@ import torch
 
 from amped._internal import torch_compat
 from amped._internal.errors import type_error
-from amped.autocast_mode import state
+from amped.autocast_mode import engine
+from amped.autocast_mode.state import Region
 from amped.policy import Policy
 from amped.policy.ops import TORCH_OP_TABLES
 
-__all__ = ["autocast", "get_autocast_dtype", "is_autocast_enabled"]
+__all__ = ["autocast"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
@@ -139,11 +140,11 @@ class autocast:
         )
         self.policy = _resolve_policy(policy, device_type)
         self._enabled = enabled and self._dtype_usable()
-        self._open: list[state.Region] = []  # this object's open regions (recursion)
+        self._open: list[Region] = []  # this object's open regions (recursion)
 
     def _dtype_usable(self) -> bool:
         if self.device == "cuda":
-            if torch.cuda.amp.common.amp_definitely_not_available():
+            if torch_compat.amp_definitely_not_available():
                 warnings.warn(
                     "CUDA is not available or torch_xla is imported. Disabling autocast.",
                     stacklevel=3,
@@ -171,14 +172,14 @@ class autocast:
         return self._enabled
 
     def __enter__(self) -> autocast:
-        region = state.Region(
+        region = Region(
             self.device,
             self.policy if self._enabled else None,
             self._enabled,
             self.fast_dtype,
             self._cache_enabled,
         )
-        state.enter(region)
+        engine.enter(region)
         self._open.append(region)
         return self
 
@@ -188,7 +189,7 @@ class autocast:
                 "amped.autocast.__exit__ was called more times than __enter__ on this "
                 "region object. Use it as `with amped.autocast(...):` or as a decorator."
             )
-        state.exit(self._open.pop())
+        engine.exit(self._open.pop())
 
     def __call__(self, func: F) -> F:
         if not callable(func):
@@ -207,17 +208,8 @@ class autocast:
         return decorate_autocast  # type: ignore[return-value]
 
     def __repr__(self) -> str:
+        path = f", path={self._open[-1].path.value}" if self._open else ""
         return (
             f"amped.autocast({self.device!r}, dtype={self.fast_dtype}, enabled={self._enabled}, "
-            f"cache_enabled={self._cache_enabled}, policy={self.policy!r})"
+            f"cache_enabled={self._cache_enabled}, policy={self.policy!r}{path})"
         )
-
-
-def is_autocast_enabled(device_type: str = "cuda") -> bool:
-    """Whether autocast (amped's or torch's) is on for ``device_type`` on this thread."""
-    return torch.is_autocast_enabled(device_type)
-
-
-def get_autocast_dtype(device_type: str) -> torch.dtype:
-    """The low dtype autocast uses for ``device_type`` on this thread."""
-    return torch.get_autocast_dtype(device_type)

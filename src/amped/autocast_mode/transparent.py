@@ -25,7 +25,7 @@ import torch.overrides
 from amped._internal import torch_compat
 from amped.autocast_mode import compiling, targets
 
-__all__ = ["call", "call_with_clone", "run_transparently", "run_under"]
+__all__ = ["call", "call_with_clone", "prepare_clones", "run_transparently"]
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
 
@@ -116,21 +116,6 @@ _push = torch_compat.push_torch_function_mode
 _pop = torch_compat.pop_torch_function_mode
 
 
-def run_under(
-    mode: Any,
-    func: Callable[..., Any],
-    types_: tuple[type, ...],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
-    """``call`` with ``mode`` pushed again, so the ops inside ``func`` reach it."""
-    _push(mode)
-    try:
-        return call(func, types_, args, kwargs)
-    finally:
-        _pop()
-
-
 def _super_forwarders() -> tuple[types.FunctionType, ...]:
     found = []
     for value in vars(torch.Tensor).values():
@@ -176,7 +161,8 @@ def run_transparently(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """:func:`run_under`, remembering ``func`` in ``running`` while it runs.
+    """``call`` with ``mode`` pushed again, so the ops inside ``func`` reach it,
+    remembering ``func`` in ``running`` while it runs.
 
     ``running`` is a dict used as a set: Dynamo traces membership in a dict of
     functions, not in a set of them.
@@ -189,7 +175,7 @@ def run_transparently(
         if _is_compiling():
             compiling.check_supported()
             return _run_traced(mode, func, args, kwargs)
-        _push(mode)  # run_under, inlined: this is a per-call path
+        _push(mode)
         try:
             return call(func, types_, args, kwargs)
         finally:

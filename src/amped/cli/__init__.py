@@ -5,7 +5,6 @@ the compare report need the ``cli`` extra (rich, matplotlib); :class:`Task`, the
 built-in task and the doctor's page (whose plot alone needs matplotlib) need only torch.
 """
 
-from amped.cli.doctor_report import save_doctor_html, save_doctor_plot
-from amped.cli.task import Task
+from amped.cli.doctor_report import save_doctor_html
 
-__all__ = ["Task", "save_doctor_html", "save_doctor_plot"]
+__all__ = ["save_doctor_html"]

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 from amped.cli.errors import UsageError
 from amped.cli.out_dir import out_folder, seed
-from amped.recipes import recipe_names
+from amped.recipes.registry import recipe_names
 
 __all__ = ["build_parser", "positive_int", "seconds"]
 

@@ -28,7 +28,8 @@ from amped.cli.results import dumps, to_dict
 from amped.cli.run import CompareConfig
 from amped.cli.table import print_summary
 from amped.cli.timing import CpuLoad
-from amped.recipes import RECIPES, Recipe, resolve_recipe
+from amped.recipes import Recipe
+from amped.recipes.registry import RECIPES, resolve_recipe
 
 __all__ = ["parse_recipes", "resolve_out", "run_compare"]
 

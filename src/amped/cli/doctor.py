@@ -23,8 +23,8 @@ from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
 from amped.cli.out_dir import resolve_out
 from amped.cli.task import to_device
-from amped.doctor import Report, diagnose
-from amped.doctor.report import OpStat
+from amped.doctor import diagnose
+from amped.doctor.report import OpStat, Report
 
 __all__ = ["doctor_table", "run_doctor", "unfixed_nonfinite"]
 

@@ -1,4 +1,4 @@
-"""The doctor's :class:`~amped.doctor.Report` as a page: ``doctor.html`` and its plot.
+"""The doctor's :class:`~amped.doctor.report.Report` as a page: ``doctor.html`` and its plot.
 
 The plot draws each module's dynamic range (smallest non-zero and largest |value| its
 ops produced) on a log2 axis against the dtype's limits, so a reader sees which layer
@@ -18,7 +18,7 @@ import torch
 
 from amped._internal.errors import type_error
 from amped._internal.files import write_files
-from amped.doctor import Report
+from amped.doctor.report import Report
 from amped.doctor.stats import smallest_subnormal
 
 __all__ = ["doctor_html", "doctor_plot_png", "save_doctor_html", "save_doctor_plot"]
@@ -131,7 +131,7 @@ def _fix(report: Report) -> str:
 def _check_report(report: object) -> None:
     if not isinstance(report, Report):
         raise type_error(
-            "The doctor's pages draw an amped.doctor.Report, as amped.doctor.diagnose() returns it",
+            "The doctor's pages draw the Report amped.doctor.diagnose() returns",
             "report",
             report,
         )

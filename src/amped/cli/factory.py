@@ -60,7 +60,7 @@ class TaskFactory:
             raise UsageError(
                 f"The factory {self.spec} called sys.exit() (SystemExit({error.code!r})) "
                 "instead of returning a task; it must return (model, batches, loss_fn) or "
-                f"an amped.cli.Task. Received: SystemExit({error.code!r})"
+                f"an amped.cli.task.Task. Received: SystemExit({error.code!r})"
             ) from None
         task = as_task(built, self.spec)
         task.name = task.name or self.label

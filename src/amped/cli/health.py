@@ -9,7 +9,8 @@ fractions over the sampled steps and the audit's findings.
 
 from __future__ import annotations
 
-from amped.recipes import Monitor, TrainSetup, monitor
+from amped.recipes import TrainSetup, monitor
+from amped.recipes.monitoring import Monitor
 
 __all__ = ["HEALTH_EVERY", "attach_monitor", "health_note"]
 

@@ -124,7 +124,7 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     from amped.cli.footprint import PeakMemory, release_freed_memory
     from amped.cli.run import _train_step
     from amped.cli.task import to_device
-    from amped.recipes import resolve_recipe
+    from amped.recipes.registry import resolve_recipe
 
     torch.set_num_threads(request["threads"])
     device = torch.device(request["device"])

@@ -4,7 +4,7 @@ The factory contract (``--model module:factory``)::
 
     def factory(batch_size=..., seed=..., device=...):   # declare any of the three
         ...
-        return model, batches, loss_fn                     # or an amped.cli.Task
+        return model, batches, loss_fn                     # or an amped.cli.task.Task
 
 - ``model``: a ``torch.nn.Module`` with floating-point parameters, in float32. The CLI
   moves it to ``--device``.
@@ -38,7 +38,7 @@ from amped.doctor.runs import call_model, input_tensors  # one rule for a model'
 __all__ = ["Task", "as_task", "call_model", "check_loss", "count_samples", "to_device"]
 
 DEFAULT_LEARNING_RATE = 1e-3
-_CONTRACT = "(model, batches, loss_fn) or an amped.cli.Task"
+_CONTRACT = "(model, batches, loss_fn) or an amped.cli.task.Task"
 
 
 @dataclass

@@ -12,10 +12,8 @@ plotting library: the HTML page and plot are the CLI's (:mod:`amped.cli.doctor_r
 
 from amped.doctor.diagnose import diagnose
 from amped.doctor.fp8 import diagnose_fp8
-from amped.doctor.fp8_report import Fp8Report, Fp8Suggestion
-from amped.doctor.report import Report, Suggestion
 
 # The two checks, the reports they return and the fixes they propose. The records inside
 # a report (OpStat, Culprit, GradientCheck, Fp8LayerStat, CastStat) are reached through
 # it, and live in amped.doctor.report, .fp8_report and .gradients.
-__all__ = ["Fp8Report", "Fp8Suggestion", "Report", "Suggestion", "diagnose", "diagnose_fp8"]
+__all__ = ["diagnose", "diagnose_fp8"]

@@ -11,6 +11,7 @@ import torch
 from amped._internal.errors import type_error, value_error
 from amped.doctor.gradients import check_gradient, recommended_scale
 from amped.doctor.report import (
+    UNDERFLOW_WARN,
     Culprit,
     OpStat,
     Report,
@@ -24,10 +25,6 @@ from amped.policy import Cast, Policy
 from amped.policy.policy import LOW_DTYPES
 
 __all__ = ["diagnose"]
-
-UNDERFLOW_WARN = 0.01
-"""A parameter whose gradient loses more than 1% of its non-zero values to underflow is
-reported; below that, the lost values are too few to bias the update noticeably."""
 
 
 def _check_args(model: object, inputs: Any, device_type: str, dtype: object) -> None:
@@ -184,9 +181,9 @@ def diagnose(
         seed: seeds dropout and other randomness identically in every run.
 
     Returns:
-        A :class:`~amped.doctor.Report`: per-op statistics, the first op that produced a
+        A :class:`~amped.doctor.report.Report`: per-op statistics, the first op that produced a
         non-finite value (forward or backward), per-parameter gradient underflow, and a
-        verified :class:`~amped.doctor.Suggestion`.
+        verified :class:`~amped.doctor.report.Suggestion`.
     """
     _check_args(model, inputs, device_type, dtype)
     policy = (

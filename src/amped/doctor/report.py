@@ -13,6 +13,10 @@ from amped._internal.jsonio import jsonable, to_json
 from amped.doctor.gradients import GradientCheck
 from amped.policy import Policy
 
+UNDERFLOW_WARN = 0.01
+"""A parameter whose gradient loses more than 1% of its non-zero values to underflow is
+reported; below that, the lost values are too few to bias the update noticeably."""
+
 __all__ = ["Culprit", "OpStat", "Report", "Suggestion", "policy_expression", "scale_code"]
 
 
@@ -113,8 +117,6 @@ class Report:
 
     @property
     def healthy(self) -> bool:
-        from amped.doctor.diagnose import UNDERFLOW_WARN
-
         return (
             self.forward_culprit is None
             and self.backward_culprit is None

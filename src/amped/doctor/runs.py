@@ -12,7 +12,8 @@ import torch
 
 from amped._internal.errors import value_error
 from amped._internal.trees import iter_tensors
-from amped.autocast_mode import autocast, engine_always
+from amped.autocast_mode import autocast
+from amped.autocast_mode.engine import engine_always
 from amped.doctor.trace import OpCall, Tracer, float_tensors
 from amped.policy import Policy
 

@@ -1,4 +1,4 @@
-"""FP8 training: casts, scales, the FP8 GEMM and the Float8 linear layer.
+"""FP8 and block-format training: casts, scales, GEMMs and the low-precision linear layers.
 
 Below the recipes layer; :mod:`amped.recipes.fp8` builds the ``fp8-*`` recipes on it.
 
@@ -6,49 +6,25 @@ Below the recipes layer; :mod:`amped.recipes.fp8` builds the ``fp8-*`` recipes o
 - :mod:`.gemm`: :func:`scaled_mm`, ``torch._scaled_mm`` or its exact emulation;
 - :mod:`.config`: :class:`Fp8Config`, the named configs :data:`FP8_CONFIGS`;
 - :mod:`.delayed`: delayed (amax-history) scaling state and its per-step update;
-- :mod:`.linear`: :class:`Float8Linear`; :mod:`.convert`: which layers convert.
+- :mod:`.linear`: :class:`Float8Linear`; :mod:`.convert`: which layers convert;
+- :mod:`.block_format`, :mod:`.block_cast`, :mod:`.block_gemm`, :mod:`.block_config`,
+  :mod:`.block_linear`: the MX and NVFP4 block formats and their ``BlockLinear``.
 
 Exported here is what converting a model and checking its numerics needs; the
-building blocks (``amax_to_scale``, ``has_scaled_mm``, ``update_delayed_scaling``, ...)
+building blocks (``scaled_mm``, ``quantize``, ``quantize_block``, ``BlockLinear``, ...)
 are importable from their modules.
 """
 
-from amped.fp8.block_cast import BlockTensor, quantize_block
-from amped.fp8.block_config import BLOCK_CONFIGS, BlockConfig
-from amped.fp8.block_format import BLOCK_FORMATS, BlockFormat
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.cast import Fp8Tensor, quantize, sqnr
-from amped.fp8.config import FP8_CONFIGS, CastRule, DelayedScaling, Fp8Config
-from amped.fp8.convert import (
-    Fp8Layers,
-    ModuleFilter,
-    convert_to_fp8,
-    default_module_filter,
-    plan_fp8,
-)
-from amped.fp8.gemm import scaled_mm
+from amped.fp8.block_config import BLOCK_CONFIGS
+from amped.fp8.config import FP8_CONFIGS, DelayedScaling, Fp8Config
+from amped.fp8.convert import convert_to_fp8
 from amped.fp8.linear import Float8Linear
 
 __all__ = [
     "BLOCK_CONFIGS",
-    "BLOCK_FORMATS",
     "FP8_CONFIGS",
-    "BlockConfig",
-    "BlockFormat",
-    "BlockLinear",
-    "BlockTensor",
-    "CastRule",
     "DelayedScaling",
     "Float8Linear",
     "Fp8Config",
-    "Fp8Layers",
-    "Fp8Tensor",
-    "ModuleFilter",
     "convert_to_fp8",
-    "default_module_filter",
-    "plan_fp8",
-    "quantize",
-    "quantize_block",
-    "scaled_mm",
-    "sqnr",
 ]

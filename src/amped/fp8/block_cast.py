@@ -142,7 +142,9 @@ def check_block_multiple(fmt: BlockFormat, name: str, shape: tuple[int, ...]) ->
 
 def _check(x: torch.Tensor, fmt: BlockFormat, tile_2d: bool) -> None:
     if not isinstance(fmt, BlockFormat):
-        raise type_error("format is a BlockFormat (see amped.fp8.BLOCK_FORMATS)", "format", fmt)
+        raise type_error(
+            "format is a BlockFormat (see amped.fp8.block_format.BLOCK_FORMATS)", "format", fmt
+        )
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise type_error(
             "Block casts take float32, bfloat16 or float16 tensors; convert it first",
@@ -215,7 +217,7 @@ def quantize_block(
     Args:
         x: float32, bfloat16 or float16, any number of leading dims; the last dim a
             multiple of the block size.
-        format: an entry of :data:`amped.fp8.BLOCK_FORMATS`.
+        format: an entry of :data:`amped.fp8.block_format.BLOCK_FORMATS`.
         scale_mode: MX only: how block scales round (see :mod:`.block_format`).
         tensor_scale: NVFP4 only: the float32 tensor scale (default
             :func:`nvfp4_tensor_scale` of ``x``).

@@ -1,7 +1,7 @@
 """How a block-scaled layer casts its GEMM operands: one immutable value per recipe.
 
 Every operand of the three GEMMs (input, weight, grad_output; see
-:mod:`amped.fp8.config`) is cast to one :class:`~amped.fp8.BlockFormat`, blocks along
+:mod:`amped.fp8.config`) is cast to one :class:`~amped.fp8.block_format.BlockFormat`, blocks along
 each GEMM's inner dim. The named configs (:data:`BLOCK_CONFIGS`):
 
 - ``mxfp8``: torchao's MXFP8 training (e4m3 elements everywhere, ``rceil`` scales);
@@ -28,7 +28,7 @@ class BlockConfig:
     """The block format of a layer's GEMMs and the NVFP4 recipe's parts.
 
     Attributes:
-        format: the operands' :class:`~amped.fp8.BlockFormat`.
+        format: the operands' :class:`~amped.fp8.block_format.BlockFormat`.
         scale_mode: how MX block scales round (:mod:`amped.fp8.block_format`).
         weight_2d: NVFP4: one scale per 16x16 weight tile, so the forward and the
             grad-input GEMM see the same quantized weight.
@@ -53,7 +53,9 @@ class BlockConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.format, BlockFormat):
             raise type_error(
-                "format is a BlockFormat (see amped.fp8.BLOCK_FORMATS)", "format", self.format
+                "format is a BlockFormat (see amped.fp8.block_format.BLOCK_FORMATS)",
+                "format",
+                self.format,
             )
         if self.scale_mode not in SCALE_MODES:
             raise value_error(f"scale_mode is one of {SCALE_MODES}", "scale_mode", self.scale_mode)

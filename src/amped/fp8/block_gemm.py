@@ -5,7 +5,7 @@ blocked along K (how every block GEMM kernel takes its operands).
 
 **Emulation.** Each operand becomes its block values, ``elements * block_scale``, in
 the output dtype: exact there (at most 6 significant bits, see
-:meth:`~amped.fp8.BlockTensor.block_values`), so every product of two operands is exact
+:meth:`~amped.fp8.block_cast.BlockTensor.block_values`), so every product of two operands is exact
 and a bfloat16 GEMM, which accumulates in float32 (AMX and AVX512-BF16 on CPUs), is the
 fast route under bfloat16 autocast; a float32 output takes a float32 GEMM. NVFP4's
 tensor scales multiply the result afterwards, in float32, as the hardware kernel does.

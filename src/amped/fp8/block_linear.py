@@ -89,7 +89,7 @@ class BlockLinear(torch.nn.Linear):
     :meth:`convert_`; :func:`amped.fp8.convert_to_fp8` does that for a whole model.
 
     Attributes:
-        block_config: the :class:`~amped.fp8.BlockConfig`.
+        block_config: the :class:`~amped.fp8.block_config.BlockConfig`.
         fp8_emulate: whether GEMMs are emulated (no block GEMM on the device).
         fp8_rng: int64 ``[seed, draws]`` of stochastic rounding (a buffer).
     """

@@ -168,7 +168,7 @@ def convert_to_fp8(
 ) -> Fp8Layers:
     """Convert the chosen layers of ``model`` to :class:`Float8Linear` (an
     :class:`~amped.fp8.Fp8Config`) or :class:`BlockLinear` (a
-    :class:`~amped.fp8.BlockConfig`), in place.
+    :class:`~amped.fp8.block_config.BlockConfig`), in place.
 
     Args:
         model: the model (it may itself be an ``nn.Linear``).

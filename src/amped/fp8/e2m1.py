@@ -9,7 +9,7 @@ two exponent bits and one mantissa bit, no inf and no NaN. Its magnitudes, by co
 Round to nearest sends a value to the closer neighbour and a tie to the even code
 (0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4); values past
 6 saturate to 6. The casts round values with :mod:`amped.fp8.element_round`; the codes
-here are for storing them (:attr:`amped.fp8.BlockTensor.data`).
+here are for storing them (:attr:`amped.fp8.block_cast.BlockTensor.data`).
 
 A code is stored in 4 bits: ``sign << 3 | code``. Two codes pack into a byte, the
 element at an even index in the low nibble (torchao's ``pack_uint4`` order).

@@ -9,7 +9,7 @@ A low-precision linear layer runs three GEMMs, one per *role*::
 After each one the layer calls :func:`record_gemm` with the GEMM's operands (the
 high-precision tensor and its quantized form, where it has them) and its output. When
 no observer is attached (``layer.fp8_observer`` is None, the default) that is one
-attribute read. An observer (:class:`amped.recipes.Monitor`) gets, on the device and
+attribute read. An observer (:class:`amped.recipes.monitoring.Monitor`) gets, on the device and
 without a sync:
 
 - every step, per tensor, a *probe* that tells whether it holds an inf or NaN, left on

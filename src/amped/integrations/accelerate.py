@@ -45,7 +45,9 @@ from amped.autocast_mode import autocast
 from amped.integrations.common import default_scaler, rebind_scheduler, resolve_arguments
 from amped.integrations.health import health_metrics
 from amped.policy import Policy
-from amped.recipes import MemoryReport, Monitor, Recipe, TrainSetup, memory_report, monitor
+from amped.recipes import Recipe, TrainSetup, memory_report, monitor
+from amped.recipes.memory import MemoryReport
+from amped.recipes.monitoring import Monitor
 from amped.scaling import GradScaler
 from amped.scaling.checkpoint import refuse_nonfinite
 
@@ -57,7 +59,7 @@ class Accelerator(accelerate.Accelerator):
 
     Args:
         *args: Accelerate's arguments (not ``mixed_precision``: the recipe says it).
-        recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
+        recipe: a recipe name or alias (see :data:`amped.recipes.registry.RECIPES`).
         policy: the autocast policy, an :class:`amped.Policy` for this accelerator's
             device or a preset name.
         scaler: an :class:`amped.GradScaler` to use instead of the recipe's default.

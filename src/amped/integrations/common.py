@@ -10,7 +10,8 @@ import torch
 from amped._internal.errors import received, type_error, value_error
 from amped._internal.torch_compat import steps_with_amp_scaling, track_step_for_scheduler
 from amped.policy import Policy
-from amped.recipes import Recipe, TrainSetup, resolve_recipe
+from amped.recipes import Recipe, TrainSetup
+from amped.recipes.registry import resolve_recipe
 from amped.scaling import GradScaler
 
 __all__ = ["SkipAwareScheduler", "check_clipping", "rebind_scheduler", "resolve_arguments"]

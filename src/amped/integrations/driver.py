@@ -14,7 +14,8 @@ from amped._internal.trees import map_tensors
 from amped.autocast_mode import autocast
 from amped.integrations.common import default_scaler, resolve_arguments
 from amped.policy import Policy
-from amped.recipes import MemoryReport, Recipe, TrainSetup, memory_report
+from amped.recipes import Recipe, TrainSetup, memory_report
+from amped.recipes.memory import MemoryReport
 from amped.recipes.setup import check_recipe_state
 from amped.scaling import GradScaler
 

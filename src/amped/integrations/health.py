@@ -1,7 +1,7 @@
 """The monitor's counters as flat metrics, for the frameworks' loggers and trackers.
 
 ``{"amped/<layer>/<role>/<stat>": value}`` for every layer and GEMM role of
-:meth:`amped.recipes.Monitor.read`, plus ``amped/nonfinite_steps`` and
+:meth:`amped.recipes.monitoring.Monitor.read`, plus ``amped/nonfinite_steps`` and
 ``amped/audit_findings``. The Lightning callback
 (:class:`amped.integrations.lightning_health.HealthCallback`) logs them through
 ``LightningModule.log_dict``; amped's Accelerate ``Accelerator.log_health`` through
@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from amped.recipes import Monitor
+from amped.recipes.monitoring import Monitor
 
 __all__ = ["LOGGED_STATS", "health_metrics"]
 

@@ -47,7 +47,8 @@ from amped.integrations.common import (
 )
 from amped.integrations.driver import RecipeDriver, to_dtype
 from amped.policy import Policy
-from amped.recipes import MemoryReport, Recipe, TrainSetup
+from amped.recipes import Recipe, TrainSetup
+from amped.recipes.memory import MemoryReport
 from amped.recipes.o2 import MasterSetup
 from amped.scaling import GradScaler
 from amped.scaling.checkpoint import refuse_nonfinite
@@ -142,7 +143,7 @@ class Precision(_Plugin, _LightningBase):
 
     Args:
         recipe: a recipe name or alias (``"bf16-mixed"``, ``"fp16-mixed"``,
-            ``"bf16-master"``, ``"bf16-pure"``, ...; see :data:`amped.recipes.RECIPES`).
+            ``"bf16-master"``, ``"bf16-pure"``, ...; see :data:`amped.recipes.registry.RECIPES`).
         policy: the autocast policy, an :class:`amped.Policy` for ``device`` or a
             preset name.
         device: the device type the model trains on (default: the policy's, else

@@ -9,7 +9,7 @@
 The monitor is attached to the plugin's setup once it exists (the first training
 batch), and after every sampled step (``every``) the callback logs
 :func:`amped.integrations.health.health_metrics` with ``LightningModule.log_dict``.
-``callback.monitor`` holds the :class:`~amped.recipes.Monitor` (first non-finite,
+``callback.monitor`` holds the :class:`~amped.recipes.monitoring.Monitor` (first non-finite,
 audit, ``read()``).
 """
 
@@ -20,7 +20,8 @@ from typing import Any
 import lightning.pytorch as pl
 
 from amped.integrations.health import health_metrics
-from amped.recipes import Monitor, monitor
+from amped.recipes import monitor
+from amped.recipes.monitoring import Monitor
 
 __all__ = ["HealthCallback"]
 

@@ -56,7 +56,7 @@ class Trainer(transformers.Trainer):
 
     Args:
         *args: the Trainer's arguments.
-        recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
+        recipe: a recipe name or alias (see :data:`amped.recipes.registry.RECIPES`).
         policy: the autocast policy, an :class:`amped.Policy` for the training device
             or a preset name.
         **kwargs: the Trainer's keyword arguments.

@@ -13,34 +13,19 @@ what each holds (:mod:`.memory`); :func:`monitor` watches an FP8 setup's GEMMs
 from amped.recipes.build import prepare
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
 from amped.recipes.master import MasterWeightOptimizer
-from amped.recipes.memory import MemoryReport, memory_report
-from amped.recipes.monitoring import Monitor, NonFinite, NonFiniteError, monitor
-from amped.recipes.registry import (
-    OPT_IN_RECIPES,
-    RECIPES,
-    Recipe,
-    recipe_names,
-    register,
-    resolve_recipe,
-)
+from amped.recipes.memory import memory_report
+from amped.recipes.monitoring import NonFiniteError, monitor
+from amped.recipes.registry import Recipe
 from amped.recipes.setup import TrainSetup
 
 __all__ = [
-    "OPT_IN_RECIPES",
-    "RECIPES",
     "CompensatedAdamW",
     "CompensatedSGD",
     "MasterWeightOptimizer",
-    "MemoryReport",
-    "Monitor",
-    "NonFinite",
     "NonFiniteError",
     "Recipe",
     "TrainSetup",
     "memory_report",
     "monitor",
     "prepare",
-    "recipe_names",
-    "register",
-    "resolve_recipe",
 ]

@@ -6,8 +6,7 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped._internal.torch_compat import dtensor_class
-from amped.fp8 import ModuleFilter
-from amped.fp8.convert import LowPrecisionConfig
+from amped.fp8.convert import LowPrecisionConfig, ModuleFilter
 from amped.policy import Policy
 from amped.recipes.fp8 import Fp8Plan
 from amped.recipes.o2 import build_master_setup
@@ -44,13 +43,14 @@ def prepare(
     Args:
         model: the model, on its device, in float32.
         optimizer: a ``torch.optim`` optimizer built over ``model.parameters()``.
-        recipe: a recipe name or alias (see :data:`amped.recipes.RECIPES`).
+        recipe: a recipe name or alias (see :data:`amped.recipes.registry.RECIPES`).
         policy: the autocast policy (an :class:`amped.Policy` or preset name).
         scaler: a GradScaler to use instead of the recipe's default one.
         base: FP8 recipes only: the recipe that keeps weights and optimizer state
             (``bf16-mixed`` by default, ``bf16-master``, ``bf16-pure``, ``bf16-pure-sr``).
         module_filter: FP8 recipes only: ``filter(linear, name) -> bool`` choosing the
-            ``nn.Linear`` layers to convert (default: :func:`amped.fp8.default_module_filter`).
+            ``nn.Linear`` layers to convert (default:
+            :func:`amped.fp8.convert.default_module_filter`).
         fp8_config: FP8 and block recipes only: a variant of the recipe's config to use
             instead, e.g. ``amped.fp8.BLOCK_CONFIGS["nvfp4"].replace(hadamard=False)``.
 

@@ -29,19 +29,10 @@ import dataclasses
 import torch
 
 from amped._internal.errors import value_error
-from amped.fp8 import (
-    BLOCK_CONFIGS,
-    FP8_CONFIGS,
-    BlockConfig,
-    BlockLinear,
-    Float8Linear,
-    Fp8Config,
-    Fp8Layers,
-    ModuleFilter,
-    convert_to_fp8,
-    plan_fp8,
-)
-from amped.fp8.convert import LowPrecisionConfig
+from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, Fp8Config, convert_to_fp8
+from amped.fp8.block_config import BlockConfig
+from amped.fp8.block_linear import BlockLinear
+from amped.fp8.convert import Fp8Layers, LowPrecisionConfig, ModuleFilter, plan_fp8
 from amped.policy import Policy
 from amped.recipes.registry import Recipe, register, resolve_recipe
 from amped.recipes.setup import TrainSetup
@@ -206,7 +197,7 @@ class Fp8Plan:
         recipe: the FP8 recipe.
         base: the recipe that keeps the weights and optimizer state.
         policy: the user's policy, whose module rules keep modules out of FP8.
-        module_filter: the user's filter (None: :func:`amped.fp8.default_module_filter`).
+        module_filter: the user's filter (None: :func:`amped.fp8.convert.default_module_filter`).
         converted: layers the model had converted before ``prepare`` (FSDP2), else None.
         config: the cast rules: the recipe's named config or the user's variant.
     """

@@ -8,14 +8,11 @@ importable by module path but not public API. Depends on torch only (never on
 
 from amped.scaling.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from amped.scaling.grad_scaler import GradScaler
-from amped.scaling.records import ScaleRecord
 from amped.scaling.stall import ScaleStallError
 from amped.scaling.strategies import (
     Bounded,
     DynamicScale,
-    GrowthFactors,
     Hysteresis,
-    ScaleState,
     ScaleStrategy,
     StaticScale,
 )
@@ -25,11 +22,8 @@ __all__ = [
     "CheckpointError",
     "DynamicScale",
     "GradScaler",
-    "GrowthFactors",
     "Hysteresis",
-    "ScaleRecord",
     "ScaleStallError",
-    "ScaleState",
     "ScaleStrategy",
     "StaticScale",
     "load_checkpoint",

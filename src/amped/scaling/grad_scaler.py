@@ -86,8 +86,9 @@ class GradScaler:
             a row (DeepSpeed's and Megatron's meaning); 1, the default, is torch's rule.
         min_scale: keyword-only. The scale never backs off below this (>= 2**-126).
         max_scale: keyword-only. The scale never grows above this.
-        record_history: keyword-only. Keep a :class:`~amped.ScaleRecord` per update in
-            :attr:`history`, at no extra sync.
+        record_history: keyword-only. Keep a
+            :class:`~amped.scaling.records.ScaleRecord` per update in :attr:`history`, at
+            no extra sync.
         process_group: keyword-only. The ranks that must agree on skipping a step:
             None (default) finds them from DTensor gradients (FSDP2's ``fully_shard``)
             and needs none for plain ones (one process, DDP); a ``ProcessGroup`` is
@@ -421,7 +422,7 @@ class GradScaler:
 
     @property
     def history(self) -> list[ScaleRecord]:
-        """One :class:`~amped.ScaleRecord` per ``update()``, oldest first.
+        """One :class:`~amped.scaling.records.ScaleRecord` per ``update()``, oldest first.
 
         Syncs once if the latest records are still on the device (each ``step()``
         fetches the waiting ones within its own sync). Needs ``record_history=True``.

@@ -1,0 +1,131 @@
+"""The engine before and after a change, one machine, one run: old commit vs this tree.
+
+Runs ``benchmarks/autocast_overhead.py --json`` of an old commit (checked out once as a
+git worktree, its ``src`` on PYTHONPATH) and of this tree, alternately (old, new, new,
+old, ...), each in its own process, and prints for every path (the overhead script's
+sides) the medians over rounds of:
+
+* added us per listed op (``F.linear``) and per untouched op (``torch.add``), and per
+  region enter+exit, each against torch.autocast in the same process;
+* the eager train-step ratio to torch.autocast on each model;
+
+then new minus old (per call, per region) and new / old (steps), against the targets
+of issue 23: no path slower by more than 0.2 us per call or 1 us per region; step
+ratios <= 1.02 on every non-diagnostic path ("engine", the forced mode, is the
+diagnostic one). The side names are the same on both commits; what each runs is
+described in each commit's overhead script (e.g. "module": old, a parked lean mode;
+new, torch's autocast plus module hooks).
+
+Print the CPU and the load average with the figures: on a shared machine, rerun it
+quieter before trusting a difference under the noise (the spread across rounds is
+printed too).
+
+    python benchmarks/autocast_compare.py [--old 1ca49eb] [--rounds 3] [--repeats 5]
+        [--models encoder,gpt2,cnn] [--calls 2000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+CALL_KINDS = {"listed op": "listed op (F.linear)", "untouched op": "untouched op (torch.add)"}
+DIAGNOSTIC = {"engine"}
+
+
+def old_tree(commit: str) -> Path:
+    """A git worktree of ``commit`` (made once, under the system's temp directory)."""
+    where = Path(tempfile.gettempdir()) / f"amped-{commit}"
+    if not (where / "src").exists():
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), commit],
+            check=True,
+            capture_output=True,
+        )
+    return where
+
+
+def run_once(tree: Path, args: argparse.Namespace) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as out:
+        target = Path(out.name)
+    env = {**os.environ, "PYTHONPATH": f"{tree / 'src'}{os.pathsep}{tree / 'benchmarks'}"}
+    command = [
+        sys.executable,
+        str(tree / "benchmarks" / "autocast_overhead.py"),
+        "--no-compile",
+        f"--repeats={args.repeats}",
+        f"--models={args.models}",
+        f"--calls={args.calls}",
+        f"--json={target}",
+    ]
+    subprocess.run(command, check=True, env=env, cwd=tree, capture_output=True, text=True)
+    figures = json.loads(target.read_text())
+    target.unlink()
+    return figures
+
+
+def flatten(figures: dict) -> dict[tuple[str, str], float]:
+    """(measure, side) -> value, for the measures compared here."""
+    flat = {}
+    for label, key in CALL_KINDS.items():
+        for side, value in figures["per_call_us"][key].items():
+            flat[(label, side)] = value
+    for side, value in figures["per_region_us"].items():
+        flat[("region", side)] = value
+    for model, ratios in figures["train_step_ratio"].items():
+        for side, value in ratios.items():
+            flat[(f"step {model}", side)] = value
+    return flat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--old", default="1ca49eb")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", default="encoder,gpt2,cnn")
+    parser.add_argument("--calls", type=int, default=2000)
+    args = parser.parse_args()
+    trees = {"old": old_tree(args.old), "new": ROOT}
+    runs: dict[str, list[dict[tuple[str, str], float]]] = {"old": [], "new": []}
+    for i in range(args.rounds):
+        for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
+            runs[name].append(flatten(run_once(trees[name], args)))
+            print(f"round {i + 1}/{args.rounds}: {name} done", file=sys.stderr)
+    cpu = platform.processor() or platform.machine()
+    load = os.getloadavg()
+    print(f"old {args.old} vs new (this tree); {args.rounds} rounds x {args.repeats} repeats")
+    print(f"CPU {cpu}, {os.cpu_count()} cores; load average {load[0]:.2f} {load[1]:.2f}")
+    print("per call / region: added us vs torch.autocast; steps: ratio to torch.autocast")
+    print(
+        f"{'measure':16s} {'side':8s} {'old':>8s} {'new':>8s} {'new-old':>8s}  spread(new)  verdict"
+    )
+    keys = [k for k in runs["new"][0] if all(k in r for r in runs["old"])]
+    for key in keys:
+        old = statistics.median(r[key] for r in runs["old"])
+        values = [r[key] for r in runs["new"]]
+        new = statistics.median(values)
+        spread = max(values) - min(values)
+        measure, side = key
+        if measure.startswith("step"):
+            ok = side in DIAGNOSTIC or new <= 1.02
+            verdict = "diagnostic" if side in DIAGNOSTIC else ("ok" if ok else "over 1.02")
+        else:
+            limit = 1.0 if measure == "region" else 0.2
+            verdict = "ok" if new - old <= limit else f"slower by > {limit} us"
+        print(
+            f"{measure:16s} {side:8s} {old:8.3f} {new:8.3f} {new - old:+8.3f}  "
+            f"{spread:10.3f}  {verdict}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,392 @@
+"""Entering and leaving amped regions: each region decides its :class:`Path` on entry.
+
+``TORCH`` (torch's op rules, disabled regions): what ``torch.autocast`` costs.
+``KERNELS`` (op rules the dispatcher can apply: ``with_ops``, ``"strict"``, custom ops):
+a Python kernel per call of a changed op only. ``MODE`` (``"low"`` module rules, rules
+the dispatcher cannot apply, :func:`engine_always`, regions ``torch.compile`` may
+trace): a ``TorchFunctionMode`` on every call. The table, with costs: docs/engine.md.
+
+``"fp32"`` and ``"skip"`` module rules are module hooks on every path
+(:mod:`amped.autocast_mode.module_hooks`). All per-thread state is in
+:data:`amped.autocast_mode.state.STATE`.
+
+``torch.compile`` (Dynamo guards on the mode stack and torch's autocast state, never on
+the kernel tables or the hooks' policies; docs/engine.md, "torch.compile"): regions
+Dynamo may trace take ``MODE``; a compile moves its thread's open regions there and
+marks their policies traced (later regions of those take ``MODE``); and regions of a
+non-default policy set :data:`GUARD_DEVICE_TYPE`'s autocast flag, so a graph traced
+without one is never reused inside one. Nothing is process-wide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+import torch
+
+from amped._internal import torch_compat
+from amped.autocast_mode import compiling, dispatch, transparent
+from amped.autocast_mode.mode import AutocastMode, prepare
+from amped.autocast_mode.module_hooks import hooks
+from amped.autocast_mode.state import STATE, EngineState, Path, Region, innermost_policies
+from amped.policy import Policy
+from amped.policy.created import add_creation_listener
+from amped.policy.ops import torch_default_rules
+from amped.policy.policy import LOW_DTYPES
+
+__all__ = ["current_path", "engine_always", "enter", "exit", "forced_path"]
+
+_is_compiling = torch.compiler.is_dynamo_compiling
+_push = torch_compat.push_torch_function_mode
+_pop = torch_compat.pop_torch_function_mode
+
+
+GUARD_DEVICE_TYPE = "ipu"
+"""The device type whose autocast flag marks, for Dynamo's guards, that a region runs
+without the mode a graph would hold (see the module doc). No tensor lives on it."""
+
+
+class _Traced:
+    """The policies some compiled region ran under, since Dynamo's last reset (which
+    drops every graph): ``generation`` counts the resets amped has seen."""
+
+    policies: ClassVar[list[Policy]] = []
+    generation = 0
+    listening = False  # amped registered its compile-start callback
+
+
+def _traced(policy: Policy) -> bool:
+    # (kept with the policy per generation: the look-up compares policies by value)
+    found = policy._engine_cache.get("traced")
+    if found is None or found[0] != _Traced.generation:
+        found = (_Traced.generation, policy in _Traced.policies)
+        policy._engine_cache["traced"] = found
+    return bool(found[1])
+
+
+def _mark_traced(policy: Policy) -> None:
+    if not _traced(policy):
+        policy._engine_cache["traced"] = (_Traced.generation, True)
+        _Traced.policies.append(policy)
+
+
+@torch_compat.assume_constant_result
+def _mark_traced_while_tracing(policy: Policy) -> bool:
+    # Run for real while Dynamo traces, and not guarded on: the graph must not depend
+    # on whether the policy was marked before.
+    _mark_traced(policy)
+    return True
+
+
+def torch_rules_only(policy: Policy) -> bool:
+    """Whether ``policy``'s op rules are torch's own for its device type, under every
+    low dtype (kept with the policy)."""
+    equal = policy._engine_cache.get("torch_equal")
+    if equal is None:
+        torch_rules = torch_default_rules(policy.device_type)
+        equal = all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
+        policy._engine_cache["torch_equal"] = equal
+    return bool(equal)
+
+
+def _prepare(policy: Policy) -> None:
+    # Every look-up table the engine needs, built when the policy is made: a region
+    # opened inside a compiled function then only reads them (Dynamo cannot build them).
+    _unplain(policy)
+    prepare(policy)
+
+
+add_creation_listener(_prepare)
+
+
+def _choose_path(policy: Policy | None, st: EngineState) -> Path:
+    if policy is None:
+        return Path.TORCH
+    if st.forced is Path.MODE or any(r.precision == "low" for r in policy.module_rules):
+        return Path.MODE
+    plain = torch_rules_only(policy)
+    if plain and not policy.module_rules and st.forced is None:
+        return Path.TORCH
+    if _is_compiling():
+        _mark_traced_while_tracing(policy)
+        return Path.MODE
+    if _Traced.policies and _traced(policy):
+        return Path.MODE
+    if plain and st.forced is not Path.KERNELS:
+        return Path.TORCH
+    route_all = st.forced is Path.KERNELS
+    return Path.KERNELS if dispatch.plan(policy, route_all) is not None else Path.MODE
+
+
+def current_path(device_type: str = "cpu") -> Path | None:
+    """The path of the innermost open amped region for ``device_type`` on this thread
+    (None: no region is open for it)."""
+    for region in reversed(STATE.regions):
+        if region.device_type == device_type:
+            return region.path
+    return None
+
+
+@contextlib.contextmanager
+def engine_always() -> Iterator[None]:
+    """Regions opened inside take the ``MODE`` path whatever their policy.
+
+    For code that must see every op after amped's casts, from a mode below it (the
+    doctor's tracer).
+    """
+    with forced_path(Path.MODE, torch_alongside=STATE.torch_alongside):
+        yield
+
+
+@contextlib.contextmanager
+def forced_path(path: Path | None, *, torch_alongside: bool = True) -> Iterator[None]:
+    """Private (tests, benchmarks): regions opened inside take ``path`` where the policy
+    allows it (``MODE`` always; ``KERNELS``: every rule, torch's own too, routed through
+    amped's kernels). ``torch_alongside=False`` keeps torch's C++ autocast out of every
+    call the mode handles, so that every cast is amped's own."""
+    st = STATE
+    saved = (st.forced, st.torch_alongside)
+    st.forced, st.torch_alongside = path, torch_alongside
+    try:
+        yield
+    finally:
+        st.forced, st.torch_alongside = saved
+
+
+def enter(region: Region) -> None:
+    """Open ``region`` on this thread: set torch's autocast state, decide its path."""
+    st = STATE
+    dev = region.device_type
+    policy = region.policy
+    region.unplain = unplain = _unplain(policy)
+    if unplain:  # (first: it may find Dynamo was reset, which frees the hooks)
+        if _is_compiling():
+            _prepare_while_tracing()
+        elif _on_compile_start not in _CALLBACKS.start_callbacks:
+            _listen_for_compiles()
+    if policy is not None and policy.module_rules:
+        hooks.acquire()
+    region.saved = (
+        torch.is_autocast_enabled(dev),
+        torch.get_autocast_dtype(dev),
+        torch.is_autocast_cache_enabled(),
+    )
+    torch.set_autocast_enabled(dev, region.enabled)
+    torch.set_autocast_dtype(dev, region.dtype)
+    torch.autocast_increment_nesting()
+    torch.set_autocast_cache_enabled(region.cache_enabled)
+    if policy is not None and not _is_compiling():
+        region.depth = torch_compat.len_torch_function_stack()
+    region.path = path = _choose_path(policy, st)
+    if path is Path.KERNELS:
+        dispatch.register(policy, dispatch.plan(policy, st.forced is Path.KERNELS) or {})  # type: ignore[arg-type]
+    st.regions.append(region)
+    if path is Path.MODE and st.mode is None:
+        _push_mode(st)
+    if policy is not None or st.mode is not None or st.kernels:
+        _publish(st)
+
+
+def exit(region: Region) -> None:
+    """Close ``region``, whichever position it holds among the open ones.
+
+    The last region on the ``MODE`` path drops the mode; the last region of all clears
+    the autocast caches, as ``torch.autocast`` does.
+    """
+    st = STATE
+    regions = st.regions
+    enabled, dtype, cache_enabled = region.saved
+    if regions and regions[-1] is region:  # the usual case: the innermost region exits
+        regions.pop()
+        above: list[Region] = []
+    else:
+        index = _index(regions, region)
+        above = regions[index + 1 :]
+        del regions[index]
+    same_device = [r for r in above if r.device_type == region.device_type]
+    if same_device:  # the next region up on this device restores what this one found
+        nxt = same_device[0]
+        nxt.saved = (enabled, dtype, nxt.saved[2])
+    else:
+        torch.set_autocast_enabled(region.device_type, enabled)
+        torch.set_autocast_dtype(region.device_type, dtype)
+    if above:
+        above[0].saved = (*above[0].saved[:2], cache_enabled)
+    else:
+        torch.set_autocast_cache_enabled(cache_enabled)
+    if region.policy is not None and region.policy.module_rules:
+        hooks.release()
+    last = torch.autocast_decrement_nesting() == 0
+    if st.mode is not None and not any(r.path is Path.MODE for r in regions):
+        _pop_mode(st)
+    if region.policy is not None or st.mode is not None or st.kernels:
+        _publish(st)
+    if last:
+        torch.clear_autocast_cache()
+        st.cache.clear()
+
+
+def _publish(st: EngineState) -> None:
+    # Make the open regions' policies active: in the mode (every one), or as the fast
+    # path's kernel tables (the innermost region's per device type), and for the hooks.
+    regions = st.regions
+    if not regions:  # the last region closed
+        st.ruled, st.kernels = {}, {}
+        _mark_for_guards(st, False)
+        return
+    if len(regions) == 1:  # the usual case
+        region = regions[0]
+        policy = region.policy
+        active = {region.device_type: policy} if policy is not None else {}
+        unplain = region.unplain
+    else:
+        active = innermost_policies(regions)
+        unplain = any(r.unplain for r in regions)
+    st.ruled = {dev: p for dev, p in active.items() if p.module_rules} if unplain else {}
+    _mark_for_guards(st, unplain)
+    mode = st.mode
+    if mode is not None:
+        st.kernels = {}
+        # (Policy.__eq__ cannot be traced: under torch.compile, another object refreshes.)
+        current = mode.policies
+        same = active.keys() == current.keys() and all(active[k] is current[k] for k in active)
+        if not same and (_is_compiling() or active != current):
+            mode.refresh(active)
+        return
+    kernels: dict[str, Any] = {}
+    for region in regions:
+        if region.policy is not None:
+            on = region.path is Path.KERNELS
+            rules = dispatch.kernel_rules(region.policy, st.forced is Path.KERNELS) if on else {}
+            kernels[region.device_type] = rules
+    st.kernels = {dev: rules for dev, rules in kernels.items() if rules}
+
+
+def _unplain(policy: Policy | None) -> bool:
+    # A policy other than torch's own rules alone: it needs the mark for Dynamo's guards.
+    if policy is None:
+        return False
+    found = policy._engine_cache.get("unplain")
+    if found is None:
+        found = policy._engine_cache["unplain"] = bool(policy.module_rules) or not torch_rules_only(
+            policy
+        )
+    return bool(found)
+
+
+def _mark_for_guards(st: EngineState, on: bool) -> None:
+    if on is not st.guard_mark and not _is_compiling():
+        torch.set_autocast_enabled(GUARD_DEVICE_TYPE, on)
+        st.guard_mark = on
+
+
+def _push_mode(st: EngineState) -> None:
+    if _is_compiling():  # Dynamo traces the context-manager protocol
+        _prepare_while_tracing()
+        st.mode = AutocastMode(st.torch_alongside)
+        st.mode.__enter__()
+        st.mode.on_stack = st.mode.traced = True
+        return
+    transparent.prepare_clones()  # once per process, about 1 ms
+    mode = st.spare_mode  # one instance per thread, reused region after region
+    if mode is None or mode.alongside is not st.torch_alongside:
+        mode = st.spare_mode = AutocastMode(st.torch_alongside)
+        mode.cache = st.cache
+    st.mode = mode
+    _push(mode)
+    mode.on_stack = True
+    if not mode.backward_off:
+        compiling.backward_autocast_off()
+        mode.backward_off = True
+
+
+@torch_compat.assume_constant_result
+def _prepare_while_tracing() -> bool:
+    # Run for real while Dynamo traces (it cannot build the clones, nor register).
+    transparent.prepare_clones()
+    _listen_for_compiles()
+    return True
+
+
+def _pop_mode(st: EngineState) -> None:
+    mode = st.mode
+    st.mode = None
+    st.names = {}
+    if _is_compiling():
+        mode.__exit__(None, None, None)
+        return
+    depth = torch_compat.len_torch_function_stack()
+    if depth == 0 or torch_compat.get_function_stack_at(depth - 1) is not mode:
+        raise RuntimeError(
+            "amped's autocast mode was not on top of the torch-function mode stack "
+            "when its last region closed: a mode entered inside the region is still "
+            "open. Exit modes (and regions) in the reverse order of entering them."
+        )
+    _pop()
+    mode.on_stack = False
+    if mode.backward_off:
+        mode.backward_off = False
+        compiling.restore_backward_autocast()
+
+
+def _index(regions: list[Region], region: Region) -> int:
+    for i in range(len(regions) - 1, -1, -1):
+        if regions[i] is region:
+            return i
+    raise RuntimeError(
+        "This amped.autocast region is not open on this thread: it was exited already, "
+        "or entered on another thread. Exit each region once, on the thread that "
+        f"entered it. Received: region for device_type={region.device_type!r}"
+    )
+
+
+# torch.compile: hearing when Dynamo starts, and moving this thread's regions then.
+
+
+_CALLBACKS = torch_compat.dynamo_callbacks
+
+
+def _listen_for_compiles() -> None:
+    # (Again at each region that may need it: torch._dynamo.reset() drops callbacks, and
+    # every graph: then no policy is traced any more, and the hooks may go.)
+    callbacks = _CALLBACKS
+    if _on_compile_start not in callbacks.start_callbacks:
+        callbacks.register_start_callback(_on_compile_start)
+        if _Traced.listening:  # it was registered: Dynamo was reset since
+            _Traced.policies = []
+            _Traced.generation += 1
+            hooks.traced = False
+        else:  # the first region that may meet a compile: nothing happens at import
+            engine_modules = [m for n, m in sys.modules.items() if n.startswith(__package__)]
+            compiling.never_root_frames(*engine_modules)
+        _Traced.listening = True
+
+
+def _on_compile_start(args: Any) -> None:
+    hooks.compile_started()  # a graph may trace them: they stay installed
+    st = STATE
+    if st.regions:
+        transparent.prepare_clones()  # Dynamo cannot build them while tracing
+        _move_to_mode(st)
+
+
+def _move_to_mode(st: EngineState) -> None:
+    """Move this thread's regions to the mode now (a compile is starting)."""
+    for region in st.regions:
+        if region.unplain:
+            region.path = Path.MODE
+            _mark_traced(region.policy)  # type: ignore[arg-type]
+    if st.mode is None and any(r.path is Path.MODE for r in st.regions):
+        # The mode goes where it would have been pushed: at the stack depth the
+        # outermost such region found, below modes entered inside the region since.
+        depth = min(r.depth for r in st.regions if r.path is Path.MODE)
+        lifted = []
+        while torch_compat.len_torch_function_stack() > depth:
+            lifted.append(_pop())
+        _push_mode(st)
+        for above in reversed(lifted):
+            _push(above)
+    _publish(st)

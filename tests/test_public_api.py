@@ -85,6 +85,7 @@ SUBPACKAGE_EXPECTED = {
     },
     "recipes": {
         "CompensatedAdamW",
+        "CompensatedAdamW8bit",
         "CompensatedSGD",
         "MasterWeightOptimizer",
         "MemoryReport",

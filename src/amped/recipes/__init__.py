@@ -3,12 +3,14 @@
 ``fp32``, ``bf16-mixed`` and ``fp16-mixed`` use autocast only (:mod:`.setup`);
 ``bf16-master`` and ``fp16-master`` keep float32 masters under the optimizer
 (:mod:`.o2`, :mod:`.master`); ``bf16-pure`` and ``bf16-pure-sr`` train in bfloat16
-alone with compensated updates (:mod:`.pure`, :mod:`.compensated`, :mod:`.rounding`).
+alone with compensated updates (:mod:`.pure`, :mod:`.compensated`, :mod:`.rounding`),
+``bf16-pure-8bit`` with 8-bit Adam moments (:mod:`.adamw8bit`, :mod:`.quantized_state`).
 ``fp8-*`` run the Linear GEMMs in FP8 over a bfloat16 base recipe (:mod:`.fp8`).
 :func:`prepare` (:mod:`.build`) sets any of them up; :func:`memory_report` counts
 what each holds (:mod:`.memory`). Everything else is importable by module path.
 """
 
+from amped.recipes.adamw8bit import CompensatedAdamW8bit
 from amped.recipes.build import prepare
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
 from amped.recipes.master import MasterWeightOptimizer
@@ -27,6 +29,7 @@ __all__ = [
     "OPT_IN_RECIPES",
     "RECIPES",
     "CompensatedAdamW",
+    "CompensatedAdamW8bit",
     "CompensatedSGD",
     "MasterWeightOptimizer",
     "MemoryReport",

@@ -54,6 +54,9 @@ class Recipe:
             :data:`amped.fp8.FP8_CONFIGS` (``"tensorwise"``, ``"rowwise"``,
             ``"rowwise-gw-hp"``, ``"delayed"``); their GEMMs run in FP8, the rest
             under bfloat16 autocast, the weights as their base recipe keeps them.
+        quantized_state: for ``weights="low"``, keep Adam's moments blockwise quantized
+            to 8 bits (:class:`~amped.recipes.CompensatedAdamW8bit`) instead of in the
+            weights' dtype.
     """
 
     name: str
@@ -66,8 +69,16 @@ class Recipe:
     summary: str
     compensation: Compensation | None = None
     fp8: str | None = None
+    quantized_state: bool = False
 
     def __post_init__(self) -> None:
+        if self.quantized_state and self.weights != "low":
+            raise value_error(
+                "quantized_state (8-bit Adam moments) needs weights='low': the other "
+                f"recipes keep the user's optimizer; this recipe has weights={self.weights!r}",
+                "quantized_state",
+                self.quantized_state,
+            )
         if self.fp8 is not None and self.dtype is not torch.bfloat16:
             raise value_error(
                 f"An FP8 recipe (fp8={self.fp8!r}) runs its non-GEMM ops under bfloat16 "
@@ -105,6 +116,7 @@ def _builtin(
     aliases: tuple[str, ...],
     summary: str,
     compensation: Compensation | None = None,
+    quantized_state: bool = False,
 ) -> Recipe:
     """A built-in recipe: autocast whenever it has a low dtype, loss scaling for float16."""
     return Recipe(
@@ -116,6 +128,7 @@ def _builtin(
         aliases=aliases,
         summary=summary,
         compensation=compensation,
+        quantized_state=quantized_state,
     )
 
 
@@ -169,6 +182,16 @@ RECIPES: dict[str, Recipe] = {
             ("pure-bf16-sr", "bf16-stochastic"),
             _PURE + "stochastically rounded updates",
             compensation="stochastic",
+        ),
+        _builtin(
+            "bf16-pure-8bit",
+            _BF16,
+            "low",
+            ("pure-bf16-8bit", "bf16-adamw8bit"),
+            "bfloat16 weights and gradients, 8-bit blockwise Adam moments, stochastically "
+            "rounded updates",
+            compensation="stochastic",
+            quantized_state=True,
         ),
     )
 }

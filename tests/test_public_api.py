@@ -87,6 +87,7 @@ SUBPACKAGE_EXPECTED = {
         "CompensatedAdamW",
         "CompensatedAdamW8bit",
         "CompensatedSGD",
+        "InBackward",
         "MasterWeightOptimizer",
         "MemoryReport",
         "OPT_IN_RECIPES",
@@ -98,6 +99,7 @@ SUBPACKAGE_EXPECTED = {
         "recipe_names",
         "register",
         "resolve_recipe",
+        "step_in_backward",
     },
     "doctor": {
         "Fp8Report",

@@ -219,10 +219,12 @@ def test_recipe_builds_the_8bit_optimizer_and_trains() -> None:
     assert all(p.dtype is torch.bfloat16 for p in setup.model.parameters())
 
 
-def test_recipe_refuses_sgd() -> None:
+def test_recipe_keeps_sgd_momentum_in_bfloat16() -> None:
     model = mlp()
-    with pytest.raises(TypeError, match="bf16-pure-sr"):
-        amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-pure-8bit")
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    setup = amped.prepare(model, sgd, "bf16-pure-8bit")
+    assert isinstance(setup.optimizer, amped.recipes.CompensatedSGD)
+    assert setup.optimizer.defaults["compensation"] == "stochastic"
 
 
 def test_quantized_state_needs_low_weights() -> None:

@@ -4,7 +4,8 @@
 ``bf16-master`` and ``fp16-master`` keep float32 masters under the optimizer
 (:mod:`.o2`, :mod:`.master`); ``bf16-pure`` and ``bf16-pure-sr`` train in bfloat16
 alone with compensated updates (:mod:`.pure`, :mod:`.compensated`, :mod:`.rounding`),
-``bf16-pure-8bit`` with 8-bit Adam moments (:mod:`.adamw8bit`, :mod:`.quantized_state`).
+``bf16-pure-8bit`` with 8-bit Adam moments (:mod:`.adamw8bit`, :mod:`.quantized_state`);
+:func:`step_in_backward` steps their optimizers in backward (:mod:`.in_backward`).
 ``fp8-*`` run the Linear GEMMs in FP8 over a bfloat16 base recipe (:mod:`.fp8`).
 :func:`prepare` (:mod:`.build`) sets any of them up; :func:`memory_report` counts
 what each holds (:mod:`.memory`). Everything else is importable by module path.
@@ -13,6 +14,7 @@ what each holds (:mod:`.memory`). Everything else is importable by module path.
 from amped.recipes.adamw8bit import CompensatedAdamW8bit
 from amped.recipes.build import prepare
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
+from amped.recipes.in_backward import InBackward, step_in_backward
 from amped.recipes.master import MasterWeightOptimizer
 from amped.recipes.memory import MemoryReport, memory_report
 from amped.recipes.registry import (
@@ -31,6 +33,7 @@ __all__ = [
     "CompensatedAdamW",
     "CompensatedAdamW8bit",
     "CompensatedSGD",
+    "InBackward",
     "MasterWeightOptimizer",
     "MemoryReport",
     "Recipe",
@@ -40,4 +43,5 @@ __all__ = [
     "recipe_names",
     "register",
     "resolve_recipe",
+    "step_in_backward",
 ]

@@ -69,25 +69,17 @@ def compensated_twin(
     optimizer: torch.optim.Optimizer, compensation: Compensation, quantized_state: bool = False
 ) -> CompensatedSGD | CompensatedAdamW | CompensatedAdamW8bit:
     """The compensated optimizer with ``optimizer``'s parameter groups and hyper-parameters;
-    with ``quantized_state``, the AdamW with 8-bit moments.
+    with ``quantized_state``, Adam and AdamW become :class:`CompensatedAdamW8bit` (SGD's
+    one momentum buffer stays in bfloat16: :class:`CompensatedSGD`).
 
     Raises:
-        TypeError: ``optimizer`` is not SGD, Adam or AdamW (or their compensated twins),
-            or is SGD under ``quantized_state``.
+        TypeError: ``optimizer`` is not SGD, Adam or AdamW (or their compensated twins).
         ValueError: a setting the twin does not have (AMSGrad, differentiable), or an
             optimizer that has stepped already.
     """
-    if isinstance(optimizer, CompensatedAdamW8bit if quantized_state else _TWINS):
+    if isinstance(optimizer, (*_TWINS, CompensatedAdamW8bit)):
         return optimizer
     kind = type(optimizer)
-    if quantized_state and kind not in (torch.optim.Adam, torch.optim.AdamW):
-        raise type_error(
-            "bf16-pure-8bit keeps Adam's two moments in 8 bits, and exists for Adam and "
-            f"AdamW; {kind.__name__} has no such moments. Use recipe='bf16-pure-sr' "
-            "(bfloat16 state, stochastic rounding) for SGD",
-            "type(optimizer)",
-            kind,
-        )
     if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
         raise type_error(
             f"bf16-pure replaces the optimizer by a compensated bfloat16 one, which exists "
@@ -103,7 +95,7 @@ def compensated_twin(
     # add_param_group() gets the user's hyper-parameters, not the twin class's own.
     defaults = _twin_group({**optimizer.defaults, "params": []}, kind)
     del defaults["params"]
-    if quantized_state:
+    if quantized_state and kind is not torch.optim.SGD:
         return CompensatedAdamW8bit(groups, **defaults, compensation=compensation)
     twin_class = CompensatedSGD if kind is torch.optim.SGD else CompensatedAdamW
     return twin_class(groups, **defaults, compensation=compensation)

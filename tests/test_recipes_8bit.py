@@ -82,7 +82,7 @@ def test_which_tensors_are_quantized(numel: int, quantized: bool) -> None:
 def _step_both(steps: int, stochastic_theirs: bool = False):
     ours = [nn.Parameter(p.bfloat16()) for p in _params()]
     theirs = [nn.Parameter(p.bfloat16()) for p in _params()]
-    opt = CompensatedAdamW8bit(ours, lr=1e-3, weight_decay=0.1)
+    opt = CompensatedAdamW8bit(ours, lr=1e-3, weight_decay=0.1, fused=False)
     ref = torchao_optim.AdamW8bit(
         theirs, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=stochastic_theirs
     )
@@ -138,11 +138,19 @@ def _wide(seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Linear(256, 8)).bfloat16()
 
 
-@pytest.mark.parametrize("compensation", ["stochastic", "kahan"])
-def test_checkpoint_resume_is_bitwise(compensation: str) -> None:
+@pytest.mark.parametrize(
+    ("compensation", "fused"),
+    [
+        ("stochastic", False),
+        ("kahan", False),
+        pytest.param("stochastic", None, marks=pytest.mark.slow),  # compiles the kernel
+    ],
+    ids=["stochastic", "kahan", "stochastic-fused"],
+)
+def test_checkpoint_resume_is_bitwise(compensation: str, fused: bool | None) -> None:
     data = batches(6)
     model = _wide()
-    opt = CompensatedAdamW8bit(model.parameters(), lr=1e-3, compensation=compensation)
+    opt = CompensatedAdamW8bit(model.parameters(), lr=1e-3, compensation=compensation, fused=fused)
     _train_model(model, opt, data[:3])
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
@@ -152,7 +160,9 @@ def test_checkpoint_resume_is_bitwise(compensation: str) -> None:
     saved = torch.load(buffer, weights_only=True)
     resumed = _wide(seed=5)
     resumed.load_state_dict(saved["model"])
-    again = CompensatedAdamW8bit(resumed.parameters(), lr=1e-3, compensation=compensation)
+    again = CompensatedAdamW8bit(
+        resumed.parameters(), lr=1e-3, compensation=compensation, fused=fused
+    )
     again.load_state_dict(saved["opt"])
     _train_model(resumed, again, data[3:])
     for p, q in zip(model.parameters(), resumed.parameters(), strict=True):
@@ -167,7 +177,7 @@ def test_checkpoint_resume_is_bitwise(compensation: str) -> None:
 
 def test_state_keys_and_dtypes() -> None:
     model = _wide()
-    opt = CompensatedAdamW8bit(model.parameters())
+    opt = CompensatedAdamW8bit(model.parameters(), fused=False)
     _train_model(model, opt, batches(1))
     big, bias = opt.state[model[0].weight], opt.state[model[0].bias]
     assert {k: v.dtype for k, v in big.items() if isinstance(v, torch.Tensor)} == {
@@ -188,7 +198,8 @@ def test_seeded_stochastic_rounding_is_reproducible() -> None:
     runs = []
     for seed in (0, 0, 1):
         model = _wide()
-        _train_model(model, CompensatedAdamW8bit(model.parameters(), seed=seed), batches(3))
+        opt = CompensatedAdamW8bit(model.parameters(), seed=seed, fused=False)
+        _train_model(model, opt, batches(3))
         runs.append(torch.cat([p.float().flatten() for p in model.parameters()]))
     assert torch.equal(runs[0], runs[1])
     assert not torch.equal(runs[0], runs[2])
@@ -201,7 +212,7 @@ def test_small_updates_survive_stochastic_rounding() -> None:
     # largest first moment is negative stores it 0.7% small (the signed map ends at
     # -0.993), which compounds over steps into a smaller update.
     weight = nn.Parameter(torch.full((64, 64), 1.5, dtype=torch.bfloat16))
-    opt = CompensatedAdamW8bit([weight], lr=BF16_ULP / 4, weight_decay=0.0)
+    opt = CompensatedAdamW8bit([weight], lr=BF16_ULP / 4, weight_decay=0.0, fused=False)
     for _ in range(100):
         weight.grad = torch.ones_like(weight)  # Adam's step is lr, downwards
         opt.step()

@@ -35,9 +35,13 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch import nn
 
-from amped._internal.errors import received, value_error
+from amped._internal.errors import received, type_error, value_error
+from amped._internal.torch_compat import python_mode_active
+from amped.recipes import fused as fused_kernels
 from amped.recipes import quantized_state as q8
+from amped.recipes.adamw8bit_fused import adamw8bit_
 from amped.recipes.compensated import _check
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
@@ -60,6 +64,10 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
             stochastically; no buffer) or ``"kahan"`` (a compensation buffer per
             weight, 2 more bytes a parameter).
         seed: seeds the stochastic rounding's random stream.
+        fused: ``None`` (default): step each bfloat16 tensor with quantized moments by
+            one compiled kernel (:mod:`amped.recipes.adamw8bit_fused`) under stochastic
+            rounding, where torch.compile can build it, else eagerly, with one warning;
+            ``True``: an error instead where it cannot; ``False``: always eager.
 
     Example:
         >>> import torch, amped
@@ -83,7 +91,10 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         maximize: bool = False,
         compensation: Compensation = "stochastic",
         seed: int = 0,
+        fused: bool | None = None,
     ) -> None:
+        if fused is not None and not isinstance(fused, bool):
+            raise type_error("fused must be True, False or None (automatic)", "fused", fused)
         if compensation not in ("kahan", "stochastic"):
             raise value_error(
                 "compensation must be one of ['kahan', 'stochastic']", "compensation", compensation
@@ -99,6 +110,7 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.seed = seed
+        self.fused = fused
         self._generator: torch.Generator | None = None
         self._key: torch.Tensor | None = None  # this step's noise key, drawn on first use
         self._offsets: dict[torch.Tensor, int] = {}
@@ -136,6 +148,8 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         assert param.grad is not None  # _refuse
+        if self._fusable(param, group) and self._step_fused(param, group, state, count):
+            return
         grad = param.grad.to(torch.float32, copy=True)
         if group["maximize"]:
             grad.neg_()
@@ -152,6 +166,54 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         if wd != 0 and group["decoupled_weight_decay"]:
             update.add_(weight, alpha=-lr * wd)  # below half an ulp: compensated too
         self._apply(param, group, state, weight, update)
+
+    def _fusable(self, param: torch.Tensor, group: dict) -> bool:
+        if self.fused is False or torch.compiler.is_compiling() or python_mode_active():
+            return False
+        if param.dtype is not torch.bfloat16 or group["compensation"] != "stochastic":
+            return False
+        if not q8.quantizes(param.numel()) or type(param) not in (torch.Tensor, nn.Parameter):
+            return False
+        assert param.grad is not None
+        if not (param.is_contiguous() and param.grad.is_contiguous()):
+            return False
+        reason = fused_kernels.available(param.device.type)
+        if reason is not None and self.fused:
+            raise RuntimeError(
+                f"fused=True cannot run here: {reason}. Pass fused=None (the eager step "
+                "where the fused one cannot run) or fused=False"
+            )
+        return reason is None
+
+    def _step_fused(self, param: torch.Tensor, group: dict, state: dict, count: int) -> bool:
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        decoupled = group["decoupled_weight_decay"]
+        scalars = [
+            -1.0 if group["maximize"] else 1.0,
+            0.0 if decoupled else wd,
+            1 - beta1,
+            1 - beta2,
+            math.sqrt(1 - beta2**count),
+            group["eps"],
+            -lr / (1 - beta1**count),
+            -lr * wd if decoupled else 0.0,
+        ]
+        device = param.device
+        assert param.grad is not None
+        args = (
+            param.grad.view(-1),
+            param.detach().view(-1),
+            state["exp_avg_codes"].view(-1),
+            state["exp_avg_scale"],
+            state["exp_avg_sq_codes"].view(-1),
+            state["exp_avg_sq_scale"],
+            q8.dynamic_map(True, device),
+            q8.dynamic_map(False, device),
+            torch.tensor(scalars, dtype=torch.float32, device=device),
+            self._start(param),
+        )
+        return adamw8bit_(bool(self.fused), args)
 
     def end_step(self) -> None:
         """Close a step made of :meth:`step_parameter` calls: the next one draws new bits."""
@@ -293,6 +355,7 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         state["_rng_state"] = None if self._generator is None else self._generator.get_state()
+        state["fused"] = self.fused
         state["_generator"] = None
         state["_key"] = None
         state["_offsets"] = {}

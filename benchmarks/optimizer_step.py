@@ -14,6 +14,10 @@ time(baseline)``:
   step. torch's AdamW on bfloat16 parameters is timed too, for reference only: it
   rounds every update and state to nearest, so small updates are lost (the problem the
   compensated optimizers solve), and it is not a recipe.
+- ``CompensatedAdamW8bit`` (bf16-pure-8bit: 8-bit moments, stochastic rounding), with
+  its fused step (one compiled kernel per tensor with quantized moments) and eager
+  (``fused=False``), against the same float32 baseline; its ratio to the compensated
+  stochastic fused step is the quotient of the two printed ratios.
 - ``CompensatedSGD`` (momentum 0.9, both compensations, fused and eager) against
   ``torch.optim.SGD(momentum=0.9, foreach=True)`` on float32 parameters.
 
@@ -45,7 +49,12 @@ from collections.abc import Callable
 
 import torch
 
-from amped.recipes import CompensatedAdamW, CompensatedSGD, MasterWeightOptimizer
+from amped.recipes import (
+    CompensatedAdamW,
+    CompensatedAdamW8bit,
+    CompensatedSGD,
+    MasterWeightOptimizer,
+)
 
 Shapes = list[tuple[int, ...]]
 
@@ -97,6 +106,9 @@ def sides(shapes: Shapes, kind: str) -> dict[str, Callable[[], object]]:
                 name = f"Compensated {compensation} bf16" + (" eager" if fused is False else "")
                 params = make_params(shapes, bf16)
                 sides[name] = CompensatedAdamW(params, compensation=compensation, fused=fused)
+        for fused in (None, False):
+            name = "8-bit stochastic bf16" + (" eager" if fused is False else "")
+            sides[name] = CompensatedAdamW8bit(make_params(shapes, bf16), fused=fused)
         sides["torch AdamW bf16 (lossy)"] = torch.optim.AdamW(
             make_params(shapes, bf16), foreach=True
         )

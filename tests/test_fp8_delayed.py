@@ -10,9 +10,9 @@ import struct
 import pytest
 import torch
 
-from amped.fp8 import DelayedScaling, Float8Linear, Fp8Config
+from amped.fp8 import Float8Linear, Fp8Config
 from amped.fp8.cast import quantize
-from amped.fp8.config import CastRule
+from amped.fp8.config import CastRule, DelayedScaling
 from amped.fp8.delayed import update_delayed_scaling
 from amped.fp8.gemm import scaled_mm
 

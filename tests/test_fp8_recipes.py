@@ -200,7 +200,8 @@ def test_bad_input_is_refused_in_one_line():
 
 
 def test_prepare_adopts_layers_converted_beforehand_with_their_delayed_settings():
-    from amped.fp8 import FP8_CONFIGS, DelayedScaling, Fp8Config, convert_to_fp8
+    from amped.fp8 import FP8_CONFIGS, Fp8Config, convert_to_fp8
+    from amped.fp8.config import DelayedScaling
 
     model = Net()
     convert_to_fp8(model, Fp8Config(delayed=DelayedScaling(64, "most_recent", 1)), ["fc2"])

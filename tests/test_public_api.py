@@ -60,7 +60,6 @@ SUBPACKAGE_EXPECTED = {
     },
     "fp8": {
         "BLOCK_CONFIGS",
-        "DelayedScaling",
         "FP8_CONFIGS",
         "Float8Linear",
         "Fp8Config",
@@ -76,6 +75,7 @@ SUBPACKAGE_EXPECTED = {
         "memory_report",
         "monitor",
         "prepare",
+        "step_in_backward",
     },
     "doctor": {"diagnose", "diagnose_fp8"},
     # Each framework adapter is a module of its own (amped.integrations.lightning, ...),

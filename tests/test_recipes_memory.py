@@ -22,6 +22,10 @@ PER_PARAM = {
     "fp16-master": (2, 2, 4, 4, 8),
     "bf16-pure": (2, 2, 0, 2 + 2, 2 + 2 + 2),  # + a bfloat16 Kahan compensation
     "bf16-pure-sr": (2, 2, 0, 2, 2 + 2),  # stochastic rounding needs no buffer
+    # mlp()'s tensors are all below 4096 elements, so AdamW keeps their moments in
+    # float32 (tests/test_recipes_8bit.py counts a transformer's 8-bit ones); SGD's
+    # momentum stays bfloat16.
+    "bf16-pure-8bit": (2, 2, 0, 2, 4 + 4),
 }
 # torch's AdamW keeps its step count as a float32 tensor per parameter tensor; the
 # compensated AdamW keeps a Python int.

@@ -162,7 +162,8 @@ def _compile_once(task: Any, recipe: Any, device: torch.device) -> None:
     if recipe.compensation is None:
         return
     stand_in = torch.nn.Linear(64, 64, bias=False).to(device, recipe.dtype)
-    twin = compensated_twin(task.optimizer(stand_in), recipe.compensation)
+    # 64 x 64 = 4096 elements: under bf16-pure-8bit, quantized moments (its kernel).
+    twin = compensated_twin(task.optimizer(stand_in), recipe.compensation, recipe.quantized_state)
     stand_in.weight.grad = torch.ones_like(stand_in.weight)
     for _ in range(2):  # SGD's second step is its first fused one
         twin.step()

@@ -16,14 +16,13 @@ are importable from their modules.
 """
 
 from amped.fp8.block_config import BLOCK_CONFIGS
-from amped.fp8.config import FP8_CONFIGS, DelayedScaling, Fp8Config
+from amped.fp8.config import FP8_CONFIGS, Fp8Config
 from amped.fp8.convert import convert_to_fp8
 from amped.fp8.linear import Float8Linear
 
 __all__ = [
     "BLOCK_CONFIGS",
     "FP8_CONFIGS",
-    "DelayedScaling",
     "Float8Linear",
     "Fp8Config",
     "convert_to_fp8",

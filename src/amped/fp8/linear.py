@@ -169,7 +169,7 @@ class Float8Linear(torch.nn.Linear):
 
     @property
     def fp8_delayed(self) -> Any:
-        """The :class:`~amped.fp8.DelayedScaling` rule, or None for dynamic scaling."""
+        """The :class:`~amped.fp8.config.DelayedScaling` rule, or None for dynamic scaling."""
         return self.fp8_config.delayed
 
     def fp8_cast(self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int) -> Fp8Tensor:

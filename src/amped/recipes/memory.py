@@ -4,7 +4,10 @@ Counted from the tensors themselves (``numel * element_size``), never estimated:
 
 - **parameters**: the model's parameters (tied ones once).
 - **gradients**: one gradient per trainable parameter, in its dtype: what backward
-  allocates, counted whether or not it is allocated at the moment of the call.
+  allocates, counted whether or not it is allocated at the moment of the call. An
+  optimizer that steps in backward (:func:`amped.recipes.step_in_backward`) frees each
+  gradient in its hook, so none is held: its gradients count 0, and the largest one,
+  alive during its hook, is reported apart (``transient_grads``, in the peak).
 - **master copies**: tensors the optimizer steps that are not model parameters
   (O2's float32 masters).
 - **optimizer state**: every tensor in ``optimizer.state`` (moments, momentum,
@@ -25,6 +28,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
+
+from amped.recipes.in_backward import in_backward
 
 __all__ = ["MemoryReport", "memory_report"]
 
@@ -48,6 +53,7 @@ class MemoryReport:
     state_by_key: dict[str, int] = field(default_factory=dict)
     params_by_dtype: dict[str, int] = field(default_factory=dict)
     fp8_state: int = 0
+    transient_grads: int = 0
 
     @property
     def total(self) -> int:
@@ -57,8 +63,9 @@ class MemoryReport:
     @property
     def peak(self) -> int:
         """Bytes during the step: :attr:`total` with the low-precision gradients of
-        lowered weights replaced by their masters' float32 gradients."""
-        return self.total + self.master_grads - self.freed_grads
+        lowered weights replaced by their masters' float32 gradients, plus the largest
+        gradient when the optimizer steps in backward."""
+        return self.total + self.master_grads - self.freed_grads + self.transient_grads
 
     def per_param(self, nbytes: int) -> float:
         """``nbytes`` divided by the number of parameter elements."""
@@ -82,6 +89,7 @@ class MemoryReport:
 
     def _rows(self) -> list[tuple[str, int]]:
         fp8 = [("fp8_state", self.fp8_state)] if self.fp8_state else []
+        transient = [("transient_grads", self.transient_grads)] if self.transient_grads else []
         return [
             ("params", self.params),
             ("grads", self.grads),
@@ -90,6 +98,7 @@ class MemoryReport:
             *fp8,
             ("total", self.total),
             ("master_grads", self.master_grads),
+            *transient,
             ("peak", self.peak),
         ]
 
@@ -103,6 +112,7 @@ class MemoryReport:
             "fp8_state": "FP8 amax history, scales",
             "total": "total",
             "master_grads": "master gradients (in step)",
+            "transient_grads": "largest gradient (in hook)",
             "peak": "peak",
         }
         dtypes = ", ".join(f"{d} {n:,}" for d, n in self.params_by_dtype.items())
@@ -150,10 +160,13 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> M
         for key, value in entry.items():
             if isinstance(value, torch.Tensor):
                 by_key[key] = by_key.get(key, 0) + _nbytes(value)
+    grads = [_nbytes(p) for p in params if p.requires_grad]
+    hooked = in_backward(optimizer)
     return MemoryReport(
         num_params=sum(p.numel() for p in params),
         params=sum(_nbytes(p) for p in params),
-        grads=sum(_nbytes(p) for p in params if p.requires_grad),
+        grads=0 if hooked else sum(grads),
+        transient_grads=max(grads, default=0) if hooked else 0,
         masters=sum(_nbytes(m) for m in masters),
         optimizer_state=sum(by_key.values()),
         master_grads=sum(_nbytes(m) for m in masters if m.requires_grad),

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from amped._internal.errors import received, type_error, value_error
+from amped.recipes.adamw8bit import CompensatedAdamW8bit
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
 from amped.recipes.registry import Compensation
 from amped.recipes.setup import TrainSetup
@@ -65,16 +66,18 @@ class PureSetup(TrainSetup):
 
 
 def compensated_twin(
-    optimizer: torch.optim.Optimizer, compensation: Compensation
-) -> CompensatedSGD | CompensatedAdamW:
-    """The compensated optimizer with ``optimizer``'s parameter groups and hyper-parameters.
+    optimizer: torch.optim.Optimizer, compensation: Compensation, quantized_state: bool = False
+) -> CompensatedSGD | CompensatedAdamW | CompensatedAdamW8bit:
+    """The compensated optimizer with ``optimizer``'s parameter groups and hyper-parameters;
+    with ``quantized_state``, Adam and AdamW become :class:`CompensatedAdamW8bit` (SGD's
+    one momentum buffer stays in bfloat16: :class:`CompensatedSGD`).
 
     Raises:
         TypeError: ``optimizer`` is not SGD, Adam or AdamW (or their compensated twins).
         ValueError: a setting the twin does not have (AMSGrad, differentiable), or an
             optimizer that has stepped already.
     """
-    if isinstance(optimizer, (CompensatedSGD, CompensatedAdamW)):
+    if isinstance(optimizer, (*_TWINS, CompensatedAdamW8bit)):
         return optimizer
     kind = type(optimizer)
     if kind not in (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW):
@@ -92,8 +95,13 @@ def compensated_twin(
     # add_param_group() gets the user's hyper-parameters, not the twin class's own.
     defaults = _twin_group({**optimizer.defaults, "params": []}, kind)
     del defaults["params"]
+    if quantized_state and kind is not torch.optim.SGD:
+        return CompensatedAdamW8bit(groups, **defaults, compensation=compensation)
     twin_class = CompensatedSGD if kind is torch.optim.SGD else CompensatedAdamW
     return twin_class(groups, **defaults, compensation=compensation)
+
+
+_TWINS = (CompensatedSGD, CompensatedAdamW)
 
 
 def _check_fresh(optimizer: torch.optim.Optimizer) -> None:
@@ -139,7 +147,8 @@ def build_pure_setup(plain: TrainSetup) -> PureSetup:
     """Lower ``plain.model`` in place and replace its optimizer by the compensated twin."""
     recipe = plain.recipe
     assert recipe.dtype is not None and recipe.compensation is not None  # Recipe checks
-    twin = compensated_twin(plain.optimizer, recipe.compensation)  # before the model is touched
+    # Before the model is touched:
+    twin = compensated_twin(plain.optimizer, recipe.compensation, recipe.quantized_state)
     if plain.scaler.is_enabled():
         warnings.warn(
             f"Recipe {recipe.name!r} needs no loss scaling: bfloat16 has float32's exponent "

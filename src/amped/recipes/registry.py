@@ -55,6 +55,9 @@ class Recipe:
             ``"rowwise-gw-hp"``, ``"delayed"``) or :data:`amped.fp8.BLOCK_CONFIGS`
             (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``); their GEMMs run in that format,
             the rest under bfloat16 autocast, the weights as their base recipe keeps them.
+        quantized_state: for ``weights="low"``, keep Adam's moments blockwise quantized
+            to 8 bits (:class:`~amped.recipes.adamw8bit.CompensatedAdamW8bit`) instead of in
+            the weights' dtype.
     """
 
     name: str
@@ -67,8 +70,16 @@ class Recipe:
     summary: str
     compensation: Compensation | None = None
     fp8: str | None = None
+    quantized_state: bool = False
 
     def __post_init__(self) -> None:
+        if self.quantized_state and self.weights != "low":
+            raise value_error(
+                "quantized_state (8-bit Adam moments) needs weights='low': the other "
+                f"recipes keep the user's optimizer; this recipe has weights={self.weights!r}",
+                "quantized_state",
+                self.quantized_state,
+            )
         if self.fp8 is not None and self.dtype is not torch.bfloat16:
             raise value_error(
                 f"An FP8 recipe (fp8={self.fp8!r}) runs its non-GEMM ops under bfloat16 "
@@ -106,6 +117,7 @@ def _builtin(
     aliases: tuple[str, ...],
     summary: str,
     compensation: Compensation | None = None,
+    quantized_state: bool = False,
 ) -> Recipe:
     """A built-in recipe: autocast whenever it has a low dtype, loss scaling for float16."""
     return Recipe(
@@ -117,6 +129,7 @@ def _builtin(
         aliases=aliases,
         summary=summary,
         compensation=compensation,
+        quantized_state=quantized_state,
     )
 
 
@@ -175,9 +188,24 @@ RECIPES: dict[str, Recipe] = {
 }
 """The recipes that exist, by canonical name; :func:`register` adds more."""
 
-OPT_IN_RECIPES: dict[str, Recipe] = {}
-"""Recipes that run only when named (the FP8 ones): ``amped compare``'s default
-"all" and :func:`recipe_names` leave them out; :func:`resolve_recipe` finds them."""
+OPT_IN_RECIPES: dict[str, Recipe] = {
+    recipe.name: recipe
+    for recipe in (
+        _builtin(
+            "bf16-pure-8bit",
+            _BF16,
+            "low",
+            ("pure-bf16-8bit", "bf16-adamw8bit"),
+            "bfloat16 weights and gradients, 8-bit blockwise Adam moments, stochastically "
+            "rounded updates",
+            compensation="stochastic",
+            quantized_state=True,
+        ),
+    )
+}
+"""Recipes that run only when named (bf16-pure-8bit, whose fused step is not yet fast,
+and the FP8 and block ones): ``amped compare``'s default "all" and
+:func:`recipe_names` leave them out; :func:`resolve_recipe` finds them."""
 
 
 def register(recipe: Recipe, *, opt_in: bool = False) -> Recipe:

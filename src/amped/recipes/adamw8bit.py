@@ -1,0 +1,369 @@
+"""AdamW with 8-bit moments for bfloat16 weights (``bf16-pure-8bit``).
+
+:class:`CompensatedAdamW8bit` is ``torch.optim.AdamW`` (or Adam's L2 form) with three
+changes: the arithmetic runs in float32; the moments of a large tensor are kept
+blockwise quantized to 8 bits (:mod:`amped.recipes.quantized_state`: 256-element
+blocks, the dynamic map of bitsandbytes and torchao), those of a small one in float32;
+and the update reaches a bfloat16 weight through stochastic rounding (the default) or
+Kahan compensation, as in :class:`~amped.recipes.CompensatedAdamW`. With stochastic
+rounding a bfloat16 parameter costs 2 bytes of weight, 2 of gradient and 2.03 of state
+(two 1-byte codes and two float32 scales per 256 elements).
+
+The moments follow torchao's ``AdamW8bit`` op for op (dequantize, ``lerp`` towards the
+gradient and its square, quantize), so that from the same gradients the two hold the
+same codes; the update is AdamW's, from the float32 moments before quantization.
+
+State, per parameter: ``step`` (a Python int) and, for a quantized tensor,
+``exp_avg_codes`` and ``exp_avg_sq_codes`` (uint8, the parameter's shape) with
+``exp_avg_scale`` and ``exp_avg_sq_scale`` (float32, one per block); for a small one,
+``exp_avg`` and ``exp_avg_sq`` (float32); under Kahan, ``compensation``.
+:meth:`CompensatedAdamW8bit.moments` gives the moments as float32 tensors.
+
+Each parameter is stepped on its own (:meth:`CompensatedAdamW8bit.step_parameter`),
+which optimizer-in-backward (:mod:`amped.recipes.in_backward`) calls from the gradient
+hook. Stochastic rounding draws one key a step from the optimizer's seeded generator;
+element ``i`` of the parameter that starts ``offset`` elements into the optimizer's
+parameters (in group order) gets the bits of ``hash(key + offset + i)``
+(:mod:`amped.recipes.noise`), so the noise does not depend on the order in which
+parameters are stepped.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from amped._internal.errors import received, type_error, value_error
+from amped._internal.torch_compat import python_mode_active
+from amped.recipes import fused as fused_kernels
+from amped.recipes import quantized_state as q8
+from amped.recipes.adamw8bit_fused import adamw8bit_
+from amped.recipes.compensated import _check
+from amped.recipes.noise import draw_keys, hashed_noise_
+from amped.recipes.registry import Compensation
+from amped.recipes.rounding import kahan_add_, require_bfloat16, rounded_with_noise_
+
+__all__ = ["CompensatedAdamW8bit"]
+
+_LOW_DTYPES = (torch.bfloat16, torch.float16)
+_MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (key, signed map)
+
+
+class CompensatedAdamW8bit(torch.optim.Optimizer):
+    """AdamW for bf16 weights with blockwise 8-bit moments (see the module).
+
+    Args:
+        params: parameters or parameter groups, as for any torch optimizer.
+        lr, betas, eps, weight_decay, maximize: as in ``torch.optim.AdamW``.
+        decoupled_weight_decay: True for AdamW's decay, False for Adam's L2 term.
+        compensation: ``"stochastic"`` (default: bfloat16 weights round
+            stochastically; no buffer) or ``"kahan"`` (a compensation buffer per
+            weight, 2 more bytes a parameter).
+        seed: seeds the stochastic rounding's random stream.
+        fused: ``None`` (default): step each bfloat16 tensor with quantized moments by
+            one compiled kernel (:mod:`amped.recipes.adamw8bit_fused`) under stochastic
+            rounding, where torch.compile can build it, else eagerly, with one warning;
+            ``True``: an error instead where it cannot; ``False``: always eager.
+
+    Example:
+        >>> import torch, amped
+        >>> model = torch.nn.Linear(256, 32).bfloat16()
+        >>> opt = amped.recipes.adamw8bit.CompensatedAdamW8bit(model.parameters(), lr=1e-4)
+        >>> model(torch.randn(3, 256, dtype=torch.bfloat16)).float().sum().backward()
+        >>> opt.step()
+        >>> opt.state[model.weight]["exp_avg_codes"].dtype, opt.state[model.bias]["exp_avg"].dtype
+        (torch.uint8, torch.float32)
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        decoupled_weight_decay: bool = True,
+        maximize: bool = False,
+        compensation: Compensation = "stochastic",
+        seed: int = 0,
+        fused: bool | None = None,
+    ) -> None:
+        if fused is not None and not isinstance(fused, bool):
+            raise type_error("fused must be True, False or None (automatic)", "fused", fused)
+        if compensation not in ("kahan", "stochastic"):
+            raise value_error(
+                "compensation must be one of ['kahan', 'stochastic']", "compensation", compensation
+            )
+        defaults = dict(
+            lr=_check("lr", lr),
+            betas=(_check("betas[0]", betas[0], high=1.0), _check("betas[1]", betas[1], high=1.0)),
+            eps=_check("eps", eps),
+            weight_decay=_check("weight_decay", weight_decay),
+            decoupled_weight_decay=bool(decoupled_weight_decay),
+            maximize=bool(maximize),
+            compensation=compensation,
+        )
+        super().__init__(params, defaults)
+        self.seed = seed
+        self.fused = fused
+        self._generator: torch.Generator | None = None
+        self._key: torch.Tensor | None = None  # this step's noise key, drawn on first use
+        self._offsets: dict[torch.Tensor, int] = {}
+
+    # -- the step ---------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        for param in stepped:  # refuse before anything is written
+            self._refuse(param, self._group(param))
+        for param in stepped:
+            self.step_parameter(param)
+        self.end_step()
+        return loss
+
+    @torch.no_grad()
+    def step_parameter(self, param: torch.Tensor) -> None:
+        """Step one parameter from its gradient (the step of :meth:`step` for it).
+
+        Call :meth:`end_step` after the last parameter of a step, so that the next
+        step draws new random bits.
+        """
+        group = self._group(param)
+        self._refuse(param, group)
+        state = self.state[param]
+        if "step" not in state:
+            self._init_state(param, group, state)
+        state["step"] += 1
+        count = state["step"]
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        assert param.grad is not None  # _refuse
+        if self._fusable(param, group) and self._step_fused(param, group, state, count):
+            return
+        grad = param.grad.to(torch.float32, copy=True)
+        if group["maximize"]:
+            grad.neg_()
+        weight = param.detach().to(torch.float32, copy=True)
+        if wd != 0 and not group["decoupled_weight_decay"]:
+            grad = grad + wd * weight
+        exp_avg = self._moment(state, "exp_avg", True).lerp(grad, 1 - beta1)
+        exp_avg_sq = self._moment(state, "exp_avg_sq", False).lerp(grad.square(), 1 - beta2)
+        self._store(state, "exp_avg", True, exp_avg)
+        self._store(state, "exp_avg_sq", False, exp_avg_sq)
+        # torch's bias corrections, in Python floats (double precision).
+        denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2**count)).add_(eps)
+        update = exp_avg.div_(denom).mul_(-lr / (1 - beta1**count))
+        if wd != 0 and group["decoupled_weight_decay"]:
+            update.add_(weight, alpha=-lr * wd)  # below half an ulp: compensated too
+        self._apply(param, group, state, weight, update)
+
+    def _fusable(self, param: torch.Tensor, group: dict) -> bool:
+        if self.fused is False or torch.compiler.is_compiling() or python_mode_active():
+            return False
+        if param.dtype is not torch.bfloat16 or group["compensation"] != "stochastic":
+            return False
+        if not q8.quantizes(param.numel()) or type(param) not in (torch.Tensor, nn.Parameter):
+            return False
+        assert param.grad is not None
+        if not (param.is_contiguous() and param.grad.is_contiguous()):
+            return False
+        reason = fused_kernels.available(param.device.type)
+        if reason is not None and self.fused:
+            raise RuntimeError(
+                f"fused=True cannot run here: {reason}. Pass fused=None (the eager step "
+                "where the fused one cannot run) or fused=False"
+            )
+        return reason is None
+
+    def _step_fused(self, param: torch.Tensor, group: dict, state: dict, count: int) -> bool:
+        lr, wd = group["lr"], group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        decoupled = group["decoupled_weight_decay"]
+        scalars = [
+            -1.0 if group["maximize"] else 1.0,
+            0.0 if decoupled else wd,
+            1 - beta1,
+            1 - beta2,
+            math.sqrt(1 - beta2**count),
+            group["eps"],
+            -lr / (1 - beta1**count),
+            -lr * wd if decoupled else 0.0,
+        ]
+        device = param.device
+        assert param.grad is not None
+        args = (
+            param.grad.view(-1),
+            param.detach().view(-1),
+            state["exp_avg_codes"].view(-1),
+            state["exp_avg_scale"],
+            state["exp_avg_sq_codes"].view(-1),
+            state["exp_avg_sq_scale"],
+            q8.dynamic_map(True, device),
+            q8.dynamic_map(False, device),
+            torch.tensor(scalars, dtype=torch.float32, device=device),
+            self._start(param),
+        )
+        return adamw8bit_(bool(self.fused), args)
+
+    def end_step(self) -> None:
+        """Close a step made of :meth:`step_parameter` calls: the next one draws new bits."""
+        self._key = None
+
+    def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``param``'s first and second moments as new float32 tensors of its shape
+        (dequantized where they are 8-bit). Raises KeyError before its first step."""
+        state = self.state[param]
+        if "step" not in state:
+            raise KeyError(f"{type(self).__name__} has no state for this parameter yet")
+        return self._moment(state, "exp_avg", True), self._moment(state, "exp_avg_sq", False)
+
+    def _group(self, param: torch.Tensor) -> dict:
+        for group in self.param_groups:
+            if any(p is param for p in group["params"]):
+                return group
+        raise value_error(
+            "step_parameter() takes a parameter of this optimizer's groups",
+            "param.shape",
+            tuple(param.shape),
+        )
+
+    def _refuse(self, param: torch.Tensor, group: dict) -> None:
+        if param.grad is None:
+            raise value_error(
+                "step_parameter() needs the parameter's gradient; it has none", "grad", None
+            )
+        if param.grad.is_sparse:
+            raise RuntimeError(
+                f"{type(self).__name__} does not support sparse gradients. "
+                + received("grad.layout", param.grad.layout)
+            )
+        if group["compensation"] == "stochastic" and param.dtype in _LOW_DTYPES:
+            require_bfloat16(param.dtype)
+
+    def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
+        state["step"] = 0
+        for key, _ in _MOMENTS:
+            if q8.quantizes(param.numel()):
+                blocks = param.numel() // q8.BLOCK
+                state[f"{key}_codes"] = torch.zeros(
+                    param.shape, dtype=torch.uint8, device=param.device
+                )
+                state[f"{key}_scale"] = torch.zeros(
+                    blocks, dtype=torch.float32, device=param.device
+                )
+            else:
+                state[key] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+        if group["compensation"] == "kahan" and param.dtype in _LOW_DTYPES:
+            state["compensation"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def _moment(state: dict, key: str, signed: bool) -> torch.Tensor:
+        if key in state:
+            return state[key].clone()
+        return q8.dequantize(state[f"{key}_codes"], state[f"{key}_scale"], signed)
+
+    @staticmethod
+    def _store(state: dict, key: str, signed: bool, value: torch.Tensor) -> None:
+        if key in state:
+            state[key].copy_(value)
+            return
+        codes, scale = q8.quantize(value, signed)
+        state[f"{key}_codes"].copy_(codes)
+        state[f"{key}_scale"].copy_(scale)
+
+    def _apply(
+        self,
+        param: torch.Tensor,
+        group: dict,
+        state: dict,
+        weight: torch.Tensor,
+        update: torch.Tensor,
+    ) -> None:
+        """``param += update``: plainly (float32), compensated (Kahan) or stochastically
+        rounded; ``weight`` is ``param`` in float32 (consumed)."""
+        if param.dtype not in _LOW_DTYPES:
+            param.add_(update)
+        elif group["compensation"] == "kahan":
+            kahan_add_(param, update, state["compensation"])
+        else:
+            value = weight.add_(update)
+            noise = torch.empty(value.shape, dtype=torch.int32, device=value.device)
+            counters = torch.arange(value.numel(), dtype=torch.int32, device=value.device)
+            scratch = torch.empty_like(noise)
+            hashed_noise_(noise.view(-1), counters, self._start(param), scratch.view(-1))
+            param.copy_(rounded_with_noise_(value, noise))
+
+    def _start(self, param: torch.Tensor) -> torch.Tensor:
+        """The 0-dim int32 number of ``param``'s first element in this step's noise."""
+        if self._key is None:
+            self._key = draw_keys(1, self._rng(param.device))[0]
+            self._offsets.clear()
+            total = 0
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self._offsets[p] = total
+                    total += p.numel()
+        offset = self._offsets[param] % (1 << 32)
+        offset -= (1 << 32) if offset >= (1 << 31) else 0  # as the int32 with its bits
+        return self._key.to(param.device).add(offset)
+
+    def _rng(self, device: torch.device) -> torch.Generator:
+        if self._generator is None:
+            self._generator = torch.Generator(device=device)
+            self._generator.manual_seed(self.seed)
+        return self._generator
+
+    # -- saving and loading -----------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's layout, plus the seed and the random stream's state (``"rng_state"``)."""
+        state = super().state_dict()
+        state["seed"] = self.seed
+        if self._generator is not None:
+            state["rng_state"] = self._generator.get_state()
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a :meth:`state_dict`. Each state tensor keeps its dtype (uint8 codes,
+        float32 scales and small moments): torch would cast them to the parameter's."""
+        state_dict = dict(state_dict)
+        rng_state = state_dict.pop("rng_state", None)
+        self.seed = state_dict.pop("seed", self.seed)
+        super().load_state_dict(state_dict)
+        params = [p for g in self.param_groups for p in g["params"]]
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for param, saved_id in zip(params, saved_ids, strict=True):
+            for key, value in state_dict["state"].get(saved_id, {}).items():
+                if isinstance(value, torch.Tensor):
+                    self.state[param][key] = value.to(param.device, copy=True)
+        self._generator = None
+        self._key = None
+        if rng_state is not None:
+            device = params[0].device
+            self._rng(device).set_state(rng_state)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["_rng_state"] = None if self._generator is None else self._generator.get_state()
+        state["fused"] = self.fused
+        state["_generator"] = None
+        state["_key"] = None
+        state["_offsets"] = {}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        rng_state = state.pop("_rng_state", None)
+        super().__setstate__(state)
+        if rng_state is not None:
+            device = next(p.device for g in self.param_groups for p in g["params"])
+            self._rng(device).set_state(rng_state)

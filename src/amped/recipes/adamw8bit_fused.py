@@ -1,4 +1,4 @@
-"""The fused step of :class:`~amped.recipes.adamw8bit.CompensatedAdamW8bit`: one compiled kernel a tensor.
+"""The fused step of :class:`~amped.recipes.adamw8bit.CompensatedAdamW8bit`: one kernel a tensor.
 
 The eager 8-bit step (:mod:`amped.recipes.adamw8bit`) runs about twenty torch ops over
 each parameter: dequantize both moments, ``lerp``, quantize (a block maximum, a

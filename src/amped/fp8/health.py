@@ -22,7 +22,16 @@ without a sync:
 Any layer can report the same way: call ``record_gemm(self, role, output_name, output,
 {operand_name: (high, quantized)})`` after each GEMM, with ``quantized`` an
 :class:`~amped.fp8.cast.Fp8Tensor` (its ``scale`` multiplies, ``data`` is the
-low-precision payload) or None, and ``high`` the tensor before the cast or None.
+low-precision payload), a :class:`~amped.fp8.block_cast.BlockTensor` or None, and
+``high`` the tensor before the cast or None.
+
+A block tensor's scales do not show an inf reliably (an MX block holding an inf takes
+the largest scale its mode allows, a finite value), so a block operand is probed by
+its high-precision tensor (one ``aminmax`` pass), which :class:`~amped.fp8.BlockLinear`
+passes for every operand. Its sampled counters read the block scales: an element
+saturates when its magnitude exceeds the format's largest element times its block's
+scale (times NVFP4's tensor scale); a *scale clamp* is a block scale at the format's
+floor (E8M0 ``2**-127``, NVFP4's ``2**-6``) or at E8M0's largest finite value.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
+from amped.fp8.block_cast import BlockTensor
 from amped.fp8.cast import EPS, Fp8Tensor
 
 __all__ = ["ROLES", "STATS", "GemmObserver", "Operand", "record_gemm"]
@@ -50,7 +60,7 @@ STATS = (
 )
 """The sampled counters of one GEMM, in this order (float32, summed; ``amax``: max)."""
 
-Operand = tuple[torch.Tensor | None, Fp8Tensor | None]
+Operand = tuple[torch.Tensor | None, Fp8Tensor | BlockTensor | None]
 
 
 class GemmObserver(Protocol):
@@ -85,7 +95,7 @@ def record_gemm(
     scale_probes, end_probes = [], []
     with torch.no_grad():
         for name, (high, low) in operands.items():
-            if low is not None:
+            if isinstance(low, Fp8Tensor):
                 scale_probes.append((name, low.scale.amin()))
             elif high is not None and high.numel():
                 end_probes.append((name, torch.aminmax(high)))
@@ -108,6 +118,11 @@ def _stats(operands: Mapping[str, Operand], output: torch.Tensor) -> torch.Tenso
             nonfinite = nonfinite + (~torch.isfinite(wide)).sum()
             finite = torch.where(torch.isfinite(wide), wide.abs(), 0.0)
             amax = torch.maximum(amax, finite.amax() if finite.numel() else zero)
+        if isinstance(low, BlockTensor):
+            under, nz, sat, count, clamped = _block_counts(None if high is None else wide, low)
+            underflow, nonzero, saturated = underflow + under, nonzero + nz, saturated + sat
+            elements, clamps = elements + count, clamps + clamped
+            continue
         if low is None:
             continue
         dtype_max = torch.finfo(low.data.dtype).max
@@ -120,3 +135,30 @@ def _stats(operands: Mapping[str, Operand], output: torch.Tensor) -> torch.Tenso
             underflow = underflow + ((low.data.float() == 0) & (wide != 0)).sum()
             saturated = saturated + (scaled > dtype_max).sum()
     return torch.stack([nonfinite, underflow, nonzero, saturated, elements, clamps, amax]).float()
+
+
+_E8M0_LARGEST = 254  # the largest finite E8M0 exponent (255 is NaN)
+_E4M3_FLOOR = 2.0**-6  # NVFP4's smallest block scale
+
+
+def _block_counts(wide: torch.Tensor | None, low: BlockTensor) -> tuple[torch.Tensor, ...]:
+    """(underflow, nonzero, saturated, elements, scale clamps) of one block operand."""
+    fmt = low.format
+    if fmt.is_mx:
+        bits = low.scale_bits
+        clamps = ((bits == 0) | (bits == _E8M0_LARGEST)).sum().float()
+    else:
+        clamps = (low.block_scale() == _E4M3_FLOOR).sum().float()
+    elements = torch.tensor(float(low.elements.numel()), device=clamps.device)
+    if wide is None or wide.shape != low.elements.shape:
+        zero = torch.zeros((), dtype=torch.float32, device=clamps.device)
+        return zero, zero, zero, elements, clamps
+    scale = low.block_scale()
+    if low.tensor_scale is not None:
+        scale = scale * low.tensor_scale
+    limit = (scale * fmt.elem_max).repeat_interleave(fmt.block_size, dim=-1)
+    magnitude = wide.abs()
+    nonzero = (wide != 0).sum().float()
+    underflow = ((low.elements == 0) & (wide != 0)).sum().float()
+    saturated = (magnitude > limit).sum().float()
+    return underflow, nonzero, saturated, elements, clamps

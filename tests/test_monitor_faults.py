@@ -35,6 +35,7 @@ from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 RECIPES = FP8_RECIPE_NAMES + BLOCK_RECIPE_NAMES
 
 STEPS = 4
+SOURCE = "(loss = setup.model(x).float().pow(2).mean())"  # the user's line in _run
 OUTPUT_NAME = {"forward": "output", "grad_input": "grad_input", "grad_weight": "grad_weight"}
 
 
@@ -158,6 +159,7 @@ def _check_skip(monkeypatch, recipe, base, grid) -> int:
         )
         assert raised_at is None
         assert health.first_nonfinite == expected, (health.first_nonfinite, expected)
+        assert health.first_nonfinite.source.endswith(SOURCE), health.first_nonfinite.source
         named += 1
         assert taken == [index != step for index in range(STEPS)], (expected, taken)
         assert _all_finite(setup), expected

@@ -1,12 +1,12 @@
 """Overhead of ``amped.monitor(setup, every=50)`` on the FP8 and block recipes' step.
 
 Two setups of each FP8 and block (mxfp8, mxfp4, nvfp4) recipe, one monitored and one
-not, from the same weights, run side by side in one process: one training step of each, interleaved (order
-alternating), over ``--steps`` steps per repeat; a repeat's time is the sum of its step
-times, and the printed ratio is the median over ``--repeats`` repeats. The model is a
-stack of ``--layers`` square Linear layers (``--dim``) with GELUs and a head, in
-bfloat16 autocast; the monitor samples its counters every ``--every`` steps and checks
-its flags (one sync) every step.
+not, from the same weights, run side by side in one process: one training step of
+each, interleaved (order alternating), over ``--steps`` steps per repeat; a repeat's
+time is the sum of its step times, and the printed ratio is the median over
+``--repeats`` repeats. The model is a stack of ``--layers`` square Linear layers
+(``--dim``) with GELUs and a head, in bfloat16 autocast; the monitor samples its
+counters every ``--every`` steps and checks its flags (one sync) every step.
 
 Usage: python benchmarks/monitor_overhead.py [--threads 1] [--repeats 7] [--steps 100]
                                              [--dim 512] [--layers 4] [--every 50]

@@ -36,6 +36,7 @@ floor (E8M0 ``2**-127``, NVFP4's ``2**-6``) or at E8M0's largest finite value.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -93,10 +94,12 @@ def record_gemm(
         return
     # One op per tensor (the flags are made from these in one batch, at the step's end).
     scale_probes, end_probes = [], []
-    with torch.no_grad():
+    # A GEMM runs inside an autograd Function, where grad mode is off already.
+    with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
         for name, (high, low) in operands.items():
             if isinstance(low, Fp8Tensor):
-                scale_probes.append((name, low.scale.amin()))
+                scale = low.scale  # a tensorwise scale is its own smallest
+                scale_probes.append((name, scale.amin() if scale.dim() else scale))
             elif high is not None and high.numel():
                 end_probes.append((name, torch.aminmax(high)))
         if output.numel():

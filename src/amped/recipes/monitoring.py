@@ -183,6 +183,8 @@ class Monitor:
         if ends:
             parts.append(~torch.isfinite(_stack(ends)))
         bad = torch.cat(parts).tolist() if parts else []  # the one sync
+        if not any(bad):
+            return True
         offset = len(self._scale_probes)
         flagged = [
             event

@@ -1,12 +1,12 @@
-"""Overhead of ``amped.monitor(setup, every=50)`` on the FP8 recipes' training step.
+"""Overhead of ``amped.monitor(setup, every=50)`` on the FP8 and block recipes' step.
 
-Two setups of each FP8 recipe, one monitored and one not, from the same weights, run
-side by side in one process: one training step of each, interleaved (order
-alternating), over ``--steps`` steps per repeat; a repeat's time is the sum of its step
-times, and the printed ratio is the median over ``--repeats`` repeats. The model is a
-stack of ``--layers`` square Linear layers (``--dim``) with GELUs and a head, in
-bfloat16 autocast; the monitor samples its counters every ``--every`` steps and checks
-its flags (one sync) every step.
+Two setups of each FP8 and block (mxfp8, mxfp4, nvfp4) recipe, one monitored and one
+not, from the same weights, run side by side in one process: one training step of
+each, interleaved (order alternating), over ``--steps`` steps per repeat; a repeat's
+time is the sum of its step times, and the printed ratio is the median over
+``--repeats`` repeats. The model is a stack of ``--layers`` square Linear layers
+(``--dim``) with GELUs and a head, in bfloat16 autocast; the monitor samples its
+counters every ``--every`` steps and checks its flags (one sync) every step.
 
 Usage: python benchmarks/monitor_overhead.py [--threads 1] [--repeats 7] [--steps 100]
                                              [--dim 512] [--layers 4] [--every 50]
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import amped
-from amped.recipes.fp8 import FP8_RECIPE_NAMES
+from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 
 
 def _model(dim: int, layers: int) -> nn.Sequential:
@@ -69,6 +69,7 @@ def measure(recipe: str, args: argparse.Namespace) -> tuple[float, float, float]
         plain_times.append(totals["plain"] / args.steps)
         watched_times.append(totals["watched"] / args.steps)
     assert health.sampled_steps >= args.repeats * args.steps // args.every
+    assert health.read(), f"{recipe}: no layer reported"
     return (
         statistics.median(ratios),
         statistics.median(plain_times),
@@ -85,7 +86,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--every", type=int, default=50)
-    parser.add_argument("--recipes", default=",".join(FP8_RECIPE_NAMES))
+    parser.add_argument("--recipes", default=",".join(FP8_RECIPE_NAMES + BLOCK_RECIPE_NAMES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(

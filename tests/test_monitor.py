@@ -125,3 +125,40 @@ def test_summary_is_json_ready():
     summary = json.loads(json.dumps(health.summary()))
     assert summary["steps"] == 1 and summary["first_nonfinite"] is None
     assert set(summary["gemms"]["0"]["forward"]) >= set(STATS)
+
+
+class _ThreeLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.head = nn.Linear(64, 16)  # the plan keeps the head out of FP8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.first(x).relu()
+        hidden = self.second(hidden).relu()  # the line the report must point at
+        return self.head(hidden)
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "mxfp8"])
+def test_first_non_finite_names_the_users_source_line(recipe):
+    torch.manual_seed(0)
+    model = _ThreeLayers()
+    setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), recipe)
+    health = amped.monitor(setup, every=50, on_nonfinite="raise")
+    assert _step(setup, torch.randn(8, 64))
+    with torch.no_grad():
+        setup.model.second.weight[3, 5] = math.nan
+    with pytest.raises(amped.recipes.NonFiniteError, match=r"self\.second\(hidden\)"):
+        _step(setup, torch.randn(8, 64))
+    first = health.first_nonfinite
+    assert (first.step, first.module, first.role, first.tensor) == (
+        1,
+        "second",
+        "forward",
+        "weight",
+    )
+    path, rest = first.source.split(":", 1)
+    assert path.endswith("test_monitor.py")
+    assert rest.endswith(
+        "(hidden = self.second(hidden).relu()  # the line the report must point at)"
+    )

@@ -1,9 +1,11 @@
 """Seeded fault injection: the monitor names the first non-finite, skips or stops there.
 
-Grid: every FP8 recipe x every converted layer x every GEMM role it runs x {inf, NaN}
-x the step of the fault. The fault is an inf or NaN written into one element (chosen
-by a seeded generator) of one FP8 GEMM's output, at one step: the forward output of a
-layer, the grad_input or the grad_weight it computes. Must hold in 100% of cases:
+Grid: every FP8 and block recipe (mxfp8, mxfp4, nvfp4) x every converted layer x
+every GEMM role it runs x {inf, NaN} x the step of the fault. The fault is an inf or
+NaN written into one element (chosen by a seeded generator) of one low-precision
+GEMM's output (``scaled_mm`` of Float8Linear, ``block_mm`` of BlockLinear), at one
+step: the forward output of a layer, the grad_input or the grad_weight it computes.
+Must hold in 100% of cases:
 
 - the monitor's first non-finite is exactly (step, layer, role, that output);
 - ``on_nonfinite="skip"``: only that step is skipped, and no parameter or optimizer
@@ -16,6 +18,7 @@ so its grid has no grad_weight faults.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -23,14 +26,17 @@ import torch
 from torch import nn
 
 import amped
+import amped.fp8.block_linear
 import amped.fp8.linear
 from amped.fp8 import FP8_CONFIGS
 from amped.recipes import NonFiniteError
-from amped.recipes.fp8 import FP8_RECIPE_NAMES
+from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 from amped.recipes.monitoring import NonFinite
 
+RECIPES = FP8_RECIPE_NAMES + BLOCK_RECIPE_NAMES
+
 STEPS = 4
-LAYERS = ("0", "2", "4")  # the converted Linear layers; "6" is the head, kept out
+SOURCE = "(loss = setup.model(x).float().pow(2).mean())"  # the user's line in _run
 OUTPUT_NAME = {"forward": "output", "grad_input": "grad_input", "grad_weight": "grad_weight"}
 
 
@@ -42,24 +48,45 @@ def _model() -> nn.Sequential:
     return nn.Sequential(*layers, nn.Linear(64, 16))
 
 
+@functools.cache
+def _converted(recipe: str) -> tuple[str, ...]:
+    """The layers the recipe converts, in model order: "0", "2", "4" (the head "6" is
+    kept out; nvfp4 also keeps its last layers in bfloat16)."""
+    model = _model()
+    setup = amped.prepare(model, torch.optim.AdamW(model.parameters()), recipe)
+    assert setup.fp8_layers is not None
+    return tuple(sorted(dict(setup.fp8_layers.layers), key=int))
+
+
 def _gemm_order(recipe: str) -> list[tuple[str, str]]:
-    """The (layer, role) of each FP8 GEMM call of one step, in the order they run.
+    """The (layer, role) of each low-precision GEMM call of one step, in the order they
+    run.
 
     Backward runs the layers in reverse, grad_input before grad_weight; the first layer's
     input needs no gradient (no grad_input GEMM).
     """
-    fp8_grad_weight = not FP8_CONFIGS[recipe.removeprefix("fp8-")].grad_weight_hp
-    order = [(layer, "forward") for layer in LAYERS]
-    for layer in reversed(LAYERS):
-        if layer != LAYERS[0]:
+    layers = _converted(recipe)
+    fp8_grad_weight = recipe in BLOCK_RECIPE_NAMES or not (
+        FP8_CONFIGS[recipe.removeprefix("fp8-")].grad_weight_hp
+    )
+    order = [(layer, "forward") for layer in layers]
+    for layer in reversed(layers):
+        if layer != "0":
             order.append((layer, "grad_input"))
         if fp8_grad_weight:
             order.append((layer, "grad_weight"))
     return order
 
 
+def _gemm_site(recipe: str) -> tuple[object, str]:
+    """The module and name of the GEMM function the recipe's layers call."""
+    if recipe in BLOCK_RECIPE_NAMES:
+        return amped.fp8.block_linear, "block_mm"
+    return amped.fp8.linear, "scaled_mm"
+
+
 class _Injector:
-    """Wraps amped.fp8.linear.scaled_mm: poisons the output of one call of one step."""
+    """Wraps the layers' GEMM function: poisons the output of one call of one step."""
 
     def __init__(self, original, step: int, call: int, value: float, seed: int) -> None:
         self.original, self.step, self.call, self.value = original, step, call, value
@@ -88,8 +115,9 @@ def _all_finite(setup) -> bool:
 def _run(monkeypatch, recipe, base, position, value, step, mode):
     """Train STEPS steps with one fault; returns (setup, monitor, taken steps, raised at)."""
     layer, role = _gemm_order(recipe)[position]
-    injector = _Injector(amped.fp8.linear.scaled_mm, step, position, value, seed=position)
-    monkeypatch.setattr(amped.fp8.linear, "scaled_mm", injector)
+    module, name = _gemm_site(recipe)
+    injector = _Injector(getattr(module, name), step, position, value, seed=position)
+    monkeypatch.setattr(module, name, injector)
     model = _model()
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), recipe, base=base)
     health = amped.monitor(setup, every=2, on_nonfinite=mode)
@@ -132,6 +160,7 @@ def _check_skip(monkeypatch, recipe, base, grid) -> int:
         )
         assert raised_at is None
         assert health.first_nonfinite == expected, (health.first_nonfinite, expected)
+        assert health.first_nonfinite.source.endswith(SOURCE), health.first_nonfinite.source
         named += 1
         assert taken == [index != step for index in range(STEPS)], (expected, taken)
         assert _all_finite(setup), expected
@@ -140,22 +169,27 @@ def _check_skip(monkeypatch, recipe, base, grid) -> int:
 
 
 @pytest.mark.filterwarnings("ignore:amped.monitor:RuntimeWarning")
-@pytest.mark.parametrize("recipe", ["fp8-tensorwise"])
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "mxfp8"])
 def test_fault_grid_skip_names_the_first_non_finite(monkeypatch, recipe):
     grid = _grid(recipe, steps=(2,))
+    if recipe in BLOCK_RECIPE_NAMES:  # the emulated block casts are slow: inf faults only
+        grid = [case for case in grid if case[1] == math.inf]
     assert _check_skip(monkeypatch, recipe, "bf16-mixed", grid) == len(grid)  # 100%
 
 
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:amped.monitor:RuntimeWarning")
 @pytest.mark.parametrize("base", ["bf16-mixed", "bf16-pure"])
-@pytest.mark.parametrize("recipe", FP8_RECIPE_NAMES)
+@pytest.mark.parametrize("recipe", RECIPES)
 def test_full_fault_grid_skip(monkeypatch, recipe, base):
     grid = _grid(recipe)
     assert _check_skip(monkeypatch, recipe, base, grid) == len(grid)  # 100%
 
 
-@pytest.mark.parametrize("recipe", FP8_RECIPE_NAMES)
+@pytest.mark.parametrize(
+    "recipe",
+    [pytest.param(r, marks=pytest.mark.slow) if r in ("mxfp4", "nvfp4") else r for r in RECIPES],
+)
 def test_raise_stops_at_the_faulty_step_with_nothing_changed(monkeypatch, recipe):
     order = _gemm_order(recipe)
     for position in range(len(order)):

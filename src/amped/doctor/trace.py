@@ -9,7 +9,6 @@ paths come from global module hooks while a trace is open.
 
 from __future__ import annotations
 
-import os
 import traceback
 import types
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import torch
 from torch.nn.modules import module as nn_module
 from torch.overrides import TorchFunctionMode
 
+from amped._internal.source import user_source
 from amped._internal.trees import iter_tensors
 from amped.autocast_mode import transparent
 
@@ -101,7 +101,6 @@ _NOT_COMPUTE = frozenset(
         "tril",
     ]
 )
-_OWN_DIRS = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
 
 
 @dataclass
@@ -127,16 +126,6 @@ class OpCall:
 def float_tensors(value: Any) -> list[torch.Tensor]:
     """The floating-point tensors inside ``value`` (nested tuples, lists, dicts), in order."""
     return [t for t in iter_tensors(value) if t.is_floating_point()]
-
-
-def user_source(stack: traceback.StackSummary | None) -> str | None:
-    """The innermost frame outside torch and amped: the user's line that led to the op."""
-    for frame in reversed(stack or []):
-        if not frame.filename.startswith(_OWN_DIRS):
-            path = os.path.relpath(frame.filename)
-            path = frame.filename if path.startswith("..") else path
-            return f"{path}:{frame.lineno} ({frame.line or frame.name})"
-    return None
 
 
 class Tracer(TorchFunctionMode):

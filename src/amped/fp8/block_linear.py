@@ -33,6 +33,7 @@ from amped.fp8.block_config import BlockConfig
 from amped.fp8.block_gemm import block_mm, has_block_scaled_mm, require_block_scaled_mm
 from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims, low_precision_class
 from amped.fp8.hadamard import HADAMARD_SIZE, random_hadamard, rotate_rows
+from amped.fp8.health import record_gemm
 
 __all__ = ["BlockLinear"]
 
@@ -48,9 +49,9 @@ class _BlockLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: BlockLinear) -> Any:
         x2 = x.reshape(-1, x.shape[-1])
-        out = block_mm(
-            layer.block_cast(x2), layer.weight_cast(weight), x.dtype, emulate=layer.fp8_emulate
-        )
+        xq, wq = layer.block_cast(x2), layer.weight_cast(weight)
+        out = block_mm(xq, wq, x.dtype, emulate=layer.fp8_emulate)
+        record_gemm(layer, "forward", "output", out, {"input": (x2, xq), "weight": (weight, wq)})
         ctx.save_for_backward(x2, weight)
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -63,10 +64,11 @@ class _BlockLinearFunction(torch.autograd.Function):
         generator = layer.rounding_generator()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            goq = layer.block_cast(go, generator)
-            grad_x = block_mm(
-                goq, layer.weight_cast(weight.t()), grad.dtype, emulate=layer.fp8_emulate
-            )
+            goq, w_t = layer.block_cast(go, generator), weight.t()
+            wq = layer.weight_cast(w_t)
+            grad_x = block_mm(goq, wq, grad.dtype, emulate=layer.fp8_emulate)
+            operands = {"grad_output": (go, goq), "weight": (w_t, wq)}
+            record_gemm(layer, "grad_input", "grad_input", grad_x, operands)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             cfg = layer.block_config
@@ -75,9 +77,11 @@ class _BlockLinearFunction(torch.autograd.Function):
             if cfg.hadamard:
                 rotation = layer.hadamard_rotation()
                 go_rows, x_rows = rotate_rows(go_rows, rotation), rotate_rows(x_rows, rotation)
-            go_t = layer.block_cast(go_rows.t().contiguous(), generator)
-            x_t = layer.block_cast(x_rows.t().contiguous())
+            go_rows_t, x_rows_t = go_rows.t().contiguous(), x_rows.t().contiguous()
+            go_t, x_t = layer.block_cast(go_rows_t, generator), layer.block_cast(x_rows_t)
             grad_w = block_mm(go_t, x_t, grad.dtype, emulate=layer.fp8_emulate)
+            operands = {"grad_output": (go_rows_t, go_t), "input": (x_rows_t, x_t)}
+            record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands)
             grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None
 

@@ -22,16 +22,27 @@ without a sync:
 Any layer can report the same way: call ``record_gemm(self, role, output_name, output,
 {operand_name: (high, quantized)})`` after each GEMM, with ``quantized`` an
 :class:`~amped.fp8.cast.Fp8Tensor` (its ``scale`` multiplies, ``data`` is the
-low-precision payload) or None, and ``high`` the tensor before the cast or None.
+low-precision payload), a :class:`~amped.fp8.block_cast.BlockTensor` or None, and
+``high`` the tensor before the cast or None.
+
+A block tensor's scales do not show an inf reliably (an MX block holding an inf takes
+the largest scale its mode allows, a finite value), so a block operand is probed by
+its high-precision tensor (one ``aminmax`` pass), which :class:`~amped.fp8.BlockLinear`
+passes for every operand. Its sampled counters read the block scales: an element
+saturates when its magnitude exceeds the format's largest element times its block's
+scale (times NVFP4's tensor scale); a *scale clamp* is a block scale at the format's
+floor (E8M0 ``2**-127``, NVFP4's ``2**-6``) or at E8M0's largest finite value.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import torch
 
+from amped.fp8.block_cast import BlockTensor
 from amped.fp8.cast import EPS, Fp8Tensor
 
 __all__ = ["ROLES", "STATS", "GemmObserver", "Operand", "record_gemm"]
@@ -50,7 +61,7 @@ STATS = (
 )
 """The sampled counters of one GEMM, in this order (float32, summed; ``amax``: max)."""
 
-Operand = tuple[torch.Tensor | None, Fp8Tensor | None]
+Operand = tuple[torch.Tensor | None, Fp8Tensor | BlockTensor | None]
 
 
 class GemmObserver(Protocol):
@@ -83,10 +94,12 @@ def record_gemm(
         return
     # One op per tensor (the flags are made from these in one batch, at the step's end).
     scale_probes, end_probes = [], []
-    with torch.no_grad():
+    # A GEMM runs inside an autograd Function, where grad mode is off already.
+    with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
         for name, (high, low) in operands.items():
-            if low is not None:
-                scale_probes.append((name, low.scale.amin()))
+            if isinstance(low, Fp8Tensor):
+                scale = low.scale  # a tensorwise scale is its own smallest
+                scale_probes.append((name, scale.amin() if scale.dim() else scale))
             elif high is not None and high.numel():
                 end_probes.append((name, torch.aminmax(high)))
         if output.numel():
@@ -97,26 +110,81 @@ def record_gemm(
 
 
 def _stats(operands: Mapping[str, Operand], output: torch.Tensor) -> torch.Tensor:
-    """The :data:`STATS` of one GEMM, as a float32 vector on the output's device."""
-    zero = torch.zeros((), dtype=torch.float32, device=output.device)
-    nonfinite = (~torch.isfinite(output)).sum().float()
-    underflow, nonzero, saturated, elements, clamps = zero, zero, zero, zero, zero
-    amax = zero
+    """The :data:`STATS` of one GEMM, as a float32 vector on the output's device.
+
+    Each operand is read in a few passes: its magnitude in float32 once, then masks of
+    it (``<= float32 max`` is False for inf and NaN alike); an FP8 element is zero when
+    its bits other than the sign are, read as bytes. Counts are summed at the end, in
+    one stack.
+    """
+    device = output.device
+    counts: dict[str, list[torch.Tensor]] = {key: [] for key in STATS}
+    counts["nonfinite"].append(output.numel() - torch.count_nonzero(torch.isfinite(output)))
+    counts["amax"].append(torch.zeros((), dtype=torch.float32, device=device))
     for high, low in operands.values():
-        if high is not None:
-            wide = high.detach().float()
-            nonfinite = nonfinite + (~torch.isfinite(wide)).sum()
-            finite = torch.where(torch.isfinite(wide), wide.abs(), 0.0)
-            amax = torch.maximum(amax, finite.amax() if finite.numel() else zero)
+        magnitude = None
+        if high is not None and high.numel():
+            magnitude = high.detach().abs().float()
+            finite = magnitude <= _F32_MAX
+            counts["nonfinite"].append(magnitude.numel() - torch.count_nonzero(finite))
+            counts["amax"].append(torch.where(finite, magnitude, 0.0).amax())
+        if isinstance(low, BlockTensor):
+            block = _block_counts(magnitude, low)
+            for key, value in zip(_BLOCK_COUNTS, block, strict=True):
+                counts[key].append(value)
+            continue
         if low is None:
             continue
         dtype_max = torch.finfo(low.data.dtype).max
         scale = low.scale.float()
-        clamps = clamps + ((scale >= dtype_max / EPS) | (scale <= 2.0**-126)).sum()
-        elements = elements + low.data.numel()
-        if high is not None and high.shape == low.data.shape:
-            scaled = wide.abs() * scale
-            nonzero = nonzero + (wide != 0).sum()
-            underflow = underflow + ((low.data.float() == 0) & (wide != 0)).sum()
-            saturated = saturated + (scaled > dtype_max).sum()
-    return torch.stack([nonfinite, underflow, nonzero, saturated, elements, clamps, amax]).float()
+        counts["scale_clamps"].append(
+            torch.count_nonzero((scale >= dtype_max / EPS) | (scale <= 2.0**-126))
+        )
+        counts["elements"].append(torch.tensor(float(low.data.numel()), device=device))
+        if magnitude is not None and magnitude.shape == low.data.shape:
+            nonzero = magnitude != 0  # NaN included, as the cast makes it non-zero
+            counts["nonzero"].append(torch.count_nonzero(nonzero))
+            counts["underflow"].append(torch.count_nonzero(_fp8_zero(low.data) & nonzero))
+            counts["saturated"].append(torch.count_nonzero(magnitude * scale > dtype_max))
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    row = []
+    for key, values in counts.items():
+        stacked = torch.stack([value.float() for value in values]) if values else zero
+        row.append(stacked.amax() if key == "amax" else stacked.sum())
+    return torch.stack(row)
+
+
+_F32_MAX = torch.finfo(torch.float32).max
+_BLOCK_COUNTS = ("underflow", "nonzero", "saturated", "elements", "scale_clamps")
+
+
+def _fp8_zero(data: torch.Tensor) -> torch.Tensor:
+    """Where an FP8 tensor holds +0 or -0 (its bits other than the sign are 0)."""
+    return torch.logical_not(data.view(torch.uint8) & 0x7F)
+
+
+_E8M0_LARGEST = 254  # the largest finite E8M0 exponent (255 is NaN)
+_E4M3_FLOOR = 2.0**-6  # NVFP4's smallest block scale
+
+
+def _block_counts(magnitude: torch.Tensor | None, low: BlockTensor) -> tuple[torch.Tensor, ...]:
+    """(underflow, nonzero, saturated, elements, scale clamps) of one block operand."""
+    fmt = low.format
+    if fmt.is_mx:
+        bits = low.scale_bits
+        clamps = torch.count_nonzero((bits == 0) | (bits == _E8M0_LARGEST)).float()
+    else:
+        clamps = torch.count_nonzero(low.block_scale() == _E4M3_FLOOR).float()
+    elements = torch.tensor(float(low.elements.numel()), device=clamps.device)
+    if magnitude is None or magnitude.shape != low.elements.shape:
+        zero = torch.zeros((), dtype=torch.float32, device=clamps.device)
+        return zero, zero, zero, elements, clamps
+    scale = low.block_scale()
+    if low.tensor_scale is not None:
+        scale = scale * low.tensor_scale
+    limit = (scale * fmt.elem_max).repeat_interleave(fmt.block_size, dim=-1)
+    nonzero = magnitude != 0
+    underflow = torch.count_nonzero((low.elements == 0) & nonzero).float()
+    nonzero = torch.count_nonzero(nonzero).float()
+    saturated = torch.count_nonzero(magnitude > limit).float()
+    return underflow, nonzero, saturated, elements, clamps

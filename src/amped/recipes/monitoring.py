@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from amped._internal.errors import value_error
+from amped._internal.source import describe, user_frame
 from amped.fp8.health import ROLES, STATS
 from amped.recipes.setup import TrainSetup
 
@@ -64,17 +65,24 @@ class NonFinite:
         tensor: which tensor of that GEMM: ``"input"``, ``"weight"``, ``"output"``,
             ``"grad_output"``, ``"grad_input"``, ``"grad_weight"``; ``"gradients"`` for
             the optimizer's gradients.
+        source: the user's source line that called the module in that step's forward,
+            as ``amped.doctor`` points at it (``path:line (code)``); None when unknown.
+            Not part of equality: the four fields above say what happened.
     """
 
     step: int
     module: str | None
     role: str | None
     tensor: str
+    source: str | None = dataclasses.field(default=None, compare=False)
 
     def __str__(self) -> str:
         if self.module is None:
             return f"step {self.step}: the gradients (no FP8 GEMM flagged one)"
-        return f"step {self.step}: module {self.module!r}, {self.role} GEMM, its {self.tensor}"
+        where = f" (called from {self.source})" if self.source else ""
+        return (
+            f"step {self.step}: module {self.module!r}, {self.role} GEMM, its {self.tensor}{where}"
+        )
 
 
 class Monitor:
@@ -108,6 +116,9 @@ class Monitor:
         self._end_probes: list[torch.Tensor] = []
         self._stats: dict[tuple[str, str], torch.Tensor] = {}
         self._ran: set[str] = set()
+        # Per layer, where the user's code called it in this step's forward (file, line,
+        # function): found by walking frames, the text read only for a report.
+        self._callers: dict[str, tuple[str, int, str] | None] = {}
         self._warned = False
         for layer in self._layers.values():
             layer.fp8_observer = self  # type: ignore[assignment]
@@ -126,6 +137,8 @@ class Monitor:
     ) -> None:
         """A layer's GEMM of this step: its probes and, on a sampled step, its counters."""
         name = self._names.get(id(layer), type(layer).__name__)
+        if role == "forward":  # backward runs in autograd's engine: no user frame there
+            self._callers[name] = user_frame()
         for tensor, probe in scale_probes:
             self._events.append((name, role, tensor, 0, len(self._scale_probes)))
             self._scale_probes.append(probe)
@@ -170,6 +183,8 @@ class Monitor:
         if ends:
             parts.append(~torch.isfinite(_stack(ends)))
         bad = torch.cat(parts).tolist() if parts else []  # the one sync
+        if not any(bad):
+            return True
         offset = len(self._scale_probes)
         flagged = [
             event
@@ -179,7 +194,9 @@ class Monitor:
         ]
         if flagged:
             module, role, tensor, _, _ = flagged[0]
-            found = NonFinite(self.step, module, role, tensor)
+            caller = self._callers.get(module)
+            source = None if caller is None else describe(*caller)
+            found = NonFinite(self.step, module, role, tensor, source)
         elif any(bad):
             found = NonFinite(self.step, None, None, "gradients")
         else:

@@ -130,9 +130,8 @@ def wide_mlp_sgd(batch_size: int = 2, seed: int = 0):
     """:func:`wide_mlp` trained with plain SGD: no optimizer state, no step temporaries.
 
     Between the fp32 recipe and bf16-master the difference is then the state alone:
-    fp32 adds 4 bytes/param (gradients); bf16-master lowers the weights (-2), keeps
-    float32 masters (+4), bfloat16 gradients (+2) and, in the step, float32 master
-    gradients (+4): 8 bytes/param, about 32 MiB more for 8.4M parameters.
+    fp32 holds float32 weights and gradients (8 bytes/param); bf16-master bfloat16
+    weights and gradients and float32 masters (8), plus its fused step's chunk rows.
     """
     model, batches, loss_fn = wide_mlp(batch_size, seed)
     return Task(

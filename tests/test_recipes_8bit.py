@@ -224,7 +224,7 @@ def test_recipe_builds_the_8bit_optimizer_and_trains() -> None:
     model = mlp()
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), "bf16-pure-8bit")
     assert isinstance(setup.optimizer, CompensatedAdamW8bit)
-    assert amped.recipes.resolve_recipe("pure-bf16-8bit").quantized_state
+    assert amped.recipes.registry.resolve_recipe("pure-bf16-8bit").quantized_state
     losses = train(setup, batches(40))
     assert sum(losses[-5:]) < sum(losses[:5])
     assert all(p.dtype is torch.bfloat16 for p in setup.model.parameters())

@@ -96,6 +96,7 @@ def _prepare(policy: Policy) -> None:
     # Every look-up table the engine needs, built when the policy is made: a region
     # opened inside a compiled function then only reads them (Dynamo cannot build them).
     _unplain(policy)
+    torch_rules_only(policy)
     prepare(policy)
 
 

@@ -27,7 +27,7 @@ low-precision payload), a :class:`~amped.fp8.block_cast.BlockTensor` or None, an
 
 A block tensor's scales do not show an inf reliably (an MX block holding an inf takes
 the largest scale its mode allows, a finite value), so a block operand is probed by
-its high-precision tensor (one ``aminmax`` pass), which :class:`~amped.fp8.BlockLinear`
+its high-precision tensor (one ``aminmax`` pass), which :class:`~amped.fp8.block_linear.BlockLinear`
 passes for every operand. Its sampled counters read the block scales: an element
 saturates when its magnitude exceeds the format's largest element times its block's
 scale (times NVFP4's tensor scale); a *scale clamp* is a block scale at the format's

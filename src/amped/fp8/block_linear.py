@@ -27,11 +27,16 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error
-from amped.autocast_mode import autocast
 from amped.fp8.block_cast import BlockTensor, check_block_multiple, quantize_block
 from amped.fp8.block_config import BlockConfig
 from amped.fp8.block_gemm import block_mm, has_block_scaled_mm, require_block_scaled_mm
-from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims, low_precision_class
+from amped.fp8.conv1d import (
+    is_conv1d,
+    is_linear_like,
+    linear_dims,
+    linear_forward,
+    low_precision_class,
+)
 from amped.fp8.hadamard import HADAMARD_SIZE, random_hadamard, rotate_rows
 from amped.fp8.health import record_gemm
 
@@ -177,15 +182,7 @@ class BlockLinear(torch.nn.Linear):
         return random_hadamard(int(self.fp8_rng[0]))
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        device_type = input.device.type
-        if torch.is_autocast_enabled(device_type) and input.is_floating_point():
-            input = input.to(torch.get_autocast_dtype(device_type))
-        with autocast(device_type, enabled=False):
-            weight = self.weight.t() if self.weight_transposed else self.weight
-            out = _BlockLinearFunction.apply(input, weight, self)
-            if self.bias is not None:
-                out = out + self.bias.to(out.dtype)
-        return out
+        return linear_forward(self, _BlockLinearFunction, input)
 
     def extra_repr(self) -> str:
         emulated = ", emulated" if self.fp8_emulate else ""

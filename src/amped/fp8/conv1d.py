@@ -10,9 +10,19 @@ transformers is imported by nobody here: a module is recognised by its class.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-__all__ = ["is_conv1d", "is_linear_like", "linear_dims", "low_precision_class"]
+from amped.autocast_mode import autocast
+
+__all__ = [
+    "is_conv1d",
+    "is_linear_like",
+    "linear_dims",
+    "linear_forward",
+    "low_precision_class",
+]
 
 
 def is_conv1d(module: torch.nn.Module) -> bool:
@@ -46,3 +56,18 @@ def low_precision_class(linear_cls: type, conv1d_cls: type) -> type:
         name = linear_cls.__name__.replace("Linear", "Conv1D")
         _CLASSES[key] = type(name, key, {"weight_transposed": True})
     return _CLASSES[key]
+
+
+def linear_forward(layer: Any, function: Any, input: torch.Tensor) -> torch.Tensor:
+    """The forward of both low-precision layers: the input in autocast's dtype where a
+    region is on, then ``function`` (their autograd Function) with autocast off, the
+    weight as ``(out, in)`` (a Conv1D twin stores it transposed), and the bias added."""
+    device_type = input.device.type
+    if torch.is_autocast_enabled(device_type) and input.is_floating_point():
+        input = input.to(torch.get_autocast_dtype(device_type))
+    with autocast(device_type, enabled=False):
+        weight = layer.weight.t() if layer.weight_transposed else layer.weight
+        out = function.apply(input, weight, layer)
+        if layer.bias is not None:
+            out = out + layer.bias.to(out.dtype)
+    return out

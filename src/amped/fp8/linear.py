@@ -19,10 +19,15 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error
-from amped.autocast_mode import autocast
 from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
 from amped.fp8.config import CastRule, Fp8Config
-from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims, low_precision_class
+from amped.fp8.conv1d import (
+    is_conv1d,
+    is_linear_like,
+    linear_dims,
+    linear_forward,
+    low_precision_class,
+)
 from amped.fp8.delayed import (
     GRAD_OUTPUT,
     INPUT,
@@ -196,15 +201,7 @@ class Float8Linear(torch.nn.Linear):
         return Fp8Tensor(cast_saturated(x, scale, rule.dtype), scale)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        device_type = input.device.type
-        if torch.is_autocast_enabled(device_type) and input.is_floating_point():
-            input = input.to(torch.get_autocast_dtype(device_type))
-        with autocast(device_type, enabled=False):
-            weight = self.weight.t() if self.weight_transposed else self.weight
-            out = _Fp8LinearFunction.apply(input, weight, self)
-            if self.bias is not None:
-                out = out + self.bias.to(out.dtype)
-        return out
+        return linear_forward(self, _Fp8LinearFunction, input)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)

@@ -18,6 +18,7 @@ interrupted``, and exit code 128 + the signal. From ``amped.cli.main.main`` on,
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 from collections.abc import Callable
@@ -34,10 +35,8 @@ def _import_cli() -> Callable[[], int]:
     from amped.cli.main import main as run_cli
 
     for name in _OPTIONAL:
-        try:
+        with contextlib.suppress(ImportError):
             __import__(name)
-        except ImportError:
-            pass
     return run_cli
 
 

@@ -195,7 +195,8 @@ def test_the_launcher_imports_no_torch():
 
 
 @pytest.mark.parametrize(
-    "delay", [0.2, pytest.param(0.6, marks=pytest.mark.slow), pytest.param(1.2, marks=pytest.mark.slow)]
+    "delay",
+    [0.2, pytest.param(0.6, marks=pytest.mark.slow), pytest.param(1.2, marks=pytest.mark.slow)],
 )
 def test_sigterm_while_torch_is_imported_is_one_line_and_143(tmp_path, delay):
     """The handler is in before the imports (measured window: docs/robustness.md), and

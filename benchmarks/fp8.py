@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -46,6 +45,7 @@ from pathlib import Path
 import block_formats  # benchmarks/, next to this script
 import torch
 import torch.nn as nn
+from block_formats import interleaved, ratio  # one timing loop for both benchmarks
 
 from amped._internal.jsonio import to_json
 from amped.fp8 import FP8_CONFIGS, convert_to_fp8
@@ -92,30 +92,6 @@ def stepper(model: nn.Module, x: torch.Tensor, update: Callable[[], None] | None
             update()
 
     return step
-
-
-def interleaved(
-    steps: dict[str, Callable[[], None]], repeats: int, n: int, sync: Callable[[], None]
-) -> dict[str, list[float]]:
-    """Per repeat, each variant's time for ``n`` steps, variants rotating order."""
-    names = list(steps)
-    for name in names:  # warm-up
-        steps[name]()
-    sync()
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
-            began = time.perf_counter()
-            for _ in range(n):
-                steps[name]()
-            sync()
-            times[name].append(time.perf_counter() - began)
-    return times
-
-
-def ratio(times: dict[str, list[float]], a: str, b: str) -> float:
-    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 def torchao_missing() -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -50,3 +52,23 @@ def optimizer(name: str, params, lr: float | None = None) -> torch.optim.Optimiz
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr or 0.01, momentum=0.9)
     return torch.optim.AdamW(params, lr=lr or 1e-3)
+
+
+def roundtrip(obj):
+    """``obj`` through ``torch.save`` and ``torch.load(weights_only=True)``, in memory."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def setup_tensors(setup: amped.recipes.TrainSetup) -> dict[str, torch.Tensor]:
+    """Everything the setup holds that training reads: model, optimizer state, masters."""
+    out = {f"model.{k}": v for k, v in setup.model.state_dict().items()}
+    for i, group in enumerate(setup.optimizer.param_groups):
+        for j, p in enumerate(group["params"]):
+            out[f"stepped.{i}.{j}"] = p
+            for key, value in setup.optimizer.state.get(p, {}).items():
+                if torch.is_tensor(value):
+                    out[f"state.{i}.{j}.{key}"] = value
+    return out

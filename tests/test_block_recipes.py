@@ -5,8 +5,6 @@ included), and one-line errors for what they cannot do."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.nn as nn
@@ -15,6 +13,7 @@ import torch.nn.functional as F
 import amped
 from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS
 from amped.fp8.block_linear import BlockLinear
+from recipes_helpers import roundtrip, train
 
 BLOCK = ["mxfp8", "mxfp4", "nvfp4"]
 BASES = ["bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr"]
@@ -46,16 +45,6 @@ def _prepare(recipe, seed=0, **kw):
     return amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), recipe, **kw)
 
 
-def _train(setup, data):
-    for x, y in data:
-        with setup.autocast():
-            loss = F.cross_entropy(setup.model(x), y)
-        setup.backward(loss)
-        setup.step()
-        setup.zero_grad()
-    return loss.item()
-
-
 @pytest.mark.parametrize("base", BASES)
 @pytest.mark.parametrize("recipe", BLOCK)
 def test_every_block_recipe_trains_on_every_base(recipe, base):
@@ -65,7 +54,7 @@ def test_every_block_recipe_trains_on_every_base(recipe, base):
         and setup.recipe.weights == amped.recipes.registry.resolve_recipe(base).weights
     )
     assert all(isinstance(setup.model.blocks[i], BlockLinear) for i in range(3))
-    losses = [_train(setup, _data(1, seed)) for seed in range(3)]
+    losses = [train(setup, _data(1, seed))[-1] for seed in range(3)]
     assert all(torch.isfinite(torch.tensor(losses)))
 
 
@@ -84,7 +73,8 @@ def test_each_nvfp4_part_switches_off_by_keyword_and_changes_training(part):
     setup = _prepare("nvfp4", fp8_config=off)
     assert all(getattr(m.block_config, part) is False for m in setup.fp8_layers.layers.values())
     full = _prepare("nvfp4")
-    _train(setup, data), _train(full, data)
+    train(setup, data)
+    train(full, data)
     assert not torch.equal(setup.model.blocks[0].weight, full.model.blocks[0].weight)
 
 
@@ -92,16 +82,9 @@ def test_stochastic_rounding_seed_changes_the_draws_and_is_fixed_by_it():
     data = _data(2)
     runs = [_prepare("nvfp4", fp8_config=BLOCK_CONFIGS["nvfp4"].replace(seed=s)) for s in (0, 0, 1)]
     for setup in runs:
-        _train(setup, data)
+        train(setup, data)
     weights = [r.model.blocks[0].weight for r in runs]
     assert torch.equal(weights[0], weights[1]) and not torch.equal(weights[0], weights[2])
-
-
-def _roundtrip(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 @pytest.mark.parametrize("base", ["bf16-mixed", "bf16-pure-sr"])
@@ -109,14 +92,14 @@ def _roundtrip(obj):
 def test_checkpoint_resume_is_bitwise(recipe, base):
     data = _data(6)
     setup = _prepare(recipe, base=base)
-    _train(setup, data[:3])
-    saved = _roundtrip(setup.state_dict())
+    train(setup, data[:3])
+    saved = roundtrip(setup.state_dict())
     if recipe == "nvfp4":
         assert saved["model"]["blocks.0.fp8_rng"].tolist() == [0, 3]  # seed 0, 3 backwards
-    _train(setup, data[3:])
+    train(setup, data[3:])
     fresh = _prepare(recipe, seed=5, base=base)
     fresh.load_state_dict(saved)
-    _train(fresh, data[3:])
+    train(fresh, data[3:])
     for (key, ours), theirs in zip(
         fresh.model.state_dict().items(), setup.model.state_dict().values(), strict=True
     ):

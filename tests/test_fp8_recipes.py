@@ -4,8 +4,6 @@ delayed-scaling history included) and the errors for what they cannot do."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.nn as nn
@@ -14,6 +12,7 @@ import torch.nn.functional as F
 import amped
 from amped.fp8 import Float8Linear
 from amped.recipes.registry import OPT_IN_RECIPES, RECIPES, resolve_recipe
+from recipes_helpers import roundtrip, setup_tensors, train
 
 FP8 = ["fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp", "fp8-delayed"]
 
@@ -38,16 +37,6 @@ def _data(steps: int, seed: int = 1):
         (torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g))
         for _ in range(steps)
     ]
-
-
-def _train(setup, data):
-    for x, y in data:
-        with setup.autocast():
-            loss = F.cross_entropy(setup.model(x), y)
-        setup.backward(loss)
-        setup.step()
-        setup.zero_grad()
-    return loss.item()
 
 
 def _prepare(recipe, seed=0, opt="adamw", **kw):
@@ -82,8 +71,8 @@ def test_each_recipe_trains_on_each_base(recipe, base):
     low = torch.float32 if base == "bf16-mixed" else torch.bfloat16
     assert setup.model.fc2.weight.dtype is low
     batch = _data(1)
-    first = _train(setup, batch)
-    last = _train(setup, batch * 20)
+    first = train(setup, batch)[-1]
+    last = train(setup, batch * 20)[-1]
     assert last < 0.8 * first  # it learns (memorises one batch)
 
 
@@ -118,7 +107,7 @@ def test_memory_report_counts_delayed_scaling_state():
     tensorwise, delayed = _prepare("fp8-tensorwise"), _prepare("fp8-delayed")
     plain = _prepare("bf16-mixed")
     for setup in (tensorwise, delayed, plain):
-        _train(setup, _data(1))
+        train(setup, _data(1))
     reports = [amped.memory_report(s.model, s.optimizer) for s in (tensorwise, delayed, plain)]
     assert reports[0] == reports[2]  # dynamic scaling holds no state
     # per layer: history 3x16 + scale 3 + maxima 3 float32, one int64 counter
@@ -128,40 +117,22 @@ def test_memory_report_counts_delayed_scaling_state():
     assert "FP8 amax history" in reports[1].table()
 
 
-def _roundtrip(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
-def _tensors(setup):
-    out = {f"model.{k}": v for k, v in setup.model.state_dict().items()}
-    for i, group in enumerate(setup.optimizer.param_groups):
-        for j, p in enumerate(group["params"]):
-            out[f"param.{i}.{j}"] = p
-            for key, value in setup.optimizer.state.get(p, {}).items():
-                if torch.is_tensor(value):
-                    out[f"state.{i}.{j}.{key}"] = value
-    return out
-
-
 @pytest.mark.parametrize("base", ["bf16-mixed", "bf16-master", "bf16-pure"])
 @pytest.mark.parametrize("recipe", FP8)
 def test_checkpoint_resume_is_bitwise(recipe, base):
     data = _data(6)
     setup = _prepare(recipe, base=base)
-    _train(setup, data[:3])
-    saved = _roundtrip(setup.state_dict())
+    train(setup, data[:3])
+    saved = roundtrip(setup.state_dict())
     if recipe == "fp8-delayed":
         history = saved["model"]["fc1.fp8_amax_history"]
         assert (history[:, :3] > 0).all() and (history[:, 3:] == 0).all()
-    _train(setup, data[3:])
+    train(setup, data[3:])
 
     fresh = _prepare(recipe, seed=5, base=base)
     fresh.load_state_dict(saved)
-    _train(fresh, data[3:])
-    ours, theirs = _tensors(fresh), _tensors(setup)
+    train(fresh, data[3:])
+    ours, theirs = setup_tensors(fresh), setup_tensors(setup)
     assert ours.keys() == theirs.keys()
     for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
@@ -207,7 +178,7 @@ def test_prepare_adopts_layers_converted_beforehand_with_their_delayed_settings(
     convert_to_fp8(model, Fp8Config(delayed=DelayedScaling(64, "most_recent", 1)), ["fc2"])
     setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8-delayed")
     assert setup.fp8_layers.names() == ["fc2"]  # adopted, nothing else converted
-    _train(setup, _data(2))
+    train(setup, _data(2))
     assert setup.model.fc2.fp8_amax_history.shape == (3, 64)
     assert int(setup.model.fc2.fp8_updates) == 2
     other = Net()

@@ -3,34 +3,13 @@ continue bitwise; an O2 checkpoint loads into a plain float32 model and optimize
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
 import amped
 from amped.recipes.registry import RECIPES
-from recipes_helpers import batches, mlp, optimizer, train
+from recipes_helpers import batches, mlp, optimizer, roundtrip, setup_tensors, train
 from tolerances import BITWISE
-
-
-def _roundtrip(obj):
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
-
-def _tensors(setup):
-    """Everything the setup holds that training reads: model, optimizer state, masters."""
-    out = {f"model.{k}": v for k, v in setup.model.state_dict().items()}
-    for i, group in enumerate(setup.optimizer.param_groups):
-        for j, p in enumerate(group["params"]):
-            out[f"stepped.{i}.{j}"] = p
-            for key, value in setup.optimizer.state.get(p, {}).items():
-                if torch.is_tensor(value):
-                    out[f"state.{i}.{j}.{key}"] = value
-    return out
 
 
 def _flat(obj, prefix=""):
@@ -64,15 +43,15 @@ def test_round_trip_continues_bitwise(recipe, opt_name):
     model = mlp()
     setup = amped.prepare(model, optimizer(opt_name, model.parameters()), recipe)
     train(setup, data[:3])
-    saved = _roundtrip(setup.state_dict())
+    saved = roundtrip(setup.state_dict())
     train(setup, data[3:])
 
     fresh_model = mlp(seed=7)
     fresh = amped.prepare(fresh_model, optimizer(opt_name, fresh_model.parameters()), recipe)
     fresh.load_state_dict(saved)
-    _assert_same(_roundtrip(fresh.state_dict()), saved)
+    _assert_same(roundtrip(fresh.state_dict()), saved)
     train(fresh, data[3:])
-    _assert_same(_tensors(fresh), _tensors(setup))
+    _assert_same(setup_tensors(fresh), setup_tensors(setup))
     assert fresh.scaler.state_dict() == setup.scaler.state_dict()
 
 
@@ -80,7 +59,7 @@ def test_o2_checkpoint_keeps_float32_masters_and_loads_into_a_plain_model():
     model = mlp()
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), "bf16-master")
     train(setup, batches(3))
-    saved = _roundtrip(setup.state_dict())
+    saved = roundtrip(setup.state_dict())
     assert {v.dtype for v in saved["model"].values()} == {torch.float32}
 
     plain = mlp(seed=3)

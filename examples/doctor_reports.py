@@ -78,7 +78,7 @@ class NormNet(nn.Module):
         return self.out(self.norm(self.up(x)))
 
 
-def _exp_overflow() -> tuple[nn.Module, torch.Tensor]:
+def exp_overflow() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential()
     model.add_module("embed", nn.Linear(8, 8))
@@ -87,12 +87,12 @@ def _exp_overflow() -> tuple[nn.Module, torch.Tensor]:
     return model, torch.randn(4, 8) * 3
 
 
-def _softmax_input_overflow() -> tuple[nn.Module, torch.Tensor]:
+def softmax_input_overflow() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return Attention(), torch.randn(4, 16)
 
 
-def _norm_variance_overflow() -> tuple[nn.Module, torch.Tensor]:
+def norm_variance_overflow() -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
     return NormNet(), torch.randn(4, 16)
 
@@ -110,9 +110,9 @@ def main() -> None:
     out = Path(given) if given else Path(tempfile.mkdtemp(prefix="amped-doctor-reports-"))
     out.mkdir(parents=True, exist_ok=True)
     cases = {
-        "exp-overflow": _exp_overflow,
-        "softmax-input-overflow": _softmax_input_overflow,
-        "norm-variance-overflow": _norm_variance_overflow,
+        "exp-overflow": exp_overflow,
+        "softmax-input-overflow": softmax_input_overflow,
+        "norm-variance-overflow": norm_variance_overflow,
     }
     for name, build in cases.items():
         model, x = build()

@@ -38,7 +38,7 @@ def test_names_the_overflowing_module_and_op_and_fixes_it(build):
     assert not report.healthy
     culprit = report.forward_culprit
     assert culprit is not None and (culprit.module, culprit.op) == (module, op)
-    assert culprit.source is not None and "doctor_models.py" in culprit.source
+    assert culprit.source is not None and "doctor_reports.py" in culprit.source
     suggestion = report.suggestion
     assert suggestion is not None and suggestion.verified and suggestion.policy is not None
     # The fix is a Policy the user passes straight to autocast: re-run, nothing overflows.

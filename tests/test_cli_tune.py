@@ -7,6 +7,7 @@ test_cli_tune_report.py.
 
 from __future__ import annotations
 
+import errno
 import json
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ pytest.importorskip("matplotlib")
 
 import amped
 import tune_factories
+from amped._internal import files
 from amped._internal.jsonio import from_json
 from amped.cli import out_dir
 from amped.cli.main import main
@@ -202,6 +204,23 @@ def test_a_verification_cut_by_max_time_does_not_pass(capsys, tmp_path):
     assert not tuned["verification"]["arms"]["plan"]["completed"]
     assert "--max-time ran out before the verification finished" in err
     assert 'class="outcome incomplete"' in (tmp_path / "tune.html").read_text()
+
+
+def test_a_write_error_is_exit_1_and_keeps_the_old_pair(capsys, tmp_path, monkeypatch):
+    (tmp_path / "tuned.json").write_text('{"old": true}')
+    (tmp_path / "tune.html").write_text("<html>old</html>")
+
+    def full(handle: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(files.os, "fsync", full)
+    code, _, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0")
+    assert code == 1
+    line = err.splitlines()[-1]
+    assert line.startswith("amped: error: Could not write the report")
+    assert "No space left on device" in line
+    assert (tmp_path / "tuned.json").read_text() == '{"old": true}'
+    assert (tmp_path / "tune.html").read_text() == "<html>old</html>"
 
 
 @pytest.mark.slow

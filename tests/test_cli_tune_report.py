@@ -143,6 +143,13 @@ def test_names_are_escaped():
     assert "<script>" not in page
 
 
+def test_the_chart_takes_dollar_signs_in_module_names():
+    tuned = tune_fixture.passed()
+    tuned["measurements"] = {"a$^$b": tuned["measurements"]["head"]}
+    tuned["layers"] = {"a$^$b": "fp8-rowwise"}
+    assert sensitivity_chart(tuned)[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_the_chart_is_a_png_and_nothing_without_layers():
     tuned = tune_fixture.passed()
     assert sensitivity_chart(tuned)[:8] == b"\x89PNG\r\n\x1a\n"

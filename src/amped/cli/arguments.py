@@ -13,6 +13,7 @@ from typing import NoReturn
 from amped.cli.errors import UsageError
 from amped.cli.out_dir import out_folder, seed
 from amped.recipes.registry import recipe_names
+from amped.tuning.tuner import DEFAULT_FORMATS
 
 __all__ = ["build_parser", "loss_budget", "positive_int", "seconds"]
 
@@ -153,8 +154,9 @@ _TUNE = (
 )
 _TUNE_EXIT = (
     "exit status: 0 a plan met the budget and passed its verification; 3 no lowered plan "
-    "met the budget, or the chosen plan failed its verification (tuned.json says which, "
-    "and why); 1 the run failed; 2 bad arguments or a model with no eligible layer"
+    "met the budget, or the chosen plan failed its verification or --max-time cut it "
+    "short (tuned.json says which, and why); 1 the run failed; 2 bad arguments or a "
+    "model with no eligible layer"
 )
 
 
@@ -163,11 +165,12 @@ def _add_tune(tune: argparse.ArgumentParser) -> None:
     add("--model", default=None, metavar="MODULE:FACTORY",
         help="task factory, as for amped compare (default: the built-in tiny GPT)")  # fmt: skip
     add("--formats", default="all",
-        help="comma-separated candidate formats for the layers (default: all: every FP8 "
-        "and block format available)")  # fmt: skip
+        help="comma-separated candidate formats for the layers (default: all: "
+        f"{', '.join(DEFAULT_FORMATS)}); bf16 is always a choice")  # fmt: skip
     add("--budget", type=loss_budget, default=None, metavar="LOSS",
         help="the largest loss change a plan may cost against bf16-mixed (default: the "
-        "seed-to-seed spread of bf16-mixed's final loss, measured on the task)")  # fmt: skip
+        "seed-to-seed spread of bf16-mixed's final loss, the sample standard deviation "
+        "over the seeds, measured on the task)")  # fmt: skip
     add("--steps", type=positive_int, default=DEFAULT_TUNE_STEPS,
         help=f"train steps per verification run (default: {DEFAULT_TUNE_STEPS})")  # fmt: skip
     add("--seeds", type=positive_int, default=DEFAULT_TUNE_SEEDS,

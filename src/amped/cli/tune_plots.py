@@ -97,5 +97,7 @@ def _choice_strip(
     axes.set_yticks([])
     axes.set_ylim(0, 1)
     axes.set_ylabel("choice", rotation=0, ha="right", va="center")
-    axes.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize="small")
+    # Module names are the user's: "$" in one must not start matplotlib's mathtext.
+    axes.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize="small",
+                    parse_math=False)  # fmt: skip
     axes.set_xlim(-0.6, len(names) - 0.4)

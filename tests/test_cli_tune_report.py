@@ -21,7 +21,7 @@ from amped._internal.jsonio import from_json
 from amped.cli.tune_plots import sensitivity_chart
 from amped.cli.tune_report import render_html, write_report
 from amped.cli.tune_summary import headline, layer_rows, outcome, verification_rows
-from amped.cli.tune_table import layer_table, print_tune
+from amped.cli.tune_table import layer_tables, print_tune
 
 CONTEXT = {"task": "tiny-gpt", "device": "cpu", "created": "2026-12-01T18:00:00+00:00",
            "command": ["amped", "tune", "--formats", "fp8-rowwise,nvfp4"]}  # fmt: skip
@@ -61,18 +61,17 @@ def test_a_format_a_layer_cannot_run_is_a_dash():
 
 
 def test_verification_rows_give_per_seed_losses_std_gap_and_verdicts():
-    rows = {r["arm"].split(" ")[0]: r for r in verification_rows(tune_fixture.failed())}
+    rows = {r["arm"]: r for r in verification_rows(tune_fixture.failed())}
     assert [rows["plan"][f"seed {s}"] for s in (0, 1, 2)] == ["2.4610", "2.4580", "2.4700"]
     assert rows["plan"]["verdict"] == "FAILED"
     assert rows["plan"]["gap"] == "+0.0503"  # mean 2.4630 - bf16-mixed's 2.41267
     assert rows["bf16-mixed"]["gap"] == "+0.0000" and rows["bf16-mixed"]["verdict"] == ""
-    assert rows["rule"]["verdict"] == "over budget"
-    assert rows["rule"]["arm"] == "rule (1+1 bf16, rest fp8-rowwise)"
+    assert rows["rule"]["verdict"] == "over"
     assert rows["plan"]["lowered"] == "4/5 (75%)"
 
 
 def test_runs_cut_by_max_time_are_dashes_and_incomplete():
-    rows = {r["arm"].split(" ")[0]: r for r in verification_rows(tune_fixture.incomplete())}
+    rows = {r["arm"]: r for r in verification_rows(tune_fixture.incomplete())}
     assert [rows["plan"][f"seed {s}"] for s in (0, 1, 2)] == ["2.4180", "—", "—"]
     assert rows["plan"]["verdict"] == "incomplete"
     assert rows["rule"]["mean"] == "—" and rows["rule"]["gap"] == "—"
@@ -100,17 +99,45 @@ def test_the_terminal_shows_both_tables_and_the_outcome():
     assert text.index("blocks.0.attn.qkv") < text.index("head ")  # model order
 
 
-def test_the_layer_table_fits_80_columns_keeping_the_end_of_long_names():
+def _six_formats() -> dict:
+    """The passed document, measured in all six formats (the default), with a long
+    transformers-style name for the last layer."""
     tuned = tune_fixture.passed()
+    six = ["fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp", "mxfp8", "mxfp4", "nvfp4"]
+    tuned["settings"]["formats"] = six
+    for layer in tuned["measurements"].values():
+        layer["formats"] = {f: layer["formats"]["fp8-rowwise"] for f in six}
     long = "model.transformer.encoder.layers.11.self_attention.query_key_value"
-    tuned["measurements"] = {long: tuned["measurements"]["head"]}
-    tuned["layers"] = {long: "fp8-rowwise"}
+    tuned["measurements"][long] = tuned["measurements"].pop("head")
+    tuned["layers"][long] = tuned["layers"].pop("head")
+    return tuned
+
+
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_the_layer_tables_fit_the_width_keeping_every_format_and_the_end_of_names(width):
+    tuned = _six_formats()
     buffer = io.StringIO()
-    Console(file=buffer, width=80, color_system=None).print(layer_table(tuned, width=80))
+    console = Console(file=buffer, width=width, color_system=None)
+    tables = layer_tables(tuned, width=width)
+    for table in tables:
+        console.print(table)
     lines = buffer.getvalue().splitlines()
-    assert max(len(line.rstrip()) for line in lines) <= 80
-    row = next(line for line in lines if "fp8-rowwise" in line and "dB" in line)
-    assert "…" in row and "query_key_value" in row
+    assert max(len(line.rstrip()) for line in lines) <= width
+    headers = " ".join(lines)
+    for fmt in tuned["settings"]["formats"]:  # every format's column, whole
+        assert f" {fmt} " in headers
+    assert buffer.getvalue().count("inf dB / 6.0e-04") == 6  # that layer's cells, uncut
+    rows = [line for line in lines if "query_key_value" in line]
+    assert len(rows) == len(tables)  # the layer in every table, its name's end kept
+    assert len(tables) > 1
+
+
+def test_the_tables_fit_80_columns_in_one_piece_for_two_formats():
+    buffer = io.StringIO()
+    print_tune(tune_fixture.failed(), (), Console(file=buffer, width=80, color_system=None))
+    text = buffer.getvalue()
+    assert "(1/2)" not in text and "…" not in text  # nothing cut or split
+    assert max(len(line.rstrip()) for line in text.splitlines()) <= 80
 
 
 @pytest.mark.parametrize("name", list(OUTCOMES))

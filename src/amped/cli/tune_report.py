@@ -79,7 +79,8 @@ def _verification(tuned: dict[str, Any]) -> str:
         f"{verification['steps']} steps per run, paired: for a seed, every arm starts from "
         "the same weights and sees the same batches. std: over the seeds; gap: the mean "
         "minus bf16-mixed's mean, which must stay within the budget "
-        f"{tune_summary.format_estimate(tuned['budget']['value'])}.</p>"
+        f"{tune_summary.format_estimate(tuned['budget']['value'])}. The "
+        f"{_e(tune_summary.rule_text(tuned))}.</p>"
     )
     return intro + _html_table(rows, css)
 

@@ -21,6 +21,7 @@ __all__ = [
     "layer_rows",
     "lowered_share",
     "outcome",
+    "rule_text",
     "verification_rows",
 ]
 
@@ -130,24 +131,26 @@ def headline(tuned: dict[str, Any]) -> str:
     )
 
 
-def _arm_label(tuned: dict[str, Any], name: str) -> str:
-    if name != "rule":
-        return name
+def rule_text(tuned: dict[str, Any]) -> str:
+    """The best first/last-N rule, in words."""
     rule = tuned["rule"]
     if rule["format"] is None:
-        return "rule (all bf16)"
-    return f"rule ({rule['first']}+{rule['last']} bf16, rest {rule['format']})"
+        return "rule: every layer in bf16"
+    return (
+        f"rule: the first {rule['first']} and last {rule['last']} layers in bf16, the rest "
+        f"in {rule['format']}"
+    )
 
 
 def _verdict(arm: dict[str, Any], name: str) -> str:
-    """The plan passed or FAILED; the rule is within the budget or over it."""
+    """The plan passed or FAILED; the rule's gap is within the budget or over it."""
     if name == "bf16-mixed":
         return ""
     if not arm["completed"]:
         return "incomplete"
     if name == "plan":
         return "passed" if arm["passed"] else "FAILED"
-    return "within budget" if arm["passed"] else "over budget"
+    return "within" if arm["passed"] else "over"
 
 
 def _number(value: float | None, spec: str = ".4f") -> str:
@@ -167,7 +170,7 @@ def verification_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
         layers = arm["layers"]
         low = sum(1 for f in layers.values() if f != "bf16")
         row = {
-            "arm": _arm_label(tuned, name),
+            "arm": name,
             "lowered": f"{low}/{len(layers)} ({lowered_share(tuned, layers):.0%})",
         }
         losses = list(arm["final_losses"])

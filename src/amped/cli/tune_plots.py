@@ -47,7 +47,7 @@ def sensitivity_chart(tuned: dict[str, Any]) -> bytes | None:
         return None
     formats = candidate_formats(tuned)
     colours = format_colours(tuned)
-    width = min(16.0, max(8.0, 0.42 * len(names) + 2.5))
+    width = min(18.0, max(9.5, 0.42 * len(names) + 4.0))  # room for the legend
     figure = Figure(figsize=(width, 7.8), layout="constrained")
     estimate, sqnr, strip = figure.subplots(3, 1, sharex=True, height_ratios=(5, 4, 1.6))
     x = list(range(len(names)))
@@ -66,7 +66,7 @@ def sensitivity_chart(tuned: dict[str, Any]) -> bytes | None:
                          label=f"budget {budget:.1e} (whole plan)")  # fmt: skip
     estimate.set(ylabel="estimated loss change",
                  title="Sensitivity per layer and format (ringed: the format chosen)")  # fmt: skip
-    estimate.legend(fontsize="small", ncol=min(4, len(formats) + 1))
+    estimate.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0))
     sqnr.set(ylabel="output SQNR (dB)")
     for axes in (estimate, sqnr):
         axes.grid(alpha=0.3)
@@ -88,12 +88,14 @@ def _ring_choices(tuned: dict[str, Any], names: list[str], estimate: Any, sqnr: 
 def _choice_strip(
     axes: Any, tuned: dict[str, Any], names: list[str], colours: dict[str, str]
 ) -> None:
-    """One coloured cell per layer, named by the format chosen for it."""
+    """One coloured cell per layer, named by the format chosen for it (the name turned
+    upright when the cells are narrow)."""
+    few = len(names) <= 10
     for i, name in enumerate(names):
         fmt = tuned["layers"].get(name, "bf16")
         axes.bar(i, 1.0, width=0.94, color=colours.get(fmt, BF16_COLOUR))
-        axes.text(i, 0.5, fmt, ha="center", va="center", rotation=90, fontsize="xx-small",
-                  color="white" if fmt != "bf16" else "black")  # fmt: skip
+        axes.text(i, 0.5, fmt, ha="center", va="center", rotation=0 if few else 90,
+                  fontsize="x-small", color="white" if fmt != "bf16" else "black")  # fmt: skip
     axes.set_yticks([])
     axes.set_ylim(0, 1)
     axes.set_ylabel("choice", rotation=0, ha="right", va="center")

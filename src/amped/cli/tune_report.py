@@ -30,6 +30,7 @@ _CSS = """
   border-color: #e09a9a; }
 td.choice span { display: inline-block; padding: 0 .45rem; border-radius: 4px; }
 tr.plan td { font-weight: 600; }
+.wide { overflow-x: auto; }
 """
 
 
@@ -64,7 +65,7 @@ def _layers(tuned: dict[str, Any]) -> str:
         span = f'<span style="background:{colour};color:{text}">{_e(value)}</span>'
         return f'<td class="choice">{span}</td>'
 
-    return _html_table(rows, ["" for _ in rows], cells)
+    return f'<div class="wide">{_html_table(rows, ["" for _ in rows], cells)}</div>'
 
 
 def _verification(tuned: dict[str, Any]) -> str:
@@ -97,15 +98,32 @@ def _chart(tuned: dict[str, Any]) -> str:
     )
 
 
+def _text(value: Any) -> str:
+    """A value as a reader wants it: dicts and lists flattened, numbers short."""
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_text(v)}" for k, v in value.items()) or "none"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_text(v) for v in value) or "none"
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value)
+
+
 def _facts(tuned: dict[str, Any], context: dict[str, Any]) -> str:
-    passes = tuned.get("passes") or {}
+    settings = tuned["settings"]
+    skipped = settings.get("skipped_layers") or {}
+    runs = f"{settings['steps']} steps x {settings['seeds']} seeds from seed {settings['seed']}"
     rows = [
         ("task", context.get("task", "")),
         ("device", context.get("device", "")),
         ("base recipe", tuned["base"]),
         ("candidate formats", ", ".join(tune_summary.candidate_formats(tuned))),
+        ("format speeds for", f"{settings['target']}: {_text(settings.get('speedups', {}))}"),
         ("budget", f"{tuned['budget']['value']:.3g} ({tuned['budget']['source']})"),
-        ("measurement passes", ", ".join(f"{k} {v}" for k, v in passes.items()) or "—"),
+        ("verification", f"{runs}, per arm"),
+        ("layers not tuned", "; ".join(f"{n}: {why}" for n, why in skipped.items()) or "none"),
+        ("measurement passes", _text(tuned.get("passes") or {})),
+        ("seconds", _text(settings.get("seconds", ""))),
         ("created", context.get("created", "")),
         ("command", " ".join(context.get("command", []))),
     ]

@@ -18,6 +18,7 @@ from rich.console import Console
 
 import tune_fixture
 from amped._internal.jsonio import from_json
+from amped.cli.tune_command import exit_code
 from amped.cli.tune_plots import sensitivity_chart
 from amped.cli.tune_report import render_html, write_report
 from amped.cli.tune_summary import headline, layer_rows, outcome, verification_rows
@@ -42,6 +43,22 @@ def _printed(tuned: dict, width: int = 160) -> str:
 @pytest.mark.parametrize("name", list(OUTCOMES))
 def test_outcome_of_each_document(name):
     assert outcome(OUTCOMES[name]()) == name
+
+
+@pytest.mark.parametrize(
+    ("name", "code", "said"),
+    [
+        ("passed", 0, ""),
+        ("failed", 3, "amped tune: the plan failed its verification"),
+        ("incomplete", 3, "amped tune: --max-time ran out before the verification finished"),
+        ("no_plan", 3, "amped tune: no plan met the budget"),
+    ],
+    ids=list(OUTCOMES),
+)
+def test_the_exit_code_of_each_outcome(capsys, name, code, said):
+    assert exit_code(OUTCOMES[name]()) == code
+    err = capsys.readouterr().err
+    assert err.startswith(said) and (not said or err.rstrip().endswith("exit status 3"))
 
 
 def test_layer_rows_are_in_model_order_with_a_cell_per_format_and_the_choice():

@@ -33,7 +33,7 @@ from amped.cli.tune_table import print_tune
 from amped.tuning.measure import eligible_layers
 from amped.tuning.tuner import DEFAULT_FORMATS
 
-__all__ = ["parse_formats", "run_tune"]
+__all__ = ["exit_code", "parse_formats", "run_tune"]
 
 
 def parse_formats(text: str) -> list[str]:
@@ -121,7 +121,7 @@ def _tune(args: argparse.Namespace, command: list[str]) -> int:
         sys.stdout.flush()
     else:
         print_tune(tuned, paths)
-    return _exit_code(tuned)
+    return exit_code(tuned)
 
 
 def _run(
@@ -150,7 +150,9 @@ def _run(
         raise RunError(f"amped tune failed: {type(error).__name__}: {text}{hint}") from error
 
 
-def _exit_code(tuned: dict[str, Any]) -> int:
+def exit_code(tuned: dict[str, Any]) -> int:
+    """The exit status for a tuned.json document: 0 when the plan passed, else
+    :data:`~amped.cli.errors.EXIT_NO_PLAN` (3), said in a line on stderr."""
     state = outcome(tuned)
     if state == "passed":
         return EXIT_OK

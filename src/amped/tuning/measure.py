@@ -43,9 +43,11 @@ class FormatMeasurement:
         sqnr_output: forward output SQNR in dB (inf: identical).
         sqnr_grad_input: grad_input SQNR in dB.
         sqnr_grad_weight: grad_weight SQNR in dB.
-        loss_change_estimate: first-order loss change, ``sqrt(mean over batches of
-            sum over rows (g_row . e_row)^2)``, g the output gradient and e the output's
-            quantization error (docs/tune.md says why squared over rows).
+        loss_change_estimate: first-order loss change of the output's quantization
+            error e against the output gradient g: the larger of ``sqrt(mean over batches
+            of (sum over rows g_row . e_row)^2)`` (the change the batches saw) and
+            ``sqrt(mean over batches of sum over rows (g_row . e_row)^2)`` (its size were
+            the rows independent); docs/tune.md says why.
         underflow: the largest fraction, over the three GEMM operands (input, weight,
             grad_output), of nonzero elements the cast flushes to zero.
         saturation: the largest fraction, over the operands, of elements cast to the
@@ -227,9 +229,9 @@ def _measure_format(
     convert_to_fp8(low, config, ["0"])
     signal = dict.fromkeys(("output", "grad_input", "grad_weight"), 0.0)
     noise = dict(signal)
-    squares = []
+    coherent, incoherent = [], []
     for batch, refs in zip(calls, references, strict=True):
-        batch_square = 0.0
+        batch_sum = batch_square = 0.0
         for (x, g), ref in zip(batch, refs, strict=True):
             got = _run(low[0], x, g)
             count.format_calls[fmt] = count.format_calls.get(fmt, 0) + 1
@@ -239,8 +241,10 @@ def _measure_format(
                 noise[key] += float((got[key].double() - r).square().sum())
             error = got["output"].double() - ref["output"].double()
             rows = (error * g.double()).reshape(-1, error.shape[-1]).sum(-1)
+            batch_sum += float(rows.sum())
             batch_square += float(rows.square().sum())
-        squares.append(batch_square)
+        coherent.append(batch_sum**2)
+        incoherent.append(batch_square)
     x_all = torch.cat([x.reshape(-1, x.shape[-1]) for batch in calls for x, _ in batch])
     g_all = torch.cat([g.reshape(-1, g.shape[-1]) for batch in calls for _, g in batch])
     weight = layer.weight
@@ -251,7 +255,7 @@ def _measure_format(
         sqnr_output=_db(signal["output"], noise["output"]),
         sqnr_grad_input=_db(signal["grad_input"], noise["grad_input"]),
         sqnr_grad_weight=_db(signal["grad_weight"], noise["grad_weight"]),
-        loss_change_estimate=math.sqrt(sum(squares) / len(squares)),
+        loss_change_estimate=math.sqrt(max(sum(coherent), sum(incoherent)) / len(calls)),
         underflow=underflow,
         saturation=saturation,
     )

@@ -182,6 +182,8 @@ def tune(
         budget_value, source = given_budget, "given"
     choice = choose_plan(measured, budget_value, target)
     rule = best_rule(measured, budget_value, target)
+    if rule.saving > choice.saving:  # the knapsack's rounding missed a plan the rule found
+        choice = Choice(rule.layers, rule.estimate, rule.saving)
     plan = PrecisionPlan("bf16-mixed", choice.layers)
     arms = {"bf16-mixed": reference}
     arms["plan"] = _arm("plan", choice, reference, arms, factory, seed_list, steps, deadline, tick)

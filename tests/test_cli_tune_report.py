@@ -116,23 +116,9 @@ def test_the_terminal_shows_both_tables_and_the_outcome():
     assert text.index("blocks.0.attn.qkv") < text.index("head ")  # model order
 
 
-def _six_formats() -> dict:
-    """The passed document, measured in all six formats (the default), with a long
-    transformers-style name for the last layer."""
-    tuned = tune_fixture.passed()
-    six = ["fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp", "mxfp8", "mxfp4", "nvfp4"]
-    tuned["settings"]["formats"] = six
-    for layer in tuned["measurements"].values():
-        layer["formats"] = {f: layer["formats"]["fp8-rowwise"] for f in six}
-    long = "model.transformer.encoder.layers.11.self_attention.query_key_value"
-    tuned["measurements"][long] = tuned["measurements"].pop("head")
-    tuned["layers"][long] = tuned["layers"].pop("head")
-    return tuned
-
-
 @pytest.mark.parametrize("width", [80, 100, 160])
 def test_the_layer_tables_fit_the_width_keeping_every_format_and_the_end_of_names(width):
-    tuned = _six_formats()
+    tuned = tune_fixture.six_formats()
     buffer = io.StringIO()
     console = Console(file=buffer, width=width, color_system=None)
     tables = layer_tables(tuned, width=width)

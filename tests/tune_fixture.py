@@ -78,6 +78,7 @@ def passed() -> dict[str, Any]:
         "settings": {
             "formats": ["fp8-rowwise", "nvfp4"],
             "target": "blackwell",
+            "speedups": {"bf16": 1.0, "fp8-rowwise": 2.0, "nvfp4": 4.0},
             "steps": 60,
             "seeds": 3,
             "seed": 0,
@@ -139,3 +140,19 @@ def no_plan() -> dict[str, Any]:
     )
     document["verification"]["arms"]["plan"] = _arm(bf16, BASE_LOSSES)
     return document
+
+
+LONG_NAME = "model.transformer.encoder.layers.11.self_attention.query_key_value"
+
+
+def six_formats() -> dict[str, Any]:
+    """The passed document measured in all six formats (the default), with a long
+    transformers-style name for its last layer: the widest tables."""
+    tuned = passed()
+    six = ["fp8-tensorwise", "fp8-rowwise", "fp8-rowwise-gw-hp", "mxfp8", "mxfp4", "nvfp4"]
+    tuned["settings"]["formats"] = six
+    for layer in tuned["measurements"].values():
+        layer["formats"] = {f: layer["formats"]["fp8-rowwise"] for f in six}
+    tuned["measurements"][LONG_NAME] = tuned["measurements"].pop("head")
+    tuned["layers"][LONG_NAME] = tuned["layers"].pop("head")
+    return tuned

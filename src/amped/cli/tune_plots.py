@@ -22,6 +22,7 @@ BF16_COLOUR = "#9a9a9a"
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2",
             "#17becf")  # fmt: skip
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LABEL = 32  # characters of a layer name on the x axis: its end, which says which layer
 
 
 def format_colours(tuned: dict[str, Any]) -> dict[str, str]:
@@ -100,6 +101,7 @@ def _choice_strip(
     axes.set_ylim(0, 1)
     axes.set_ylabel("choice", rotation=0, ha="right", va="center")
     # Module names are the user's: "$" in one must not start matplotlib's mathtext.
-    axes.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize="small",
+    labels = [n if len(n) <= _LABEL else "…" + n[-(_LABEL - 1) :] for n in names]
+    axes.set_xticks(range(len(labels)), labels, rotation=60, ha="right", fontsize="small",
                     parse_math=False)  # fmt: skip
     axes.set_xlim(-0.6, len(names) - 0.4)

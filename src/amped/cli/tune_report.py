@@ -30,7 +30,9 @@ _CSS = """
   border-color: #e09a9a; }
 td.choice span { display: inline-block; padding: 0 .45rem; border-radius: 4px; }
 tr.plan td { font-weight: 600; }
-.wide { overflow-x: auto; }
+td.layer { white-space: normal; overflow-wrap: anywhere; text-align: left; }
+td.fmt { line-height: 1.3; }
+th { white-space: normal; }
 """
 
 
@@ -57,7 +59,12 @@ def _layers(tuned: dict[str, Any]) -> str:
         return "<p class='foot'>No layer was measured.</p>"
     colours = format_colours(tuned)
 
+    formats = set(tune_summary.candidate_formats(tuned))
+
     def cells(key: str, value: str) -> str:
+        if key in formats:  # "29 dB / 9.3e-05" on two lines: six formats fit the page
+            sqnr, _, estimate = value.partition(" / ")
+            return f'<td class="fmt">{_e(sqnr)}<br>{_e(estimate)}</td>'
         if key != "choice":
             return _cell(key, value)
         colour = colours.get(value, colours["bf16"])
@@ -65,7 +72,7 @@ def _layers(tuned: dict[str, Any]) -> str:
         span = f'<span style="background:{colour};color:{text}">{_e(value)}</span>'
         return f'<td class="choice">{span}</td>'
 
-    return f'<div class="wide">{_html_table(rows, ["" for _ in rows], cells)}</div>'
+    return _html_table(rows, ["" for _ in rows], cells)
 
 
 def _verification(tuned: dict[str, Any]) -> str:

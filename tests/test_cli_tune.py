@@ -286,3 +286,23 @@ def test_a_signal_while_verifying_stops_with_one_line_and_writes_nothing(tmp_pat
     assert err.splitlines()[-1] == "amped: error: interrupted"  # after the progress lines
     assert (out / "tuned.json").read_text() == '{"old": true}'
     assert not (out / "tune.html").exists()
+
+
+@pytest.mark.slow
+def test_a_transformers_gpt2_is_tuned_under_its_module_names(capsys, tmp_path):
+    pytest.importorskip("transformers")
+    spec = "tests/tune_factories.py:tiny_gpt2"
+    args = ("--model", spec, "--threads", "1", "--no-progress", "--formats", "fp8-rowwise")
+    code, _, err = _tune(capsys, tmp_path, *args, "--steps", "2", "--seeds", "2", "--budget", "1")
+    assert code == 0, err
+    tuned = _document(tmp_path)
+    assert "transformer.h.0.attn.c_attn" in tuned["layers"]
+    assert "transformer.h.1.mlp.c_proj" in tuned["layers"]
+    model, _, _ = tune_factories.tiny_gpt2()
+    amped.prepare(model, torch.optim.AdamW(model.parameters()), tmp_path / "tuned.json")
+    lowered = [n for n, f in tuned["layers"].items() if f != "bf16"]
+    modules = dict(model.named_modules())
+    assert lowered
+    assert all(type(modules[n]).__name__ not in ("Conv1D", "Linear") for n in lowered)
+    assert all(type(modules[n]).__name__ in ("Conv1D", "Linear") for n in tuned["layers"]
+               if n not in lowered)  # fmt: skip

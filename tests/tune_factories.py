@@ -27,3 +27,24 @@ def no_eligible_layer(batch_size: int = 16, seed: int = 0):
     """Linear layers of 10 and 6 features: no FP8 or block GEMM takes them."""
     model = nn.Sequential(nn.Linear(10, 6), nn.ReLU(), nn.Linear(6, 2))
     return model, _batches(batch_size, seed, 10), F.cross_entropy
+
+
+def tiny_gpt2(batch_size: int = 8, seed: int = 0):
+    """A two-block GPT-2 from transformers (random weights, no download): its Conv1D
+    projections and tied head, under transformers' module names."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(vocab_size=128, n_positions=32, n_embd=64, n_layer=2, n_head=2,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    generator = torch.Generator().manual_seed(seed)
+
+    def batches():
+        while True:
+            tokens = torch.randint(0, 128, (batch_size, 33), generator=generator)
+            yield tokens[:, :-1], tokens[:, 1:]
+
+    def loss_fn(output, targets):
+        return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+
+    return model, batches(), loss_fn

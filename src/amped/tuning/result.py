@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -64,7 +65,7 @@ class TuneResult:
             "layers": dict(self.plan.layers),
             "passed": self.passed,
             "reason": self.reason,
-            "settings": self.settings,
+            "settings": copy.deepcopy(self.settings),
             "budget": {
                 "value": self.budget,
                 "source": self.budget_source,
@@ -80,7 +81,7 @@ class TuneResult:
                 "first": self.rule.first,
                 "last": self.rule.last,
                 "format": self.rule.format,
-                "layers": self.rule.layers,
+                "layers": dict(self.rule.layers),
                 "saving_flops": self.rule.saving,
                 "lowered_flops": _lowered_flops(self.measurements, self.rule.layers),
             },

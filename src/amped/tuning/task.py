@@ -66,8 +66,13 @@ def build_task(factory: Callable[..., Any], seed: int, count: int) -> TuneTask:
             contract (module docstring) allows.
         ValueError: the model is not float32, or the batches are empty.
     """
-    if not callable(factory):
-        raise type_error(f"amped.tune takes {_CONTRACT}", "factory", factory)
+    if not callable(factory) or isinstance(factory, torch.nn.Module):
+        raise type_error(
+            f"amped.tune takes {_CONTRACT}; it builds a fresh model per seed, so pass the "
+            "function that builds it, not a model",
+            "factory",
+            factory,
+        )
     built = _call(factory, seed)
     if isinstance(built, tuple | list) and len(built) == 3:
         model, batches, loss_fn = built

@@ -258,6 +258,26 @@ def test_the_builtin_task_is_tuned(tmp_path):
 # --- signals ----------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_report_renders_still_writes_it(capsys, tmp_path, monkeypatch, signum):
+    """In process: the signal arrives after the last progress report, while tune.html
+    renders; the pair is still written, whole, and the exit code is 128 + signal."""
+    from amped.cli import tune_report
+
+    render = tune_report.render_html
+
+    def render_then_signal(tuned, context):
+        os.kill(os.getpid(), signum)
+        return render(tuned, context)
+
+    monkeypatch.setattr(tune_report, "render_html", render_then_signal)
+    code, _, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0")
+    assert code == 128 + signum, err
+    assert "amped: interrupted: the report is written" in err and "Traceback" not in err
+    assert _document(tmp_path)["passed"] is True
+    assert (tmp_path / "tune.html").read_text().rstrip().endswith("</html>")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_verifying_stops_with_one_line_and_writes_nothing(tmp_path, signum):

@@ -101,26 +101,32 @@ def _tune(args: argparse.Namespace, command: list[str]) -> int:
     stderr = Console(stderr=True)
     progress = TuneLines() if args.no_progress or not stderr.is_terminal else TuneProgress(stderr)
     # SIGINT/SIGTERM from here on: the first stops the run at the next progress report
-    # (between two measurements or verification runs), the second at once; either way
-    # nothing is written, since a plan is only written with its verification.
-    with interrupt.graceful_interrupts(), progress:
-        result = _run(args, factory, device, formats, progress)
-    tuned = result.to_dict()
-    context = {
-        "task": task.name or factory.label,
-        "device": str(device),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": command,
-    }
-    try:
-        paths = write_report(tuned, context, out)
-    except OSError as error:
-        raise RunError(f"Could not write the report into {str(out)!r}: {error}") from None
+    # (between two measurements or verification runs), and nothing is written, since a
+    # plan is only written with its verification; one that arrives after the last
+    # report lets the report be written, then exits 130/143, as amped compare does.
+    # A second signal stops at once.
+    with interrupt.graceful_interrupts():
+        with progress:
+            tuned = _run(args, factory, device, formats, progress).to_dict()
+        context = {
+            "task": task.name or factory.label,
+            "device": str(device),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": command,
+        }
+        try:
+            paths = write_report(tuned, context, out)
+        except OSError as error:
+            raise RunError(f"Could not write the report into {str(out)!r}: {error}") from None
+        signalled = interrupt.requested()
     if args.json:
         sys.stdout.write(dumps(tuned))
         sys.stdout.flush()
     else:
         print_tune(tuned, paths)
+    if signalled:
+        print("amped: interrupted: the report is written", file=sys.stderr, flush=True)
+        return interrupt.exit_code()
     return exit_code(tuned)
 
 

@@ -378,3 +378,12 @@ def test_a_layer_without_a_gradient_is_named() -> None:
 
     with pytest.raises(ValueError, match="idle"):
         amped.tune(factory, formats=["fp8-rowwise"])
+
+
+@pytest.mark.parametrize("module", ["amped.tuning.tuner"], ids=lambda m: m)
+def test_docstring_examples_run(module: str) -> None:
+    import doctest
+    import importlib
+
+    result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
+    assert result.failed == 0 and result.attempted > 0

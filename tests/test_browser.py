@@ -129,3 +129,20 @@ def test_doctor_report_renders_readable_and_whole(tmp_path):
     _check_picture(shot, 2400)
     text = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
     assert "pow" in text and "norm" in text and "suggestion" in text.lower()
+
+
+@pytest.mark.slow
+def test_tune_report_renders_readable_and_whole(tmp_path):
+    """The widest tune.html: six formats and a long transformers-style layer name."""
+    import tune_fixture
+    from amped.cli.tune_report import write_report
+
+    tuned = tune_fixture.six_formats()
+    context = {"task": "tiny-gpt", "device": "cpu", "created": "now", "command": ["amped", "tune"]}
+    _, page = write_report(tuned, context, tmp_path)
+    dom, probe, shot = _render(page, tmp_path, 2600)
+    _check_layout(probe)
+    _check_picture(shot, 2600)
+    text = " ".join(re.sub(r"<[^>]+>", " ", dom).split())
+    assert "Verification passed" in text and "fp8-rowwise-gw-hp" in text
+    assert tune_fixture.LONG_NAME in text

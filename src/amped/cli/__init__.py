@@ -1,4 +1,5 @@
-"""The face: the ``amped`` command line (``amped compare``, ``amped doctor``) and its pages.
+"""The face: the ``amped`` command line (``amped compare``, ``amped doctor``, ``amped tune``)
+and its pages.
 
 Importing ``amped`` never imports this package. The modules that draw the terminal and
 the compare report need the ``cli`` extra (rich, matplotlib); :class:`Task`, the

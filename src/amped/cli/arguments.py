@@ -1,7 +1,8 @@
-"""The ``amped`` argument parser: both commands, and the validators they share.
+"""The ``amped`` argument parser: its commands, and the validators they share.
 
-A flag that means the same in ``amped compare`` and ``amped doctor`` is parsed by the
-same validator, so both reject the same values with the same message (exit code 2).
+A flag that means the same in ``amped compare``, ``amped doctor`` and ``amped tune`` is
+parsed by the same validator, so all reject the same values with the same message
+(exit code 2).
 """
 
 from __future__ import annotations
@@ -12,13 +13,18 @@ from typing import NoReturn
 from amped.cli.errors import UsageError
 from amped.cli.out_dir import out_folder, seed
 from amped.recipes.registry import recipe_names
+from amped.tuning.tuner import DEFAULT_FORMATS
 
-__all__ = ["build_parser", "positive_int", "seconds"]
+__all__ = ["build_parser", "loss_budget", "positive_int", "seconds"]
 
 DEFAULT_STEPS = 200
 DEFAULT_MAX_TIME = 120.0
 DEFAULT_OUT = "amped-report"
 DEFAULT_DOCTOR_OUT = "amped-doctor"
+DEFAULT_TUNE_OUT = "amped-tune"
+DEFAULT_TUNE_STEPS = 50
+DEFAULT_TUNE_SEEDS = 3
+DEFAULT_TUNE_MAX_TIME = 600.0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -47,6 +53,20 @@ def seconds(text: str) -> float:
         value = -1.0
     if not value >= 0:  # also refuses NaN
         raise argparse.ArgumentTypeError(f"expected seconds (0 for no limit), got {text!r}")
+    return value
+
+
+def loss_budget(text: str) -> float:
+    """An accuracy budget: a loss change >= 0 (``--budget``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not (value >= 0 and value != float("inf")):  # also refuses NaN
+        raise argparse.ArgumentTypeError(
+            f"expected a loss change >= 0 (e.g. 0.01), got {text!r}; leave --budget out "
+            "for the default (the measured seed-to-seed spread of bf16-mixed)"
+        )
     return value
 
 
@@ -124,8 +144,52 @@ def _add_doctor(doctor: argparse.ArgumentParser) -> None:
     add("--traceback", action="store_true", help="print the traceback of a failure")
 
 
+_TUNE = (
+    "choose each layer's precision (FP8, MXFP8, NVFP4, ...), verified by training",
+    "Measure each eligible layer's sensitivity to every candidate format on real batches, "
+    "choose the per-layer plan that lowers the most GEMM FLOPs within the accuracy budget, "
+    "verify it by short training runs against bf16-mixed over several seeds; print a "
+    "table and write tuned.json (load it with amped.prepare(model, optimizer, "
+    "'DIR/tuned.json')) and tune.html.",
+)
+_TUNE_EXIT = (
+    "exit status: 0 a plan met the budget and passed its verification; 3 no lowered plan "
+    "met the budget, or the chosen plan failed its verification or --max-time cut it "
+    "short (tuned.json says which, and why); 1 the run failed; 2 bad arguments or a "
+    "model with no eligible layer"
+)
+
+
+def _add_tune(tune: argparse.ArgumentParser) -> None:
+    add = tune.add_argument
+    add("--model", default=None, metavar="MODULE:FACTORY",
+        help="task factory, as for amped compare (default: the built-in tiny GPT)")  # fmt: skip
+    add("--formats", default="all",
+        help="comma-separated candidate formats for the layers (default: all: "
+        f"{', '.join(DEFAULT_FORMATS)}); bf16 is always a choice")  # fmt: skip
+    add("--budget", type=loss_budget, default=None, metavar="LOSS",
+        help="the largest loss change a plan may cost against bf16-mixed (default: the "
+        "seed-to-seed spread of bf16-mixed's final loss, the sample standard deviation "
+        "over the seeds, measured on the task)")  # fmt: skip
+    add("--steps", type=positive_int, default=DEFAULT_TUNE_STEPS,
+        help=f"train steps per verification run (default: {DEFAULT_TUNE_STEPS})")  # fmt: skip
+    add("--seeds", type=positive_int, default=DEFAULT_TUNE_SEEDS,
+        help="seeds the verification trains each arm with, from --seed on (default: "
+        f"{DEFAULT_TUNE_SEEDS})")  # fmt: skip
+    _add_task_arguments(tune, "cpu, cuda or cuda:N (default: cuda if available)", DEFAULT_TUNE_OUT)
+    add("--max-time", type=seconds, default=DEFAULT_TUNE_MAX_TIME, metavar="SECONDS",
+        help="no verification run starts after SECONDS from the start; a verification "
+        "cut short does not pass (default: "
+        f"{DEFAULT_TUNE_MAX_TIME:g}; 0: no limit)")  # fmt: skip
+    add("--threads", type=positive_int, default=None,
+        help="CPU threads for torch (default: as amped compare chooses them)")  # fmt: skip
+    add("--json", action="store_true", help="print only tuned.json on stdout")
+    add("--no-progress", action="store_true", help="no progress bar (a line per phase)")
+    add("--traceback", action="store_true", help="print the traceback of a failure")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``amped`` parser with its ``compare`` and ``doctor`` commands."""
+    """The ``amped`` parser with its ``compare``, ``doctor`` and ``tune`` commands."""
     parser = _Parser(prog="amped", description="Mixed-precision training for PyTorch.")
     parser.add_argument("--version", action="store_true", help="print amped's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -133,4 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help=_DOCTOR[0], description=_DOCTOR[1])
     doctor.epilog = _DOCTOR_EXIT
     _add_doctor(doctor)
+    tune = commands.add_parser("tune", help=_TUNE[0], description=_TUNE[1])
+    tune.epilog = _TUNE_EXIT
+    _add_tune(tune)
     return parser

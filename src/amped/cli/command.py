@@ -31,7 +31,7 @@ from amped.cli.timing import CpuLoad
 from amped.recipes import Recipe
 from amped.recipes.registry import RECIPES, resolve_recipe
 
-__all__ = ["parse_recipes", "resolve_out", "run_compare"]
+__all__ = ["choose_threads", "parse_recipes", "resolve_out", "run_compare"]
 
 _LOAD_SAMPLE_S = 0.5  # how long the CPU load is sampled before choosing threads
 
@@ -64,13 +64,7 @@ def _config(args: argparse.Namespace) -> CompareConfig:
     device = resolve_device(args.device or default_device())
     factory = load_factory(args.model or DEFAULT_FACTORY)
     task = factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
-    threads, source = torch.get_num_threads(), "torch's default"
-    if args.threads is not None:
-        threads, source = args.threads, "--threads"
-    elif task.threads is not None and device.type == "cpu":
-        threads, source = task.threads, "the task's choice"
-    elif device.type == "cpu" and threads > 1:
-        threads, source = _threads_for_load(threads)
+    threads, source = choose_threads(args.threads, task.threads, device)
     torch.set_num_threads(threads)  # once, before any recipe: the same for every one
     return CompareConfig(
         factory=factory,
@@ -84,6 +78,21 @@ def _config(args: argparse.Namespace) -> CompareConfig:
         threads=threads,
         threads_source=source,
     )
+
+
+def choose_threads(
+    given: int | None, task_threads: int | None, device: torch.device
+) -> tuple[int, str]:
+    """The CPU threads for torch, and who chose them: ``--threads``, else the task's
+    choice (on a CPU), else torch's default, or 1 on a busy CPU (:func:`_threads_for_load`)."""
+    threads = torch.get_num_threads()
+    if given is not None:
+        return given, "--threads"
+    if task_threads is not None and device.type == "cpu":
+        return task_threads, "the task's choice"
+    if device.type == "cpu" and threads > 1:
+        return _threads_for_load(threads)
+    return threads, "torch's default"
 
 
 def _threads_for_load(threads: int) -> tuple[int, str]:

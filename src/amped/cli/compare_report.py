@@ -18,9 +18,10 @@ from amped.cli import plots, summary
 from amped.cli.findings import warnings
 from amped.cli.results import dumps
 
-__all__ = ["render_html", "write_report"]
+__all__ = ["REPORT_CSS", "render_html", "write_report"]
 
-_CSS = """
+# The style of every report page (the tune report uses it too).
+REPORT_CSS = """
 body { font: 15px/1.5 system-ui, -apple-system, "Segoe UI", sans-serif; color: #1d1d1f;
        max-width: 1100px; margin: 2rem auto; padding: 0 1.2rem; background: #fff; }
 h1 { font-size: 1.6rem; margin-bottom: .2rem; } h2 { margin-top: 2.2rem; font-size: 1.2rem; }
@@ -159,7 +160,7 @@ def render_html(results: dict[str, Any]) -> str:
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>amped compare: {_e(name)}</title><style>{_CSS}</style></head>
+<title>amped compare: {_e(name)}</title><style>{REPORT_CSS}</style></head>
 <body>
 <h1>What mixed precision buys {_e(name)}</h1>
 <p class="sub">{" · ".join(_e(part) for part in subtitle if part)}</p>

@@ -1,4 +1,5 @@
-"""The ``amped`` command line: ``amped compare`` and ``amped doctor`` (also ``python -m amped``).
+"""The ``amped`` command line: ``amped compare``, ``amped doctor`` and ``amped tune`` (also
+``python -m amped``).
 
 User mistakes are one line on stderr, without a traceback; the exit codes are in
 :mod:`amped.cli.errors` and docs/robustness.md.
@@ -79,13 +80,19 @@ def _main(arguments: list[str]) -> int:
         if args.version:
             print(version_line())
             return EXIT_OK
-        if args.command not in ("compare", "doctor"):
-            raise UsageError("name a command: amped compare or amped doctor (see amped --help)")
+        if args.command not in ("compare", "doctor", "tune"):
+            raise UsageError(
+                "name a command: amped compare, amped doctor or amped tune (see amped --help)"
+            )
         _check_extra(args.command)
         if args.command == "doctor":
             from amped.cli.doctor import run_doctor  # needs the extra: imported after the check
 
             return run_doctor(args)
+        if args.command == "tune":
+            from amped.cli.tune_command import run_tune  # needs the extra: imported after the check
+
+            return run_tune(args, ["amped", *arguments])
         from amped.cli.command import run_compare  # needs the extra: imported after the check
 
         return run_compare(args, ["amped", *arguments])

@@ -1,0 +1,172 @@
+"""``amped tune`` from parsed arguments to exit code: check, tune, report, print.
+
+Every argument is checked before anything is measured (formats, device, the factory
+and its task, that the model has a layer to tune, the report folder), so a mistake
+costs a second. Then :func:`amped.tune` measures, chooses and verifies; its document is
+written as ``tuned.json`` with ``tune.html`` beside it, and the exit code says whether
+a plan passed (docs/robustness.md, "Exit codes").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+from rich.console import Console
+
+import amped
+from amped.cli import interrupt
+from amped.cli.command import choose_threads
+from amped.cli.environment import default_device, resolve_device
+from amped.cli.errors import EXIT_NO_PLAN, EXIT_OK, RunError, UsageError
+from amped.cli.factory import DEFAULT_FACTORY, TaskFactory, load_factory
+from amped.cli.out_dir import resolve_out
+from amped.cli.results import dumps
+from amped.cli.task import Task
+from amped.cli.tune_progress import TuneLines, TuneProgress
+from amped.cli.tune_report import write_report
+from amped.cli.tune_summary import outcome
+from amped.cli.tune_table import print_tune
+from amped.tuning.measure import eligible_layers
+from amped.tuning.tuner import DEFAULT_FORMATS
+
+__all__ = ["exit_code", "parse_formats", "run_tune"]
+
+
+def parse_formats(text: str) -> list[str]:
+    """``--formats``: comma-separated format names, or ``all`` (every FP8 and block
+    format); duplicates dropped, case ignored."""
+    names = [n.strip().lower() for n in text.split(",") if n.strip()]
+    allowed = ", ".join(DEFAULT_FORMATS)
+    if not names:
+        raise UsageError(f"--formats names no format; choose among {allowed} or all. "
+                         f"Received: --formats {text!r}")  # fmt: skip
+    if names == ["all"]:
+        return list(DEFAULT_FORMATS)
+    unknown = [n for n in names if n not in DEFAULT_FORMATS]
+    if unknown:
+        hint = " (bf16 is always a choice: leave it out)" if "bf16" in unknown else ""
+        raise UsageError(
+            f"Unknown format {unknown[0]!r}{hint}; the formats are {allowed} or all. "
+            f"Received: --formats {text!r}"
+        )
+    return list(dict.fromkeys(names))
+
+
+def _check_layers(task: Task, formats: list[str], spec: str) -> None:
+    """UsageError when the model has no layer that can run any of ``formats``."""
+    eligible, refused = eligible_layers(task.model, formats, set())
+    if eligible:
+        return
+    seen = "; ".join(f"{name or '<model>'}: {why}" for name, why in refused.items())
+    raise UsageError(
+        f"The model from {spec} has no layer amped tune can lower to {', '.join(formats)}: "
+        "it tunes nn.Linear and transformers Conv1D layers whose dims are multiples of the "
+        "format's block (16 for FP8, 32 for the MX formats). Give a model with such "
+        f"layers. Received: {seen or 'no nn.Linear or Conv1D layer'}"
+    )
+
+
+def _task_builder(factory: TaskFactory, batch_size: int | None, device: torch.device) -> Any:
+    """``amped.tune``'s factory: the CLI's task for a seed, its model on ``device``."""
+
+    def build(seed: int) -> Task:
+        task = factory.build(batch_size=batch_size, seed=seed, device=device)
+        task.model = task.model.to(device)
+        return task
+
+    return build
+
+
+def run_tune(args: argparse.Namespace, command: list[str]) -> int:
+    """Run ``amped tune``; returns the exit code (raises UsageError / RunError)."""
+    threads = torch.get_num_threads()
+    try:
+        return _tune(args, command)
+    finally:
+        torch.set_num_threads(threads)  # main() may be called in process, e.g. by tests
+
+
+def _tune(args: argparse.Namespace, command: list[str]) -> int:
+    formats = parse_formats(args.formats)
+    device = resolve_device(args.device or default_device())
+    factory = load_factory(args.model or DEFAULT_FACTORY)
+    task = factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
+    _check_layers(task, formats, factory.spec)
+    torch.set_num_threads(choose_threads(args.threads, task.threads, device)[0])
+    out = resolve_out(args.out)  # created only once the task is known to tune
+    stderr = Console(stderr=True)
+    progress = TuneLines() if args.no_progress or not stderr.is_terminal else TuneProgress(stderr)
+    # SIGINT/SIGTERM from here on: the first stops the run at the next progress report
+    # (between two measurements or verification runs), and nothing is written, since a
+    # plan is only written with its verification; one that arrives after the last
+    # report lets the report be written, then exits 130/143, as amped compare does.
+    # A second signal stops at once.
+    with interrupt.graceful_interrupts():
+        with progress:
+            tuned = _run(args, factory, device, formats, progress).to_dict()
+        context = {
+            "task": task.name or factory.label,
+            "device": str(device),
+            "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "command": command,
+        }
+        try:
+            paths = write_report(tuned, context, out)
+        except OSError as error:
+            raise RunError(f"Could not write the report into {str(out)!r}: {error}") from None
+        signalled = interrupt.requested()
+    if args.json:
+        sys.stdout.write(dumps(tuned))
+        sys.stdout.flush()
+    else:
+        print_tune(tuned, paths)
+    if signalled:
+        print("amped: interrupted: the report is written", file=sys.stderr, flush=True)
+        return interrupt.exit_code()
+    return exit_code(tuned)
+
+
+def _run(
+    args: argparse.Namespace,
+    factory: TaskFactory,
+    device: torch.device,
+    formats: list[str],
+    progress: TuneProgress | TuneLines,
+) -> Any:
+    try:
+        return amped.tune(
+            _task_builder(factory, args.batch_size, device),
+            formats=formats,
+            budget=args.budget,
+            steps=args.steps,
+            seeds=args.seeds,
+            seed=args.seed,
+            max_time=args.max_time or None,
+            progress=progress,
+        )
+    except KeyboardInterrupt:
+        raise
+    except Exception as error:  # main() prints its traceback under --traceback
+        text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        hint = "" if args.traceback else " (rerun with --traceback for details)"
+        raise RunError(f"amped tune failed: {type(error).__name__}: {text}{hint}") from error
+
+
+def exit_code(tuned: dict[str, Any]) -> int:
+    """The exit status for a tuned.json document: 0 when the plan passed, else
+    :data:`~amped.cli.errors.EXIT_NO_PLAN` (3), said in a line on stderr."""
+    state = outcome(tuned)
+    if state == "passed":
+        return EXIT_OK
+    what = {
+        "no_plan": "no plan met the budget; tuned.json holds the all-bf16 plan and the reason",
+        "failed": "the plan failed its verification (tuned.json marks it failed)",
+        "incomplete": "--max-time ran out before the verification finished, so the plan "
+        "does not pass",
+    }[state]
+    print(f"amped tune: {what}: exit status {EXIT_NO_PLAN}", file=sys.stderr, flush=True)
+    return EXIT_NO_PLAN

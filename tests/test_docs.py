@@ -133,7 +133,7 @@ def test_the_doctor_sample_output_is_what_the_example_prints(monkeypatch):
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    model, x = example._norm_variance_overflow()
+    model, x = example.norm_variance_overflow()
     summary = diagnose(model, x, example._mean, dtype=torch.float16).summary()
     shown = [code for _, info, code in blocks(ROOT / "docs" / "doctor.md") if info == "text"]
     assert summary + "\n" in shown

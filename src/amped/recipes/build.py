@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 from amped._internal.errors import type_error, value_error
-from amped._internal.torch_compat import dtensor_class
 from amped.fp8.convert import LowPrecisionConfig, ModuleFilter
 from amped.policy import Policy
 from amped.recipes.fp8 import Fp8Plan
@@ -13,6 +12,7 @@ from amped.recipes.o2 import build_master_setup
 from amped.recipes.pure import build_pure_setup
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
+from amped.recipes.shards import check_placements, is_sharded
 from amped.recipes.weights import require_float32
 from amped.scaling import GradScaler
 
@@ -135,9 +135,11 @@ def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.O
 
 
 def _check_lowerable(model: torch.nn.Module, recipe: Recipe) -> None:
-    dtensor = dtensor_class()
     for name, param in model.named_parameters():
-        if dtensor is not None and isinstance(param, dtensor):
+        if is_sharded(param) and recipe.weights == "low":
+            # bf16-pure*: the shards are lowered in place and the optimizer steps them.
+            check_placements(name, param)
+        elif is_sharded(param):
             # Lowering a DTensor changes its metadata, not FSDP2's float32 local shards.
             raise value_error(
                 f"Recipe {recipe.name!r} lowers the model's weights, but its parameters are "

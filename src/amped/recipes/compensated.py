@@ -60,6 +60,7 @@ from amped.recipes.chunks import Chunk, Groups, Plan
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
 from amped.recipes.rounding import require_bfloat16, rounded_with_noise_
+from amped.recipes.shards import with_random_state, without_random_state
 
 __all__ = ["CompensatedAdamW", "CompensatedSGD"]
 
@@ -262,10 +263,10 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         state["seed"] = self.seed
         if self._generator is not None:
             state["rng_state"] = self._generator.get_state()
-        return state
+        return with_random_state(state)  # and in param_groups[0], for DCP
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
+        state_dict = without_random_state(state_dict)
         rng_state = state_dict.pop("rng_state", None)
         self.seed = state_dict.pop("seed", self.seed)
         super().load_state_dict(state_dict)

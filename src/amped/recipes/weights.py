@@ -25,9 +25,10 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from amped._internal.errors import value_error
-from amped._internal.torch_compat import BATCH_NORM_BASE
+from amped._internal.torch_compat import BATCH_NORM_BASE, fsdp_reset_sharded_params
 from amped._internal.trees import map_tensors
 from amped.policy import ModuleRule, Policy
+from amped.recipes.shards import is_sharded
 
 __all__ = [
     "Lowering",
@@ -152,15 +153,41 @@ def lower_(
                 continue
             for param in module.parameters(recurse=False):
                 if param.dtype is torch.float32 and param not in originals:
-                    originals[param] = param.data
-                    param.data = param.data.to(dtype)
+                    originals[param] = _lower_param_(param, dtype)
             for key, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.dtype is torch.float32:
                     lowered = buf.to(dtype)
                     setattr(module, key, lowered)
                     record.buffers.append((module, key, buf, lowered))
     record.params.extend(originals)
+    if any(is_sharded(param) for param in originals):
+        _reset_fsdp_modules(model)
     return originals
+
+
+def _lower_param_(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Give ``param`` ``dtype`` in place; returns its float32 tensor.
+
+    A DTensor (an FSDP2 shard) gets new contents, as ``module.to(dtype)`` gives it:
+    setting ``.data`` would change what the DTensor claims, not its local shard.
+    """
+    if not is_sharded(param):
+        original = param.data
+        param.data = param.data.to(dtype)
+        return original
+    lowered = torch.nn.Parameter(param.detach().to(dtype), requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, lowered)
+    return lowered  # now holds the float32 contents
+
+
+def _reset_fsdp_modules(model: torch.nn.Module) -> None:
+    """Have every ``fully_shard`` module of ``model`` take up its lowered shards (it
+    keeps its own references to them, and all-gathers in their dtype from now on)."""
+    from torch.distributed.fsdp import FSDPModule  # loaded already: the model is sharded
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            fsdp_reset_sharded_params(module)
 
 
 def cast_inputs(model: torch.nn.Module, dtype: torch.dtype) -> RemovableHandle:

@@ -1,0 +1,228 @@
+"""One rank of the FSDP2 bf16-pure tests (run by tests/test_fsdp2_pure.py through
+dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
+
+- ``equal/RECIPE``: the recipe on a ``fully_shard`` model, every rank on the same
+  global batch, against (rank 0) one process without FSDP2 on the same model, data
+  and seed: parameters, the 8-bit moments (dequantized) and which state each
+  parameter keeps.
+- ``split/RECIPE``: the same, each rank on its half of the batch.
+- ``dcp/RECIPE``: state and lowered weights saved with torch.distributed.checkpoint
+  and loaded into a fresh setup, then both trained on.
+- ``uneven/fp8-tensorwise``: an FP8 recipe (on bf16-pure) whose layers have an odd
+  number of rows (33: 17 and 16 on 2 ranks), against one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import amped
+from amped.fp8 import FP8_CONFIGS, convert_to_fp8
+
+RECIPES = ("bf16-pure", "bf16-pure-sr", "bf16-pure-8bit")
+STEPS = 4
+BATCH, IN, OUT = 16, 64, 33
+
+
+def net() -> nn.Sequential:
+    """Rows chosen against the 8-bit state's blocks of 256 (amped.recipes.sharded_state):
+    0.weight is 68 x 64 (17 blocks; on 2 ranks 34 rows each, so rank 1 starts in the
+    middle of block 8: a shared block), 3.weight 256 x 68 (68 blocks; 128 rows each,
+    34 blocks), 5.weight 33 x 256 (33 rows: 17 and 16, uneven). The biases and the
+    norm are below 4096 elements: float32 moments."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(IN, 68),
+        nn.GELU(),
+        nn.LayerNorm(68),
+        nn.Linear(68, 256),
+        nn.GELU(),
+        nn.Linear(256, OUT),
+    )
+
+
+def shard(model: nn.Sequential) -> nn.Sequential:
+    for index in (0, 3, 5):
+        fully_shard(model[index])
+    fully_shard(model)
+    return model
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, IN, generator=generator), torch.randn(BATCH, OUT, generator=generator)
+
+
+def prepared(recipe: str, sharded: bool) -> amped.TrainSetup:
+    model = shard(net()) if sharded else net()
+    setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), recipe)
+    # The step FSDP2 shards take (eager) in the control too: the fused step agrees with
+    # it but for rare roundings (amped.recipes.fused says which).
+    setup.optimizer.fused = False
+    return setup
+
+
+def train(setup: amped.TrainSetup, steps: range, rank: int = 0, world: int = 1) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+        with setup.autocast():
+            loss = F.mse_loss(setup.model(x).float(), y)
+        setup.backward(loss)
+        setup.step()
+        setup.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    value = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return value.detach().clone()
+
+
+def record(setup: amped.TrainSetup) -> dict[str, Any]:
+    """Whole parameters, their local shards' dtypes, each one's state keys and dtypes,
+    and the 8-bit optimizer's moments (dequantized, whole)."""
+    optimizer = setup.optimizer
+    out: dict[str, Any] = {"params": {}, "local_dtype": {}, "state": {}, "moments": {}}
+    for name, param in setup.model.named_parameters():
+        out["params"][name] = whole(param)
+        shard = param.to_local() if hasattr(param, "to_local") else param
+        out["local_dtype"][name] = str(shard.dtype)
+        state = optimizer.state[param]
+        out["state"][name] = {k: str(v.dtype) for k, v in state.items() if torch.is_tensor(v)}
+        if hasattr(optimizer, "moments"):
+            out["moments"][name] = [whole(m) for m in optimizer.moments(param)]
+    return out
+
+
+def equal(recipe: str, rank: int, world: int, split: bool) -> dict[str, Any]:
+    setup = prepared(recipe, sharded=True)
+    rows = (rank, world) if split else (0, 1)
+    out = record_after(setup, train(setup, range(STEPS), *rows))
+    if rank == 0:
+        control = prepared(recipe, sharded=False)
+        out["control"] = record_after(control, train(control, range(STEPS)))
+    return out
+
+
+def record_after(setup: amped.TrainSetup, losses: list[float]) -> dict[str, Any]:
+    out = record(setup)
+    out["losses"] = losses
+    return out
+
+
+def local_state(setup: amped.TrainSetup) -> dict[str, Any]:
+    """Every local shard of the weights and of the optimizer's state tensors, and the
+    step counts, by parameter name."""
+    out = {}
+    for name, param in setup.model.named_parameters():
+        state = setup.optimizer.state[param]
+        out[name] = {"weight": param.to_local().clone()}
+        for key, value in state.items():
+            out[name][key] = value.to_local().clone() if torch.is_tensor(value) else value
+    return out
+
+
+def checkpointed(recipe: str, rank: int, world: int, folder: Path) -> dict[str, Any]:
+    setup = prepared(recipe, sharded=True)
+    train(setup, range(2), rank, world)
+    model_state, optim_state = get_state_dict(setup.model, setup.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    saved = local_state(setup)
+    after = train(setup, range(2, STEPS), rank, world)
+
+    fresh = prepared(recipe, sharded=True)
+    model_state, optim_state = get_state_dict(fresh.model, fresh.optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(
+        fresh.model,
+        fresh.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+    )
+    loaded = local_state(fresh)
+    resumed = train(fresh, range(2, STEPS), rank, world)
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "losses": after,
+        "resumed_losses": resumed,
+        "params": {n: whole(p) for n, p in setup.model.named_parameters()},
+        "resumed_params": {n: whole(p) for n, p in fresh.model.named_parameters()},
+    }
+
+
+def fp8_net() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN, 33), nn.GELU(), nn.Linear(33, OUT))
+
+
+def fp8_setup(sharded: bool) -> amped.TrainSetup:
+    """fp8-tensorwise on bf16-pure, both layers converted (33 rows: not a multiple of
+    16, so named explicitly); under FSDP2 converted before fully_shard."""
+    model = fp8_net()
+    if sharded:
+        convert_to_fp8(model, FP8_CONFIGS["tensorwise"], ["0", "2"])
+        fully_shard(model[0])
+        fully_shard(model[2])
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    setup = amped.prepare(
+        model, optimizer, "fp8-tensorwise", base="bf16-pure", module_filter=lambda m, n: True
+    )
+    setup.optimizer.fused = False
+    return setup
+
+
+def uneven_fp8(rank: int) -> dict[str, Any]:
+    setup = fp8_setup(sharded=True)
+    out = {"losses": train(setup, range(STEPS)), "rows": {}}
+    out["params"] = {n: whole(p) for n, p in setup.model.named_parameters()}
+    out["rows"] = {n: p.to_local().shape[0] for n, p in setup.model.named_parameters()}
+    out["layers"] = setup.fp8_layers.names()
+    if rank == 0:
+        control = fp8_setup(sharded=False)
+        train(control, range(STEPS))
+        out["control"] = {n: whole(p) for n, p in control.model.named_parameters()}
+    return out
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=float(os.environ["AMPED_COLLECTIVE_TIMEOUT_S"]))
+    dist.init_process_group("gloo", timeout=timeout)
+    try:
+        results: dict[str, Any] = {}
+        for recipe in RECIPES:
+            results[f"equal/{recipe}"] = equal(recipe, rank, world, split=False)
+            results[f"split/{recipe}"] = equal(recipe, rank, world, split=True)
+            results[f"dcp/{recipe}"] = checkpointed(recipe, rank, world, out / f"dcp-{recipe}")
+        results["uneven/fp8-tensorwise"] = uneven_fp8(rank)
+        torch.save(results, out / f"rank{rank}.pt")
+        # Every rank reaches this point before any tears its group down: a rank that
+        # destroys its group while a peer's last collective is still in flight can
+        # abort in gloo's teardown ("terminate called without an active exception").
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -44,9 +44,12 @@ def test_autocast_recipes_train_a_sharded_model(sharded, recipe):
     assert setup.step()
 
 
+@pytest.mark.parametrize("ran", [False, True], ids=["fresh", "after-a-forward"])
 @pytest.mark.parametrize("recipe", ["bf16-pure", "bf16-pure-sr", "bf16-pure-8bit"])
-def test_pure_recipes_lower_the_shards_and_train(sharded, recipe):
+def test_pure_recipes_lower_the_shards_and_train(sharded, recipe, ran):
     optimizer = torch.optim.AdamW(sharded.parameters(), lr=0.1)
+    if ran:  # FSDP2 reads its dtypes and makes its all-gather buffers at the first forward
+        sharded(torch.randn(3, 8))
     setup = amped.prepare(sharded, optimizer, recipe)
     shards = {name: p.to_local().dtype for name, p in sharded.named_parameters()}
     assert set(shards.values()) == {torch.bfloat16}  # the storage, not just the DTensor
@@ -69,3 +72,24 @@ def test_pure_recipes_refuse_shards_not_on_dim_0():
         optimizer = torch.optim.AdamW(model.parameters())
         with pytest.raises(ValueError, match=r"dim 0 .*Received: 0.weight.placements="):
             amped.prepare(model, optimizer, "bf16-pure")
+
+
+def test_optimizer_in_backward_refuses_sharded_parameters(sharded):
+    setup = amped.prepare(sharded, torch.optim.AdamW(sharded.parameters()), "bf16-pure-8bit")
+    with pytest.raises(ValueError, match=r"FSDP2.*setup\.step"):
+        amped.recipes.step_in_backward(setup.optimizer)
+
+
+def test_teardown_gives_the_shards_float32_weights_back(sharded):
+    setup = amped.prepare(sharded, torch.optim.AdamW(sharded.parameters(), lr=0.1), "bf16-pure")
+    with setup.autocast():
+        loss = setup.model(torch.randn(3, 8)).float().pow(2).mean()
+    setup.backward(loss)
+    setup.step()
+    expected = setup.fp32_state_dict()  # each weight plus its compensation
+    setup.teardown()
+    for name, param in sharded.named_parameters():
+        assert param.to_local().dtype == torch.float32, name
+        assert torch.equal(param.full_tensor(), expected[name].full_tensor()), name
+    out = sharded(torch.randn(3, 8))  # FSDP2 all-gathers the float32 shards again
+    assert out.dtype == torch.float32

@@ -12,7 +12,7 @@ from amped.recipes.o2 import build_master_setup
 from amped.recipes.pure import build_pure_setup
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
-from amped.recipes.shards import check_placements, is_sharded
+from amped.recipes.shards import check_placements, is_sharded, reshard
 from amped.recipes.weights import require_float32
 from amped.scaling import GradScaler
 
@@ -81,6 +81,7 @@ def prepare(
             name,
             value,
         )
+    reshard(model)  # FSDP2's root holds unsharded parameters after a forward
     device_type = _device_type(model)
     optimizer = _check_optimizer(model, optimizer)
     if isinstance(policy, str):

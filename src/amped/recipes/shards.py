@@ -11,6 +11,7 @@ begin there. A plain tensor is its own shard, starting at 0.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -18,7 +19,17 @@ import torch
 from amped._internal.errors import value_error
 from amped._internal.torch_compat import dtensor_class
 
-__all__ = ["check_placements", "flat_start", "is_sharded", "local", "rebuild"]
+__all__ = [
+    "check_placements",
+    "flat_start",
+    "fsdp_modules",
+    "is_sharded",
+    "local",
+    "rebuild",
+    "reshard",
+    "with_random_state",
+    "without_random_state",
+]
 
 
 def is_sharded(tensor: torch.Tensor) -> bool:
@@ -31,6 +42,21 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (its own memory, not a copy: writes reach the
     DTensor), or ``tensor`` itself. Call under ``torch.no_grad()``."""
     return tensor.to_local() if is_sharded(tensor) else tensor  # type: ignore[attr-defined]
+
+
+def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of ``model`` that ``fully_shard`` sharded (none if FSDP2 is not loaded:
+    it is looked up, never imported)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    kind = getattr(fsdp, "FSDPModule", None)
+    return [] if kind is None else [m for m in model.modules() if isinstance(m, kind)]
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Register the sharded parameters of every ``fully_shard`` module of ``model`` (the
+    root keeps the unsharded ones after a forward, until its backward)."""
+    for module in fsdp_modules(model):
+        module.reshard()  # type: ignore[operator]
 
 
 def check_placements(name: str, param: torch.Tensor) -> None:

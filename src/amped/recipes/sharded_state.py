@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from amped.recipes import quantized_state as q8
 from amped.recipes.shards import flat_start, local, rebuild
@@ -116,6 +117,17 @@ class ShardBlocks:
         return scales
 
 
+_LAYOUTS = WeakIdKeyDictionary()  # parameter -> ShardBlocks (tensors compare by value)
+
+
+def _blocks(param: torch.Tensor) -> ShardBlocks:
+    """``param``'s :class:`ShardBlocks`, made once (a shard's place does not change)."""
+    blocks: ShardBlocks | None = _LAYOUTS.get(param)
+    if blocks is None:
+        blocks = _LAYOUTS[param] = ShardBlocks(param)
+    return blocks
+
+
 @functools.lru_cache(maxsize=4096)
 def _slots_per_row(rows: int, cols: int) -> int:
     """The most blocks one row touches (the pattern repeats every 256 rows)."""
@@ -125,7 +137,7 @@ def _slots_per_row(rows: int, cols: int) -> int:
 
 def init_state(param: torch.Tensor, state: dict, key: str) -> None:
     """Zero codes and scales of moment ``key`` for the DTensor ``param``."""
-    blocks = ShardBlocks(param)
+    blocks = _blocks(param)
     state[f"{key}_codes"] = torch.zeros_like(param, dtype=torch.uint8)
     shard = torch.zeros(blocks.slots.shape, dtype=torch.float32, device=blocks.slots.device)
     state[f"{key}_scale"] = rebuild(param, shard, torch.Size((param.shape[0], blocks.width)))
@@ -133,7 +145,7 @@ def init_state(param: torch.Tensor, state: dict, key: str) -> None:
 
 def dequantize(param: torch.Tensor, state: dict, key: str, signed: bool) -> torch.Tensor:
     """Moment ``key`` of ``param``'s local shard, in float32 (local shape)."""
-    blocks = ShardBlocks(param)
+    blocks = _blocks(param)
     codes = local(state[f"{key}_codes"])
     scales = blocks.from_slots(local(state[f"{key}_scale"]))
     padded = blocks.padded(codes)
@@ -144,7 +156,7 @@ def dequantize(param: torch.Tensor, state: dict, key: str, signed: bool) -> torc
 def store(param: torch.Tensor, state: dict, key: str, signed: bool, value: torch.Tensor) -> None:
     """Quantize float32 ``value`` (the local shard's moment) into ``state``'s codes and
     scales of ``key``: bit for bit what one process stores for these elements."""
-    blocks = ShardBlocks(param)
+    blocks = _blocks(param)
     # The other ranks' elements of a shared block are filled with the block's maximum:
     # quantize then finds the whole block's scale, and divides by exactly that.
     fill = blocks.block_maxima(value)

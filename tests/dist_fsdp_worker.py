@@ -8,6 +8,8 @@ dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
 - ``split/RECIPE``: the same, each rank on its half of the batch.
 - ``dcp/RECIPE``: state and lowered weights saved with torch.distributed.checkpoint
   and loaded into a fresh setup, then both trained on.
+- ``wire``: the bytes FSDP2 all-gathers in one training step, per recipe (the inputs
+  of ``dist.all_gather_single``, which FSDP2's default all-gather calls).
 - ``uneven/fp8-tensorwise``: an FP8 recipe (on bf16-pure) whose layers have an odd
   number of rows (33: 17 and 16 on 2 ranks), against one process.
 """
@@ -202,6 +204,43 @@ def uneven_fp8(rank: int) -> dict[str, Any]:
     return out
 
 
+class GatherCounter:
+    """Counts the bytes and dtypes of ``dist.all_gather_single``'s inputs while active."""
+
+    def __enter__(self) -> GatherCounter:
+        self.bytes, self.dtypes, self._original = 0, set(), dist.all_gather_single
+
+        def counted(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.bytes += input.numel() * input.element_size()
+            self.dtypes.add(str(input.dtype))
+            return self._original(output, input, *args, **kwargs)
+
+        dist.all_gather_single = counted  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_gather_single = self._original  # type: ignore[assignment]
+
+
+def wire(rank: int, world: int) -> dict[str, Any]:
+    out = {}
+    for recipe in ("bf16-mixed", "bf16-pure", "bf16-pure-8bit"):
+        setup = prepared(recipe, sharded=True) if recipe != "bf16-mixed" else None
+        if setup is None:
+            model = shard(net())
+            setup = amped.prepare(model, torch.optim.AdamW(model.parameters()), recipe)
+        with GatherCounter() as counter:
+            train(setup, range(1), rank, world)
+        out[recipe] = {"bytes": counter.bytes, "dtypes": sorted(counter.dtypes)}
+    setup = fp8_setup(sharded=True)
+    with GatherCounter() as counter:
+        train(setup, range(1), rank, world)
+    out["fp8-tensorwise"] = {"bytes": counter.bytes, "dtypes": sorted(counter.dtypes)}
+    out["params"] = sum(p.numel() for p in net().parameters())
+    out["fp8_params"] = sum(p.numel() for p in fp8_net().parameters())
+    return out
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
@@ -215,6 +254,7 @@ def main() -> None:
             results[f"split/{recipe}"] = equal(recipe, rank, world, split=True)
             results[f"dcp/{recipe}"] = checkpointed(recipe, rank, world, out / f"dcp-{recipe}")
         results["uneven/fp8-tensorwise"] = uneven_fp8(rank)
+        results["wire"] = wire(rank, world)
         torch.save(results, out / f"rank{rank}.pt")
         # Every rank reaches this point before any tears its group down: a rank that
         # destroys its group while a peer's last collective is still in flight can

@@ -105,3 +105,14 @@ def test_fp8_recipe_with_uneven_shards_matches_one_process(ranks):
         16,
     )
     assert _equal(run["params"], run["control"]) == []
+
+
+def test_bf16_pure_all_gathers_half_the_bytes_of_float32_shards(ranks):
+    wire = ranks[0]["wire"]
+    assert wire["bf16-mixed"]["dtypes"] == ["torch.float32"]
+    for recipe in ("bf16-pure", "bf16-pure-8bit"):
+        assert wire[recipe]["dtypes"] == ["torch.bfloat16"]
+        assert 2 * wire[recipe]["bytes"] == wire["bf16-mixed"]["bytes"]
+    # forward and backward each all-gather every parameter (FSDP2 reshards after
+    # forward); each rank sends its padded shard, at least half the parameters
+    assert wire["bf16-pure"]["bytes"] >= 2 * 2 * wire["params"] // 2

@@ -279,8 +279,10 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
                 state[f"{key}_scale"] = torch.zeros(
                     blocks, dtype=torch.float32, device=param.device
                 )
-            else:
+            elif is_sharded(param):
                 state[key] = torch.zeros_like(param, dtype=torch.float32)
+            else:
+                state[key] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         if group["compensation"] == "kahan" and param.dtype in _LOW_DTYPES:
             state["compensation"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
 

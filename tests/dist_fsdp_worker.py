@@ -42,8 +42,10 @@ def net() -> nn.Sequential:
     """Rows chosen against the 8-bit state's blocks of 256 (amped.recipes.sharded_state):
     0.weight is 68 x 64 (17 blocks; on 2 ranks 34 rows each, so rank 1 starts in the
     middle of block 8: a shared block), 3.weight 256 x 68 (68 blocks; 128 rows each,
-    34 blocks), 5.weight 33 x 256 (33 rows: 17 and 16, uneven). The biases and the
-    norm are below 4096 elements: float32 moments."""
+    34 blocks), 9.weight 33 x 256 (33 rows: 17 and 16, uneven). 5.weight and 7.weight
+    (2048 x 256, 256 x 2048, no biases between them) have shards larger than the eager
+    step's chunks, so each is stepped in pieces, one after the other. The biases and the norm are below 4096 elements: float32
+    moments."""
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Linear(IN, 68),
@@ -51,12 +53,16 @@ def net() -> nn.Sequential:
         nn.LayerNorm(68),
         nn.Linear(68, 256),
         nn.GELU(),
+        nn.Linear(256, 2048, bias=False),
+        nn.GELU(),
+        nn.Linear(2048, 256, bias=False),
+        nn.GELU(),
         nn.Linear(256, OUT),
     )
 
 
 def shard(model: nn.Sequential) -> nn.Sequential:
-    for index in (0, 3, 5):
+    for index in (0, 3, 5, 7, 9):
         fully_shard(model[index])
     fully_shard(model)
     return model

@@ -65,11 +65,11 @@ def test_8bit_states_follow_the_unsharded_tensor(ranks):
     run = ranks[0]["equal/bf16-pure-8bit"]
     state, control = run["state"], run["control"]["state"]
     # 8-bit where the whole tensor has >= 4096 elements in blocks of 256, on any mesh:
-    # 0.weight (68 x 64) has blocks shared by the ranks, 5.weight (33 x 256) 17 rows on
+    # 0.weight (68 x 64) has blocks shared by the ranks, 9.weight (33 x 256) 17 rows on
     # rank 0 and 16 on rank 1; biases and the norm keep float32 moments.
-    for name in ("0.weight", "3.weight", "5.weight"):
+    for name in ("0.weight", "3.weight", "5.weight", "7.weight", "9.weight"):
         assert state[name]["exp_avg_codes"] == "torch.uint8", name
-    for name in ("0.bias", "2.weight", "3.bias", "5.bias"):
+    for name in ("0.bias", "2.weight", "3.bias", "9.bias"):
         assert state[name]["exp_avg"] == "torch.float32", name
     for name, moments in run["control"]["moments"].items():
         for rank in ranks:

@@ -138,10 +138,13 @@ def partition(
         key, numel = (param.device, param.dtype), local(param).numel()
         chunks = same.setdefault(key, [[]])
         left = room.get(key, most)
-        if is_sharded(param) and numel <= most:
+        if is_sharded(param):
             # A shard's elements are numbered by their place in the whole parameter
-            # (see Plan._build), which only a chunk of its own can follow.
-            chunks.append([Piece(param, 0, numel, True)])
+            # (see Plan._build), which only chunks of its own can follow.
+            step = most if numel > most and splittable(param) else max(numel, 1)
+            for start in range(0, numel, step):
+                stop = min(numel, start + step)
+                chunks.append([Piece(param, start, stop, stop - start == numel)])
             chunks.append([])
             room[key] = most
         elif alone is not None and alone <= numel <= most and splittable(param):

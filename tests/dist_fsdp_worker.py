@@ -44,8 +44,8 @@ def net() -> nn.Sequential:
     middle of block 8: a shared block), 3.weight 256 x 68 (68 blocks; 128 rows each,
     34 blocks), 9.weight 33 x 256 (33 rows: 17 and 16, uneven). 5.weight and 7.weight
     (2048 x 256, 256 x 2048, no biases between them) have shards larger than the eager
-    step's chunks, so each is stepped in pieces, one after the other. The biases and the norm are below 4096 elements: float32
-    moments."""
+    step's chunks, so each is stepped in pieces, one after the other. The biases and
+    the norm are below 4096 elements: float32 moments."""
     torch.manual_seed(0)
     return nn.Sequential(
         nn.Linear(IN, 68),

@@ -8,10 +8,11 @@ rotating every repeat); the printed ratio is the median over repeats of
 ``time(sharded) / time(plain)``:
 
 - ``plain-eager``: the recipe's optimizer on plain parameters with ``fused=False``;
-- ``sharded``: the same on ``fully_shard``-ed parameters (DTensors: always the eager
-  step, plus the shard bookkeeping of amped.recipes.shards and sharded_state);
-- ``plain-fused`` (with ``--fused``): the default fused step on plain parameters, for
-  what shards give up (compiled during the warm-up steps).
+- ``sharded``: the same on ``fully_shard``-ed parameters (DTensors: the shard
+  bookkeeping of amped.recipes.shards and sharded_state on top);
+- with ``--fused``, ``plain-fused`` and ``sharded-fused``: the default step (fused
+  where it can be: bf16-pure's on shards too, bf16-pure-8bit's on plain parameters
+  only), compiled during the warm-up steps.
 
 Usage: python benchmarks/fsdp2_step.py [--recipes bf16-pure bf16-pure-8bit]
                                        [--repeats 9] [--threads 1] [--fused]
@@ -65,6 +66,7 @@ def main() -> None:
             }
             if args.fused:
                 sides["plain-fused"] = build(recipe, sharded=False, fused=None)
+                sides["sharded-fused"] = build(recipe, sharded=True, fused=None)
             for setup in sides.values():  # warm-up (compiles the fused step)
                 setup.optimizer.step()
             times: dict[str, list[float]] = {name: [] for name in sides}

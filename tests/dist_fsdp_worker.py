@@ -6,6 +6,7 @@ dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
   and seed: parameters, the 8-bit moments (dequantized) and which state each
   parameter keeps.
 - ``split/RECIPE``: the same, each rank on its half of the batch.
+- ``fused/RECIPE``: ``equal`` with the fused step on both sides (bf16-pure, -sr).
 - ``dcp/RECIPE``: state and lowered weights saved with torch.distributed.checkpoint
   and loaded into a fresh setup, then both trained on.
 - ``wire``: the bytes FSDP2 all-gathers in one training step, per recipe (the inputs
@@ -73,12 +74,13 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, IN, generator=generator), torch.randn(BATCH, OUT, generator=generator)
 
 
-def prepared(recipe: str, sharded: bool) -> amped.TrainSetup:
+def prepared(recipe: str, sharded: bool, fused: bool | None = False) -> amped.TrainSetup:
     model = shard(net()) if sharded else net()
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), recipe)
-    # The step FSDP2 shards take (eager) in the control too: the fused step agrees with
-    # it but for rare roundings (amped.recipes.fused says which).
-    setup.optimizer.fused = False
+    # Both runs take the same step (eager unless asked): the fused step agrees with the
+    # eager one but for rare roundings (amped.recipes.fused says which), and
+    # bf16-pure-8bit's fused step is for plain parameters only.
+    setup.optimizer.fused = fused
     return setup
 
 
@@ -117,12 +119,14 @@ def record(setup: amped.TrainSetup) -> dict[str, Any]:
     return out
 
 
-def equal(recipe: str, rank: int, world: int, split: bool) -> dict[str, Any]:
-    setup = prepared(recipe, sharded=True)
+def equal(
+    recipe: str, rank: int, world: int, split: bool, fused: bool | None = False
+) -> dict[str, Any]:
+    setup = prepared(recipe, sharded=True, fused=fused)
     rows = (rank, world) if split else (0, 1)
     out = record_after(setup, train(setup, range(STEPS), *rows))
     if rank == 0:
-        control = prepared(recipe, sharded=False)
+        control = prepared(recipe, sharded=False, fused=fused)
         out["control"] = record_after(control, train(control, range(STEPS)))
     return out
 
@@ -259,6 +263,8 @@ def main() -> None:
             results[f"equal/{recipe}"] = equal(recipe, rank, world, split=False)
             results[f"split/{recipe}"] = equal(recipe, rank, world, split=True)
             results[f"dcp/{recipe}"] = checkpointed(recipe, rank, world, out / f"dcp-{recipe}")
+        for recipe in ("bf16-pure", "bf16-pure-sr"):  # the fused step, on shards too
+            results[f"fused/{recipe}"] = equal(recipe, rank, world, split=False, fused=True)
         results["uneven/fp8-tensorwise"] = uneven_fp8(rank)
         results["wire"] = wire(rank, world)
         torch.save(results, out / f"rank{rank}.pt")

@@ -54,6 +54,13 @@ def test_two_ranks_train_bitwise_as_one_process(ranks, recipe):
     assert set(run["local_dtype"].values()) == {"torch.bfloat16"}
 
 
+@pytest.mark.parametrize("recipe", ["bf16-pure", "bf16-pure-sr"])
+def test_the_fused_step_on_shards_is_bitwise_that_of_one_process(ranks, recipe):
+    run = ranks[0][f"fused/{recipe}"]
+    assert _equal(run["params"], run["control"]["params"]) == []
+    assert _equal(ranks[1][f"fused/{recipe}"]["params"], run["control"]["params"]) == []
+
+
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_state_precision_is_that_of_one_process(ranks, recipe):
     run = ranks[0][f"equal/{recipe}"]

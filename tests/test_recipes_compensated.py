@@ -265,3 +265,11 @@ def test_kept_plan_sees_new_parameter_data_and_new_gradients():
         torch.testing.assert_close(p, t, **BITWISE)
         for key in ("exp_avg", "exp_avg_sq", "compensation"):
             torch.testing.assert_close(opt.state[p][key], twin_opt.state[t][key], **BITWISE)
+
+
+@pytest.mark.parametrize("fused", [False, True, None], ids=["eager", "fused", "auto"])
+def test_load_state_dict_keeps_the_optimizers_fused_setting(fused):
+    model = torch.nn.Linear(4, 2).bfloat16()
+    optimizer = CompensatedAdamW(model.parameters(), fused=fused)
+    optimizer.load_state_dict(CompensatedAdamW(model.parameters()).state_dict())
+    assert optimizer.fused is fused

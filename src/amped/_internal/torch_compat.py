@@ -363,3 +363,23 @@ def track_step_for_scheduler(
 
 
 # --- cli ---
+
+
+def fsdp_reset_sharded_params(module: torch.nn.Module) -> None:
+    """Make FSDP2's ``fully_shard(module)`` take up parameters swapped in after sharding
+    with a new dtype: what ``FSDPModule._apply`` does after ``module.to(dtype)``, for the
+    parameters of its own groups, plus what ``_apply`` leaves stale once the module has
+    run (its dtypes, read at its first forward, and its all-gather buffers, made then).
+    Call it between steps (the parameters resharded)."""
+    state = module._get_fsdp_state()  # type: ignore[operator]
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch < 2.12: one group at most
+    if groups is None:
+        groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
+    with torch.no_grad():
+        for group in groups:
+            for fsdp_param in group.fsdp_params:
+                fsdp_param.reset_sharded_param()
+                fsdp_param.all_gather_outputs = []
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    del fsdp_param._unsharded_param
+            group._init_mp_dtypes()

@@ -41,11 +41,20 @@ from amped._internal.errors import received, type_error, value_error
 from amped._internal.torch_compat import python_mode_active
 from amped.recipes import fused as fused_kernels
 from amped.recipes import quantized_state as q8
+from amped.recipes import sharded_state
 from amped.recipes.adamw8bit_fused import adamw8bit_
 from amped.recipes.compensated import _check
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
 from amped.recipes.rounding import kahan_add_, require_bfloat16, rounded_with_noise_
+from amped.recipes.shards import (
+    flat_start,
+    is_sharded,
+    local,
+    rebuild,
+    with_random_state,
+    without_random_state,
+)
 
 __all__ = ["CompensatedAdamW8bit"]
 
@@ -150,16 +159,16 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         assert param.grad is not None  # _refuse
         if self._fusable(param, group) and self._step_fused(param, group, state, count):
             return
-        grad = param.grad.to(torch.float32, copy=True)
+        grad = local(param.grad).to(torch.float32, copy=True)
         if group["maximize"]:
             grad.neg_()
-        weight = param.detach().to(torch.float32, copy=True)
+        weight = local(param.detach()).to(torch.float32, copy=True)
         if wd != 0 and not group["decoupled_weight_decay"]:
             grad = grad + wd * weight
-        exp_avg = self._moment(state, "exp_avg", True).lerp(grad, 1 - beta1)
-        exp_avg_sq = self._moment(state, "exp_avg_sq", False).lerp(grad.square(), 1 - beta2)
-        self._store(state, "exp_avg", True, exp_avg)
-        self._store(state, "exp_avg_sq", False, exp_avg_sq)
+        exp_avg = self._moment(param, state, "exp_avg", True).lerp(grad, 1 - beta1)
+        exp_avg_sq = self._moment(param, state, "exp_avg_sq", False).lerp(grad.square(), 1 - beta2)
+        self._store(param, state, "exp_avg", True, exp_avg)
+        self._store(param, state, "exp_avg_sq", False, exp_avg_sq)
         # torch's bias corrections, in Python floats (double precision).
         denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2**count)).add_(eps)
         update = exp_avg.div_(denom).mul_(-lr / (1 - beta1**count))
@@ -221,11 +230,18 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
 
     def moments(self, param: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``param``'s first and second moments as new float32 tensors of its shape
-        (dequantized where they are 8-bit). Raises KeyError before its first step."""
+        (dequantized where they are 8-bit; DTensors sharded like an FSDP2 ``param``).
+        Raises KeyError before its first step."""
         state = self.state[param]
         if "step" not in state:
             raise KeyError(f"{type(self).__name__} has no state for this parameter yet")
-        return self._moment(state, "exp_avg", True), self._moment(state, "exp_avg_sq", False)
+        moments = (
+            self._moment(param, state, "exp_avg", True),
+            self._moment(param, state, "exp_avg_sq", False),
+        )
+        if is_sharded(param):
+            return rebuild(param, moments[0], param.shape), rebuild(param, moments[1], param.shape)
+        return moments
 
     def _group(self, param: torch.Tensor) -> dict:
         for group in self.param_groups:
@@ -253,7 +269,9 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
     def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = 0
         for key, _ in _MOMENTS:
-            if q8.quantizes(param.numel()):
+            if q8.quantizes(param.numel()) and is_sharded(param):  # the unsharded size
+                sharded_state.init_state(param, state, key)
+            elif q8.quantizes(param.numel()):
                 blocks = param.numel() // q8.BLOCK
                 state[f"{key}_codes"] = torch.zeros(
                     param.shape, dtype=torch.uint8, device=param.device
@@ -261,21 +279,31 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
                 state[f"{key}_scale"] = torch.zeros(
                     blocks, dtype=torch.float32, device=param.device
                 )
+            elif is_sharded(param):
+                state[key] = torch.zeros_like(param, dtype=torch.float32)
             else:
                 state[key] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
         if group["compensation"] == "kahan" and param.dtype in _LOW_DTYPES:
             state["compensation"] = torch.zeros_like(param, memory_format=torch.contiguous_format)
 
     @staticmethod
-    def _moment(state: dict, key: str, signed: bool) -> torch.Tensor:
+    def _moment(param: torch.Tensor, state: dict, key: str, signed: bool) -> torch.Tensor:
+        """The moment in float32, of ``param``'s local shard if it is a DTensor."""
         if key in state:
-            return state[key].clone()
+            return local(state[key]).clone()
+        if is_sharded(param):
+            return sharded_state.dequantize(param, state, key, signed)
         return q8.dequantize(state[f"{key}_codes"], state[f"{key}_scale"], signed)
 
     @staticmethod
-    def _store(state: dict, key: str, signed: bool, value: torch.Tensor) -> None:
+    def _store(
+        param: torch.Tensor, state: dict, key: str, signed: bool, value: torch.Tensor
+    ) -> None:
         if key in state:
-            state[key].copy_(value)
+            local(state[key]).copy_(value)
+            return
+        if is_sharded(param):
+            sharded_state.store(param, state, key, signed, value)
             return
         codes, scale = q8.quantize(value, signed)
         state[f"{key}_codes"].copy_(codes)
@@ -291,17 +319,18 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
     ) -> None:
         """``param += update``: plainly (float32), compensated (Kahan) or stochastically
         rounded; ``weight`` is ``param`` in float32 (consumed)."""
-        if param.dtype not in _LOW_DTYPES:
-            param.add_(update)
+        shard = local(param)
+        if shard.dtype not in _LOW_DTYPES:
+            shard.add_(update)
         elif group["compensation"] == "kahan":
-            kahan_add_(param, update, state["compensation"])
+            kahan_add_(shard, update, local(state["compensation"]))
         else:
             value = weight.add_(update)
             noise = torch.empty(value.shape, dtype=torch.int32, device=value.device)
             counters = torch.arange(value.numel(), dtype=torch.int32, device=value.device)
             scratch = torch.empty_like(noise)
             hashed_noise_(noise.view(-1), counters, self._start(param), scratch.view(-1))
-            param.copy_(rounded_with_noise_(value, noise))
+            shard.copy_(rounded_with_noise_(value, noise))
 
     def _start(self, param: torch.Tensor) -> torch.Tensor:
         """The 0-dim int32 number of ``param``'s first element in this step's noise."""
@@ -313,7 +342,8 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
                 for p in group["params"]:
                     self._offsets[p] = total
                     total += p.numel()
-        offset = self._offsets[param] % (1 << 32)
+        # An FSDP2 shard's elements by their place in the unsharded parameter.
+        offset = (self._offsets[param] + flat_start(param)) % (1 << 32)
         offset -= (1 << 32) if offset >= (1 << 31) else 0  # as the int32 with its bits
         return self._key.to(param.device).add(offset)
 
@@ -331,12 +361,12 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         state["seed"] = self.seed
         if self._generator is not None:
             state["rng_state"] = self._generator.get_state()
-        return state
+        return with_random_state(state)  # and in param_groups[0], for DCP
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a :meth:`state_dict`. Each state tensor keeps its dtype (uint8 codes,
         float32 scales and small moments): torch would cast them to the parameter's."""
-        state_dict = dict(state_dict)
+        state_dict = without_random_state(state_dict)
         rng_state = state_dict.pop("rng_state", None)
         self.seed = state_dict.pop("seed", self.seed)
         super().load_state_dict(state_dict)

@@ -7,7 +7,6 @@ import os
 import torch
 
 from amped._internal.errors import type_error, value_error
-from amped._internal.torch_compat import dtensor_class
 from amped.fp8.convert import LowPrecisionConfig, ModuleFilter
 from amped.policy import Policy
 from amped.recipes.fp8 import Fp8Plan
@@ -16,6 +15,7 @@ from amped.recipes.plan import PrecisionPlan, apply_plan, check_plan
 from amped.recipes.pure import build_pure_setup
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
+from amped.recipes.shards import check_placements, is_sharded, reshard
 from amped.recipes.weights import require_float32, ruled_modules
 from amped.scaling import GradScaler
 
@@ -93,6 +93,7 @@ def prepare(
             name,
             value,
         )
+    reshard(model)  # FSDP2's root holds unsharded parameters after a forward
     device_type = _device_type(model)
     optimizer = _check_optimizer(model, optimizer)
     if isinstance(policy, str):
@@ -175,9 +176,11 @@ def _check_optimizer(model: torch.nn.Module, optimizer: object) -> torch.optim.O
 
 
 def _check_lowerable(model: torch.nn.Module, recipe: Recipe) -> None:
-    dtensor = dtensor_class()
     for name, param in model.named_parameters():
-        if dtensor is not None and isinstance(param, dtensor):
+        if is_sharded(param) and recipe.weights == "low":
+            # bf16-pure*: the shards are lowered in place and the optimizer steps them.
+            check_placements(name, param)
+        elif is_sharded(param):
             # Lowering a DTensor changes its metadata, not FSDP2's float32 local shards.
             raise value_error(
                 f"Recipe {recipe.name!r} lowers the model's weights, but its parameters are "

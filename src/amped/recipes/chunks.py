@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from amped.recipes import state_layout
+from amped.recipes.shards import flat_start, is_sharded, local
 
 __all__ = ["Chunk", "Groups", "Piece", "Plan", "partition"]
 
@@ -56,7 +57,7 @@ class Chunk:
         self.device = self.owners[0].device
         self.first = 0
         self._sizes = [piece.stop - piece.start for piece in pieces]
-        self._shapes = [p.param.shape if p.whole else (p.stop - p.start,) for p in pieces]
+        self._shapes = [local(p.param).shape if p.whole else (p.stop - p.start,) for p in pieces]
         numel = sum(self._sizes)
         self.floats: list[torch.Tensor] = []
         self.noise: list[torch.Tensor] = []
@@ -78,9 +79,10 @@ class Chunk:
 
     def take(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each piece's part of the matching tensor of ``tensors`` (one per piece, laid
-        out like its parameter: a gradient, a state tensor)."""
+        out like its parameter: a gradient, a state tensor); of a DTensor (an FSDP2
+        shard), the part of its local shard."""
         return [
-            tensor if piece.whole else tensor.view(-1)[piece.start : piece.stop]
+            local(tensor) if piece.whole else local(tensor).view(-1)[piece.start : piece.stop]
             for tensor, piece in zip(tensors, self.pieces, strict=True)
         ]
 
@@ -133,10 +135,19 @@ def partition(
     same: dict[tuple[torch.device, torch.dtype], list[list[Piece]]] = {}
     room: dict[tuple[torch.device, torch.dtype], int] = {}
     for param in params:
-        key, numel = (param.device, param.dtype), param.numel()
+        key, numel = (param.device, param.dtype), local(param).numel()
         chunks = same.setdefault(key, [[]])
         left = room.get(key, most)
-        if alone is not None and alone <= numel <= most and splittable(param):
+        if is_sharded(param):
+            # A shard's elements are numbered by their place in the whole parameter
+            # (see Plan._build), which only chunks of its own can follow.
+            step = most if numel > most and splittable(param) else max(numel, 1)
+            for start in range(0, numel, step):
+                stop = min(numel, start + step)
+                chunks.append([Piece(param, start, stop, stop - start == numel)])
+            chunks.append([])
+            room[key] = most
+        elif alone is not None and alone <= numel <= most and splittable(param):
             chunks.append([Piece(param, 0, numel, True)])
             chunks.append([])
             room[key] = most
@@ -221,12 +232,21 @@ class Plan:
         chunks = [
             (g, Chunk(pieces, work.get(pieces[0].param.device), self._floats)) for g, pieces in plan
         ]
+        # A chunk's first element is numbered by its place among the step's bfloat16
+        # elements of its device, counted over whole parameters (an FSDP2 shard's by its
+        # place in its unsharded parameter), so the numbers do not depend on the mesh.
         counted: dict[torch.device, int] = {}
+        firsts: dict[torch.Tensor, int] = {}
         for _, chunk in chunks:
-            if chunk.dtype is torch.bfloat16:
-                first = counted.get(chunk.device, 0)
-                chunk.first = (first + _INT32 // 2) % _INT32 - _INT32 // 2
-                counted[chunk.device] = first + chunk.numel
+            if chunk.dtype is not torch.bfloat16:
+                continue
+            for param in chunk.owners:
+                if param not in firsts:
+                    firsts[param] = counted.get(chunk.device, 0)
+                    counted[chunk.device] = firsts[param] + param.numel()
+            piece = chunk.pieces[0]
+            first = firsts[piece.param] + flat_start(piece.param) + piece.start
+            chunk.first = (first + _INT32 // 2) % _INT32 - _INT32 // 2
         return chunks
 
 

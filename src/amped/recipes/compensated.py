@@ -60,6 +60,7 @@ from amped.recipes.chunks import Chunk, Groups, Plan
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
 from amped.recipes.rounding import require_bfloat16, rounded_with_noise_
+from amped.recipes.shards import is_sharded, with_random_state, without_random_state
 
 __all__ = ["CompensatedAdamW", "CompensatedSGD"]
 
@@ -248,7 +249,9 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         rng_state = state.pop("_rng_state", None)
-        state.setdefault("fused", None)  # pickled by amped < 0.2
+        # Pickled by amped < 0.2: None. torch's load_state_dict() calls this too, with
+        # only state and param_groups: the optimizer keeps its own setting then.
+        state.setdefault("fused", getattr(self, "fused", None))
         super().__setstate__(state)
         self._plan = Plan(self._WORK_FLOATS, self._WORK_NOISE)
         self._fused_plan = Plan(self._WORK_FLOATS, self._WORK_NOISE, rows=False, alone=_ALONE)
@@ -262,10 +265,10 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         state["seed"] = self.seed
         if self._generator is not None:
             state["rng_state"] = self._generator.get_state()
-        return state
+        return with_random_state(state)  # and in param_groups[0], for DCP
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = dict(state_dict)
+        state_dict = without_random_state(state_dict)
         rng_state = state_dict.pop("rng_state", None)
         self.seed = state_dict.pop("seed", self.seed)
         super().load_state_dict(state_dict)
@@ -312,8 +315,10 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
         if self.fused is False or torch.compiler.is_compiling() or python_mode_active():
             return False  # under a user's torch.compile, Dynamo fuses the eager step
         low = [(g, p) for g, params in groups for p in params if p.dtype is _FUSED]
-        if not low or not all(state_layout.plain(p) for _, p in low):
-            return False  # nothing to fuse, or tensor subclasses (DTensor): eager
+        plain = [state_layout.plain(p) or is_sharded(p) for _, p in low]
+        if not low or not all(plain):
+            return False  # nothing to fuse, or tensor subclasses: eager
+        # (FSDP2's DTensors fuse: each chunk is one shard's local rows; see chunks)
         for device_type in {param.device.type for _, param in low}:
             reason = fused_kernels.available(device_type)
             if reason is not None:

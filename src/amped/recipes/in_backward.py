@@ -43,6 +43,7 @@ import torch
 from amped._internal.errors import type_error, value_error
 from amped.recipes.adamw8bit import CompensatedAdamW8bit
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
+from amped.recipes.shards import is_sharded
 
 __all__ = ["InBackward", "in_backward", "step_in_backward"]
 
@@ -142,6 +143,17 @@ def step_in_backward(
         )
     if max_norm is not None and (not isinstance(max_norm, (int, float)) or max_norm <= 0):
         raise value_error("max_norm must be a positive number or None", "max_norm", max_norm)
+    sharded = [p for g in optimizer.param_groups for p in g["params"] if is_sharded(p)]
+    if sharded:
+        # FSDP2 reduce-scatters after backward and sets the sharded gradients itself: no
+        # accumulate-grad hook of a sharded parameter runs, and a norm would be local.
+        raise value_error(
+            "step_in_backward() steps each parameter from a gradient hook, which FSDP2's "
+            "sharded parameters never run (fully_shard sets their gradients after its "
+            "reduce-scatter); step FSDP2 models with setup.step()",
+            "type(param)",
+            type(sharded[0]).__name__,
+        )
     if optimizer in _ACTIVE:
         raise value_error(
             "This optimizer steps in backward already; remove() its hooks first",

@@ -21,7 +21,8 @@ from amped.recipes.adamw8bit import CompensatedAdamW8bit
 from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
 from amped.recipes.registry import Compensation
 from amped.recipes.setup import TrainSetup
-from amped.recipes.weights import lower_model_
+from amped.recipes.shards import reshard
+from amped.recipes.weights import lower_model_, set_params_data_
 
 __all__ = ["PureSetup", "build_pure_setup", "compensated_twin"]
 
@@ -54,15 +55,18 @@ class PureSetup(TrainSetup):
         lowering = self.installed
         if lowering is None:
             return
+        reshard(self.model)
         state = self.optimizer.state
+        values = {}
         with torch.no_grad():
             for param in lowering.params:
                 value = param.detach().to(torch.float32, copy=True)
                 compensation = state[param].get("compensation") if param in state else None
                 if compensation is not None:
                     value.add_(compensation)
-                param.data = value
+                values[param] = value
                 param.grad = None
+        set_params_data_(self.model, values)
 
 
 def compensated_twin(

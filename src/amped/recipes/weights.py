@@ -25,9 +25,10 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from amped._internal.errors import value_error
-from amped._internal.torch_compat import BATCH_NORM_BASE
+from amped._internal.torch_compat import BATCH_NORM_BASE, fsdp_reset_sharded_params
 from amped._internal.trees import map_tensors
 from amped.policy import ModuleRule, Policy
+from amped.recipes.shards import fsdp_modules, is_sharded
 
 __all__ = [
     "Lowering",
@@ -40,6 +41,7 @@ __all__ = [
     "require_float32",
     "restore_model_",
     "ruled_modules",
+    "set_params_data_",
     "with_norms_in_fp32",
 ]
 
@@ -152,15 +154,56 @@ def lower_(
                 continue
             for param in module.parameters(recurse=False):
                 if param.dtype is torch.float32 and param not in originals:
-                    originals[param] = param.data
-                    param.data = param.data.to(dtype)
+                    originals[param] = _lower_param_(param, dtype)
             for key, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.dtype is torch.float32:
                     lowered = buf.to(dtype)
                     setattr(module, key, lowered)
                     record.buffers.append((module, key, buf, lowered))
     record.params.extend(originals)
+    if any(is_sharded(param) for param in originals):
+        _reset_fsdp_modules(model)
     return originals
+
+
+def _lower_param_(param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Give ``param`` ``dtype`` in place; returns its float32 tensor."""
+    original = param.data if not is_sharded(param) else None
+    replaced = _set_data_(param, param.detach().to(dtype))
+    return original if original is not None else replaced
+
+
+def _set_data_(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Make ``value`` ``param``'s data, in place (the object stays the same); returns
+    the object now holding the old contents.
+
+    A DTensor (an FSDP2 shard) gets new contents, as ``module.to(dtype)`` gives it:
+    setting ``.data`` would change what the DTensor claims, not its local shard.
+    """
+    if not is_sharded(param):
+        old = param.data
+        param.data = value
+        return old
+    new = torch.nn.Parameter(value, requires_grad=param.requires_grad)
+    torch.utils.swap_tensors(param, new)
+    return new
+
+
+def set_params_data_(model: torch.nn.Module, values: dict[torch.Tensor, torch.Tensor]) -> None:
+    """Give each parameter of ``model`` in ``values`` that data, in place (FSDP2 shards
+    included: their ``fully_shard`` modules then take them up)."""
+    with torch.no_grad():
+        for param, value in values.items():
+            _set_data_(param, value)
+    if any(is_sharded(param) for param in values):
+        _reset_fsdp_modules(model)
+
+
+def _reset_fsdp_modules(model: torch.nn.Module) -> None:
+    """Have every ``fully_shard`` module of ``model`` take up its new shards (it keeps
+    its own references to them, and all-gathers in their dtype from now on)."""
+    for module in fsdp_modules(model):
+        fsdp_reset_sharded_params(module)
 
 
 def cast_inputs(model: torch.nn.Module, dtype: torch.dtype) -> RemovableHandle:

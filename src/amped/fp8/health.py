@@ -28,8 +28,9 @@ without a sync:
   from the exponent an inf block takes (:func:`nonfinite_exponent`; a NaN block takes
   255, the E8M0 NaN). Under ``floor`` and ``rceil`` scales no finite block reaches it:
   exact. Under ``ceil`` and ``even`` a finite block whose amax rounds up to ``2**128``
-  (``ceil``: amax above ``2**127``; ``even``: within an element's half-ulp of
-  float32's largest value) shares the inf block's exponent and is reported too.
+  (``ceil``: amax above ``2**127``; ``even``: amax at least ``(2 - 2**-(m+1)) * 2**127``
+  for elements of ``m`` mantissa bits) shares the inf block's exponent and is
+  reported too.
 - NVFP4: the float32 tensor scale, ``amax / (448 * 6)`` of the whole operand: inf or
   NaN with it (the block scales saturate an inf, so they cannot tell).
 

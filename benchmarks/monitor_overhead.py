@@ -1,14 +1,23 @@
 """Overhead of ``amped.monitor(setup, every=50)`` on the FP8 and block recipes' step.
 
-Two setups of each FP8 and block (mxfp8, mxfp4, nvfp4) recipe, one monitored and one
-not, from the same weights, run side by side in one process: one training step of
-each, interleaved (order alternating), over ``--steps`` steps per repeat; a repeat's
-time is the sum of its step times, and the printed ratio is the median over
-``--repeats`` repeats. The model is a stack of ``--layers`` square Linear layers
-(``--dim``) with GELUs and a head, in bfloat16 autocast; the monitor samples its
-counters every ``--every`` steps and checks its flags (one sync) every step.
+Three setups of each FP8 and block (mxfp8, mxfp4, nvfp4) recipe from the same weights,
+one monitored and two not (the second, a *twin* of the first, is the control: two
+identical setups differ by a few percent on a loaded machine, from where their memory
+lies and what else runs), run side by side in one process: one training step of each,
+interleaved (order rotating), over ``--steps`` steps per repeat (a multiple
+of ``--every``, so every repeat holds the same number of sampled steps); a repeat's
+time is the sum of its step times, and the printed ratios (monitored / plain, and the
+control twin / plain) are the median over ``--repeats`` repeats, with the smallest and
+largest beside them. Two clocks: wall time
+(``perf_counter``) and this process's CPU time (``process_time``), which a machine
+shared with other work inflates far less (with one thread the two agree when idle).
+The model is a stack of ``--layers`` square Linear layers (``--dim``) with GELUs and a
+head, in bfloat16 autocast; the monitor samples its counters every ``--every`` steps
+and checks its probes (one sync) every step.
 
-Usage: python benchmarks/monitor_overhead.py [--threads 1] [--repeats 7] [--steps 100]
+The defaults run all seven recipes in about three minutes on an idle 2-core machine.
+
+Usage: python benchmarks/monitor_overhead.py [--threads 1] [--repeats 5] [--steps 50]
                                              [--dim 512] [--layers 4] [--every 50]
 """
 
@@ -38,50 +47,59 @@ def _setup(recipe: str, dim: int, layers: int):
     return amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), recipe)
 
 
-def _step(setup, x: torch.Tensor) -> float:
-    start = time.perf_counter()
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _step(setup, x: torch.Tensor) -> dict[str, float]:
+    start = {name: clock() for name, clock in CLOCKS.items()}
     with setup.autocast():
         loss = setup.model(x).float().pow(2).mean()
     setup.backward(loss)
     setup.step()
     setup.zero_grad()
-    return time.perf_counter() - start
+    return {name: clock() - start[name] for name, clock in CLOCKS.items()}
 
 
-def measure(recipe: str, args: argparse.Namespace) -> tuple[float, float, float]:
-    plain = _setup(recipe, args.dim, args.layers)
-    watched = _setup(recipe, args.dim, args.layers)
-    health = amped.monitor(watched, every=args.every)
+Result = dict[tuple[str, str], tuple[float, float, float]]
+
+
+def measure(recipe: str, args: argparse.Namespace) -> tuple[Result, dict[str, float]]:
+    """Per (clock, "monitored" or "twin"): (median ratio to plain, smallest, largest);
+    and per clock the median plain step in seconds."""
+    setups = {who: _setup(recipe, args.dim, args.layers) for who in ("plain", "twin", "watched")}
+    health = amped.monitor(setups["watched"], every=args.every)
     x = torch.randn(args.batch, args.dim)
     for _ in range(3):  # warm-up, and a sampled step for the monitored one
-        _step(plain, x)
-        _step(watched, x)
-    ratios, plain_times, watched_times = [], [], []
+        for setup in setups.values():
+            _step(setup, x)
+    ratios: dict[tuple[str, str], list[float]] = {}
+    plain_steps: dict[str, list[float]] = {name: [] for name in CLOCKS}
+    order = list(setups)
     for repeat in range(args.repeats):
-        totals = {"plain": 0.0, "watched": 0.0}
+        totals = {(who, name): 0.0 for who in setups for name in CLOCKS}
         for step in range(args.steps):
-            pair = [("plain", plain), ("watched", watched)]
-            if (repeat + step) % 2:
-                pair.reverse()
-            for name, setup in pair:
-                totals[name] += _step(setup, x)
-        ratios.append(totals["watched"] / totals["plain"])
-        plain_times.append(totals["plain"] / args.steps)
-        watched_times.append(totals["watched"] / args.steps)
-    assert health.sampled_steps >= args.repeats * args.steps // args.every
-    assert health.read(), f"{recipe}: no layer reported"
-    return (
-        statistics.median(ratios),
-        statistics.median(plain_times),
-        statistics.median(watched_times),
-    )
+            shift = (repeat + step) % len(order)  # each setup runs first, second, third
+            for who in order[shift:] + order[:shift]:
+                for name, seconds in _step(setups[who], x).items():
+                    totals[who, name] += seconds
+        for name in CLOCKS:
+            for who, label in (("watched", "monitored"), ("twin", "twin")):
+                ratio = totals[who, name] / totals["plain", name]
+                ratios.setdefault((name, label), []).append(ratio)
+            plain_steps[name].append(totals["plain", name] / args.steps)
+    if health.sampled_steps < args.repeats * args.steps // args.every:
+        raise RuntimeError(f"{recipe}: the monitor sampled {health.sampled_steps} steps")
+    if not health.read():
+        raise RuntimeError(f"{recipe}: no layer reported to the monitor")
+    spread = {key: (statistics.median(v), min(v), max(v)) for key, v in ratios.items()}
+    return spread, {name: statistics.median(v) for name, v in plain_steps.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
@@ -89,17 +107,23 @@ def main() -> None:
     parser.add_argument("--recipes", default=",".join(FP8_RECIPE_NAMES + BLOCK_RECIPE_NAMES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.steps % args.every:
+        parser.error(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
     print(
         f"torch {torch.__version__}, {args.threads} thread(s), {args.repeats} repeats x "
         f"{args.steps} steps, batch {args.batch}, {args.layers} x Linear({args.dim}), "
-        f"every={args.every}"
+        f"every={args.every}; ratios: median [min-max] over repeats; twin: the unmonitored "
+        "control's ratio (the noise floor)"
     )
     for recipe in args.recipes.split(","):
-        ratio, plain, watched = measure(recipe, args)
-        print(
-            f"{recipe:18s} step: plain {plain * 1e3:7.2f} ms, monitored {watched * 1e3:7.2f} ms, "
-            f"ratio monitored/plain = {ratio:.3f}"
-        )
+        ratios, plain = measure(recipe, args)
+        parts = [
+            f"{name} {ratio:.3f} [{low:.3f}-{high:.3f}] (twin {ratios[name, 'twin'][0]:.3f}, "
+            f"plain step {plain[name] * 1e3:.1f} ms)"
+            for (name, label), (ratio, low, high) in ratios.items()
+            if label == "monitored"
+        ]
+        print(f"{recipe:18s} monitored/plain: " + "; ".join(parts), flush=True)
 
 
 if __name__ == "__main__":

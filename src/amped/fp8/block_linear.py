@@ -56,7 +56,9 @@ class _BlockLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         xq, wq = layer.block_cast(x2), layer.weight_cast(weight)
         out = block_mm(xq, wq, x.dtype, emulate=layer.fp8_emulate)
-        record_gemm(layer, "forward", "output", out, {"input": (x2, xq), "weight": (weight, wq)})
+        operands = {"input": (x2, xq), "weight": (weight, wq)}
+        mode = layer.block_config.scale_mode  # how the MX probes read the scales
+        record_gemm(layer, "forward", "output", out, operands, scale_mode=mode)
         ctx.save_for_backward(x2, weight)
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
@@ -73,7 +75,8 @@ class _BlockLinearFunction(torch.autograd.Function):
             wq = layer.weight_cast(w_t)
             grad_x = block_mm(goq, wq, grad.dtype, emulate=layer.fp8_emulate)
             operands = {"grad_output": (go, goq), "weight": (w_t, wq)}
-            record_gemm(layer, "grad_input", "grad_input", grad_x, operands)
+            mode = layer.block_config.scale_mode
+            record_gemm(layer, "grad_input", "grad_input", grad_x, operands, scale_mode=mode)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             cfg = layer.block_config
@@ -86,7 +89,8 @@ class _BlockLinearFunction(torch.autograd.Function):
             go_t, x_t = layer.block_cast(go_rows_t, generator), layer.block_cast(x_rows_t)
             grad_w = block_mm(go_t, x_t, grad.dtype, emulate=layer.fp8_emulate)
             operands = {"grad_output": (go_rows_t, go_t), "input": (x_rows_t, x_t)}
-            record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands)
+            mode = cfg.scale_mode
+            record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands, scale_mode=mode)
             grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None
 

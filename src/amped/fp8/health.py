@@ -12,40 +12,73 @@ no observer is attached (``layer.fp8_observer`` is None, the default) that is on
 attribute read. An observer (:class:`amped.recipes.monitoring.Monitor`) gets, on the device and
 without a sync:
 
-- every step, per tensor, a *probe* that tells whether it holds an inf or NaN, left on
-  the device: an operand's is the smallest of its scales, which the cast computed
-  anyway (a dynamic scale is 0 for an inf amax and NaN for a NaN one; a delayed one is
-  NaN, see :func:`amped.fp8.delayed.propagate_nonfinite`), so it is bad unless > 0; an
-  output's is its min and max (one ``aminmax`` pass), bad unless both are finite;
+- every step, per tensor, a :class:`Probe`: device data that tells whether the tensor
+  held an inf or NaN. A quantized operand's probe is what its cast computed anyway,
+  so it costs no pass over the tensor; an output's is its min and max (one
+  ``aminmax`` pass);
 - on the steps it samples (``observer.sampling``), the counts in :data:`STATS`.
+
+**What a cast shows** (checked in ``tests/test_monitor_probes.py``):
+
+- FP8 (:class:`~amped.fp8.cast.Fp8Tensor`): the scale, bad unless ``0 < scale < inf``.
+  A dynamic scale is ``fp8_max / amax``: 0 for an inf amax, NaN for a NaN one; a
+  delayed one is made NaN by :func:`amped.fp8.delayed.propagate_nonfinite`. Rowwise:
+  per row, so one bad row shows.
+- MX (:class:`~amped.fp8.block_cast.BlockTensor`, E8M0 scales): the scale bits, bad
+  from the exponent an inf block takes (:func:`nonfinite_exponent`; a NaN block takes
+  255, the E8M0 NaN). Under ``floor`` and ``rceil`` scales no finite block reaches it:
+  exact. Under ``ceil`` and ``even`` a finite block whose amax rounds up to ``2**128``
+  (``ceil``: amax above ``2**127``; ``even``: amax at least ``(2 - 2**-(m+1)) * 2**127``
+  for elements of ``m`` mantissa bits) shares the inf block's exponent and is
+  reported too.
+- NVFP4: the float32 tensor scale, ``amax / (448 * 6)`` of the whole operand: inf or
+  NaN with it (the block scales saturate an inf, so they cannot tell).
+
+A probe is only as good as the scale's link to the data: an operand quantized with a
+scale passed in (not from its own amax) must make that scale NaN itself where the data
+is not finite, as delayed scaling does. An operand passed without a quantized form
+(``fp8-rowwise-gw-hp``'s grad-weight GEMM runs in high precision) is not probed: its
+inf or NaN reaches the GEMM's output, which is (and the same tensors were probed by
+this layer's casts earlier in the step).
 
 Any layer can report the same way: call ``record_gemm(self, role, output_name, output,
 {operand_name: (high, quantized)})`` after each GEMM, with ``quantized`` an
 :class:`~amped.fp8.cast.Fp8Tensor` (its ``scale`` multiplies, ``data`` is the
-low-precision payload), a :class:`~amped.fp8.block_cast.BlockTensor` or None, and
-``high`` the tensor before the cast or None.
+low-precision payload), a :class:`~amped.fp8.block_cast.BlockTensor` (and
+``scale_mode=`` the MX scale rule it was cast with) or None, and ``high`` the tensor
+before the cast or None.
 
-A block tensor's scales do not show an inf reliably (an MX block holding an inf takes
-the largest scale its mode allows, a finite value), so a block operand is probed by
-its high-precision tensor (one ``aminmax`` pass), which :class:`~amped.fp8.block_linear.BlockLinear`
-passes for every operand. Its sampled counters read the block scales: an element
-saturates when its magnitude exceeds the format's largest element times its block's
-scale (times NVFP4's tensor scale); a *scale clamp* is a block scale at the format's
-floor (E8M0 ``2**-127``, NVFP4's ``2**-6``) or at E8M0's largest finite value.
+The sampled counters of a block operand read its block scales: an element saturates
+when its magnitude exceeds the format's largest element times its block's scale
+(times NVFP4's tensor scale); a *scale clamp* is a block scale at the format's floor
+(E8M0 ``2**-127``, NVFP4's ``2**-6``) or at E8M0's largest finite value.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
-from typing import Any, Protocol
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
-from amped.fp8.block_cast import BlockTensor
+from amped.fp8.block_cast import BlockTensor, quantize_block
+from amped.fp8.block_format import BlockFormat, ScaleMode
 from amped.fp8.cast import EPS, Fp8Tensor
 
-__all__ = ["ROLES", "STATS", "GemmObserver", "Operand", "record_gemm"]
+__all__ = [
+    "ROLES",
+    "STATS",
+    "GemmObserver",
+    "Operand",
+    "Probe",
+    "any_nonfinite",
+    "nonfinite_exponent",
+    "probe_nonfinite",
+    "record_gemm",
+]
 
 ROLES = ("forward", "grad_input", "grad_weight")
 """The three GEMMs of a linear layer, in the order a training step runs them."""
@@ -63,6 +96,87 @@ STATS = (
 
 Operand = tuple[torch.Tensor | None, Fp8Tensor | BlockTensor | None]
 
+ProbeKind = Literal["scale", "exponent", "range"]
+
+
+class Probe(NamedTuple):
+    """Device data that tells whether one tensor of a GEMM held an inf or NaN.
+
+    Attributes:
+        kind: ``"scale"``: float scales, bad unless ``0 < scale < inf``;
+            ``"exponent"``: E8M0 scale bits (uint8), bad from ``threshold`` up;
+            ``"range"``: the tensor's min and max, bad unless finite.
+        values: the tensors (any shape; ``"range"``: the min and the max).
+        threshold: ``"exponent"`` only: :func:`nonfinite_exponent` of the cast.
+    """
+
+    kind: ProbeKind
+    values: tuple[torch.Tensor, ...]
+    threshold: int = 0
+
+
+def _bad(kind: ProbeKind, values: torch.Tensor, threshold: int) -> torch.Tensor:
+    """Where ``values`` of a probe of ``kind`` say inf or NaN (elementwise, bool)."""
+    if kind == "scale":  # log is finite exactly where 0 < scale < inf (not at NaN)
+        return ~torch.isfinite(torch.log(values))
+    if kind == "exponent":
+        return values >= threshold
+    return ~torch.isfinite(values)
+
+
+def probe_nonfinite(probe: Probe) -> bool:
+    """Whether ``probe`` says its tensor held an inf or NaN (syncs with the device)."""
+    return any(bool(_bad(probe.kind, v, probe.threshold).any()) for v in probe.values)
+
+
+def any_nonfinite(probes: Sequence[Probe]) -> torch.Tensor:
+    """Whether any of ``probes`` says inf or NaN: a 0-d bool tensor on the first probe's
+    device, with no sync.
+
+    The same test as :func:`probe_nonfinite`, on the probes' values joined per kind of
+    probe (and dtype): a few ops whatever the number of probes.
+    """
+    device = probes[0].values[0].device
+    groups: dict[tuple[ProbeKind, int, torch.dtype], list[torch.Tensor]] = {}
+    for probe in probes:
+        for value in probe.values:
+            key = (probe.kind, probe.threshold, value.dtype)
+            groups.setdefault(key, []).append(value)
+    flags = []
+    for (kind, threshold, _), values in groups.items():
+        if any(value.device != device for value in values):
+            values = [value.to(device) for value in values]
+        if all(value.dim() == 0 for value in values):  # scalars: one stack, no reshapes
+            joined = torch.stack(values)
+        else:
+            joined = torch.cat([value.reshape(-1) for value in values])
+        flags.append(_bad(kind, joined, threshold).any())
+    return torch.stack(flags).any()
+
+
+@functools.cache
+def nonfinite_exponent(fmt: BlockFormat, scale_mode: ScaleMode) -> int:
+    """The E8M0 exponent an MX cast gives a block holding an inf (NaN: 255, above it).
+
+    Found by running the cast (:func:`~amped.fp8.block_cast.quantize_block`) on one
+    such block: ``floor``, ``ceil`` and ``even`` give ``255 - emax``, ``rceil`` 254.
+    """
+    block = torch.zeros(fmt.block_size)
+    block[0] = math.inf
+    return int(quantize_block(block, fmt, scale_mode).scale_bits[0])
+
+
+def _cast_probe(low: Fp8Tensor | BlockTensor | None, scale_mode: ScaleMode) -> Probe | None:
+    """The probe of a quantized operand: data its cast computed (see the module)."""
+    if isinstance(low, Fp8Tensor):
+        return Probe("scale", (low.scale,))
+    if isinstance(low, BlockTensor):
+        if low.tensor_scale is not None:  # NVFP4
+            return Probe("scale", (low.tensor_scale,))
+        threshold = nonfinite_exponent(low.format, scale_mode)
+        return Probe("exponent", (low.scale_bits,), threshold)
+    return None
+
 
 class GemmObserver(Protocol):
     """What :func:`record_gemm` reports to (``layer.fp8_observer``)."""
@@ -73,12 +187,11 @@ class GemmObserver(Protocol):
         self,
         layer: torch.nn.Module,
         role: str,
-        scale_probes: list[tuple[str, torch.Tensor]],
-        end_probes: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]],
+        probes: list[tuple[str, Probe]],
         stats: torch.Tensor | None,
     ) -> None:
-        """``scale_probes``: (tensor, smallest scale), bad unless > 0; ``end_probes``:
-        (tensor, (min, max)), bad unless both finite; ``stats``: :data:`STATS` or None."""
+        """``probes``: (tensor name, its probe), operands first, then the output;
+        ``stats``: :data:`STATS` on a sampled step, else None."""
 
 
 def record_gemm(
@@ -87,26 +200,28 @@ def record_gemm(
     output_name: str,
     output: torch.Tensor,
     operands: Mapping[str, Operand],
+    *,
+    scale_mode: ScaleMode = "rceil",
 ) -> None:
-    """Report one GEMM of ``layer`` to its observer, if it has one (see the module)."""
+    """Report one GEMM of ``layer`` to its observer, if it has one (see the module).
+
+    ``scale_mode``: the rule MX block operands' scales were cast with.
+    """
     observer: Any = getattr(layer, "fp8_observer", None)
     if observer is None:
         return
-    # One op per tensor (the flags are made from these in one batch, at the step's end).
-    scale_probes, end_probes = [], []
+    probes = []
+    for name, (_, low) in operands.items():
+        probe = _cast_probe(low, scale_mode)
+        if probe is not None:
+            probes.append((name, probe))
     # A GEMM runs inside an autograd Function, where grad mode is off already.
     with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-        for name, (high, low) in operands.items():
-            if isinstance(low, Fp8Tensor):
-                scale = low.scale  # a tensorwise scale is its own smallest
-                scale_probes.append((name, scale.amin() if scale.dim() else scale))
-            elif high is not None and high.numel():
-                end_probes.append((name, torch.aminmax(high)))
         if output.numel():
             # aminmax: one vectorized pass without a copy; NaN propagates through it.
-            end_probes.append((output_name, torch.aminmax(output)))
+            probes.append((output_name, Probe("range", tuple(torch.aminmax(output)))))
         stats = _stats(operands, output) if observer.sampling else None
-    observer.observe(layer, role, scale_probes, end_probes, stats)
+    observer.observe(layer, role, probes, stats)
 
 
 def _stats(operands: Mapping[str, Operand], output: torch.Tensor) -> torch.Tensor:

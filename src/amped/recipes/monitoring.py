@@ -9,11 +9,14 @@ consults it::
     monitor.read()       # {layer: {role: {"nonfinite": ..., "underflow": ...}}}, one sync
     monitor.first_nonfinite   # NonFinite(step=..., module=..., role=..., tensor=...) or None
 
-Every step, each FP8 layer flags, per GEMM role (forward, grad_input, grad_weight),
-whether an operand or the output held an inf or NaN (:mod:`amped.fp8.health`), and
-the monitor checks the gradients the optimizer would step on. Before the optimizer
-steps it brings those flags to the host in **one** sync and, if one is set, names the
-first in the order the step ran them (module, role, step, tensor), then:
+Every step, each FP8 layer leaves, per GEMM role (forward, grad_input, grad_weight),
+a probe per operand and output on the device (:mod:`amped.fp8.health`: an operand's
+is data its cast computed anyway, an output's its min and max), and the monitor adds
+one per gradient the optimizer would step on that no GEMM probed. Before the
+optimizer steps it tests them all in a few batched ops and brings one flag to the host
+(**one** sync); only if it is set (a bad step, rare) does it test the probes one by
+one, in the order the step ran them, to name the first (module, role, step, tensor),
+then:
 
 - ``on_nonfinite="skip"`` (default): the optimizer step is skipped (no parameter or
   optimizer state changes; delayed scaling's amaxes of the step are dropped); the
@@ -41,7 +44,7 @@ import torch
 
 from amped._internal.errors import value_error
 from amped._internal.source import describe, user_frame
-from amped.fp8.health import ROLES, STATS
+from amped.fp8.health import ROLES, STATS, Probe, any_nonfinite, probe_nonfinite
 from amped.recipes.setup import TrainSetup
 
 __all__ = ["Monitor", "NonFinite", "NonFiniteError", "monitor"]
@@ -109,11 +112,9 @@ class Monitor:
             {} if setup.fp8_layers is None else dict(setup.fp8_layers.layers)
         )
         self._names = {id(layer): name for name, layer in self._layers.items()}
-        # Per tensor reported this step: (module, role, tensor, kind, index), kind 0 for a
-        # scale probe (bad unless > 0), 1 for a min/max pair (bad unless finite).
-        self._events: list[tuple[str, str, str, int, int]] = []
-        self._scale_probes: list[torch.Tensor] = []
-        self._end_probes: list[torch.Tensor] = []
+        # Per tensor reported this step, in the order the step ran them: (module, role,
+        # tensor, its probe).
+        self._events: list[tuple[str, str, str, Probe]] = []
         self._stats: dict[tuple[str, str], torch.Tensor] = {}
         self._ran: set[str] = set()
         # Per layer, where the user's code called it in this step's forward (file, line,
@@ -122,7 +123,7 @@ class Monitor:
         self._warned = False
         for layer in self._layers.values():
             layer.fp8_observer = self  # type: ignore[assignment]
-        self._probed = {id(layer.weight) for layer in self._layers.values()}
+        self._unprobed = self._unprobed_parameters()
         setup.monitor = self
 
     # --- what the layers report (amped.fp8.health.record_gemm) ---------------------------
@@ -131,20 +132,15 @@ class Monitor:
         self,
         layer: torch.nn.Module,
         role: str,
-        scale_probes: list[tuple[str, torch.Tensor]],
-        end_probes: list[tuple[str, tuple[torch.Tensor, torch.Tensor]]],
+        probes: list[tuple[str, Probe]],
         stats: torch.Tensor | None,
     ) -> None:
         """A layer's GEMM of this step: its probes and, on a sampled step, its counters."""
         name = self._names.get(id(layer), type(layer).__name__)
         if role == "forward":  # backward runs in autograd's engine: no user frame there
             self._callers[name] = user_frame()
-        for tensor, probe in scale_probes:
-            self._events.append((name, role, tensor, 0, len(self._scale_probes)))
-            self._scale_probes.append(probe)
-        for tensor, (low, high) in end_probes:
-            self._events.append((name, role, tensor, 1, len(self._end_probes)))
-            self._end_probes += [low, high]
+        for tensor, probe in probes:
+            self._events.append((name, role, tensor, probe))
         if stats is None:
             return
         self._ran.add(name)
@@ -166,41 +162,22 @@ class Monitor:
         """
         setup = self.setup
         scaled = setup.scaler.is_enabled()  # the scaler checks (and skips) the gradients
-        # The model's own gradients (a fused master step may never fill the masters'); the
-        # FP8 weights' ones are their grad_weight GEMMs' outputs, probed already.
-        grads = [
-            p.grad
-            for p in setup.model.parameters()
-            if p.grad is not None and id(p) not in self._probed
-        ]
-        ends = list(self._end_probes)
+        grads = [p.grad for p in self._unprobed if p.grad is not None]
+        probes = [event[3] for event in self._events]
         if grads and not scaled:
             # aminmax: one vectorized pass per gradient (CPU: 10x faster than _foreach_norm).
-            ends += [end for grad in grads for end in torch.aminmax(grad)]
-        parts = []
-        if self._scale_probes:
-            parts.append(~(_stack(self._scale_probes) > 0))
-        if ends:
-            parts.append(~torch.isfinite(_stack(ends)))
-        bad = torch.cat(parts).tolist() if parts else []  # the one sync
-        if not any(bad):
+            probes += [Probe("range", tuple(torch.aminmax(grad))) for grad in grads]
+        if not probes or not bool(any_nonfinite(probes)):  # the one sync
             return True
-        offset = len(self._scale_probes)
-        flagged = [
-            event
-            for event in self._events
-            if bad[event[4] if event[3] == 0 else offset + event[4]]
-            or (event[3] == 1 and bad[offset + event[4] + 1])
-        ]
-        if flagged:
-            module, role, tensor, _, _ = flagged[0]
+        # A bad step: the probes one by one (a sync each), in the order the step ran them.
+        flagged = next((event for event in self._events if probe_nonfinite(event[3])), None)
+        if flagged is not None:
+            module, role, tensor, _ = flagged
             caller = self._callers.get(module)
             source = None if caller is None else describe(*caller)
             found = NonFinite(self.step, module, role, tensor, source)
-        elif any(bad):
-            found = NonFinite(self.step, None, None, "gradients")
         else:
-            return True
+            found = NonFinite(self.step, None, None, "gradients")
         self.nonfinite_steps.append(found)
         if self.first_nonfinite is None:
             self.first_nonfinite = found
@@ -230,13 +207,21 @@ class Monitor:
         if self.sampling:
             self.sampled_steps += 1
             self._audit()
+            self._unprobed = self._unprobed_parameters()
         self._events.clear()
-        self._scale_probes.clear()
-        self._end_probes.clear()
         self.step += 1
         self.sampling = self.step % self.every == 0
         if self.sampling:
             self._ran = set()
+
+    def _unprobed_parameters(self) -> list[torch.nn.Parameter]:
+        """The model's parameters whose gradients no GEMM probes (all but the FP8 layers'
+        weights, whose gradients are their grad_weight GEMMs' outputs): the model's own,
+        as a fused master step may never fill the masters'. Listed at the start and at
+        each sampled step (walking the modules every step costs ~1 ms in a large model),
+        so a module added in between is checked from the next sampled step on."""
+        probed = {id(layer.weight) for layer in self._layers.values()}
+        return [p for p in self.setup.model.parameters() if id(p) not in probed]
 
     def _audit(self) -> None:
         model = self.setup.model

@@ -1,13 +1,7 @@
-"""The engine's per-thread state: one object owns every store the engine keeps.
-
-torch keeps "is autocast on, and at which dtype" in thread-local C++ state, and amped
-regions set that same state. What torch has no place for lives in :data:`STATE`, one
-:class:`EngineState` per thread: the open regions (each with the :class:`Path` it
-decided on entry), the mode engine while a region runs it, the fast path's active
-kernel tables, the module rules' frames, and the one weight cache every path shares.
-
-This module imports nothing else from the engine's logic: the modules that act on the
-state (``dispatch``, ``module_hooks``, ``engine``) read it here.
+"""The engine's per-thread state: one :class:`EngineState` per thread owns every store
+the engine keeps (torch's own autocast state stays in torch's thread-local C++ state).
+It imports nothing of the engine's logic; ``dispatch``, ``module_hooks`` and ``engine``
+read it here.
 """
 
 from __future__ import annotations
@@ -25,16 +19,12 @@ __all__ = ["STATE", "EngineState", "Path", "Region", "current_policy", "innermos
 
 
 class Path(enum.Enum):
-    """How a region applies its policy, decided once when it is entered.
+    """How a region applies its policy, decided once when it is entered (the table of
+    paths, what takes each and its cost: docs/engine.md).
 
-    ``TORCH``: torch's C++ autocast applies the policy's op rules, which are torch's own
-    (a disabled region, and device types without amped policies, take it too).
-    ``KERNELS``: as ``TORCH``, plus amped's kernels at torch's Autocast dispatch keys
-    for the ops whose rule differs from torch's. ``MODE``: amped's
-    ``TorchFunctionMode`` applies every rule (``"low"`` module rules, rules the
-    dispatcher cannot express, :func:`~amped.autocast_mode.engine.engine_always`,
-    regions that ``torch.compile`` may trace). ``"fp32"`` and ``"skip"`` module rules
-    run as module hooks on every path.
+    ``TORCH``: torch's C++ autocast. ``KERNELS``: that, plus amped's kernels at torch's
+    Autocast dispatch keys for the ops whose rule differs. ``MODE``: amped's
+    ``TorchFunctionMode`` applies every rule.
     """
 
     TORCH = "torch"
@@ -45,10 +35,8 @@ class Path(enum.Enum):
 class Region:
     """One open amped region: its path, and the torch state it found on entry.
 
-    Regions are kept in entry order and removed by identity, so a region held across a
-    ``yield`` or ``await`` may exit before one opened after it: whatever it changed is
-    handed to the next region above it on the same device (which will restore it), or
-    restored at once if none is left above it.
+    Removed by identity (a region held across a ``yield`` may exit before one opened
+    after it): what it changed is handed to the next region above it on its device.
     """
 
     __slots__ = (

@@ -20,8 +20,12 @@ Print the CPU and the load average with the figures: on a shared machine, rerun 
 quieter before trusting a difference under the noise (the spread across rounds is
 printed too).
 
-    python benchmarks/autocast_compare.py [--old 1ca49eb] [--rounds 3] [--repeats 5]
-        [--models encoder,gpt2,cnn] [--calls 2000]
+    python benchmarks/autocast_compare.py [--old bdcfd6f] [--rounds 3] [--repeats 5]
+        [--models encoder,gpt2,cnn] [--calls 500]
+
+Cost: each process spends about 2.5 s of CPU per repeat (per-call and per-region
+samples of ``--calls`` calls, one train step per side and model), plus about 10 s to
+start; ``--rounds 4 --repeats 15`` is 8 processes, about 6 minutes on an idle machine.
 """
 
 from __future__ import annotations
@@ -86,13 +90,24 @@ def flatten(figures: dict) -> dict[tuple[str, str], float]:
     return flat
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``lscpu``'s), where Linux gives it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old", default="1ca49eb")
+    parser.add_argument("--old", default="bdcfd6f", help="the commit to compare against")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--models", default="encoder,gpt2,cnn")
-    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--calls", type=int, default=500, help="calls per timed sample")
     args = parser.parse_args()
     trees = {"old": old_tree(args.old), "new": ROOT}
     runs: dict[str, list[dict[tuple[str, str], float]]] = {"old": [], "new": []}
@@ -100,7 +115,7 @@ def main() -> None:
         for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
             runs[name].append(flatten(run_once(trees[name], args)))
             print(f"round {i + 1}/{args.rounds}: {name} done", file=sys.stderr)
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_name()
     load = os.getloadavg()
     print(f"old {args.old} vs new (this tree); {args.rounds} rounds x {args.repeats} repeats")
     print(f"CPU {cpu}, {os.cpu_count()} cores; load average {load[0]:.2f} {load[1]:.2f}")

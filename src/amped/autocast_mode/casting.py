@@ -73,16 +73,12 @@ def _cacheable(t: torch.Tensor) -> bool:
     return t.dtype is _FLOAT32 and not t._is_view() and not _is_cached_tensor(t)
 
 
-def _on_device(t: torch.Tensor, device_type: str) -> bool:
+def _eligible(t: torch.Tensor, device_type: str) -> bool:
+    if t.dtype not in _CASTABLE:
+        return False
     if device_type == "cpu":
         return t.is_cpu or t.is_mkldnn
-    if device_type == "cuda":
-        return t.is_cuda
     return t.device.type == device_type
-
-
-def _eligible(t: torch.Tensor, device_type: str) -> bool:
-    return t.dtype in _CASTABLE and _on_device(t, device_type)
 
 
 def _cast(value: Any, dtype: torch.dtype, device_type: str, cache: WeightCache | None) -> Any:
@@ -118,7 +114,7 @@ def cast_call(
             if (
                 t_dtype is not dtype
                 and t_dtype in _CASTABLE
-                and ((a.is_cpu or a.is_mkldnn) if on_cpu else _on_device(a, device_type))
+                and ((a.is_cpu or a.is_mkldnn) if on_cpu else a.device.type == device_type)
             ):
                 if cache is not None and a.requires_grad and a.is_leaf:
                     a = cache.cast(a, dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import types
 from typing import Any
 
 import torch
@@ -70,7 +71,7 @@ def restore_backward_autocast() -> None:
     torch_compat.mark_config_changed(_config, _NAME)
 
 
-def never_root_frames(*modules: object) -> None:
+def never_root_frames(*modules: Any) -> None:
     """Keep Dynamo from compiling amped's own functions as frames of their own (after a
     graph break it cannot resume); traced functions still inline them (docs/engine.md).
     Called once, by the first region that may meet a compile."""
@@ -78,27 +79,12 @@ def never_root_frames(*modules: object) -> None:
     if skip_code is None:
         return
     for module in modules:
-        filename = getattr(module, "__file__", None)
-        for value in list(vars(module).values()):
-            for fn in _functions_in(value, getattr(module, "__name__", "")):
-                # Only code written in that module: a decorator's wrapper (contextlib's,
-                # functools') has its code elsewhere, shared with every other user.
-                if fn.__code__.co_filename == filename:
-                    skip_code(fn.__code__)
-
-
-def _functions_in(value: object, module_name: str) -> list[Any]:
-    import types
-
-    if isinstance(value, types.FunctionType):
-        return [value] if value.__module__ == module_name else []
-    if isinstance(value, type) and value.__module__ == module_name:
-        found: list[Any] = []
-        for attr in vars(value).values():
-            attr = getattr(attr, "__func__", attr)  # classmethod / staticmethod
-            if isinstance(attr, types.FunctionType):
-                found.append(attr)
-            elif isinstance(attr, property) and attr.fget is not None:
-                found.append(attr.fget)
-        return found
-    return []
+        filename = module.__file__
+        values = list(vars(module).values())
+        values += [attr for v in values if isinstance(v, type) for attr in vars(v).values()]
+        for value in values:
+            value = value.fget if isinstance(value, property) else getattr(value, "__func__", value)
+            # Only code written in that module: a decorator's wrapper (contextlib's,
+            # functools') has its code elsewhere, shared with every other user.
+            if isinstance(value, types.FunctionType) and value.__code__.co_filename == filename:
+                skip_code(value.__code__)

@@ -125,27 +125,19 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
     if not callable(func):
         raise type_error("autocast_op decorates a function", "func", func)
 
-    def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        found: list[Any] = []
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, (list, tuple)):
-                found.extend(v for v in value if isinstance(v, torch.Tensor))
-            elif isinstance(value, torch.Tensor):
-                found.append(value)
-        return tuple(found)
-
     @functools.wraps(func)
     def op(*args: Any, **kwargs: Any) -> Any:
-        relevant = tensors(args, kwargs)
-        if _has_torch_function(relevant):  # a mode or a subclass: the override protocol
+        relevant: list[torch.Tensor] = []  # every tensor argument, in lists and tuples too
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, (list, tuple)):
+                relevant.extend(v for v in value if isinstance(v, torch.Tensor))
+            elif isinstance(value, torch.Tensor):
+                relevant.append(value)
+        # A mode or a subclass: the override protocol. (Dynamo folds has_torch_function
+        # to False for plain tensors even with a traced region's mode on the stack.)
+        if _has_torch_function(relevant) or (_is_compiling() and _mode_enabled()):
             return _handle_torch_function(op, relevant, *args, **kwargs)
-        if _is_compiling():
-            # Dynamo folds has_torch_function to False for plain tensors even with a
-            # mode on the stack (a region's, traced); it does follow the mode stack.
-            if _mode_enabled():
-                return _handle_torch_function(op, relevant, *args, **kwargs)
-            return func(*args, **kwargs)
-        if STATE.regions:
+        if STATE.regions and not _is_compiling():
             return _run_python_op(op, func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -162,9 +154,7 @@ _mode_enabled = torch_compat.torch_function_mode_enabled
 def _run_python_op(
     op: Callable[..., Any], func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """Call ``func``, the function of the ``@amped.autocast_op`` ``op``, under the rule
-    the open regions' policies give ``op``, applied as the mode applies it (for calls
-    made where no mode is on the torch-function stack)."""
+    # func (of op) under the rule the open regions give op, as the mode applies it.
     st = STATE
     per_device = merged_rules(innermost_policies(st.regions)).get(op)
     if per_device is None:

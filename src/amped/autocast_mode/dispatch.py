@@ -92,15 +92,8 @@ def _plan(policy: Policy, route_all: bool) -> Tables | None:
 
 
 def _overloads(op: Any) -> list[OpOverload] | None:
-    packet: Any
-    if isinstance(op, str):
-        namespace, _, name = op.rpartition("::")
-        packet = getattr(getattr(torch.ops, namespace or "aten"), name, None)
-    else:
-        packet = getattr(op, "_opoverload", op)  # torch.library.custom_op's CustomOpDef
-        if isinstance(packet, OpOverload):
-            packet = packet.overloadpacket
-    if not isinstance(packet, torch_compat.OpOverloadPacket):
+    packet = targets.op_packet(op)
+    if packet is None:
         return None
     overloads = [getattr(packet, name) for name in packet.overloads()]
     # TorchScript-only overloads (aten::sum.int) have no dispatcher entry; out= and
@@ -150,12 +143,8 @@ def release_kernels() -> None:
 
 
 def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
-    """The kernel for ``op`` at ``key``, and whether it takes the dispatch key set.
-
-    torch's own C++ autocast kernels (aten ops) ignore the key set, so their kernels
-    take none (building its Python object costs about a microsecond per call); the
-    others need it to redispatch, or for a ``torch.library`` autocast kernel.
-    """
+    """The kernel for ``op`` at ``key``, and whether it takes the dispatch key set (only
+    where it must redispatch: building the key set costs about a microsecond)."""
     raw = op._op
     dispatch_key = getattr(torch_compat.DispatchKey, key)
     after = torch_compat.dispatch_keyset_full_after(dispatch_key)

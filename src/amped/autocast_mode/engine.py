@@ -100,11 +100,8 @@ def current_path(device_type: str = "cpu") -> Path | None:
 
 @contextlib.contextmanager
 def engine_always() -> Iterator[None]:
-    """Regions opened inside take the ``MODE`` path whatever their policy.
-
-    For code that must see every op after amped's casts, from a mode below it (the
-    doctor's tracer).
-    """
+    """Regions opened inside take ``MODE`` whatever their policy (for the doctor's
+    tracer, which must see every op after amped's casts from a mode below it)."""
     with forced_path(Path.MODE, torch_alongside=STATE.torch_alongside):
         yield
 
@@ -159,11 +156,8 @@ def enter(region: Region) -> None:
 
 
 def exit(region: Region) -> None:
-    """Close ``region``, whichever position it holds among the open ones.
-
-    The last region on the ``MODE`` path drops the mode; the last region of all clears
-    the autocast caches, as ``torch.autocast`` does.
-    """
+    """Close ``region``, whichever position it holds among the open ones (the last
+    ``MODE`` region drops the mode; the last of all clears the caches, as torch's)."""
     st = STATE
     regions = st.regions
     enabled, dtype, cache_enabled = region.saved
@@ -171,7 +165,13 @@ def exit(region: Region) -> None:
         regions.pop()
         above: list[Region] = []
     else:
-        index = _index(regions, region)
+        index = next((i for i, r in enumerate(regions) if r is region), None)
+        if index is None:
+            raise RuntimeError(
+                "This amped.autocast region is not open on this thread: it was exited "
+                "already, or entered on another thread. Exit each region once, on the "
+                f"thread that entered it. Received: region for device_type={region.device_type!r}"
+            )
         above = regions[index + 1 :]
         del regions[index]
     same_device = [r for r in above if r.device_type == region.device_type]
@@ -294,17 +294,6 @@ def _pop_mode(st: EngineState) -> None:
     if mode.backward_off:
         mode.backward_off = False
         compiling.restore_backward_autocast()
-
-
-def _index(regions: list[Region], region: Region) -> int:
-    for i in range(len(regions) - 1, -1, -1):
-        if regions[i] is region:
-            return i
-    raise RuntimeError(
-        "This amped.autocast region is not open on this thread: it was exited already, "
-        "or entered on another thread. Exit each region once, on the thread that "
-        f"entered it. Received: region for device_type={region.device_type!r}"
-    )
 
 
 # torch.compile: hearing when Dynamo starts, and moving this thread's regions then.

@@ -28,21 +28,14 @@ __all__ = ["AutocastMode", "call_without_torch_autocast", "compiled_rules", "mer
 _FunctionType = types.FunctionType
 # Dynamo folds it to True while tracing; eagerly one frame (is_compiling() costs two).
 _is_compiling = torch.compiler.is_dynamo_compiling
-_AUTOCAST_KEY = {  # device type -> torch's autocast dispatch key for it
-    device_type: getattr(torch_compat.DispatchKey, name)
-    for device_type, name in (
-        ("cpu", "AutocastCPU"),
-        ("cuda", "AutocastCUDA"),
-        ("xpu", "AutocastXPU"),
-        ("mps", "AutocastMPS"),
-        ("hpu", "AutocastHPU"),
-        ("privateuseone", "AutocastPrivateUse1"),
-    )
-    if hasattr(torch_compat.DispatchKey, name)
+# torch's autocast dispatch key per device type amped has policies for (policy.ops)
+_AUTOCAST_KEY = {
+    "cpu": torch_compat.DispatchKey.AutocastCPU,
+    "cuda": torch_compat.DispatchKey.AutocastCUDA,
 }
-_AUTOCAST_KEYS = torch_compat.DispatchKeySet(_AUTOCAST_KEY["cpu"])
-for _key in _AUTOCAST_KEY.values():
-    _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch_compat.DispatchKeySet(_key)
+_AUTOCAST_KEYS = torch_compat.DispatchKeySet(_AUTOCAST_KEY["cpu"]) | torch_compat.DispatchKeySet(
+    _AUTOCAST_KEY["cuda"]
+)
 _set_excluded = torch_compat.set_dispatch_key_excluded
 _exclude_guard = torch_compat.ExcludeDispatchKeyGuard
 _autocast_enabled = torch.is_autocast_enabled
@@ -68,13 +61,9 @@ def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any
     torch_rules = torch_default_rules(policy.device_type)
     table: dict[Callable[..., Any], Rule] = {}
     for op, cast in policy.rules_for(dtype).items():
-        if isinstance(op, str) and "::" not in op:
-            exclude = torch_rules.get(op) is not cast
-            for fn in callables_for(op):
-                table[fn] = (cast, exclude)
-        else:
-            for fn in callables_for(op) if isinstance(op, str) else _custom_targets(op):
-                table[fn] = (cast, True)
+        exclude = not isinstance(op, str) or "::" in op or torch_rules.get(op) is not cast
+        for fn in callables_for(op):
+            table[fn] = (cast, exclude)
     cache[dtype] = table
     return table
 
@@ -99,19 +88,6 @@ def _merge(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
             for fn, rule in compiled_rules(policy, dtype).items():
                 rules.setdefault(fn, {}).setdefault(device_type, {})[dtype] = rule
     return rules
-
-
-def _custom_targets(op: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
-    # A custom op reaches the mode as its packet (torch.ops.ns.name) or as an overload
-    # (torch.ops.ns.name.default, which is what calling a @custom_op function does).
-    opdef = getattr(op, "_opoverload", None)  # torch.library.custom_op's CustomOpDef
-    if isinstance(opdef, torch_compat.OpOverload):
-        op = opdef.overloadpacket
-    if isinstance(op, torch_compat.OpOverload):
-        op = op.overloadpacket
-    if isinstance(op, torch_compat.OpOverloadPacket):
-        return (op, *(getattr(op, name) for name in op.overloads()))
-    return (op,)
 
 
 def call_without_torch_autocast(

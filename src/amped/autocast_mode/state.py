@@ -6,6 +6,7 @@ read it here.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from typing import Any
@@ -32,6 +33,7 @@ class Path(enum.Enum):
     MODE = "mode"
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Region:
     """One open amped region: its path, and the torch state it found on entry.
 
@@ -39,36 +41,16 @@ class Region:
     after it): what it changed is handed to the next region above it on its device.
     """
 
-    __slots__ = (
-        "cache_enabled",
-        "depth",
-        "device_type",
-        "dtype",
-        "enabled",
-        "path",
-        "policy",
-        "saved",
-        "unplain",
-    )
-
-    def __init__(
-        self,
-        device_type: str,
-        policy: Policy | None,
-        enabled: bool,
-        dtype: torch.dtype,
-        cache_enabled: bool,
-    ) -> None:
-        self.device_type = device_type
-        self.policy = policy  # None: a disabled region, or a device type without policies
-        self.enabled = enabled
-        self.dtype = dtype
-        self.cache_enabled = cache_enabled
-        self.path = Path.TORCH
-        self.unplain = False  # a policy other than torch's rules alone (engine.py)
-        self.depth = 0  # the torch-function stack's depth on entry
-        # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
-        self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)
+    device_type: str
+    policy: Policy | None  # None: a disabled region, or a device type without policies
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+    path: Path = Path.TORCH
+    unplain: bool = False  # a policy other than torch's rules alone (engine.py)
+    depth: int = 0  # the torch-function stack's depth on entry
+    # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
+    saved: tuple[bool, torch.dtype, bool] = (False, torch.float32, True)
 
 
 class EngineState(threading.local):

@@ -83,15 +83,11 @@ _push = torch_compat.push_torch_function_mode
 _pop = torch_compat.pop_torch_function_mode
 
 
-def _super_forwarders() -> tuple[types.FunctionType, ...]:
-    found = []
-    for value in vars(torch.Tensor).values():
-        if isinstance(value, types.FunctionType) and "super" in value.__code__.co_names:
-            found.append(value)
-    return tuple(found)
-
-
-SUPER_FORWARDERS = _super_forwarders()
+SUPER_FORWARDERS = tuple(
+    value
+    for value in vars(torch.Tensor).values()
+    if isinstance(value, types.FunctionType) and "super" in value.__code__.co_names
+)
 """``torch.Tensor`` methods written in Python that end in ``super().name(...)``
 (``Tensor.unflatten``): Dynamo cannot trace that ``super()`` call, so under
 ``torch.compile`` they run as the tensor method they forward to, one graph node."""

@@ -207,14 +207,37 @@ def banned_error(op_name: str) -> RuntimeError:
 
 
 def device_type_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-    """The device type whose autocast rules apply to a call, as torch's dispatcher picks
-    it: an accelerator tensor anywhere in the arguments wins over CPU tensors."""
+    """The device type whose autocast rules apply to a call, as torch's dispatcher picks it.
+
+    An accelerator tensor anywhere in the arguments wins over CPU tensors (a CPU scalar
+    tensor next to CUDA tensors still dispatches to CUDA).
+    """
     found = None
-    for values in (args, kwargs.values()):
-        for value in values:
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, _Tensor):
-                    if not t.is_cpu:
-                        return t.device.type
-                    found = "cpu"
+    for value in args:
+        if isinstance(value, _Tensor):
+            if not value.is_cpu:
+                return value.device.type
+            found = "cpu"
+        elif isinstance(value, (list, tuple)):
+            inner = _device_type_in(value)
+            if inner is not None and inner != "cpu":
+                return inner
+            found = found or inner
+    if kwargs:
+        inner = _device_type_in(kwargs.values())
+        if inner is not None and inner != "cpu":
+            return inner
+        found = found or inner
+    return found
+
+
+def _device_type_in(values: Any) -> str | None:
+    found = None
+    for value in values:
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for t in items:
+            if isinstance(t, _Tensor):
+                if not t.is_cpu:
+                    return t.device.type
+                found = "cpu"
     return found

@@ -205,14 +205,8 @@ def _publish(st: EngineState) -> None:
         st.ruled, st.kernels = {}, {}
         _mark_for_guards(st, False)
         return
-    if len(regions) == 1:  # the usual case
-        region = regions[0]
-        policy = region.policy
-        active = {region.device_type: policy} if policy is not None else {}
-        unplain = region.unplain
-    else:
-        active = innermost_policies(regions)
-        unplain = any(r.unplain for r in regions)
+    active = innermost_policies(regions)
+    unplain = regions[0].unplain if len(regions) == 1 else any(r.unplain for r in regions)
     st.ruled = {dev: p for dev, p in active.items() if p.module_rules} if unplain else {}
     _mark_for_guards(st, unplain)
     mode = st.mode

@@ -199,8 +199,7 @@ class AutocastMode(TorchFunctionMode):
             if cast is _LOWER:  # the hot path: one frame less than casting.run
                 return casting.cast_call(func, args, kwargs, low, device_type, cache)
             return casting.run(cast, func, args, kwargs, device_type, low, cache)
-        key = _AUTOCAST_KEY.get(device_type)
-        if key is None or cache is None:  # (no cache: Dynamo is tracing)
+        if cache is None:  # Dynamo is tracing
             return call_without_torch_autocast(
                 (device_type,),
                 casting.run,
@@ -209,6 +208,7 @@ class AutocastMode(TorchFunctionMode):
             )
         # Autocast is on for device_type (checked above), so its key is not excluded:
         # exclude it for the op, include it after (an exclude-guard object costs more).
+        key = _AUTOCAST_KEY[device_type]  # (a policy's device type: cpu or cuda)
         _set_excluded(key, True)
         try:
             return casting.run(cast, func, args, kwargs, device_type, low, cache)

@@ -78,11 +78,7 @@ def innermost_policies(regions: list[Region]) -> dict[str, Policy]:
     """Device type -> the policy of the innermost region with one."""
     if len(regions) == 1 and regions[0].policy is not None:  # the usual case
         return {regions[0].device_type: regions[0].policy}
-    active = {}
-    for region in regions:
-        if region.policy is not None:
-            active[region.device_type] = region.policy
-    return active
+    return {r.device_type: r.policy for r in regions if r.policy is not None}
 
 
 def current_policy(device_type: str) -> Policy | None:

@@ -23,15 +23,19 @@ printed too).
     python benchmarks/autocast_compare.py [--old bdcfd6f] [--rounds 3] [--repeats 5]
         [--models encoder,gpt2,cnn] [--calls 500]
 
-Cost: each process spends about 2.5 s of CPU per repeat (per-call and per-region
-samples of ``--calls`` calls, one train step per side and model), plus about 10 s to
-start; ``--rounds 4 --repeats 15`` is 8 processes, about 6 minutes on an idle machine.
+``--repeats`` counts the samples per side and tree over all rounds: each process takes
+``ceil(repeats / rounds)`` of them (the overhead script takes at least 5 per-call and
+per-region samples). A process costs about 9 s of CPU per repeat (measured: 135 s at
+15 repeats, 500 calls, load average 13), much of it the garbage collection before each
+sample, so ``--rounds 4 --repeats 15`` (8 processes of 4 repeats) takes about 5 to 6
+minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -65,7 +69,7 @@ def run_once(tree: Path, args: argparse.Namespace) -> dict:
         sys.executable,
         str(tree / "benchmarks" / "autocast_overhead.py"),
         "--no-compile",
-        f"--repeats={args.repeats}",
+        f"--repeats={math.ceil(args.repeats / args.rounds)}",
         f"--models={args.models}",
         f"--calls={args.calls}",
         f"--json={target}",
@@ -105,7 +109,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--old", default="bdcfd6f", help="the commit to compare against")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="samples per side and tree, over all rounds"
+    )
     parser.add_argument("--models", default="encoder,gpt2,cnn")
     parser.add_argument("--calls", type=int, default=500, help="calls per timed sample")
     args = parser.parse_args()
@@ -117,7 +123,8 @@ def main() -> None:
             print(f"round {i + 1}/{args.rounds}: {name} done", file=sys.stderr)
     cpu = cpu_name()
     load = os.getloadavg()
-    print(f"old {args.old} vs new (this tree); {args.rounds} rounds x {args.repeats} repeats")
+    per_process = math.ceil(args.repeats / args.rounds)
+    print(f"old {args.old} vs new (this tree); {args.rounds} rounds x {per_process} repeats")
     print(f"CPU {cpu}, {os.cpu_count()} cores; load average {load[0]:.2f} {load[1]:.2f}")
     print("per call / region: added us vs torch.autocast; steps: ratio to torch.autocast")
     print(

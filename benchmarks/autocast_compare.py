@@ -20,14 +20,22 @@ Print the CPU and the load average with the figures: on a shared machine, rerun 
 quieter before trusting a difference under the noise (the spread across rounds is
 printed too).
 
-    python benchmarks/autocast_compare.py [--old 1ca49eb] [--rounds 3] [--repeats 5]
-        [--models encoder,gpt2,cnn] [--calls 2000]
+    python benchmarks/autocast_compare.py [--old bdcfd6f] [--rounds 3] [--repeats 5]
+        [--models encoder,gpt2,cnn] [--calls 500]
+
+``--repeats`` counts the samples per side and tree over all rounds: each process takes
+``ceil(repeats / rounds)`` of them (the overhead script takes at least 5 per-call and
+per-region samples). A process costs about 9 s of CPU per repeat (measured: 135 s at
+15 repeats, 500 calls, load average 13), much of it the garbage collection before each
+sample, so ``--rounds 4 --repeats 15`` (8 processes of 4 repeats) takes about 5 to 6
+minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -61,7 +69,7 @@ def run_once(tree: Path, args: argparse.Namespace) -> dict:
         sys.executable,
         str(tree / "benchmarks" / "autocast_overhead.py"),
         "--no-compile",
-        f"--repeats={args.repeats}",
+        f"--repeats={math.ceil(args.repeats / args.rounds)}",
         f"--models={args.models}",
         f"--calls={args.calls}",
         f"--json={target}",
@@ -86,13 +94,26 @@ def flatten(figures: dict) -> dict[tuple[str, str], float]:
     return flat
 
 
+def cpu_name() -> str:
+    """The CPU's model name (``lscpu``'s), where Linux gives it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--old", default="1ca49eb")
+    parser.add_argument("--old", default="bdcfd6f", help="the commit to compare against")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--repeats", type=int, default=5, help="samples per side and tree, over all rounds"
+    )
     parser.add_argument("--models", default="encoder,gpt2,cnn")
-    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--calls", type=int, default=500, help="calls per timed sample")
     args = parser.parse_args()
     trees = {"old": old_tree(args.old), "new": ROOT}
     runs: dict[str, list[dict[tuple[str, str], float]]] = {"old": [], "new": []}
@@ -100,9 +121,10 @@ def main() -> None:
         for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
             runs[name].append(flatten(run_once(trees[name], args)))
             print(f"round {i + 1}/{args.rounds}: {name} done", file=sys.stderr)
-    cpu = platform.processor() or platform.machine()
+    cpu = cpu_name()
     load = os.getloadavg()
-    print(f"old {args.old} vs new (this tree); {args.rounds} rounds x {args.repeats} repeats")
+    per_process = math.ceil(args.repeats / args.rounds)
+    print(f"old {args.old} vs new (this tree); {args.rounds} rounds x {per_process} repeats")
     print(f"CPU {cpu}, {os.cpu_count()} cores; load average {load[0]:.2f} {load[1]:.2f}")
     print("per call / region: added us vs torch.autocast; steps: ratio to torch.autocast")
     print(

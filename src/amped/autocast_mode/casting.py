@@ -1,11 +1,9 @@
 """Casting the arguments of one op call according to its :class:`~amped.policy.Cast`.
 
 Mirrors ``at::autocast::cached_cast`` and the ``WrapFunction_`` policies in torch's
-``autocast_mode.h``: only floating tensors on the region's device type are cast,
-float64 never is, and float32 leaf tensors that require grad (the weights) are cast
-once per region and reused (under the rule of :class:`WeightCache`). The cast is a
-plain ``Tensor.to``, so autograd records it and gradients flow back to the float32
-originals.
+``autocast_mode.h``: only floating tensors on the region's device type are cast, float64
+never is, and weights cast to the low dtype go through the :class:`WeightCache`. The
+cast is a plain ``Tensor.to``, so gradients flow back to the float32 originals.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import torch
 from amped._internal import torch_compat
 from amped.policy import Cast
 
-__all__ = ["WeightCache", "cast_call", "device_type_of", "run"]
+__all__ = ["WeightCache", "banned_error", "cast_call", "device_type_of", "first_eligible", "run"]
 
 _Tensor = torch.Tensor
 _FLOAT32 = torch.float32
@@ -27,11 +25,10 @@ _is_cached_tensor = torch_compat.is_cached_tensor  # CUDA-graph pools
 _grad_enabled = torch.is_grad_enabled
 _inference_mode = torch_compat.is_inference_mode_enabled
 _cache_enabled = torch.is_autocast_cache_enabled
+# The dtypes autocast casts (a set look-up is cheaper than Tensor.is_floating_point()).
 _CASTABLE = frozenset(
     d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point
 ) - {_FLOAT64}
-"""The dtypes autocast casts: floating, float64 excepted (a set look-up per argument is
-cheaper than ``Tensor.is_floating_point()``)."""
 
 BINARY_CROSS_ENTROPY_BANNED = (
     "torch.nn.functional.binary_cross_entropy and torch.nn.BCELoss are unsafe to autocast.\n"
@@ -44,90 +41,56 @@ BINARY_CROSS_ENTROPY_BANNED = (
 
 
 class WeightCache:
-    """Low-precision copies of weights, kept until the outermost autocast region closes.
+    """Low-precision copies of weights, kept until the outermost region closes.
 
-    torch's rule, on every path: a weight (a float32 leaf that requires grad) is cast
-    once per grad mode and served again until the outermost region closes, even if it
-    is changed in place meanwhile (an optimizer step inside the region, ``copy_`` under
-    ``no_grad``): the later calls see the copy made before the change, as under
-    ``torch.autocast``. Close the region to cast afresh. A copy made under
-    ``torch.no_grad()`` is never served to a grad-enabled call (pytorch issue 158232),
-    and nothing is cached under ``torch.inference_mode()``. The entry holds the source
-    tensor, so its id cannot be reused by another tensor while the entry lives.
+    torch's rule (docs/engine.md, "The weight cache"): a float32 leaf that requires grad
+    is cast once per grad mode and served again, even if changed in place meanwhile;
+    nothing is cached under ``torch.inference_mode()`` or with the cache disabled. An
+    entry holds its source tensor, so the id cannot be reused while the entry lives.
     """
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, torch.dtype, bool], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cast(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if _inference_mode():
-            return tensor.to(dtype)
-        key = (id(tensor), dtype, _grad_enabled())
+    def cast(self, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``weight.to(dtype)`` for a leaf that requires grad, served from the cache
+        where torch's rule allows."""
+        key = (id(weight), dtype, _grad_enabled())
         entry = self._entries.get(key)
-        if entry is not None and entry[0] is tensor:
+        usable = _cache_enabled() and not _inference_mode()
+        if entry is not None and entry[0] is weight and usable:
             return entry[1]
-        casted = tensor.to(dtype)
-        self._entries[key] = (tensor, casted)
+        casted = weight.to(dtype)
+        if usable and _cacheable(weight):
+            self._entries[key] = (weight, casted)
         return casted
 
     def clear(self) -> None:
         self._entries.clear()
 
-    def __len__(self) -> int:
-        return len(self._entries)
 
-
-def _on_device(t: torch.Tensor, device_type: str) -> bool:
-    if device_type == "cpu":
-        return t.is_cpu or t.is_mkldnn
-    if device_type == "cuda":
-        return t.is_cuda
-    return t.device.type == device_type
+def _cacheable(t: torch.Tensor) -> bool:
+    return t.dtype is _FLOAT32 and not t._is_view() and not _is_cached_tensor(t)
 
 
 def _eligible(t: torch.Tensor, device_type: str) -> bool:
-    return t.is_floating_point() and t.dtype is not _FLOAT64 and _on_device(t, device_type)
+    if t.dtype not in _CASTABLE:
+        return False
+    if device_type == "cpu":
+        return t.is_cpu or t.is_mkldnn
+    return t.device.type == device_type
 
 
-def _cacheable(t: torch.Tensor) -> bool:
-    return (
-        t.dtype is _FLOAT32
-        and t.requires_grad
-        and t.is_leaf
-        and not t._is_view()
-        and not _is_cached_tensor(t)
-    )
-
-
-def _cast_tensor(
-    t: torch.Tensor, dtype: torch.dtype, low: torch.dtype, cache: WeightCache | None
-) -> torch.Tensor:
-    # Activations are not leaves and inputs need no grad: both skip the cache at once.
-    if cache is not None and dtype is low and t.requires_grad and t.is_leaf:
-        return _cast_weight(t, dtype, cache)
-    return t.to(dtype)
-
-
-def _cast_weight(t: torch.Tensor, dtype: torch.dtype, cache: WeightCache) -> torch.Tensor:
-    entries = cache._entries  # WeightCache.cast's look-up, inlined: this runs per weight use
-    if entries:
-        entry = entries.get((id(t), dtype, _grad_enabled()))
-        if entry is not None and entry[0] is t and _cache_enabled() and not _inference_mode():
-            return entry[1]  # a hit skips the eligibility checks below
-    if _cacheable(t) and _cache_enabled():
-        return cache.cast(t, dtype)
-    return t.to(dtype)
-
-
-def _cast(
-    value: Any, dtype: torch.dtype, device_type: str, low: torch.dtype, cache: WeightCache | None
-) -> Any:
+def _cast(value: Any, dtype: torch.dtype, device_type: str, cache: WeightCache | None) -> Any:
     if isinstance(value, _Tensor):
         if value.dtype is dtype or not _eligible(value, device_type):
             return value
-        return _cast_tensor(value, dtype, low, cache)
+        # Activations are not leaves and inputs need no grad: both skip the cache at once.
+        if cache is not None and value.requires_grad and value.is_leaf:
+            return cache.cast(value, dtype)
+        return value.to(dtype)
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], _Tensor):
-        return type(value)(_cast(v, dtype, device_type, low, cache) for v in value)
+        return type(value)(_cast(v, dtype, device_type, cache) for v in value)
     return value
 
 
@@ -137,12 +100,12 @@ def cast_call(
     kwargs: dict[str, Any],
     dtype: torch.dtype,
     device_type: str,
-    low: torch.dtype,
     cache: WeightCache | None,
 ) -> Any:
-    """``func`` called with its floating arguments on ``device_type`` cast to ``dtype``.
+    """``func`` called with its floating arguments on ``device_type`` cast to ``dtype``
+    (``cache``: the weight cache, for a cast to the region's low dtype, else None).
 
-    The per-op hot path: the common argument (a tensor) is handled inline."""
+    The per-op hot path: a tensor argument on the CPU is handled inline."""
     cast_args = []
     on_cpu = device_type == "cpu"
     for a in args:
@@ -151,29 +114,25 @@ def cast_call(
             if (
                 t_dtype is not dtype
                 and t_dtype in _CASTABLE
-                and ((a.is_cpu or a.is_mkldnn) if on_cpu else _on_device(a, device_type))
-            ):  # _cast_tensor, inlined
-                if cache is not None and dtype is low and a.requires_grad and a.is_leaf:
-                    a = _cast_weight(a, dtype, cache)
+                and ((a.is_cpu or a.is_mkldnn) if on_cpu else a.device.type == device_type)
+            ):
+                if cache is not None and a.requires_grad and a.is_leaf:
+                    a = cache.cast(a, dtype)
                 else:
                     a = a.to(dtype)
         elif isinstance(a, (list, tuple)) and a and isinstance(a[0], _Tensor):
-            a = _cast(a, dtype, device_type, low, cache)
+            a = _cast(a, dtype, device_type, cache)
         cast_args.append(a)
     if kwargs:
-        kwargs = {k: _cast(v, dtype, device_type, low, cache) for k, v in kwargs.items()}
+        kwargs = {k: _cast(v, dtype, device_type, cache) for k, v in kwargs.items()}
         return func(*cast_args, **kwargs)
     return func(*cast_args)
 
 
-def _first_arg(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if args:
-        return args[0]
-    return kwargs.get("input", kwargs.get("self"))
-
-
-def _dtype_given(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    return kwargs.get("dtype") is not None or any(isinstance(a, torch.dtype) for a in args)
+def first_eligible(args: tuple[Any, ...], kwargs: dict[str, Any], device_type: str) -> bool:
+    """Whether the call's first argument is a tensor autocast would cast."""
+    first = args[0] if args else kwargs.get("input", kwargs.get("self"))
+    return isinstance(first, _Tensor) and _eligible(first, device_type)
 
 
 def _promote_type(values: Any, device_type: str, low: torch.dtype) -> torch.dtype:
@@ -212,26 +171,24 @@ def run(
     cache: WeightCache | None,
 ) -> Any:
     """Call ``func`` with its arguments cast as ``cast`` says, in a region of dtype ``low``."""
-    if cast is Cast.LOWER:  # (the mode calls cast_call itself for LOWER and FP32)
-        return cast_call(func, args, kwargs, low, device_type, low, cache)
+    if cast is Cast.LOWER:
+        return cast_call(func, args, kwargs, low, device_type, cache)
     if cast is Cast.FP32:
-        return cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache)
+        return cast_call(func, args, kwargs, _FLOAT32, device_type, None)
     if cast is Cast.FP32_SET_OPT_DTYPE or cast is Cast.FP32_APPEND_DTYPE:
-        first = _first_arg(args, kwargs)
-        if (
-            isinstance(first, _Tensor)
-            and _eligible(first, device_type)
-            and not _dtype_given(args, kwargs)
-        ):
+        dtype_given = kwargs.get("dtype") is not None or any(
+            isinstance(a, torch.dtype) for a in args
+        )
+        if first_eligible(args, kwargs, device_type) and not dtype_given:
             kwargs = {**kwargs, "dtype": _FLOAT32}
             if cast is Cast.FP32_APPEND_DTYPE and len(args) < 2 and "p" not in kwargs:
                 kwargs["p"] = 2  # norm(x) is norm(x, p=2); the dtype overload needs p spelled out
         return func(*args, **kwargs)
     if cast is Cast.PROMOTE:
         to = _promote_type((*args, *kwargs.values()), device_type, low)
-        return cast_call(func, args, kwargs, to, device_type, low, cache)
+        return cast_call(func, args, kwargs, to, device_type, cache if to is low else None)
     if cast is Cast.FP32_LOW_OUT:
-        return _to_low(cast_call(func, args, kwargs, _FLOAT32, device_type, low, cache), low)
+        return _to_low(cast_call(func, args, kwargs, _FLOAT32, device_type, None), low)
     if cast is Cast.KEEP:
         return func(*args, **kwargs)
     if cast is Cast.BANNED:

@@ -1,15 +1,11 @@
 """``custom_fwd`` / ``custom_bwd``: autocast for custom ``torch.autograd.Function`` s.
 
-Same contract as ``torch.amp.custom_fwd`` / ``custom_bwd``: ``custom_fwd`` records the
-autocast state of ``forward`` on ``ctx`` (and, with ``cast_inputs``, runs ``forward``
-with autocast off on inputs cast to that dtype); ``custom_bwd`` runs ``backward`` with
-the state ``forward`` saw. amped also records the active policy, so ``backward`` runs
-under the same amped policy as ``forward``.
+torch's ``torch.amp.custom_fwd`` / ``custom_bwd``, plus the active amped policy:
+``backward`` runs under the policy ``forward`` ran under.
 """
 
 from __future__ import annotations
 
-import collections.abc
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -24,25 +20,6 @@ from amped.autocast_mode.state import STATE, current_policy, innermost_policies
 from amped.autocast_mode.targets import PYTHON_OP
 
 __all__ = ["autocast_op", "custom_bwd", "custom_fwd"]
-
-
-def _cast(value: Any, device_type: str, dtype: torch.dtype) -> Any:
-    if isinstance(value, torch.Tensor):
-        eligible = (
-            value.is_floating_point()
-            and value.device.type == device_type
-            and value.dtype is not torch.float64
-        )
-        return value.to(dtype) if eligible else value
-    if isinstance(value, (str, bytes)):
-        return value
-    if isinstance(value, collections.abc.Mapping):
-        return {
-            _cast(k, device_type, dtype): _cast(v, device_type, dtype) for k, v in value.items()
-        }
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cast(v, device_type, dtype) for v in value)
-    return value
 
 
 def _check_device_type(device_type: object) -> None:
@@ -84,23 +61,12 @@ def custom_fwd(
     _check_device_type(device_type)
     if fwd is None:
         return functools.partial(custom_fwd, device_type=device_type, cast_inputs=cast_inputs)
+    torch_fwd = torch.amp.custom_fwd(fwd, device_type=device_type, cast_inputs=cast_inputs)
 
     @functools.wraps(fwd)
     def decorate_fwd(*args: Any, **kwargs: Any) -> Any:
-        ctx = args[0]
-        ctx._dtype = torch.get_autocast_dtype(device_type)
-        ctx._amped_policy = current_policy(device_type)
-        enabled = torch.is_autocast_enabled(device_type)
-        if cast_inputs is None:
-            ctx._fwd_used_autocast = enabled
-            return fwd(*args, **kwargs)
-        ctx._fwd_used_autocast = False
-        if not enabled:
-            return fwd(*args, **kwargs)
-        with autocast(device_type=device_type, enabled=False):
-            return fwd(
-                *_cast(args, device_type, cast_inputs), **_cast(kwargs, device_type, cast_inputs)
-            )
+        args[0]._amped_policy = current_policy(device_type)  # for custom_bwd
+        return torch_fwd(*args, **kwargs)
 
     return decorate_fwd
 
@@ -159,27 +125,19 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
     if not callable(func):
         raise type_error("autocast_op decorates a function", "func", func)
 
-    def tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
-        found: list[Any] = []
-        for value in (*args, *kwargs.values()):
-            if isinstance(value, (list, tuple)):
-                found.extend(v for v in value if isinstance(v, torch.Tensor))
-            elif isinstance(value, torch.Tensor):
-                found.append(value)
-        return tuple(found)
-
     @functools.wraps(func)
     def op(*args: Any, **kwargs: Any) -> Any:
-        relevant = tensors(args, kwargs)
-        if _has_torch_function(relevant):  # a mode or a subclass: the override protocol
+        relevant: list[torch.Tensor] = []  # every tensor argument, in lists and tuples too
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, (list, tuple)):
+                relevant.extend(v for v in value if isinstance(v, torch.Tensor))
+            elif isinstance(value, torch.Tensor):
+                relevant.append(value)
+        # A mode or a subclass: the override protocol. (Dynamo folds has_torch_function
+        # to False for plain tensors even with a traced region's mode on the stack.)
+        if _has_torch_function(relevant) or (_is_compiling() and _mode_enabled()):
             return _handle_torch_function(op, relevant, *args, **kwargs)
-        if _is_compiling():
-            # Dynamo folds has_torch_function to False for plain tensors even with a
-            # mode on the stack (a region's, traced); it does follow the mode stack.
-            if _mode_enabled():
-                return _handle_torch_function(op, relevant, *args, **kwargs)
-            return func(*args, **kwargs)
-        if STATE.regions:
+        if STATE.regions and not _is_compiling():
             return _run_python_op(op, func, args, kwargs)
         return func(*args, **kwargs)
 
@@ -196,9 +154,7 @@ _mode_enabled = torch_compat.torch_function_mode_enabled
 def _run_python_op(
     op: Callable[..., Any], func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """Call ``func``, the function of the ``@amped.autocast_op`` ``op``, under the rule
-    the open regions' policies give ``op``, applied as the mode applies it (for calls
-    made where no mode is on the torch-function stack)."""
+    # func (of op) under the rule the open regions give op, as the mode applies it.
     st = STATE
     per_device = merged_rules(innermost_policies(st.regions)).get(op)
     if per_device is None:

@@ -1,22 +1,10 @@
-"""The fast path: a policy's changed op rules as kernels at torch's Autocast dispatch keys.
+"""The ``KERNELS`` path: a policy's changed op rules as kernels at torch's Autocast keys.
 
-A policy whose only difference from torch's default is a set of ATen (or
-``torch.library`` custom) op rules needs no :class:`~torch.overrides.TorchFunctionMode`:
-torch's C++ autocast applies every rule the policy shares with torch, and for just the
-ops whose rule differs amped registers a Python kernel at ``AutocastCPU`` /
-``AutocastCUDA``. That kernel applies amped's rule (with amped's weight cache) when a
-fast-path region is active on this thread and its dtype has a rule for the op;
-otherwise it behaves exactly as torch: it calls torch's own autocast kernel for the op
-(cache included), or, where torch has none, dispatches below the Autocast key as a
-fallthrough would. Untouched ops and the ops whose rule is torch's never reach Python.
-
-Kernels are registered the first time a policy needing them is entered and stay
-registered, idle, until :func:`release_kernels`: registering per region would cost more
-than the region.
-
-Dynamo does not guard on the kernels' thread state, so a graph traced through them
-could be reused under another policy: the fast path serves eager code only
-(:mod:`amped.autocast_mode.engine` moves regions to the mode when a compile starts).
+For just the ops whose rule differs from torch's, amped registers a Python kernel at
+``AutocastCPU`` / ``AutocastCUDA``. It applies amped's rule while a ``KERNELS`` region
+is open on this thread and lists the op; otherwise it does exactly what torch does.
+Kernels stay registered, idle, until :func:`release_kernels` (registering per region
+would cost more than the region). Eager code only: docs/engine.md, "torch.compile".
 """
 
 from __future__ import annotations
@@ -54,36 +42,26 @@ _libraries: dict[tuple[str, str], torch.library.Library] = {}  # (overload, key)
 
 
 def plan(policy: Policy, route_all: bool = False) -> Tables | None:
-    """The fast-path tables of ``policy``, or None when the mode engine must run it.
-
-    None for: a rule the dispatcher cannot apply bitwise as the mode does
-    (``FP32_APPEND_DTYPE``, which redispatches to another overload), a device type
-    without an Autocast key here. Rules for ``@amped.autocast_op`` functions need no
-    kernel: the function applies its own rule where no mode is on the stack
-    (:mod:`amped.autocast_mode.custom`). Kept with the policy.
-    """
+    """The kernel tables of ``policy``, or None when the dispatcher cannot apply its
+    rules (an op that is no dispatcher op, a device type without an Autocast key).
+    ``route_all``: torch's own rules too (the tests' forced ``KERNELS`` path)."""
     key = ("fast_plan", route_all)
-    found = policy._engine_cache.get(key, False)
-    if found is not False:
-        return found
-    tables = _plan(policy, route_all)
-    policy._engine_cache[key] = tables
-    return tables
+    if key not in policy._engine_cache:
+        policy._engine_cache[key] = _plan(policy, route_all)
+    return policy._engine_cache[key]
 
 
 KernelRules = dict[Any, dict[torch.dtype, Cast]]
-""":data:`Tables` keyed by each overload's C function (``op._op``), as the kernels look
-their op up per call: hashed in C, where ``OpOverload.__hash__`` is a Python method."""
+""":data:`Tables` keyed by ``op._op``, which the kernels hash in C per call."""
 
 
 def kernel_rules(policy: Policy, route_all: bool = False) -> KernelRules:
-    """The fast-path tables of ``policy`` (which has some) in the kernels' form."""
+    """The kernel tables of ``policy`` (which has some) in the kernels' form."""
     key = ("kernel_rules", route_all)
-    found = policy._engine_cache.get(key)
-    if found is None:
-        found = {op._op: rules for op, rules in (plan(policy, route_all) or {}).items()}
-        policy._engine_cache[key] = found
-    return found
+    if key not in policy._engine_cache:
+        tables = plan(policy, route_all) or {}
+        policy._engine_cache[key] = {op._op: rules for op, rules in tables.items()}
+    return policy._engine_cache[key]
 
 
 def _plan(policy: Policy, route_all: bool) -> Tables | None:
@@ -104,7 +82,8 @@ def _plan(policy: Policy, route_all: bool) -> Tables | None:
             if overloads is None:
                 return None
             for overload in overloads:
-                if cast is Cast.FP32_SET_OPT_DTYPE and _dtype_index(overload) is None:
+                arguments = torch_compat.op_schema(overload).arguments
+                if cast is Cast.FP32_SET_OPT_DTYPE and all(a.name != "dtype" for a in arguments):
                     continue  # the overload has no dtype argument: torch leaves it alone
                 if cast is Cast.FP32_APPEND_DTYPE and overload.name() not in _APPEND_DTYPE:
                     continue  # likewise: torch's rule names just these overloads
@@ -113,15 +92,8 @@ def _plan(policy: Policy, route_all: bool) -> Tables | None:
 
 
 def _overloads(op: Any) -> list[OpOverload] | None:
-    packet: Any
-    if isinstance(op, str):
-        namespace, _, name = op.rpartition("::")
-        packet = getattr(getattr(torch.ops, namespace or "aten"), name, None)
-    else:
-        packet = getattr(op, "_opoverload", op)  # torch.library.custom_op's CustomOpDef
-        if isinstance(packet, OpOverload):
-            packet = packet.overloadpacket
-    if not isinstance(packet, torch_compat.OpOverloadPacket):
+    packet = targets.op_packet(op)
+    if packet is None:
         return None
     overloads = [getattr(packet, name) for name in packet.overloads()]
     # TorchScript-only overloads (aten::sum.int) have no dispatcher entry; out= and
@@ -131,14 +103,6 @@ def _overloads(op: Any) -> list[OpOverload] | None:
         for op in overloads
         if torch_compat.dispatch_has_kernel(op.name()) and not torch_compat.op_schema(op).is_mutable
     ]
-
-
-def _dtype_index(overload: OpOverload) -> int | None:
-    # The position of the optional dtype argument (-1: keyword-only), None: it has none.
-    for i, arg in enumerate(torch_compat.op_schema(overload).arguments):
-        if arg.name == "dtype":
-            return -1 if arg.kwarg_only else i
-    return None
 
 
 def register(policy: Policy, tables: Tables) -> None:
@@ -151,10 +115,9 @@ def register(policy: Policy, tables: Tables) -> None:
         # "Overriding a previously registered kernel": torch's, which the kernel calls.
         warnings.simplefilter("ignore", UserWarning)
         for op in missing:
-            if (op.name(), key) in _libraries:
+            if (op.name(), key) in _libraries:  # another thread registered it meanwhile
                 continue
-            namespace = op.namespace
-            lib = torch.library.Library(namespace, "IMPL")
+            lib = torch.library.Library(op.namespace, "IMPL")
             kernel, with_keyset = _kernel(op, policy.device_type, key)
             lib.impl(op, kernel, key, with_keyset=with_keyset)
             _libraries[(op.name(), key)] = lib
@@ -166,10 +129,8 @@ def registered_ops() -> list[tuple[str, str]]:
 
 
 def release_kernels() -> None:
-    """Undo every registration: torch's own autocast kernels are in force again.
-
-    Regions using the fast path must be closed; later ones register again.
-    """
+    """Undo every registration (no ``KERNELS`` region may be open; later ones register
+    again): torch's own autocast kernels are in force again."""
     if any(STATE.kernels.values()):
         raise RuntimeError(
             "amped.autocast_mode.dispatch.release_kernels() was called inside an amped "
@@ -182,21 +143,16 @@ def release_kernels() -> None:
 
 
 def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
-    """The kernel for ``op`` at ``key``, and whether it takes the dispatch key set.
-
-    torch's own C++ autocast kernels (aten ops) ignore the key set, so their kernels
-    take none (building its Python object costs about a microsecond per call); the
-    others need it to redispatch, or for a ``torch.library`` autocast kernel.
-    """
+    """The kernel for ``op`` at ``key``, and whether it takes the dispatch key set (only
+    where it must redispatch: building the key set costs about a microsecond)."""
     raw = op._op
     dispatch_key = getattr(torch_compat.DispatchKey, key)
     after = torch_compat.dispatch_keyset_full_after(dispatch_key)
     torch_kernel = (
         torch.library.get_kernel(op, key) if torch_compat.has_kernel_for(op.name(), key) else None
     )
-    dtype_at = _dtype_index(op)
     appended = _APPEND_DTYPE.get(op.name())
-    with_dtype = getattr(op.overloadpacket, appended)._op if appended else None
+    with_dtype = getattr(op.overloadpacket, appended)._op if appended else raw
     positional = [a for a in torch_compat.op_schema(op).arguments if not a.kwarg_only]
     tensor_slots = tuple(i for i, a in enumerate(positional) if str(a.type) == "Tensor")
     defaults = [(a.name, a.default_value) for a in positional if a.has_default_value()]
@@ -223,15 +179,13 @@ def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
                 set_excluded(dispatch_key, True)
                 try:
                     if cast is _LOWER:  # the hot path: one frame less than casting.run
-                        return cast_call(raw, args, kwargs, low, device_type, low, tls.cache)
-                    if cast is Cast.FP32_SET_OPT_DTYPE:
-                        args, kwargs = _set_fp32(args, kwargs, dtype_at, device_type)
-                        return raw(*args, **kwargs)
-                    if cast is Cast.FP32_APPEND_DTYPE:
-                        if with_dtype is not None and _eligible_first(args, device_type):
-                            missing = defaults[max(len(args) - first_default, 0) :]
-                            return with_dtype(*args, **_append_fp32(missing, kwargs))
-                        return raw(*args, **kwargs)
+                        return cast_call(raw, args, kwargs, low, device_type, tls.cache)
+                    if cast is Cast.FP32_APPEND_DTYPE and casting.first_eligible(
+                        args, kwargs, device_type
+                    ):  # torch redispatches to the dtype overload, which has no defaults
+                        missing = defaults[max(len(args) - first_default, 0) :]
+                        filled = {name: value for name, value in missing if name not in kwargs}
+                        return with_dtype(*args, **kwargs, **filled, dtype=torch.float32)
                     if cast is Cast.BANNED:  # raw (a C++ op) has no name to put in the error
                         raise casting.banned_error(op._opname)
                     return run(cast, raw, args, kwargs, device_type, low, tls.cache)
@@ -279,37 +233,6 @@ def _number_in(args: tuple[Any, ...], slots: tuple[int, ...]) -> bool:
         if i < len(args) and isinstance(args[i], (int, float, complex)):
             return True
     return False
-
-
-def _append_fp32(missing: list[tuple[str, Any]], kwargs: dict[str, Any]) -> dict[str, Any]:
-    # norm(x) is norm(x, p=2): the dtype overload has no defaults, so spell them out.
-    filled = {name: value for name, value in missing if name not in kwargs}
-    return {**kwargs, **filled, "dtype": torch.float32}
-
-
-def _set_fp32(
-    args: tuple[Any, ...], kwargs: dict[str, Any], at: int | None, device_type: str
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    # at::autocast's fp32_set_opt_dtype: an eligible first argument and no dtype given
-    # -> run the same overload with dtype=float32.
-    if at is None or not _eligible_first(args, device_type):
-        return args, kwargs
-    if at < 0 or at >= len(args):  # keyword-only, or passed by keyword
-        if kwargs.get("dtype") is None:
-            return args, {**kwargs, "dtype": torch.float32}
-    elif args[at] is None:
-        return (*args[:at], torch.float32, *args[at + 1 :]), kwargs
-    return args, kwargs
-
-
-def _eligible_first(args: tuple[Any, ...], device_type: str) -> bool:
-    first = args[0] if args else None
-    return (
-        isinstance(first, torch.Tensor)
-        and first.is_floating_point()
-        and first.dtype is not torch.float64
-        and first.device.type == device_type
-    )
 
 
 _TRACED_FAST = (

@@ -1,21 +1,7 @@
 """Entering and leaving amped regions: each region decides its :class:`Path` on entry.
 
-``TORCH`` (torch's op rules, disabled regions): what ``torch.autocast`` costs.
-``KERNELS`` (op rules the dispatcher can apply: ``with_ops``, ``"strict"``, custom ops):
-a Python kernel per call of a changed op only. ``MODE`` (``"low"`` module rules, rules
-the dispatcher cannot apply, :func:`engine_always`, regions ``torch.compile`` may
-trace): a ``TorchFunctionMode`` on every call. The table, with costs: docs/engine.md.
-
-``"fp32"`` and ``"skip"`` module rules are module hooks on every path
-(:mod:`amped.autocast_mode.module_hooks`). All per-thread state is in
-:data:`amped.autocast_mode.state.STATE`.
-
-``torch.compile`` (Dynamo guards on the mode stack and torch's autocast state, never on
-the kernel tables or the hooks' policies; docs/engine.md, "torch.compile"): regions
-Dynamo may trace take ``MODE``; a compile moves its thread's open regions there and
-marks their policies traced (later regions of those take ``MODE``); and regions of a
-non-default policy set :data:`GUARD_DEVICE_TYPE`'s autocast flag, so a graph traced
-without one is never reused inside one. Nothing is process-wide.
+The paths, what takes each and what it costs, and how regions meet ``torch.compile``
+(with nothing process-wide): docs/engine.md.
 """
 
 from __future__ import annotations
@@ -23,13 +9,13 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from amped._internal import torch_compat
 from amped.autocast_mode import compiling, dispatch, transparent
-from amped.autocast_mode.mode import AutocastMode, prepare
+from amped.autocast_mode.mode import AutocastMode, merged_rules
 from amped.autocast_mode.module_hooks import hooks
 from amped.autocast_mode.state import STATE, EngineState, Path, Region, innermost_policies
 from amped.policy import Policy
@@ -49,35 +35,17 @@ GUARD_DEVICE_TYPE = "ipu"
 without the mode a graph would hold (see the module doc). No tensor lives on it."""
 
 
-class _Traced:
-    """The policies some compiled region ran under, since Dynamo's last reset (which
-    drops every graph): ``generation`` counts the resets amped has seen."""
-
-    policies: ClassVar[list[Policy]] = []
-    generation = 0
-    listening = False  # amped registered its compile-start callback
-
-
-def _traced(policy: Policy) -> bool:
-    # (kept with the policy per generation: the look-up compares policies by value)
-    found = policy._engine_cache.get("traced")
-    if found is None or found[0] != _Traced.generation:
-        found = (_Traced.generation, policy in _Traced.policies)
-        policy._engine_cache["traced"] = found
-    return bool(found[1])
-
-
-def _mark_traced(policy: Policy) -> None:
-    if not _traced(policy):
-        policy._engine_cache["traced"] = (_Traced.generation, True)
-        _Traced.policies.append(policy)
+_TRACED: set[Policy] = set()
+"""The policies some compiled region ran under, since Dynamo's last reset (which drops
+every graph): later regions of these take ``MODE``, so that they pass the graphs' guards."""
+_listening = False  # amped registered its compile-start callback
 
 
 @torch_compat.assume_constant_result
 def _mark_traced_while_tracing(policy: Policy) -> bool:
     # Run for real while Dynamo traces, and not guarded on: the graph must not depend
     # on whether the policy was marked before.
-    _mark_traced(policy)
+    _TRACED.add(policy)
     return True
 
 
@@ -96,8 +64,7 @@ def _prepare(policy: Policy) -> None:
     # Every look-up table the engine needs, built when the policy is made: a region
     # opened inside a compiled function then only reads them (Dynamo cannot build them).
     _unplain(policy)
-    torch_rules_only(policy)
-    prepare(policy)
+    merged_rules({policy.device_type: policy})
 
 
 add_creation_listener(_prepare)
@@ -114,7 +81,7 @@ def _choose_path(policy: Policy | None, st: EngineState) -> Path:
     if _is_compiling():
         _mark_traced_while_tracing(policy)
         return Path.MODE
-    if _Traced.policies and _traced(policy):
+    if _TRACED and policy in _TRACED:
         return Path.MODE
     if plain and st.forced is not Path.KERNELS:
         return Path.TORCH
@@ -133,11 +100,8 @@ def current_path(device_type: str = "cpu") -> Path | None:
 
 @contextlib.contextmanager
 def engine_always() -> Iterator[None]:
-    """Regions opened inside take the ``MODE`` path whatever their policy.
-
-    For code that must see every op after amped's casts, from a mode below it (the
-    doctor's tracer).
-    """
+    """Regions opened inside take ``MODE`` whatever their policy (for the doctor's
+    tracer, which must see every op after amped's casts from a mode below it)."""
     with forced_path(Path.MODE, torch_alongside=STATE.torch_alongside):
         yield
 
@@ -192,11 +156,8 @@ def enter(region: Region) -> None:
 
 
 def exit(region: Region) -> None:
-    """Close ``region``, whichever position it holds among the open ones.
-
-    The last region on the ``MODE`` path drops the mode; the last region of all clears
-    the autocast caches, as ``torch.autocast`` does.
-    """
+    """Close ``region``, whichever position it holds among the open ones (the last
+    ``MODE`` region drops the mode; the last of all clears the caches, as torch's)."""
     st = STATE
     regions = st.regions
     enabled, dtype, cache_enabled = region.saved
@@ -204,7 +165,13 @@ def exit(region: Region) -> None:
         regions.pop()
         above: list[Region] = []
     else:
-        index = _index(regions, region)
+        index = next((i for i, r in enumerate(regions) if r is region), None)
+        if index is None:
+            raise RuntimeError(
+                "This amped.autocast region is not open on this thread: it was exited "
+                "already, or entered on another thread. Exit each region once, on the "
+                f"thread that entered it. Received: region for device_type={region.device_type!r}"
+            )
         above = regions[index + 1 :]
         del regions[index]
     same_device = [r for r in above if r.device_type == region.device_type]
@@ -238,14 +205,8 @@ def _publish(st: EngineState) -> None:
         st.ruled, st.kernels = {}, {}
         _mark_for_guards(st, False)
         return
-    if len(regions) == 1:  # the usual case
-        region = regions[0]
-        policy = region.policy
-        active = {region.device_type: policy} if policy is not None else {}
-        unplain = region.unplain
-    else:
-        active = innermost_policies(regions)
-        unplain = any(r.unplain for r in regions)
+    active = innermost_policies(regions)
+    unplain = regions[0].unplain if len(regions) == 1 else any(r.unplain for r in regions)
     st.ruled = {dev: p for dev, p in active.items() if p.module_rules} if unplain else {}
     _mark_for_guards(st, unplain)
     mode = st.mode
@@ -272,9 +233,8 @@ def _unplain(policy: Policy | None) -> bool:
         return False
     found = policy._engine_cache.get("unplain")
     if found is None:
-        found = policy._engine_cache["unplain"] = bool(policy.module_rules) or not torch_rules_only(
-            policy
-        )
+        found = not torch_rules_only(policy) or bool(policy.module_rules)
+        policy._engine_cache["unplain"] = found
     return bool(found)
 
 
@@ -289,7 +249,6 @@ def _push_mode(st: EngineState) -> None:
         _prepare_while_tracing()
         st.mode = AutocastMode(st.torch_alongside)
         st.mode.__enter__()
-        st.mode.on_stack = st.mode.traced = True
         return
     transparent.prepare_clones()  # once per process, about 1 ms
     mode = st.spare_mode  # one instance per thread, reused region after region
@@ -298,7 +257,6 @@ def _push_mode(st: EngineState) -> None:
         mode.cache = st.cache
     st.mode = mode
     _push(mode)
-    mode.on_stack = True
     if not mode.backward_off:
         compiling.backward_autocast_off()
         mode.backward_off = True
@@ -327,21 +285,9 @@ def _pop_mode(st: EngineState) -> None:
             "open. Exit modes (and regions) in the reverse order of entering them."
         )
     _pop()
-    mode.on_stack = False
     if mode.backward_off:
         mode.backward_off = False
         compiling.restore_backward_autocast()
-
-
-def _index(regions: list[Region], region: Region) -> int:
-    for i in range(len(regions) - 1, -1, -1):
-        if regions[i] is region:
-            return i
-    raise RuntimeError(
-        "This amped.autocast region is not open on this thread: it was exited already, "
-        "or entered on another thread. Exit each region once, on the thread that "
-        f"entered it. Received: region for device_type={region.device_type!r}"
-    )
 
 
 # torch.compile: hearing when Dynamo starts, and moving this thread's regions then.
@@ -353,17 +299,17 @@ _CALLBACKS = torch_compat.dynamo_callbacks
 def _listen_for_compiles() -> None:
     # (Again at each region that may need it: torch._dynamo.reset() drops callbacks, and
     # every graph: then no policy is traced any more, and the hooks may go.)
+    global _listening
     callbacks = _CALLBACKS
     if _on_compile_start not in callbacks.start_callbacks:
         callbacks.register_start_callback(_on_compile_start)
-        if _Traced.listening:  # it was registered: Dynamo was reset since
-            _Traced.policies = []
-            _Traced.generation += 1
+        if _listening:  # it was registered: Dynamo was reset since
+            _TRACED.clear()
             hooks.traced = False
         else:  # the first region that may meet a compile: nothing happens at import
             engine_modules = [m for n, m in sys.modules.items() if n.startswith(__package__)]
             compiling.never_root_frames(*engine_modules)
-        _Traced.listening = True
+        _listening = True
 
 
 def _on_compile_start(args: Any) -> None:
@@ -379,7 +325,7 @@ def _move_to_mode(st: EngineState) -> None:
     for region in st.regions:
         if region.unplain:
             region.path = Path.MODE
-            _mark_traced(region.policy)  # type: ignore[arg-type]
+            _TRACED.add(region.policy)  # type: ignore[arg-type]
     if st.mode is None and any(r.path is Path.MODE for r in st.regions):
         # The mode goes where it would have been pushed: at the stack depth the
         # outermost such region found, below modes entered inside the region since.

@@ -1,17 +1,10 @@
-"""The engine: a TorchFunctionMode that applies the active policy op by op.
+"""The ``MODE`` path: a TorchFunctionMode that applies the active policy op by op.
 
-Three kinds of call reach ``__torch_function__``:
-
-* a C-level binding of an op the active policy lists (``torch.mm``, ``F.linear``):
-  its arguments are cast by :func:`amped.autocast_mode.casting.run` and the op runs with
-  torch's C++ autocast excluded, so the policy is authoritative and nothing is cast
-  twice (this is what torch's own autocast kernels do);
-* a Python function that dispatched to us through ``handle_torch_function``
-  (``F.softmax``, ``F.multi_head_attention_forward``, ``Tensor.__rpow__``): it runs with
-  the mode pushed again, one hop skipped, so every op inside it reaches the policy;
-* anything else: it runs unchanged. torch's C++ autocast stays on for it, exactly as
-  under ``torch.autocast``, so C++ composites that the policy does not name (``einsum``
-  on CPU, ``pad``, ``lstm``) cast their inner ops as torch would.
+A C-level binding the policy lists (``torch.mm``, ``F.linear``) has its arguments cast
+by :func:`amped.autocast_mode.casting.run`, with torch's C++ autocast excluded where the
+rule is not torch's; a Python function (``F.softmax``) runs with the mode pushed again
+(:mod:`~amped.autocast_mode.transparent`), so its inner ops reach the policy; anything
+else runs unchanged, with torch's C++ autocast on as under ``torch.autocast``.
 """
 
 from __future__ import annotations
@@ -30,34 +23,19 @@ from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
 
-__all__ = [
-    "AUTOCAST_DEVICE_TYPES",
-    "AutocastMode",
-    "compiled_rules",
-    "merged_rules",
-    "prepare",
-]
+__all__ = ["AutocastMode", "call_without_torch_autocast", "compiled_rules", "merged_rules"]
 
 _FunctionType = types.FunctionType
 # Dynamo folds it to True while tracing; eagerly one frame (is_compiling() costs two).
 _is_compiling = torch.compiler.is_dynamo_compiling
-_AUTOCAST_KEY = {  # device type -> torch's autocast dispatch key for it
-    device_type: getattr(torch_compat.DispatchKey, name)
-    for device_type, name in (
-        ("cpu", "AutocastCPU"),
-        ("cuda", "AutocastCUDA"),
-        ("xpu", "AutocastXPU"),
-        ("mps", "AutocastMPS"),
-        ("hpu", "AutocastHPU"),
-        ("privateuseone", "AutocastPrivateUse1"),
-    )
-    if hasattr(torch_compat.DispatchKey, name)
+# torch's autocast dispatch key per device type amped has policies for (policy.ops)
+_AUTOCAST_KEY = {
+    "cpu": torch_compat.DispatchKey.AutocastCPU,
+    "cuda": torch_compat.DispatchKey.AutocastCUDA,
 }
-AUTOCAST_DEVICE_TYPES = tuple(_AUTOCAST_KEY)
-"""The device types torch's autocast has a dispatch key for in this build."""
-_AUTOCAST_KEYS = torch_compat.DispatchKeySet(_AUTOCAST_KEY["cpu"])
-for _key in _AUTOCAST_KEY.values():
-    _AUTOCAST_KEYS = _AUTOCAST_KEYS | torch_compat.DispatchKeySet(_key)
+_AUTOCAST_KEYS = torch_compat.DispatchKeySet(_AUTOCAST_KEY["cpu"]) | torch_compat.DispatchKeySet(
+    _AUTOCAST_KEY["cuda"]
+)
 _set_excluded = torch_compat.set_dispatch_key_excluded
 _exclude_guard = torch_compat.ExcludeDispatchKeyGuard
 _autocast_enabled = torch.is_autocast_enabled
@@ -72,13 +50,9 @@ PerDevice = dict[str, dict[torch.dtype, Rule]]
 def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any], Rule]:
     """The policy's rules under ``dtype``, keyed by the Python callables the mode sees.
 
-    Where the rule is torch's own rule for the op, torch's C++ autocast kernel may run
-    after amped's casts: it finds the inputs already in its dtype and does nothing
-    (and it keeps the op's internals from being cast again, as amped would). Only
-    where the rule differs, or the op is a Python function or custom op, must it be
-    excluded, which costs about a microsecond per call.
-
-    Kept in the policy's engine cache, so it lives exactly as long as the policy.
+    Where the rule is torch's own, torch's C++ autocast kernel may run after amped's
+    casts (it finds its dtype and does nothing); elsewhere it is excluded, which costs
+    about a microsecond per call. Kept with the policy.
     """
     cache = policy._engine_cache
     found = cache.get(dtype)
@@ -87,22 +61,16 @@ def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any
     torch_rules = torch_default_rules(policy.device_type)
     table: dict[Callable[..., Any], Rule] = {}
     for op, cast in policy.rules_for(dtype).items():
-        if isinstance(op, str) and "::" not in op:
-            exclude = torch_rules.get(op) is not cast
-            for fn in callables_for(op):
-                table[fn] = (cast, exclude)
-        else:
-            for fn in callables_for(op) if isinstance(op, str) else _custom_targets(op):
-                table[fn] = (cast, True)
+        exclude = not isinstance(op, str) or "::" in op or torch_rules.get(op) is not cast
+        for fn in callables_for(op):
+            table[fn] = (cast, exclude)
     cache[dtype] = table
     return table
 
 
 def merged_rules(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
-    """One dict for the active policies: callable -> device type -> low dtype -> rule.
-
-    For a single policy (the usual case) it is built once and kept with the policy.
-    """
+    """One dict for the active policies: callable -> device type -> low dtype -> rule
+    (kept with the policy when there is one)."""
     if len(policies) == 1:
         ((_device_type, policy),) = policies.items()
         found = policy._engine_cache.get("merged")
@@ -122,30 +90,6 @@ def _merge(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
     return rules
 
 
-def prepare(policy: Policy) -> None:
-    """Build the engine's tables for ``policy`` now (it was just created): a region
-    opened inside a compiled function then only reads them (Dynamo cannot build them)."""
-    merged_rules({policy.device_type: policy})
-
-
-def _custom_targets(op: Callable[..., Any]) -> tuple[Callable[..., Any], ...]:
-    # A custom op reaches the mode as its packet (torch.ops.ns.name) or as an overload
-    # (torch.ops.ns.name.default, which is what calling a @custom_op function does).
-    opdef = getattr(op, "_opoverload", None)  # torch.library.custom_op's CustomOpDef
-    if isinstance(opdef, torch_compat.OpOverload):
-        op = opdef.overloadpacket
-    if isinstance(op, torch_compat.OpOverload):
-        op = op.overloadpacket
-    if isinstance(op, torch_compat.OpOverloadPacket):
-        return (op, *(getattr(op, name) for name in op.overloads()))
-    return (op,)
-
-
-def exclude_torch_autocast() -> Any:
-    """A guard under which torch's C++ autocast kernels do not run (one per use)."""
-    return _exclude_guard(_AUTOCAST_KEYS)
-
-
 def call_without_torch_autocast(
     device_types: tuple[str, ...], func: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
@@ -156,7 +100,7 @@ def call_without_torch_autocast(
     device type amped governs: for a single op call both mean "no autocast kernel runs".
     """
     if not _is_compiling():
-        with exclude_torch_autocast():
+        with _exclude_guard(_AUTOCAST_KEYS):
             return func(*args, **kwargs)
     compiling.check_supported()
     if not device_types:
@@ -171,26 +115,16 @@ _OPAQUE = torch_compat.AUTOCAST_ENTER_EXIT
 
 
 class AutocastMode(TorchFunctionMode):
-    """Applies the policies of the amped regions on the ``MODE`` path on this thread.
-
-    One instance per thread is on the torch-function stack while such a region is open
-    there; :mod:`amped.autocast_mode.engine` keeps its fields current.
-
-    Per call it does one dict look-up: ``rules`` maps each callable some active policy
-    lists to its rules per device type and low dtype. An unlisted C-level call costs
-    that look-up and a type check; a Python function is run transparently. Dynamo
-    traces the same method: it guards on the entries it reads, so a policy change
-    between calls recompiles instead of reusing a stale graph.
-    """
+    """Applies the policies of this thread's ``MODE`` regions (the engine keeps its
+    fields current). Per call one dict look-up in ``rules`` (callable -> device type ->
+    low dtype -> rule); Dynamo guards on the entries it reads."""
 
     def __init__(self, torch_alongside: bool = True) -> None:
         super().__init__()
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
         self.device_types: tuple[str, ...] = ()
         self.rules: dict[Callable[..., Any], PerDevice] = {}
-        self.on_stack = False
         self.backward_off = False  # compiled backward autocast turned off for it
-        self.traced = False  # entered while Dynamo traces (the context-manager protocol)
         self.low = False  # inside a "low" module rule
         # torch's C++ autocast may run inside calls no policy lists, and after amped's
         # casts where the rule is torch's (off only in the tests' forced runs).
@@ -233,12 +167,6 @@ class AutocastMode(TorchFunctionMode):
             return func(*args, **kwargs)
         return func(*args)
 
-    def call_unlisted(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
-        """Run a call no policy lists with torch's C++ autocast kept out."""
-        return call_without_torch_autocast(self.device_types, func, args, kwargs)
-
     def run_listed(
         self,
         func: Callable[..., Any],
@@ -269,10 +197,9 @@ class AutocastMode(TorchFunctionMode):
             cache = None
         if not exclude and self.alongside:
             if cast is _LOWER:  # the hot path: one frame less than casting.run
-                return casting.cast_call(func, args, kwargs, low, device_type, low, cache)
+                return casting.cast_call(func, args, kwargs, low, device_type, cache)
             return casting.run(cast, func, args, kwargs, device_type, low, cache)
-        key = _AUTOCAST_KEY.get(device_type)
-        if key is None or cache is None:  # (no cache: Dynamo is tracing)
+        if cache is None:  # Dynamo is tracing
             return call_without_torch_autocast(
                 (device_type,),
                 casting.run,
@@ -281,6 +208,7 @@ class AutocastMode(TorchFunctionMode):
             )
         # Autocast is on for device_type (checked above), so its key is not excluded:
         # exclude it for the op, include it after (an exclude-guard object costs more).
+        key = _AUTOCAST_KEY[device_type]  # (a policy's device type: cpu or cuda)
         _set_excluded(key, True)
         try:
             return casting.run(cast, func, args, kwargs, device_type, low, cache)

@@ -1,13 +1,6 @@
-"""Module rules as module hooks, installed while a region whose policy has some is open.
-
-``"fp32"`` and ``"skip"`` rules run as ``torch.amp.custom_fwd`` runs a function: autocast
-is off for the policy's device types inside the module, and for ``"fp32"`` the floating
-positional inputs on those device types are cast to float32 on entry (where autocast was
-on). They work the same on every path. ``"low"`` rules need the mode (their regions take
-the ``MODE`` path): inside the module every op the policy lists runs in the low dtype.
-
-Once ``torch.compile`` may have traced the hooks they stay installed, idle: Dynamo
-guards on the global hook dicts, and new hooks at each region would recompile each step.
+"""Module rules as global module hooks, installed while a region whose policy has some is
+open (docs/engine.md, "Module rules are module hooks"). ``"fp32"`` and ``"skip"`` run as
+``torch.amp.custom_fwd`` runs a function; ``"low"`` sets the mode's low flag.
 """
 
 from __future__ import annotations

@@ -50,28 +50,23 @@ def _resolve_policy(policy: Policy | str | None, device_type: str) -> Policy | N
     return policy
 
 
-_PRESETS: dict[tuple[str, str], Policy] = {}
-
-
 def _preset(name: str, device_type: str) -> Policy:
-    # Policy.preset is memoised by functools.cache, which Dynamo cannot trace. A region
-    # opened inside a compiled function reads this plain dict instead (Dynamo guards on
-    # the entry); only a preset never used before costs one graph break, to build it.
+    # Policy.preset is memoised by functools.cache, which Dynamo cannot trace: a region
+    # opened inside a compiled function reads this plain dict (only a preset never used
+    # before costs a graph break, to build it).
     found = _PRESETS.get((name, device_type))
-    if found is None:
-        found = _build_preset(name, device_type)
-    return found
+    return found if found is not None else _build_preset(name, device_type)
 
 
 @torch_compat.dynamo_disable
 def _build_preset(name: str, device_type: str) -> Policy:
-    found = Policy.preset(name, device_type)
-    _PRESETS[(name, device_type)] = found
+    found = _PRESETS[(name, device_type)] = Policy.preset(name, device_type)
     return found
 
 
-for _device_type in TORCH_OP_TABLES:  # the default policies, ready for compiled code
-    _build_preset("torch", _device_type)
+_PRESETS = {
+    ("torch", device_type): Policy.preset("torch", device_type) for device_type in TORCH_OP_TABLES
+}
 
 
 def _check_available(device_type: str) -> None:

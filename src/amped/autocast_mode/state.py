@@ -1,17 +1,12 @@
-"""The engine's per-thread state: one object owns every store the engine keeps.
-
-torch keeps "is autocast on, and at which dtype" in thread-local C++ state, and amped
-regions set that same state. What torch has no place for lives in :data:`STATE`, one
-:class:`EngineState` per thread: the open regions (each with the :class:`Path` it
-decided on entry), the mode engine while a region runs it, the fast path's active
-kernel tables, the module rules' frames, and the one weight cache every path shares.
-
-This module imports nothing else from the engine's logic: the modules that act on the
-state (``dispatch``, ``module_hooks``, ``engine``) read it here.
+"""The engine's per-thread state: one :class:`EngineState` per thread owns every store
+the engine keeps (torch's own autocast state stays in torch's thread-local C++ state).
+It imports nothing of the engine's logic; ``dispatch``, ``module_hooks`` and ``engine``
+read it here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import threading
 from typing import Any
@@ -25,16 +20,12 @@ __all__ = ["STATE", "EngineState", "Path", "Region", "current_policy", "innermos
 
 
 class Path(enum.Enum):
-    """How a region applies its policy, decided once when it is entered.
+    """How a region applies its policy, decided once when it is entered (the table of
+    paths, what takes each and its cost: docs/engine.md).
 
-    ``TORCH``: torch's C++ autocast applies the policy's op rules, which are torch's own
-    (a disabled region, and device types without amped policies, take it too).
-    ``KERNELS``: as ``TORCH``, plus amped's kernels at torch's Autocast dispatch keys
-    for the ops whose rule differs from torch's. ``MODE``: amped's
-    ``TorchFunctionMode`` applies every rule (``"low"`` module rules, rules the
-    dispatcher cannot express, :func:`~amped.autocast_mode.engine.engine_always`,
-    regions that ``torch.compile`` may trace). ``"fp32"`` and ``"skip"`` module rules
-    run as module hooks on every path.
+    ``TORCH``: torch's C++ autocast. ``KERNELS``: that, plus amped's kernels at torch's
+    Autocast dispatch keys for the ops whose rule differs. ``MODE``: amped's
+    ``TorchFunctionMode`` applies every rule.
     """
 
     TORCH = "torch"
@@ -42,45 +33,24 @@ class Path(enum.Enum):
     MODE = "mode"
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class Region:
     """One open amped region: its path, and the torch state it found on entry.
 
-    Regions are kept in entry order and removed by identity, so a region held across a
-    ``yield`` or ``await`` may exit before one opened after it: whatever it changed is
-    handed to the next region above it on the same device (which will restore it), or
-    restored at once if none is left above it.
+    Removed by identity (a region held across a ``yield`` may exit before one opened
+    after it): what it changed is handed to the next region above it on its device.
     """
 
-    __slots__ = (
-        "cache_enabled",
-        "depth",
-        "device_type",
-        "dtype",
-        "enabled",
-        "path",
-        "policy",
-        "saved",
-        "unplain",
-    )
-
-    def __init__(
-        self,
-        device_type: str,
-        policy: Policy | None,
-        enabled: bool,
-        dtype: torch.dtype,
-        cache_enabled: bool,
-    ) -> None:
-        self.device_type = device_type
-        self.policy = policy  # None: a disabled region, or a device type without policies
-        self.enabled = enabled
-        self.dtype = dtype
-        self.cache_enabled = cache_enabled
-        self.path = Path.TORCH
-        self.unplain = False  # a policy other than torch's rules alone (engine.py)
-        self.depth = 0  # the torch-function stack's depth on entry
-        # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
-        self.saved: tuple[bool, torch.dtype, bool] = (False, dtype, cache_enabled)
+    device_type: str
+    policy: Policy | None  # None: a disabled region, or a device type without policies
+    enabled: bool
+    dtype: torch.dtype
+    cache_enabled: bool
+    path: Path = Path.TORCH
+    unplain: bool = False  # a policy other than torch's rules alone (engine.py)
+    depth: int = 0  # the torch-function stack's depth on entry
+    # (autocast enabled, autocast dtype) of its device, and the cache setting, on entry
+    saved: tuple[bool, torch.dtype, bool] = (False, torch.float32, True)
 
 
 class EngineState(threading.local):
@@ -108,11 +78,7 @@ def innermost_policies(regions: list[Region]) -> dict[str, Policy]:
     """Device type -> the policy of the innermost region with one."""
     if len(regions) == 1 and regions[0].policy is not None:  # the usual case
         return {regions[0].device_type: regions[0].policy}
-    active = {}
-    for region in regions:
-        if region.policy is not None:
-            active[region.device_type] = region.policy
-    return active
+    return {r.device_type: r.policy for r in regions if r.policy is not None}
 
 
 def current_policy(device_type: str) -> Policy | None:

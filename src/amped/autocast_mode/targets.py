@@ -1,14 +1,7 @@
-"""Where an op named in a policy shows up at the Python level.
-
-A :class:`~torch.overrides.TorchFunctionMode` sees Python callables, not ATen ops:
-``torch.mm``, ``Tensor.mm``, ``Tensor.__matmul__``, ``torch._C._nn.linear`` (which is
-``F.linear``), ``torch._C._linalg.linalg_vecdot`` (``torch.linalg.vecdot``). This module
-maps an ATen name to every C-level callable that binds it, plus a few Python-exposed
-C++ composites that do nothing but forward to one listed op (``nll_loss_nd`` calls
-``nll_loss`` or ``nll_loss2d``), so a rule for the op applies to them too.
-
-Python-level wrappers (``F.softmax``, ``torch.norm``, ``Tensor.__rpow__``) need no entry:
-the engine runs them transparently and sees the C-level call inside.
+"""Where an op named in a policy shows up at the Python level: every C-level callable
+that binds the ATen op (``torch.mm``, ``Tensor.__matmul__``, ``torch._C._nn.linear``),
+plus Python-exposed C++ composites that only forward to it (``nll_loss_nd``). Python
+wrappers (``F.softmax``) need no entry: the mode runs them transparently.
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import torch
 
 from amped._internal import torch_compat
 
-__all__ = ["PYTHON_OP", "callables_for", "is_python_op"]
+__all__ = ["PYTHON_OP", "callables_for", "is_python_op", "op_packet"]
 
 PYTHON_OP = "_amped_python_op"
 """The attribute :func:`amped.autocast_op` sets on the functions it makes: they apply
@@ -50,14 +43,32 @@ _FORWARDERS = {
 }
 
 
+def op_packet(op: object) -> Any:
+    """The dispatcher op (``OpOverloadPacket``) a policy's op key names (``"mm"``,
+    ``"ns::name"``, a ``torch.library`` custom op or one of its overloads), or None."""
+    if isinstance(op, str):
+        namespace, _, name = op.rpartition("::")
+        op = getattr(getattr(torch.ops, namespace or "aten"), name, None)
+    op = getattr(op, "_opoverload", op)  # torch.library.custom_op's CustomOpDef
+    if isinstance(op, torch_compat.OpOverload):
+        op = op.overloadpacket
+    return op if isinstance(op, torch_compat.OpOverloadPacket) else None
+
+
+def callables_for(op: object) -> tuple[Callable[..., Any], ...]:
+    """Every callable through which Python code reaches the op a policy names: the
+    C-level bindings of an ATen op, a custom op's packet and overloads (what calling a
+    ``@custom_op`` function reaches), or the function itself (``@amped.autocast_op``)."""
+    if isinstance(op, str) and "::" not in op:
+        return _aten_callables(op)
+    packet = op_packet(op)
+    if packet is None:
+        return (op,)  # type: ignore[return-value]
+    return (packet, *(getattr(packet, name) for name in packet.overloads()))
+
+
 @functools.cache
-def callables_for(name: str) -> tuple[Callable[..., Any], ...]:
-    """Every C-level callable through which Python code reaches the ATen op ``name``
-    (or, for ``"namespace::name"``, the custom op's packet and its overloads)."""
-    if "::" in name:
-        namespace, _, short = name.partition("::")
-        packet = getattr(getattr(torch.ops, namespace), short)
-        return (packet, *(getattr(packet, o) for o in packet.overloads()))
+def _aten_callables(name: str) -> tuple[Callable[..., Any], ...]:
     found: list[Callable[..., Any]] = []
     for attr in (name, *_DUNDERS.get(name, ()), *_FORWARDERS.get(name, ())):
         for namespace in _NAMESPACES:

@@ -1,21 +1,15 @@
 """Run a Python-level torch function so that the ops inside it stay visible to the mode.
 
-While a TorchFunctionMode handles a call, torch pops the mode. A composite written in
-Python (``F.multi_head_attention_forward``, ``F.softmax``, ``torch.norm``) would then run
-its inner ``linear``/``bmm``/``softmax`` unseen, and the policy would silently not apply
-inside it. So the mode pushes itself again and calls the function with one hop of
-torch-function dispatch skipped: the function's own ``has_torch_function`` check passes
-through, and everything it calls is dispatched to the mode as usual.
-
-torch >= 2.13 offers exactly that (``torch._C._skip_one_hop_torch_function``, wrapped by
-``torch.overrides.redispatch_function``). Older
-releases get the same effect from a copy of the function whose module-level
-``has_torch_function*`` names resolve to functions that return False.
+torch pops a TorchFunctionMode while it handles a call, so a Python composite
+(``F.multi_head_attention_forward``) would run its inner ops unseen. The mode pushes
+itself again and calls the function with its own torch-function check skipped once:
+torch >= 2.13 offers that (``torch._C._skip_one_hop_torch_function``); older releases
+(2.11 has none) call a copy of the function whose ``has_torch_function*`` globals
+return False, which is also what Dynamo traces.
 """
 
 from __future__ import annotations
 
-import functools
 import types
 from collections.abc import Callable
 from typing import Any, cast
@@ -28,70 +22,45 @@ from amped.autocast_mode import compiling, targets
 __all__ = ["call", "call_with_clone", "prepare_clones", "run_transparently"]
 
 _CHECKS = ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic")
+_GLOBALS: dict[int, dict[str, Any]] = {}  # id of a module's globals -> their transparent copy
+_CLONES: dict[Any, Any] = {}  # function -> its clone (a plain dict, which Dynamo can read)
 
 
 def _never(*args: Any, **kwargs: Any) -> bool:
     return False
 
 
-_GLOBALS: dict[int, dict[str, Any]] = {}
-
-
-def _transparent_globals(module_globals: dict[str, Any]) -> dict[str, Any]:
-    key = id(module_globals)
-    found = _GLOBALS.get(key)
-    if found is None:
-        found = dict(module_globals)
-        for name in _CHECKS:
-            if name in found:
-                found[name] = _never
-        _GLOBALS[key] = found
-    return found
-
-
-@functools.cache
 def _clone(func: types.FunctionType) -> types.FunctionType:
-    clone = types.FunctionType(
-        func.__code__,
-        _transparent_globals(func.__globals__),
-        func.__name__,
-        func.__defaults__,
-        func.__closure__,
-    )
-    clone.__kwdefaults__ = func.__kwdefaults__
-    clone.__dict__.update(func.__dict__)
+    clone = _CLONES.get(func)
+    if clone is None:
+        module_globals = _GLOBALS.get(id(func.__globals__))
+        if module_globals is None:
+            module_globals = dict(func.__globals__)
+            module_globals.update({name: _never for name in _CHECKS if name in module_globals})
+            _GLOBALS[id(func.__globals__)] = module_globals
+        clone = types.FunctionType(
+            func.__code__, module_globals, func.__name__, func.__defaults__, func.__closure__
+        )
+        clone.__kwdefaults__ = func.__kwdefaults__
+        clone.__dict__.update(func.__dict__)
+        _CLONES[func] = clone
     return clone
 
 
-_CLONES: dict[Any, Any] = {}
-TORCH_FUNCTIONS: dict[Any, None] = {}
-"""torch's own Python-level functions (in ``torch``, ``torch.functional``,
-``torch.nn.functional``, ``torch.Tensor``), once :func:`prepare_clones` ran."""
-
-
-def _clone_or_same(func: Any) -> Any:
-    clone = _clone(func) if isinstance(func, types.FunctionType) else func
-    _CLONES[func] = clone
-    return clone
-
-
-@torch_compat.dynamo_disable
-def _clone_outside_graph(func: Any) -> Any:
-    return _clone_or_same(func)
+_clone_outside_graph = torch_compat.dynamo_disable(_clone)
 
 
 def prepare_clones() -> None:
     """Clone torch's Python-level functions ahead of time, so that a compiled function
     finds each one in a plain dict (Dynamo cannot trace building one)."""
-    if TORCH_FUNCTIONS:
+    if _CLONES:
         return
     import torch.nn.functional
 
     for namespace in (torch.nn.functional, torch.functional, torch.Tensor, torch):
         for value in list(vars(namespace).values()):
             if isinstance(value, types.FunctionType) and value.__module__.startswith("torch"):
-                _clone_or_same(value)
-                TORCH_FUNCTIONS[value] = None
+                _clone(value)
 
 
 def call_with_clone(
@@ -100,10 +69,8 @@ def call_with_clone(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """The fallback for torch releases without ``redispatch_function``."""
-    if isinstance(func, types.FunctionType):
-        return _clone(func)(*args, **kwargs)
-    return func(*args, **kwargs)
+    """The fallback for torch releases without the one-hop skip (2.11)."""
+    return _clone(func)(*args, **kwargs)  # type: ignore[arg-type]
 
 
 _skip_one_hop = torch_compat.skip_one_hop_torch_function
@@ -116,15 +83,11 @@ _push = torch_compat.push_torch_function_mode
 _pop = torch_compat.pop_torch_function_mode
 
 
-def _super_forwarders() -> tuple[types.FunctionType, ...]:
-    found = []
-    for value in vars(torch.Tensor).values():
-        if isinstance(value, types.FunctionType) and "super" in value.__code__.co_names:
-            found.append(value)
-    return tuple(found)
-
-
-SUPER_FORWARDERS = _super_forwarders()
+SUPER_FORWARDERS = tuple(
+    value
+    for value in vars(torch.Tensor).values()
+    if isinstance(value, types.FunctionType) and "super" in value.__code__.co_names
+)
 """``torch.Tensor`` methods written in Python that end in ``super().name(...)``
 (``Tensor.unflatten``): Dynamo cannot trace that ``super()`` call, so under
 ``torch.compile`` they run as the tensor method they forward to, one graph node."""
@@ -140,9 +103,7 @@ def _run_traced(
         # Eagerly only its super() call comes back to the mode, as an unlisted op; here
         # the mode is off while it handles a call, so the method is that op directly.
         method = getattr(args[0], func.__name__)
-        if mode.exclude_unlisted:
-            return mode.call_unlisted(method, args[1:], kwargs)
-        return method(*args[1:], **kwargs)
+        return mode.__torch_function__(method, (), args[1:], kwargs)
     if targets.is_python_op(func):  # an @amped.autocast_op no rule names: its own body
         with mode:
             return cast(Any, func).__wrapped__(*args, **kwargs)
@@ -161,15 +122,10 @@ def run_transparently(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
 ) -> Any:
-    """``call`` with ``mode`` pushed again, so the ops inside ``func`` reach it,
-    remembering ``func`` in ``running`` while it runs.
-
-    ``running`` is a dict used as a set: Dynamo traces membership in a dict of
-    functions, not in a set of them.
-
-    A Python method that calls ``super().same_name()`` (``Tensor.unflatten``) comes back
-    to the mode with itself as ``func``; the mode then runs that inner call plainly.
-    """
+    """``call`` with ``mode`` pushed again, so the ops inside ``func`` reach it, with
+    ``func`` in ``running`` (a dict used as a set, which Dynamo traces) while it runs:
+    a method ending in ``super().same_name()`` (``Tensor.unflatten``) comes back to the
+    mode as itself, which then runs that inner call plainly."""
     running[func] = None
     try:
         if _is_compiling():

@@ -210,6 +210,8 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
             state["exp_avg_sq_scale"],
             q8.dynamic_map(True, device),
             q8.dynamic_map(False, device),
+            q8.thresholds(True, device),
+            q8.thresholds(False, device),
             torch.tensor(scalars, dtype=torch.float32, device=device),
             self._start(param),
         )

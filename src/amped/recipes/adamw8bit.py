@@ -37,15 +37,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from amped._internal.errors import received, type_error, value_error
+from amped._internal.errors import value_error
 from amped._internal.torch_compat import python_mode_active
 from amped.recipes import fused as fused_kernels
 from amped.recipes import quantized_state as q8
 from amped.recipes.adamw8bit_fused import adamw8bit_
-from amped.recipes.compensated import _check
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
-from amped.recipes.rounding import kahan_add_, require_bfloat16, rounded_with_noise_
+from amped.recipes.rounding import kahan_add_, rounded_with_noise_
+from amped.recipes.seeded import SeededOptimizer, adamw_defaults
 
 __all__ = ["CompensatedAdamW8bit"]
 
@@ -53,7 +53,7 @@ _LOW_DTYPES = (torch.bfloat16, torch.float16)
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (key, signed map)
 
 
-class CompensatedAdamW8bit(torch.optim.Optimizer):
+class CompensatedAdamW8bit(SeededOptimizer):
     """AdamW for bf16 weights with blockwise 8-bit moments (see the module).
 
     Args:
@@ -93,25 +93,10 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         seed: int = 0,
         fused: bool | None = None,
     ) -> None:
-        if fused is not None and not isinstance(fused, bool):
-            raise type_error("fused must be True, False or None (automatic)", "fused", fused)
-        if compensation not in ("kahan", "stochastic"):
-            raise value_error(
-                "compensation must be one of ['kahan', 'stochastic']", "compensation", compensation
-            )
-        defaults = dict(
-            lr=_check("lr", lr),
-            betas=(_check("betas[0]", betas[0], high=1.0), _check("betas[1]", betas[1], high=1.0)),
-            eps=_check("eps", eps),
-            weight_decay=_check("weight_decay", weight_decay),
-            decoupled_weight_decay=bool(decoupled_weight_decay),
-            maximize=bool(maximize),
-            compensation=compensation,
+        defaults = adamw_defaults(
+            lr, betas, eps, weight_decay, decoupled_weight_decay, maximize, compensation
         )
-        super().__init__(params, defaults)
-        self.seed = seed
-        self.fused = fused
-        self._generator: torch.Generator | None = None
+        super().__init__(params, defaults, seed, fused)
         self._key: torch.Tensor | None = None  # this step's noise key, drawn on first use
         self._offsets: dict[torch.Tensor, int] = {}
 
@@ -244,13 +229,7 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
             raise value_error(
                 "step_parameter() needs the parameter's gradient; it has none", "grad", None
             )
-        if param.grad.is_sparse:
-            raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients. "
-                + received("grad.layout", param.grad.layout)
-            )
-        if group["compensation"] == "stochastic" and param.dtype in _LOW_DTYPES:
-            require_bfloat16(param.dtype)
+        super()._refuse(param, group)
 
     def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = 0
@@ -319,53 +298,21 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         offset -= (1 << 32) if offset >= (1 << 31) else 0  # as the int32 with its bits
         return self._key.to(param.device).add(offset)
 
-    def _rng(self, device: torch.device) -> torch.Generator:
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
-        return self._generator
-
     # -- saving and loading -----------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's layout, plus the seed and the random stream's state (``"rng_state"``)."""
-        state = super().state_dict()
-        state["seed"] = self.seed
-        if self._generator is not None:
-            state["rng_state"] = self._generator.get_state()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`. Each state tensor keeps its dtype (uint8 codes,
-        float32 scales and small moments): torch would cast them to the parameter's."""
-        state_dict = dict(state_dict)
-        rng_state = state_dict.pop("rng_state", None)
-        self.seed = state_dict.pop("seed", self.seed)
-        super().load_state_dict(state_dict)
+    def _loaded(self, state_dict: dict[str, Any]) -> None:
+        """After loading, each state tensor takes its saved dtype back (uint8 codes,
+        float32 scales and small moments): torch casts them to the parameter's."""
         params = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for param, saved_id in zip(params, saved_ids, strict=True):
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if isinstance(value, torch.Tensor):
                     self.state[param][key] = value.to(param.device, copy=True)
-        self._generator = None
         self._key = None
-        if rng_state is not None:
-            device = params[0].device
-            self._rng(device).set_state(rng_state)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_rng_state"] = None if self._generator is None else self._generator.get_state()
-        state["fused"] = self.fused
-        state["_generator"] = None
         state["_key"] = None
         state["_offsets"] = {}
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        rng_state = state.pop("_rng_state", None)
-        super().__setstate__(state)
-        if rng_state is not None:
-            device = next(p.device for g in self.param_groups for p in g["params"])
-            self._rng(device).set_state(rng_state)

@@ -97,3 +97,22 @@ def test_encode_equals_the_search(signed: bool, kind: str) -> None:
         codes[mismatched[:5]],
         expected[mismatched[:5]],
     )
+
+
+@pytest.mark.slow  # compiles (10-30 s on a loaded 2-core machine)
+@SIGNS
+def test_compiled_encode_equals_the_search(signed: bool) -> None:
+    # The fused step runs encode inside a compiled kernel: Inductor evaluates the same
+    # float32 comparisons, selections and multiply-add, so the same codes come out.
+    compiled = torch.compile(q8.encode, dynamic=True, fullgraph=True)
+    classes = _classes(signed)
+    scaled = torch.cat([classes[k] for k in ("random", "entries", "ties", "thresholds", "decades")])
+    codes = compiled(scaled, q8.thresholds(signed), signed)
+    assert torch.equal(codes, _search(scaled, signed).to(codes.dtype))
+
+
+def test_nan_takes_code_zero_as_in_the_search() -> None:
+    scaled = torch.tensor([math.nan, -math.nan])
+    for signed in (True, False):
+        assert q8.encode(scaled, q8.thresholds(signed), signed).tolist() == [0, 0]
+        assert _search(scaled, signed).tolist() == [0, 0]

@@ -50,6 +50,32 @@ from amped.recipes.seeded import SeededOptimizer, adamw_defaults
 __all__ = ["CompensatedAdamW8bit"]
 
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
+# The fused step takes a large tensor in pieces of this many elements (whole blocks):
+# its kernel holds float32 intermediates of a piece (about 22 bytes an element), so
+# stepping a tensor at once would need them for all of it (92 MiB for a 2048 x 2048
+# weight, more than its 8-bit state). A piece costs one more call, about 50 us.
+_FUSED_PIECE = 1 << 18
+
+
+def _int32(number: int) -> int:
+    """``number`` (below 2**32) as the int32 with its bits: element numbers wrap."""
+    return number - (1 << 32) if number >= (1 << 31) else number
+
+
+def _pieces(numel: int) -> list[tuple[int, int]]:
+    """``[first, end)`` element ranges of the fused step's pieces of a quantized tensor;
+    a tail shorter than ``MIN_QUANTIZED`` joins the piece before it (a one-block piece
+    would make torch.compile specialize and build the kernel again)."""
+    pieces, first = [], 0
+    while first < numel:
+        end = min(first + _FUSED_PIECE, numel)
+        if numel - end < q8.MIN_QUANTIZED:
+            end = numel
+        pieces.append((first, end))
+        first = end
+    return pieces
+
+
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (key, signed map)
 
 
@@ -186,21 +212,40 @@ class CompensatedAdamW8bit(SeededOptimizer):
         ]
         device = param.device
         assert param.grad is not None
-        args = (
+        flat = (
             param.grad.view(-1),
             param.detach().view(-1),
             state["exp_avg_codes"].view(-1),
-            state["exp_avg_scale"],
             state["exp_avg_sq_codes"].view(-1),
-            state["exp_avg_sq_scale"],
+        )
+        tables = (
             q8.dynamic_map(True, device),
             q8.dynamic_map(False, device),
             q8.thresholds(True, device),
             q8.thresholds(False, device),
             torch.tensor(scalars, dtype=torch.float32, device=device),
-            self._start(param),
         )
-        return adamw8bit_(bool(self.fused), args)
+        start = self._start(param)
+        for first, end in _pieces(param.numel()):
+            grad, weight, avg_codes, avg_sq_codes = (t[first:end] for t in flat)
+            blocks = slice(first // q8.BLOCK, end // q8.BLOCK)
+            args = (
+                grad,
+                weight,
+                avg_codes,
+                state["exp_avg_scale"][blocks],
+                avg_sq_codes,
+                state["exp_avg_sq_scale"][blocks],
+                *tables,
+                start + _int32(first),  # the piece's first element number
+            )
+            if not adamw8bit_(bool(self.fused), args):
+                if first == 0:
+                    return False  # nothing written: the eager step takes the parameter
+                raise RuntimeError(  # the kernel ran on the first piece: cannot happen
+                    "amped's fused 8-bit step failed after its first piece; pass fused=False"
+                )
+        return True
 
     def end_step(self) -> None:
         """Close a step made of :meth:`step_parameter` calls: the next one draws new bits."""
@@ -294,8 +339,7 @@ class CompensatedAdamW8bit(SeededOptimizer):
                 for p in group["params"]:
                     self._offsets[p] = total
                     total += p.numel()
-        offset = self._offsets[param] % (1 << 32)
-        offset -= (1 << 32) if offset >= (1 << 31) else 0  # as the int32 with its bits
+        offset = _int32(self._offsets[param] % (1 << 32))
         return self._key.to(param.device).add(offset)
 
     # -- saving and loading -----------------------------------------------------------

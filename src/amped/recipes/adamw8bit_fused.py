@@ -3,12 +3,14 @@
 The eager 8-bit step (:mod:`amped.recipes.adamw8bit`) runs about forty torch ops over
 each parameter: dequantize both moments, ``lerp``, quantize (a block maximum, the
 code computed from each value and one threshold lookup), the update and the
-stochastic rounding. Here the same
-ops are one function of the parameter's flat gradient, weight, codes and scales,
-compiled with ``torch.compile(dynamic=True)`` through :func:`amped.recipes.fused.run`
-(the compensated optimizers' machinery: one compile per process, a warning and the
-eager step where it cannot compile). It reads the bfloat16 gradient and weight and the
-one-byte codes once and writes the weight, codes and scales once.
+stochastic rounding. Here the same ops are one function of a flat range of whole
+blocks of the parameter (its gradient, weight, codes and scales), compiled with
+``torch.compile(dynamic=True)`` through :func:`amped.recipes.fused.run` (the
+compensated optimizers' machinery: one compile per process, a warning and the eager
+step where it cannot compile). It reads the bfloat16 gradient and weight and the
+one-byte codes once and writes the weight, codes and scales once; Inductor keeps some
+float32 intermediates in memory (about 22 bytes an element), so the optimizer calls it
+on pieces of a large tensor.
 
 Covered: bfloat16 parameters whose moments are quantized, under stochastic rounding.
 The rest (small tensors, Kahan, float32 and float16 parameters) steps eagerly.

@@ -49,12 +49,8 @@ from collections.abc import Callable
 
 import torch
 
-from amped.recipes import (
-    CompensatedAdamW,
-    CompensatedAdamW8bit,
-    CompensatedSGD,
-    MasterWeightOptimizer,
-)
+from amped.recipes import CompensatedAdamW, CompensatedSGD, MasterWeightOptimizer
+from amped.recipes.adamw8bit import CompensatedAdamW8bit
 
 Shapes = list[tuple[int, ...]]
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from amped.recipes import adamw8bit
 from amped.recipes.adamw8bit import CompensatedAdamW8bit
 
 
@@ -58,3 +59,40 @@ def test_fused_step_matches_the_eager_step(decoupled: bool) -> None:
 def test_fused_must_be_a_bool_or_none() -> None:
     with pytest.raises(TypeError, match="fused"):
         CompensatedAdamW8bit([nn.Parameter(torch.ones(4))], fused="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("numel", "pieces"),
+    [
+        (4096, [(0, 4096)]),
+        (1 << 18, [(0, 1 << 18)]),
+        ((1 << 18) + 4096, [(0, 1 << 18), (1 << 18, (1 << 18) + 4096)]),
+        ((1 << 18) + 1024, [(0, (1 << 18) + 1024)]),  # a short tail joins the piece before
+        (3 << 18, [(0, 1 << 18), (1 << 18, 2 << 18), (2 << 18, 3 << 18)]),
+    ],
+    ids=["one-block-set", "one-piece", "tail-piece", "short-tail", "three"],
+)
+def test_pieces_cover_the_tensor_in_whole_blocks(numel: int, pieces: list) -> None:
+    assert adamw8bit._pieces(numel) == pieces
+    assert all(first % 256 == 0 and end - first >= 4096 for first, end in pieces)
+
+
+@pytest.mark.slow  # compiles the kernel
+def test_stepping_in_pieces_is_bitwise_stepping_at_once(monkeypatch) -> None:
+    # Blocks are quantized independently and each element's random bits follow its
+    # number, so cutting a tensor into pieces changes nothing.
+    def run(piece: int):
+        monkeypatch.setattr(adamw8bit, "_FUSED_PIECE", piece)
+        g = torch.Generator().manual_seed(0)
+        weight = nn.Parameter((torch.randn(64, 1024, generator=g) * 0.05).bfloat16())
+        opt = CompensatedAdamW8bit([weight], lr=1e-3, fused=True)
+        for _ in range(3):
+            weight.grad = torch.randn(weight.shape, generator=g).bfloat16()
+            opt.step()
+        return weight, opt.state[weight]
+
+    whole, whole_state = run(1 << 30)
+    cut, cut_state = run(16384)  # four pieces
+    assert torch.equal(whole, cut)
+    for key, value in whole_state.items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(cut_state[key])), key

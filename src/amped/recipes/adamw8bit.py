@@ -37,32 +37,51 @@ from typing import Any
 import torch
 from torch import nn
 
-from amped._internal.errors import received, type_error, value_error
+from amped._internal.errors import value_error
 from amped._internal.torch_compat import python_mode_active
 from amped.recipes import fused as fused_kernels
 from amped.recipes import quantized_state as q8
 from amped.recipes import sharded_state
 from amped.recipes.adamw8bit_fused import adamw8bit_
-from amped.recipes.compensated import _check
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
-from amped.recipes.rounding import kahan_add_, require_bfloat16, rounded_with_noise_
-from amped.recipes.shards import (
-    flat_start,
-    is_sharded,
-    local,
-    rebuild,
-    with_random_state,
-    without_random_state,
-)
+from amped.recipes.rounding import kahan_add_, rounded_with_noise_
+from amped.recipes.seeded import SeededOptimizer, adamw_defaults
+from amped.recipes.shards import flat_start, is_sharded, local, rebuild
 
 __all__ = ["CompensatedAdamW8bit"]
 
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
+# The fused step takes a large tensor in pieces of this many elements (whole blocks):
+# its kernel holds float32 intermediates of a piece (about 22 bytes an element), so
+# stepping a tensor at once would need them for all of it (92 MiB for a 2048 x 2048
+# weight, more than its 8-bit state). A piece costs one more call, about 50 us.
+_FUSED_PIECE = 1 << 18
+
+
+def _int32(number: int) -> int:
+    """``number`` (below 2**32) as the int32 with its bits: element numbers wrap."""
+    return number - (1 << 32) if number >= (1 << 31) else number
+
+
+def _pieces(numel: int) -> list[tuple[int, int]]:
+    """``[first, end)`` element ranges of the fused step's pieces of a quantized tensor;
+    a tail shorter than ``MIN_QUANTIZED`` joins the piece before it (a one-block piece
+    would make torch.compile specialize and build the kernel again)."""
+    pieces, first = [], 0
+    while first < numel:
+        end = min(first + _FUSED_PIECE, numel)
+        if numel - end < q8.MIN_QUANTIZED:
+            end = numel
+        pieces.append((first, end))
+        first = end
+    return pieces
+
+
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (key, signed map)
 
 
-class CompensatedAdamW8bit(torch.optim.Optimizer):
+class CompensatedAdamW8bit(SeededOptimizer):
     """AdamW for bf16 weights with blockwise 8-bit moments (see the module).
 
     Args:
@@ -102,25 +121,10 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         seed: int = 0,
         fused: bool | None = None,
     ) -> None:
-        if fused is not None and not isinstance(fused, bool):
-            raise type_error("fused must be True, False or None (automatic)", "fused", fused)
-        if compensation not in ("kahan", "stochastic"):
-            raise value_error(
-                "compensation must be one of ['kahan', 'stochastic']", "compensation", compensation
-            )
-        defaults = dict(
-            lr=_check("lr", lr),
-            betas=(_check("betas[0]", betas[0], high=1.0), _check("betas[1]", betas[1], high=1.0)),
-            eps=_check("eps", eps),
-            weight_decay=_check("weight_decay", weight_decay),
-            decoupled_weight_decay=bool(decoupled_weight_decay),
-            maximize=bool(maximize),
-            compensation=compensation,
+        defaults = adamw_defaults(
+            lr, betas, eps, weight_decay, decoupled_weight_decay, maximize, compensation
         )
-        super().__init__(params, defaults)
-        self.seed = seed
-        self.fused = fused
-        self._generator: torch.Generator | None = None
+        super().__init__(params, defaults, seed, fused)
         self._key: torch.Tensor | None = None  # this step's noise key, drawn on first use
         self._offsets: dict[torch.Tensor, int] = {}
 
@@ -210,19 +214,40 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
         ]
         device = param.device
         assert param.grad is not None
-        args = (
+        flat = (
             param.grad.view(-1),
             param.detach().view(-1),
             state["exp_avg_codes"].view(-1),
-            state["exp_avg_scale"],
             state["exp_avg_sq_codes"].view(-1),
-            state["exp_avg_sq_scale"],
+        )
+        tables = (
             q8.dynamic_map(True, device),
             q8.dynamic_map(False, device),
+            q8.thresholds(True, device),
+            q8.thresholds(False, device),
             torch.tensor(scalars, dtype=torch.float32, device=device),
-            self._start(param),
         )
-        return adamw8bit_(bool(self.fused), args)
+        start = self._start(param)
+        for first, end in _pieces(param.numel()):
+            grad, weight, avg_codes, avg_sq_codes = (t[first:end] for t in flat)
+            blocks = slice(first // q8.BLOCK, end // q8.BLOCK)
+            args = (
+                grad,
+                weight,
+                avg_codes,
+                state["exp_avg_scale"][blocks],
+                avg_sq_codes,
+                state["exp_avg_sq_scale"][blocks],
+                *tables,
+                start + _int32(first),  # the piece's first element number
+            )
+            if not adamw8bit_(bool(self.fused), args):
+                if first == 0:
+                    return False  # nothing written: the eager step takes the parameter
+                raise RuntimeError(  # the kernel ran on the first piece: cannot happen
+                    "amped's fused 8-bit step failed after its first piece; pass fused=False"
+                )
+        return True
 
     def end_step(self) -> None:
         """Close a step made of :meth:`step_parameter` calls: the next one draws new bits."""
@@ -258,13 +283,7 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
             raise value_error(
                 "step_parameter() needs the parameter's gradient; it has none", "grad", None
             )
-        if param.grad.is_sparse:
-            raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients. "
-                + received("grad.layout", param.grad.layout)
-            )
-        if group["compensation"] == "stochastic" and param.dtype in _LOW_DTYPES:
-            require_bfloat16(param.dtype)
+        super()._refuse(param, group)
 
     def _init_state(self, param: torch.Tensor, group: dict, state: dict) -> None:
         state["step"] = 0
@@ -343,57 +362,24 @@ class CompensatedAdamW8bit(torch.optim.Optimizer):
                     self._offsets[p] = total
                     total += p.numel()
         # An FSDP2 shard's elements by their place in the unsharded parameter.
-        offset = (self._offsets[param] + flat_start(param)) % (1 << 32)
-        offset -= (1 << 32) if offset >= (1 << 31) else 0  # as the int32 with its bits
+        offset = _int32((self._offsets[param] + flat_start(param)) % (1 << 32))
         return self._key.to(param.device).add(offset)
-
-    def _rng(self, device: torch.device) -> torch.Generator:
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
-        return self._generator
 
     # -- saving and loading -----------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's layout, plus the seed and the random stream's state (``"rng_state"``)."""
-        state = super().state_dict()
-        state["seed"] = self.seed
-        if self._generator is not None:
-            state["rng_state"] = self._generator.get_state()
-        return with_random_state(state)  # and in param_groups[0], for DCP
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a :meth:`state_dict`. Each state tensor keeps its dtype (uint8 codes,
-        float32 scales and small moments): torch would cast them to the parameter's."""
-        state_dict = without_random_state(state_dict)
-        rng_state = state_dict.pop("rng_state", None)
-        self.seed = state_dict.pop("seed", self.seed)
-        super().load_state_dict(state_dict)
+    def _loaded(self, state_dict: dict[str, Any]) -> None:
+        """After loading, each state tensor takes its saved dtype back (uint8 codes,
+        float32 scales and small moments): torch casts them to the parameter's."""
         params = [p for g in self.param_groups for p in g["params"]]
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         for param, saved_id in zip(params, saved_ids, strict=True):
             for key, value in state_dict["state"].get(saved_id, {}).items():
                 if isinstance(value, torch.Tensor):
                     self.state[param][key] = value.to(param.device, copy=True)
-        self._generator = None
         self._key = None
-        if rng_state is not None:
-            device = params[0].device
-            self._rng(device).set_state(rng_state)
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["_rng_state"] = None if self._generator is None else self._generator.get_state()
-        state["fused"] = self.fused
-        state["_generator"] = None
         state["_key"] = None
         state["_offsets"] = {}
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        rng_state = state.pop("_rng_state", None)
-        super().__setstate__(state)
-        if rng_state is not None:
-            device = next(p.device for g in self.param_groups for p in g["params"])
-            self._rng(device).set_state(rng_state)

@@ -1,13 +1,16 @@
 """The fused step of :class:`~amped.recipes.adamw8bit.CompensatedAdamW8bit`: one kernel a tensor.
 
-The eager 8-bit step (:mod:`amped.recipes.adamw8bit`) runs about twenty torch ops over
-each parameter: dequantize both moments, ``lerp``, quantize (a block maximum, a
-search in the map, a rounding), the update and the stochastic rounding. Here the same
-ops are one function of the parameter's flat gradient, weight, codes and scales,
-compiled with ``torch.compile(dynamic=True)`` through :func:`amped.recipes.fused.run`
-(the compensated optimizers' machinery: one compile per process, a warning and the
-eager step where it cannot compile). It reads the bfloat16 gradient and weight and the
-one-byte codes once and writes the weight, codes and scales once.
+The eager 8-bit step (:mod:`amped.recipes.adamw8bit`) runs about forty torch ops over
+each parameter: dequantize both moments, ``lerp``, quantize (a block maximum, the
+code computed from each value and one threshold lookup), the update and the
+stochastic rounding. Here the same ops are one function of a flat range of whole
+blocks of the parameter (its gradient, weight, codes and scales), compiled with
+``torch.compile(dynamic=True)`` through :func:`amped.recipes.fused.run` (the
+compensated optimizers' machinery: one compile per process, a warning and the eager
+step where it cannot compile). It reads the bfloat16 gradient and weight and the
+one-byte codes once and writes the weight, codes and scales once; Inductor keeps some
+float32 intermediates in memory (about 22 bytes an element), so the optimizer calls it
+on pieces of a large tensor.
 
 Covered: bfloat16 parameters whose moments are quantized, under stochastic rounding.
 The rest (small tensors, Kahan, float32 and float16 parameters) steps eagerly.
@@ -25,7 +28,7 @@ import torch
 
 from amped.recipes import fused
 from amped.recipes.fused import _canonical, _noise, _stochastic
-from amped.recipes.quantized_state import BLOCK
+from amped.recipes.quantized_state import BLOCK, encode
 
 __all__ = ["adamw8bit_"]
 
@@ -33,28 +36,21 @@ _MIN_SCALE = 1e-12
 
 
 def _quantize(
-    value: torch.Tensor, qmap: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor
+    blocks: torch.Tensor,
+    thresholds: torch.Tensor,
+    signed: bool,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
 ) -> None:
-    """:func:`amped.recipes.quantized_state.quantize` of flat ``value``, written into
-    ``codes`` and ``scale``."""
-    blocks = value.view(-1, BLOCK)
-    block_scale = blocks.abs().amax(-1).clamp(min=_MIN_SCALE)
-    scaled = (blocks / block_scale.view(-1, 1)).view(-1)
-    # The last entry at or below each value: a branchless binary search (torchao's),
-    # eight lookups in the 256-entry map, which the compiled kernel keeps in cache
-    # (torch.bucketize took 150 ns an element on the development CPU).
-    low = torch.where(scaled >= qmap[128], 128, 0)
-    for step in (64, 32, 16, 8, 4, 2, 1):
-        low = low + torch.where(scaled >= qmap[low + step], step, 0)
-    high = (low + 1).clamp(max=255)
-    below, above = qmap[low], qmap[high]
-    up = (scaled - below) >= (above - below) * 0.5
-    codes.copy_(torch.where(up, high, low).to(torch.uint8))
-    scale.copy_(block_scale)
+    """:func:`amped.recipes.quantized_state.quantize` of ``blocks`` (``(n, BLOCK)``),
+    written into flat ``codes`` and ``scale``: the same ops."""
+    block_scale = blocks.abs().amax(-1, keepdim=True).clamp(min=_MIN_SCALE)
+    codes.view(-1, BLOCK).copy_(encode(blocks / block_scale, thresholds, signed))
+    scale.copy_(block_scale.view(-1))
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    return (qmap[codes.int()].view(-1, BLOCK) * scale.view(-1, 1)).view(-1)
+    return qmap[codes.view(-1, BLOCK).long()] * scale.view(-1, 1)
 
 
 def _adamw8bit(
@@ -66,24 +62,26 @@ def _adamw8bit(
     avg_sq_scale: torch.Tensor,
     signed_map: torch.Tensor,
     unsigned_map: torch.Tensor,
+    signed_thresholds: torch.Tensor,
+    unsigned_thresholds: torch.Tensor,
     values: torch.Tensor,
     start: torch.Tensor,
 ) -> None:
-    """One parameter's step. ``values``: the gradient's sign (maximize), Adam's L2 decay,
-    ``1 - beta1``, ``1 - beta2``, ``sqrt(1 - beta2**step)``, eps, ``-lr / (1 -
-    beta1**step)``, AdamW's ``-lr * weight_decay``."""
-    g = grad.float() * values[0]
-    w = weight.float()
+    """One parameter's step, on its flat tensors seen as blocks. ``values``: the
+    gradient's sign (maximize), Adam's L2 decay, ``1 - beta1``, ``1 - beta2``, ``sqrt(1 -
+    beta2**step)``, eps, ``-lr / (1 - beta1**step)``, AdamW's ``-lr * weight_decay``."""
+    g = grad.view(-1, BLOCK).float() * values[0]
+    w = weight.view(-1, BLOCK).float()
     g = g + values[1] * w  # add(weight, alpha=wd) under Adam's L2 form; 0 otherwise
     avg = _dequantize(avg_codes, avg_scale, signed_map)
     avg_sq = _dequantize(avg_sq_codes, avg_sq_scale, unsigned_map)
     avg = avg + values[2] * (g - avg)  # lerp(g, 1 - beta1)
     avg_sq = avg_sq + values[3] * (g * g - avg_sq)  # lerp(g.square(), 1 - beta2)
-    _quantize(avg, signed_map, avg_codes, avg_scale)
-    _quantize(avg_sq, unsigned_map, avg_sq_codes, avg_sq_scale)
+    _quantize(avg, signed_thresholds, True, avg_codes, avg_scale)
+    _quantize(avg_sq, unsigned_thresholds, False, avg_sq_codes, avg_sq_scale)
     denom = avg_sq.sqrt() / values[4] + values[5]
     update = avg / denom * values[6] + values[7] * w
-    value = _canonical(w + update)
+    value = _canonical(w + update).view(-1)
     noise = _noise(value.shape[0], start, value.device)
     weight.copy_(_stochastic(value, torch.bfloat16, noise))
 
@@ -93,4 +91,8 @@ def adamw8bit_(strict: bool, args: tuple[torch.Tensor, ...]) -> bool:
     cannot be compiled (``strict``: raise instead)."""
     device_type = args[0].device.type
     who = "amped's CompensatedAdamW8bit"
-    return fused.run(_adamw8bit, device_type, strict, args, (), who=who)
+    # Every table index is in range by construction (uint8 codes into 256 entries; the
+    # encoder's clamped estimate into 255 thresholds): Inductor's per-lookup bounds
+    # check, which made each lookup several times dearer, is left out.
+    options = {"assert_indirect_indexing": False}
+    return fused.run(_adamw8bit, device_type, strict, args, (), who=who, options=options)

@@ -52,19 +52,19 @@ from typing import Any
 
 import torch
 
-from amped._internal.errors import received, type_error, value_error
+from amped._internal.errors import value_error
 from amped._internal.torch_compat import foreach_add_, foreach_copy_, python_mode_active
 from amped.recipes import fused as fused_kernels
 from amped.recipes import state_layout
 from amped.recipes.chunks import Chunk, Groups, Plan
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
-from amped.recipes.rounding import require_bfloat16, rounded_with_noise_
-from amped.recipes.shards import is_sharded, with_random_state, without_random_state
+from amped.recipes.rounding import rounded_with_noise_
+from amped.recipes.seeded import SeededOptimizer, adamw_defaults, check_number
+from amped.recipes.shards import is_sharded
 
 __all__ = ["CompensatedAdamW", "CompensatedSGD"]
 
-_COMPENSATIONS = ("kahan", "stochastic")
 _SLOW_DECAY = 2.0**-6  # 1 - decay below this: four bfloat16 ulps or fewer per step
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
 _FUSED = torch.bfloat16  # the fused step's dtype (amped.recipes.fused says why only it)
@@ -91,15 +91,6 @@ _ALONE = 1 << 20
 _GRAD, _WEIGHT = 0, 1  # the float32 work rows every chunk has (see Chunk)
 
 
-def _check(name: str, value: float, low: float = 0.0, high: float | None = None) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        raise type_error(f"{name} must be a number", name, value)
-    if value < low or (high is not None and value >= high):
-        bound = f"in [{low}, {high})" if high is not None else f">= {low}"
-        raise value_error(f"{name} must be {bound}", name, value)
-    return float(value)
-
-
 class _Step:
     """What one step shares among its chunks: the random keys (drawn on first use, one
     per write), and the parameters whose momentum buffer starts this step (SGD)."""
@@ -121,7 +112,7 @@ class _Step:
         return self._keys[device]
 
 
-class _CompensatedOptimizer(torch.optim.Optimizer):
+class _CompensatedOptimizer(SeededOptimizer):
     """What both optimizers share: the chunked step, writing updates and state, the
     random stream."""
 
@@ -132,27 +123,10 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
     def __init__(
         self, params: Iterable[Any], defaults: dict[str, Any], seed: int, fused: bool | None
     ) -> None:
-        if fused is not None and not isinstance(fused, bool):
-            raise type_error("fused must be True, False or None (automatic)", "fused", fused)
-        if defaults["compensation"] not in _COMPENSATIONS:
-            raise value_error(
-                f"compensation must be one of {list(_COMPENSATIONS)}",
-                "compensation",
-                defaults["compensation"],
-            )
-        super().__init__(params, defaults)
-        self.seed = seed
-        self.fused = fused
-        self._generator: torch.Generator | None = None
+        super().__init__(params, defaults, seed, fused)
         self._plan = Plan(self._WORK_FLOATS, self._WORK_NOISE)
         # Chunks of the fused step: no float32 rows; each gathers into rows of its own.
         self._fused_plan = Plan(self._WORK_FLOATS, self._WORK_NOISE, rows=False, alone=_ALONE)
-
-    def _rng(self, device: torch.device) -> torch.Generator:
-        if self._generator is None:
-            self._generator = torch.Generator(device=device)
-            self._generator.manual_seed(self.seed)
-        return self._generator
 
     def _draw(
         self, chunk: Chunk, group: dict, write: int, decay: float | None, step: _Step
@@ -240,46 +214,19 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
-        state["seed"] = self.seed
-        state["fused"] = self.fused
-        state["_generator"] = None
-        state["_rng_state"] = None if self._generator is None else self._generator.get_state()
         state["_plan"] = state["_fused_plan"] = None  # work memory: rebuilt at the next step
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        rng_state = state.pop("_rng_state", None)
-        # Pickled by amped < 0.2: None. torch's load_state_dict() calls this too, with
-        # only state and param_groups: the optimizer keeps its own setting then.
-        state.setdefault("fused", getattr(self, "fused", None))
         super().__setstate__(state)
         self._plan = Plan(self._WORK_FLOATS, self._WORK_NOISE)
         self._fused_plan = Plan(self._WORK_FLOATS, self._WORK_NOISE, rows=False, alone=_ALONE)
-        if rng_state is not None:
-            device = next(p.device for g in self.param_groups for p in g["params"])
-            self._rng(device).set_state(rng_state)
 
-    def state_dict(self) -> dict[str, Any]:
-        """torch's layout, plus the random stream's state under ``"rng_state"``."""
-        state = super().state_dict()
-        state["seed"] = self.seed
-        if self._generator is not None:
-            state["rng_state"] = self._generator.get_state()
-        return with_random_state(state)  # and in param_groups[0], for DCP
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        state_dict = without_random_state(state_dict)
-        rng_state = state_dict.pop("rng_state", None)
-        self.seed = state_dict.pop("seed", self.seed)
-        super().load_state_dict(state_dict)
+    def _loaded(self, state_dict: dict[str, Any]) -> None:
         low = [p for g in self.param_groups for p in g["params"] if p.dtype is _FUSED]
         state_layout.lay_out(self.state, low, self._STATE_KEYS)  # for the fused step
         # Chunks keep views of the old state's memory: let it go now, not at the next step.
         self._fused_plan = Plan(self._WORK_FLOATS, self._WORK_NOISE, rows=False, alone=_ALONE)
-        self._generator = None
-        if rng_state is not None:
-            device = next(p.device for g in self.param_groups for p in g["params"])
-            self._rng(device).set_state(rng_state)
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -385,15 +332,6 @@ class _CompensatedOptimizer(torch.optim.Optimizer):
             foreach_copy_(parts, views)
         return True
 
-    def _refuse(self, param: torch.Tensor, group: dict) -> None:
-        if param.grad is not None and param.grad.is_sparse:
-            raise RuntimeError(
-                f"{type(self).__name__} does not support sparse gradients. "
-                + received("grad.layout", param.grad.layout)
-            )
-        if group["compensation"] == "stochastic" and param.dtype in _LOW_DTYPES:
-            require_bfloat16(param.dtype)
-
     def _prepare(self, param: torch.Tensor, group: dict, step: _Step) -> None:
         """Create ``param``'s state before its first step; count the step."""
         state = self.state[param]
@@ -469,10 +407,10 @@ class CompensatedSGD(_CompensatedOptimizer):
             wrong = ("momentum", momentum) if momentum <= 0 else ("dampening", dampening)
             raise value_error("Nesterov momentum requires momentum > 0 and dampening = 0", *wrong)
         defaults = dict(
-            lr=_check("lr", lr),
-            momentum=_check("momentum", momentum),
-            dampening=_check("dampening", dampening),
-            weight_decay=_check("weight_decay", weight_decay),
+            lr=check_number("lr", lr),
+            momentum=check_number("momentum", momentum),
+            dampening=check_number("dampening", dampening),
+            weight_decay=check_number("weight_decay", weight_decay),
             nesterov=bool(nesterov),
             maximize=bool(maximize),
             compensation=compensation,
@@ -595,14 +533,8 @@ class CompensatedAdamW(_CompensatedOptimizer):
         seed: int = 0,
         fused: bool | None = None,
     ) -> None:
-        defaults = dict(
-            lr=_check("lr", lr),
-            betas=(_check("betas[0]", betas[0], high=1.0), _check("betas[1]", betas[1], high=1.0)),
-            eps=_check("eps", eps),
-            weight_decay=_check("weight_decay", weight_decay),
-            decoupled_weight_decay=bool(decoupled_weight_decay),
-            maximize=bool(maximize),
-            compensation=compensation,
+        defaults = adamw_defaults(
+            lr, betas, eps, weight_decay, decoupled_weight_decay, maximize, compensation
         )
         super().__init__(params, defaults, seed, fused)
 

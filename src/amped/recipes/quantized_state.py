@@ -19,15 +19,30 @@ as bitsandbytes and torchao's ``AdamW8bit`` implement it, with their constants:
   model's elements, and their state stays float32.
 
 The codes and the map are those of torchao 0.18's ``AdamW8bit`` bit for bit
-(``tests/test_recipes_8bit.py`` checks); the search runs as ``torch.bucketize`` rather
-than torchao's unrolled binary search, which finds the same entry.
+(``tests/test_recipes_8bit.py`` checks). torchao finds the entry by a binary search in
+the map (eight table lookups an element); here the code is computed from the value
+(:func:`encode`): an estimate from its decade and its fraction, then one comparison
+with a precomputed threshold, which gives the search's code on every float32
+(``tests/test_recipes_8bit_encode.py`` checks every class of them). The eager and the
+fused step (:mod:`amped.recipes.adamw8bit_fused`) run the same :func:`encode`.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-__all__ = ["BLOCK", "MIN_QUANTIZED", "dequantize", "dynamic_map", "quantize", "quantizes"]
+__all__ = [
+    "BLOCK",
+    "MIN_QUANTIZED",
+    "dequantize",
+    "dynamic_map",
+    "encode",
+    "quantize",
+    "quantizes",
+    "thresholds",
+]
 
 BLOCK = 256
 MIN_QUANTIZED = 4096
@@ -35,6 +50,7 @@ _MIN_SCALE = 1e-12  # an all-zero block keeps a finite scale: its codes decode t
 _EXPONENT_BITS = 7  # decades of the map: 10**-6 .. 10**0 times fractions in [0.1, 1]
 
 _MAPS: dict[tuple[bool, torch.device], torch.Tensor] = {}
+_THRESHOLDS: dict[tuple[bool, torch.device], torch.Tensor] = {}
 
 
 def quantizes(numel: int) -> bool:
@@ -63,23 +79,97 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tenso
     return _MAPS[key]
 
 
+def thresholds(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The 255 float32 values where the code steps up: a value ``x`` with ``low``, the
+    last map entry at or below it, takes code ``low + 1`` exactly when ``x >=
+    thresholds[low]``.
+
+    The search's rule (torchao's ``quantize_8bit_with_qmap``) rounds ``x`` up from entry
+    ``low`` when ``x - below >= (above - below) * 0.5`` in float32. ``x - below`` grows
+    with ``x``, so for each pair of entries that rule holds from one float32 on: found
+    here by starting at the midpoint and stepping to the neighbouring floats. So ties
+    (and the float32 roundings of the difference) go exactly as in the search.
+    """
+    key = (signed, torch.device(device))
+    if key not in _THRESHOLDS:
+        qmap = dynamic_map(signed, "cpu")
+        below, above = qmap[:-1], qmap[1:]
+        half = (above - below) * 0.5
+        threshold = below + half
+        lower = torch.full_like(threshold, -math.inf)
+        higher = torch.full_like(threshold, math.inf)
+        for _ in range(4):  # within an ulp or two of the midpoint
+            previous = torch.nextafter(threshold, lower)
+            threshold = torch.where((previous - below) >= half, previous, threshold)
+            following = torch.nextafter(threshold, higher)
+            threshold = torch.where((threshold - below) >= half, threshold, following)
+        _THRESHOLDS[key] = threshold.to(key[1])
+    return _THRESHOLDS[key]
+
+
+def _lines(signed: bool) -> list[tuple[float, float]]:
+    """Per decade ``k`` (0..6 from the top), the slope and intercept of a magnitude's
+    position in the map (see :func:`encode`), in double precision."""
+    size = 64 if signed else 128  # entries in the top decade
+    offset = 128 if signed else 0  # entries below the first positive one
+    # offset - 1.5 + n * (y + 0.8) / 0.9, with y = a * 10**k and n = size / 2**k
+    return [
+        (size * 5**k / 0.9, offset - 1.5 + size * 0.8 / 2**k / 0.9) for k in range(_EXPONENT_BITS)
+    ]
+
+
+_LINES = {signed: _lines(signed) for signed in (True, False)}
+
+
+def encode(scaled: torch.Tensor, thresholds: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The int32 code of each float32 in ``scaled`` (a value over its block's scale): the
+    nearest map entry's index, as the search finds it, without a search.
+
+    The map (:func:`dynamic_map`) spends, per decade ``[10**-k / 10, 10**-k)`` (``k`` =
+    0..6 from the top), ``n = 64 / 2**k`` entries (128 / 2**k unsigned) at the centres
+    of ``n`` equal bins, above ``offset`` entries (128 signed: the negatives and 0; 0
+    unsigned) and below 1.0. So a magnitude ``a = y * 10**-k`` (``y`` in [0.1, 1)) lies
+    at position ``offset - 1.5 + n * (y + 0.8) / 0.9`` of the map, counted in entries:
+    a line per decade, chosen by comparing ``a`` with the powers of ten. The map's index
+    is linear in ``y`` within a decade; between decades, and between 0 and the first
+    entry, the line is off by at most 0.39 of an entry, and it is continuous across
+    decades, so a comparison that picks the neighbouring decade for a value at its
+    edge changes nothing; the float32 arithmetic adds about 1e-4. A negative value sits
+    mirrored, at ``254 - position``. The position's floor is then the code or one less,
+    and one comparison with the threshold above that entry (:func:`thresholds`)
+    decides. Values beyond the map (above 1, below -1, infinities) and NaN take the
+    end codes, as in the search (NaN: 0, as torchao's binary search gives it).
+
+    Plain comparisons, selections and one multiply-add, which vectorize in a compiled
+    kernel: no search, and no ``log10`` or ``pow`` to find the decade.
+    """
+    magnitude = scaled.abs() if signed else scaled.clamp(min=0.0)
+    lines = _LINES[signed]
+    below = magnitude < 0.1
+    slope = torch.where(below, lines[1][0], lines[0][0])
+    intercept = torch.where(below, lines[1][1], lines[0][1])
+    for k in range(2, _EXPONENT_BITS):  # below 10**-6, the lowest decade's line
+        below = magnitude < 10.0**-k
+        slope = torch.where(below, lines[k][0], slope)
+        intercept = torch.where(below, lines[k][1], intercept)
+    position = magnitude * slope + intercept
+    if signed:
+        position = torch.where(scaled < 0, 254.0 - position, position)
+    position = torch.where(position != position, 0.0, position).clamp(0.0, 254.0)
+    low = position.to(torch.int64)  # the code or one less
+    return low + (scaled >= thresholds[low]).to(torch.int64)
+
+
 def quantize(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``value`` (float32, ``quantizes(value.numel())``) as uint8 codes of its shape and
-    float32 scales, one per block.
-
-    The scaled value is placed between the two map entries around it and rounded to the
-    nearer one (up at a tie), as torchao's ``quantize_8bit_with_qmap``.
+    float32 scales, one per block: each value over its block's scale, coded by
+    :func:`encode` (the nearest map entry, up at a tie, as torchao's
+    ``quantize_8bit_with_qmap``).
     """
-    qmap = dynamic_map(signed, value.device)
     blocks = value.reshape(-1, BLOCK)
     scale = blocks.abs().amax(-1).clip(_MIN_SCALE)
     scaled = (blocks / scale.view(-1, 1)).reshape(-1)
-    # The last entry at or below each value (0 for a value below the first entry).
-    low = torch.bucketize(scaled, qmap, right=True).sub_(1).clamp_(0, 255)
-    high = (low + 1).clamp_(max=255)
-    below, above = qmap[low], qmap[high]
-    up = (scaled - below) >= (above - below) * 0.5
-    codes = torch.where(up, high, low).to(torch.uint8)
+    codes = encode(scaled, thresholds(signed, value.device), signed).to(torch.uint8)
     return codes.view(value.shape), scale
 
 

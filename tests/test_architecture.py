@@ -25,6 +25,7 @@ LAYERS = (
     "fp8",
     "recipes",
     "doctor",
+    "tuning",
     "integrations",
     "cli",
 )

@@ -10,6 +10,7 @@ from amped.autocast_mode import autocast, autocast_op, current_policy, custom_bw
 from amped.policy import Cast, ModuleRule, Policy
 from amped.recipes import Recipe, TrainSetup, memory_report, monitor, prepare
 from amped.scaling import GradScaler
+from amped.tuning import tune
 
 __version__ = "0.1.0"
 
@@ -30,4 +31,5 @@ __all__ = [
     "memory_report",
     "monitor",
     "prepare",
+    "tune",
 ]

@@ -9,7 +9,9 @@ alone with compensated updates (:mod:`.pure`, :mod:`.compensated`, :mod:`.roundi
 ``fp8-*`` run the Linear GEMMs in FP8 over a bfloat16 base recipe (:mod:`.fp8`).
 :func:`prepare` (:mod:`.build`) sets any of them up; :func:`memory_report` counts
 what each holds (:mod:`.memory`); :func:`monitor` watches an FP8 setup's GEMMs
-(:mod:`.monitoring`). Everything else is importable by module path.
+(:mod:`.monitoring`). A :class:`PrecisionPlan` (:mod:`.plan`, chosen by ``amped.tune``)
+gives each Linear layer its own format over one base recipe. Everything else is
+importable by module path.
 """
 
 from amped.recipes.build import prepare
@@ -18,6 +20,7 @@ from amped.recipes.in_backward import step_in_backward
 from amped.recipes.master import MasterWeightOptimizer
 from amped.recipes.memory import memory_report
 from amped.recipes.monitoring import NonFiniteError, monitor
+from amped.recipes.plan import PrecisionPlan
 from amped.recipes.registry import Recipe
 from amped.recipes.setup import TrainSetup
 
@@ -26,6 +29,7 @@ __all__ = [
     "CompensatedSGD",
     "MasterWeightOptimizer",
     "NonFiniteError",
+    "PrecisionPlan",
     "Recipe",
     "TrainSetup",
     "memory_report",

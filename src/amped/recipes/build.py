@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from amped._internal.errors import type_error, value_error
@@ -10,10 +12,11 @@ from amped.fp8.convert import LowPrecisionConfig, ModuleFilter
 from amped.policy import Policy
 from amped.recipes.fp8 import Fp8Plan
 from amped.recipes.o2 import build_master_setup
+from amped.recipes.plan import PrecisionPlan, apply_plan, check_plan
 from amped.recipes.pure import build_pure_setup
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
-from amped.recipes.weights import require_float32
+from amped.recipes.weights import require_float32, ruled_modules
 from amped.scaling import GradScaler
 
 __all__ = ["prepare"]
@@ -22,7 +25,7 @@ __all__ = ["prepare"]
 def prepare(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    recipe: str | Recipe = "bf16-mixed",
+    recipe: str | Recipe | PrecisionPlan | os.PathLike[str] = "bf16-mixed",
     *,
     policy: Policy | str | None = None,
     scaler: GradScaler | None = None,
@@ -43,7 +46,10 @@ def prepare(
     Args:
         model: the model, on its device, in float32.
         optimizer: a ``torch.optim`` optimizer built over ``model.parameters()``.
-        recipe: a recipe name or alias (see :data:`amped.recipes.registry.RECIPES`).
+        recipe: a recipe name or alias (see :data:`amped.recipes.registry.RECIPES`), or
+            a per-layer plan: a :class:`~amped.recipes.plan.PrecisionPlan`, or the path of
+            a ``tuned.json`` written by ``amped.tune`` (a ``pathlib.Path``, or a string
+            ending in ``.json``); see docs/tune.md.
         policy: the autocast policy (an :class:`amped.Policy` or preset name).
         scaler: a GradScaler to use instead of the recipe's default one.
         base: FP8 recipes only: the recipe that keeps weights and optimizer state
@@ -70,6 +76,12 @@ def prepare(
         >>> setup.step()
         True
     """
+    if isinstance(recipe, os.PathLike) or (isinstance(recipe, str) and recipe.endswith(".json")):
+        recipe = PrecisionPlan.load(recipe)
+    if isinstance(recipe, PrecisionPlan):
+        return _prepare_plan(
+            model, optimizer, recipe, policy, scaler, base, module_filter, fp8_config
+        )
     chosen = resolve_recipe(recipe)
     fp8_only = {"base": base, "module_filter": module_filter, "fp8_config": fp8_config}
     given = {name: value for name, value in fp8_only.items() if value is not None}
@@ -92,6 +104,34 @@ def prepare(
         return _build(plain)
     fp8 = Fp8Plan.check(plain, base, module_filter, fp8_config)  # before anything changes
     return fp8.apply(_build(TrainSetup(fp8.base, model, optimizer, scaler, device_type, policy)))
+
+
+def _prepare_plan(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plan: PrecisionPlan,
+    policy: Policy | str | None,
+    scaler: GradScaler | None,
+    *fp8_only: object,
+) -> TrainSetup:
+    """The setup of a per-layer plan: its base recipe's, then each lowered layer converted."""
+    if any(value is not None for value in fp8_only):
+        raise value_error(
+            "A plan carries its own base and per-layer formats; pass base, module_filter "
+            "and fp8_config only with an FP8 or block recipe name",
+            "plan",
+            plan,
+        )
+    base = resolve_recipe(plan.base)
+    device_type = _device_type(model)
+    optimizer = _check_optimizer(model, optimizer)
+    if isinstance(policy, str):
+        policy = Policy.preset(policy, device_type)
+    check_plan(plan, model, device_type, scaler, ruled_modules(model, policy))  # first
+    if scaler is None:
+        scaler = GradScaler(device_type, enabled=False)
+    setup = _build(TrainSetup(base, model, optimizer, scaler, device_type, policy))
+    return apply_plan(plan, setup)
 
 
 def _build(plain: TrainSetup) -> TrainSetup:

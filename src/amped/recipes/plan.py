@@ -1,0 +1,255 @@
+"""``PrecisionPlan``: a format per Linear layer over one base recipe, and its setup.
+
+A plan is what ``amped.tune`` chooses and what :func:`amped.prepare` accepts in the
+recipe position (the object, or the path of a ``tuned.json``)::
+
+    plan = PrecisionPlan("bf16-mixed", {"h.0.mlp.c_fc": "fp8-rowwise", "lm_head": "bf16"})
+    setup = amped.prepare(model, optimizer, plan)
+
+Every layer the plan names in a low-precision format is converted in place with that
+format's named config (:data:`amped.fp8.FP8_CONFIGS`, :data:`amped.fp8.BLOCK_CONFIGS`),
+layers of one format in model order, as ``prepare(model, optimizer, format,
+module_filter=...)`` converts them, so a single-format plan trains bitwise the same as
+that call. ``"bf16"`` leaves a layer to the base recipe, as every layer the plan does not
+name. The setup's recipe is named ``plan-<digest of the plan>``: a checkpoint loads only
+into a setup of the same plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from amped._internal.errors import type_error, value_error
+from amped._internal.jsonio import from_json, to_json
+from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
+from amped.fp8.block_config import BlockConfig
+from amped.fp8.conv1d import is_linear_like, linear_dims
+from amped.fp8.convert import Fp8Layers, LowPrecisionConfig
+from amped.recipes.registry import Recipe, resolve_recipe
+from amped.recipes.setup import TrainSetup
+from amped.recipes.weights import require_float32
+from amped.scaling import GradScaler
+
+__all__ = ["PLAN_FORMATS", "PLAN_SCHEMA", "PrecisionPlan", "format_config", "format_multiple"]
+
+PLAN_SCHEMA = "amped.tune/1"
+"""The ``"schema"`` of a tuned.json; :meth:`PrecisionPlan.load` reads this one only."""
+
+PLAN_FORMATS = (
+    "bf16",
+    "fp8-tensorwise",
+    "fp8-rowwise",
+    "fp8-rowwise-gw-hp",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4",
+)
+"""What a plan may give a layer. ``fp8-delayed`` is left out: its scales come from the
+history of earlier steps, which one layer's measurement cannot see."""
+
+PLAN_BASES = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
+"""The bases a plan may name (those of the FP8 recipes)."""
+
+
+def format_config(fmt: str) -> LowPrecisionConfig:
+    """The named config of a low-precision plan format (ValueError for others)."""
+    if fmt in BLOCK_CONFIGS:
+        return BLOCK_CONFIGS[fmt]
+    if fmt.startswith("fp8-") and fmt in PLAN_FORMATS:
+        return FP8_CONFIGS[fmt.removeprefix("fp8-")]
+    raise value_error(
+        f"A plan format is one of {', '.join(PLAN_FORMATS)} ('bf16' leaves the layer to "
+        "the base recipe)",
+        "format",
+        fmt,
+    )
+
+
+def format_multiple(fmt: str) -> int:
+    """What both dims of a layer must be multiples of to run in ``fmt``: 16 for the FP8
+    GEMMs, lcm(16, block size) for the block formats; 1 for ``"bf16"``."""
+    if fmt == "bf16":
+        return 1
+    config = format_config(fmt)
+    if isinstance(config, BlockConfig):
+        return math.lcm(16, config.format.block_size)
+    return 16
+
+
+def layer_ineligibility(module: torch.nn.Module | None, fmt: str) -> str | None:
+    """Why ``module`` cannot run in ``fmt``, or None when it can."""
+    if module is None:
+        return "the model has no module of that name"
+    if not is_linear_like(module):
+        return f"it is a {type(module).__name__}, not an nn.Linear or transformers Conv1D"
+    multiple = format_multiple(fmt)
+    fan_in, fan_out = linear_dims(module)
+    if fan_in % multiple or fan_out % multiple:
+        return f"its dims {fan_in}x{fan_out} are not multiples of {multiple}"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPlan:
+    """A format per Linear layer over one base recipe.
+
+    Attributes:
+        base: the recipe that keeps weights and optimizer state and runs everything
+            else (``bf16-mixed``, ``bf16-master``, ``bf16-pure``, ``bf16-pure-sr``).
+        layers: module name -> format (one of :data:`PLAN_FORMATS`), in model order.
+    """
+
+    base: str
+    layers: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, Mapping):
+            raise type_error("layers maps module names to formats", "layers", self.layers)
+        chosen = resolve_recipe(self.base)
+        if chosen.name not in PLAN_BASES:
+            raise value_error(f"A plan's base is one of {', '.join(PLAN_BASES)}", "base", self.base)
+        object.__setattr__(self, "base", chosen.name)
+        object.__setattr__(self, "layers", dict(self.layers))
+        for name, fmt in self.layers.items():
+            if not isinstance(name, str):
+                raise type_error("A plan's layer names are strings", "layer name", name)
+            if fmt != "bf16":
+                format_config(fmt)  # raises for an unknown format
+
+    def lowered(self) -> dict[str, str]:
+        """The layers the plan runs in a low-precision format (not ``"bf16"``)."""
+        return {name: fmt for name, fmt in self.layers.items() if fmt != "bf16"}
+
+    def to_dict(self) -> dict[str, Any]:
+        """``{"schema", "base", "layers"}``: the plan part of a tuned.json."""
+        return {"schema": PLAN_SCHEMA, "base": self.base, "layers": dict(self.layers)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> PrecisionPlan:
+        """The plan of a tuned.json's content (its other keys are ignored)."""
+        if not isinstance(data, Mapping) or data.get("schema") != PLAN_SCHEMA:
+            schema = data.get("schema") if isinstance(data, Mapping) else None
+            raise value_error(
+                f"A plan is read from a tuned.json with schema {PLAN_SCHEMA!r} (written by "
+                "amped.tune or `amped tune`)",
+                "schema",
+                schema,
+            )
+        return cls(data.get("base", ""), data.get("layers", {}))
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`to_dict` as JSON to ``path``; returns the path."""
+        out = Path(path)
+        out.write_text(to_json(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return out
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PrecisionPlan:
+        """Read a plan from a tuned.json (or a file :meth:`save` wrote)."""
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as error:
+            raise value_error(
+                f"Could not read the plan file ({error.strerror}); pass the path of a tuned.json",
+                "path",
+                str(path),
+            ) from None
+        try:
+            data = from_json(text)
+        except json.JSONDecodeError as error:
+            raise value_error(
+                f"The plan file is not JSON ({error.msg} at line {error.lineno})",
+                "path",
+                str(path),
+            ) from None
+        return cls.from_dict(data)
+
+    def digest(self) -> str:
+        """Eight hex digits naming this plan (its base and layers)."""
+        text = json.dumps([self.base, sorted(self.layers.items())])
+        return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def check_plan(
+    plan: PrecisionPlan,
+    model: torch.nn.Module,
+    device_type: str,
+    scaler: GradScaler | None,
+    ruled: set[str],
+) -> None:
+    """Refuse a plan that names a layer ``model`` lacks, one its format cannot run
+    (not a Linear/Conv1D, dims not multiples), or one a policy module rule keeps out;
+    with a lowered layer, also what the FP8 recipes refuse (a device other than cpu and
+    cuda, weights not float32, a loss scaler)."""
+    if plan.lowered():
+        if device_type not in ("cpu", "cuda"):
+            raise value_error(
+                "A plan's low-precision layers run on cpu (emulated) and cuda; move the "
+                "model to one of them",
+                "device_type",
+                device_type,
+            )
+        require_float32(model, "A plan casts float32 weights to its layers' formats")
+        if scaler is not None and scaler.is_enabled():
+            raise value_error(
+                "A plan does not scale the loss (its base is a bfloat16 recipe, and FP8 and "
+                "block casts have their own scales); pass no scaler",
+                "scaler.is_enabled()",
+                True,
+            )
+    modules = dict(model.named_modules())
+    for name, fmt in plan.layers.items():
+        why = layer_ineligibility(modules.get(name), fmt)
+        if why is None and fmt != "bf16" and name in ruled:
+            why = "a module rule of the policy keeps it out of low precision"
+        if why is not None:
+            raise value_error(
+                f"The plan gives layer {name!r} the format {fmt!r}, but {why}; a plan names "
+                "nn.Linear/Conv1D layers of this model by their qualified names "
+                "(model.named_modules()). Tune this model again, or edit the plan",
+                name,
+                fmt,
+            )
+
+
+def plan_recipe(plan: PrecisionPlan) -> Recipe:
+    """The recipe a plan's setup reports: the base's weights, named by the plan's digest."""
+    base = resolve_recipe(plan.base)
+    return dataclasses.replace(
+        base,
+        name=f"plan-{plan.digest()}",
+        aliases=(),
+        summary=f"a tuned per-layer plan over {base.name}",
+    )
+
+
+def apply_plan(plan: PrecisionPlan, setup: TrainSetup) -> TrainSetup:
+    """Convert the plan's lowered layers of the base recipe's ``setup`` in place.
+
+    Layers of one format convert together, in model order (the seeds of stochastic
+    rounding and Hadamard signs follow that order, as ``convert_to_fp8`` gives them).
+    """
+    order = [name for name, _ in setup.model.named_modules()]
+    lowered = plan.lowered()
+    layers: dict[str, Any] = {}
+    first_config: LowPrecisionConfig | None = None
+    for fmt in dict.fromkeys(lowered[name] for name in order if name in lowered):
+        names = [name for name in order if lowered.get(name) == fmt]
+        config = format_config(fmt)
+        layers.update(convert_to_fp8(setup.model, config, names).layers)
+        first_config = first_config or config
+    if first_config is not None:
+        # No plan format has delayed scaling, so update() is a no-op whatever the config.
+        setup.fp8_layers = Fp8Layers({n: layers[n] for n in order if n in layers}, first_config)
+        setup.fp8_base = plan.base
+    setup.recipe = plan_recipe(plan)
+    return setup

@@ -1,0 +1,16 @@
+"""Tuning layer: ``amped.tune`` chooses a precision per Linear layer (docs/tune.md).
+
+- :mod:`.task`: the factory contract, on the library side;
+- :mod:`.measure`: per-layer, per-format shadow measurements;
+- :mod:`.choose`: the knapsack plan, the first/last-N rule, the format speed table;
+- :mod:`.verify`: paired training runs of the plan, bfloat16-mixed and the rule;
+- :mod:`.result`: :class:`TuneResult` and tuned.json; :mod:`.tuner`: :func:`tune`.
+
+The plan itself (:class:`amped.recipes.PrecisionPlan`) lives in the recipes layer, with
+:func:`amped.prepare`, which accepts it.
+"""
+
+from amped.tuning.result import TuneResult
+from amped.tuning.tuner import tune
+
+__all__ = ["TuneResult", "tune"]

@@ -1,0 +1,110 @@
+"""``TuneResult``: what ``amped.tune`` found, and the tuned.json it writes
+(``"schema": "amped.tune/1"``; docs/tune.md, "Output").
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from amped._internal.files import write_files
+from amped._internal.jsonio import to_json
+from amped.recipes.plan import PLAN_SCHEMA, PrecisionPlan
+from amped.tuning.choose import Choice
+from amped.tuning.measure import LayerMeasurement
+from amped.tuning.verify import Arm
+
+__all__ = ["TuneResult"]
+
+
+@dataclass(frozen=True)
+class TuneResult:
+    """The chosen plan, the measurements behind it and its verification.
+
+    Attributes:
+        plan: the :class:`~amped.recipes.plan.PrecisionPlan`; pass it (or the path of
+            the tuned.json :meth:`save` writes) to :func:`amped.prepare`.
+        measurements: per eligible layer, in model order.
+        budget: the loss budget the plan's summed estimate stays within.
+        budget_source: ``"given"``, or how the default was measured.
+        choice: the plan's summed estimate and GEMM time saving.
+        rule: the best first/last-N rule within the same budget.
+        arms: the verification's arms by name (``"plan"``, ``"bf16-mixed"``, ``"rule"``).
+        passes: the measurement's forward+backward passes (see docs/tune.md).
+        reason: why the plan lowers no layer, when it does not (else None).
+        settings: formats, target, steps, seeds and the other arguments, as given.
+    """
+
+    plan: PrecisionPlan
+    measurements: list[LayerMeasurement]
+    budget: float
+    budget_source: str
+    choice: Choice
+    rule: Choice
+    arms: dict[str, Arm]
+    passes: dict[str, Any]
+    reason: str | None
+    settings: dict[str, Any]
+
+    @property
+    def passed(self) -> bool:
+        """Whether the plan's verified loss gap to bfloat16-mixed is within the budget
+        (False when the verification did not complete)."""
+        return self.arms["plan"].passed(self.arms["bf16-mixed"], self.budget)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The content of tuned.json (non-finite numbers as amped's JSON writes them)."""
+        reference = self.arms["bf16-mixed"]
+        return {
+            "schema": PLAN_SCHEMA,
+            "base": self.plan.base,
+            "layers": dict(self.plan.layers),
+            "passed": self.passed,
+            "reason": self.reason,
+            "settings": copy.deepcopy(self.settings),
+            "budget": {
+                "value": self.budget,
+                "source": self.budget_source,
+                "plan_estimate": self.choice.estimate,
+                "rule_estimate": self.rule.estimate,
+            },
+            "choice": {
+                "saving_flops": self.choice.saving,
+                "lowered_flops": _lowered_flops(self.measurements, self.plan.layers),
+                "total_flops": sum(m.flops for m in self.measurements),
+            },
+            "rule": {
+                "first": self.rule.first,
+                "last": self.rule.last,
+                "format": self.rule.format,
+                "layers": dict(self.rule.layers),
+                "saving_flops": self.rule.saving,
+                "lowered_flops": _lowered_flops(self.measurements, self.rule.layers),
+            },
+            "measurements": {m.name: m.to_dict() for m in self.measurements},
+            "verification": {
+                "seeds": self.settings["seed_list"],
+                "steps": self.settings["steps"],
+                "final_loss": "mean training loss over the last max(1, steps // 10) steps",
+                "arms": {
+                    name: arm.to_dict(reference, self.budget) for name, arm in self.arms.items()
+                },
+                "passed": self.passed,
+            },
+            "passes": self.passes,
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`to_dict` as JSON to ``path`` (atomically); returns the path.
+        :meth:`amped.recipes.plan.PrecisionPlan.load` and ``amped.prepare`` read it."""
+        out = Path(path)
+        write_files([(out, to_json(self.to_dict(), indent=2) + "\n")])
+        return out
+
+
+def _lowered_flops(measured: list[LayerMeasurement], layers: Mapping[str, str]) -> int:
+    return sum(m.flops for m in measured if layers.get(m.name, "bf16") != "bf16")

@@ -1,0 +1,231 @@
+"""``amped.tune``: measure each layer's sensitivity per format, choose a per-layer plan
+within a loss budget, and verify it by training (docs/tune.md)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from amped._internal.errors import type_error, value_error
+from amped.fp8.conv1d import linear_dims
+from amped.recipes.plan import PLAN_FORMATS, PrecisionPlan
+from amped.tuning.choose import SPEEDUPS, Choice, best_rule, choose_plan, speedups
+from amped.tuning.measure import LayerMeasurement, eligible_layers, measure
+from amped.tuning.result import TuneResult
+from amped.tuning.task import build_task
+from amped.tuning.verify import Arm, verify_arm
+
+__all__ = ["DEFAULT_FORMATS", "tune"]
+
+DEFAULT_FORMATS = tuple(f for f in PLAN_FORMATS if f != "bf16")
+"""Every FP8 and block format a plan can hold."""
+
+Progress = Callable[[str, int, int], None]
+
+
+def _check_int(name: str, value: object, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise value_error(f"{name} is an int >= {least}", name, value)
+    return int(value)
+
+
+def _check_formats(formats: Sequence[str] | None) -> list[str]:
+    if formats is None:
+        return list(DEFAULT_FORMATS)
+    if isinstance(formats, str):
+        raise type_error(
+            "formats is a list of format names, e.g. ['fp8-rowwise']", "formats", formats
+        )
+    chosen = list(dict.fromkeys(formats))
+    unknown = [f for f in chosen if f not in DEFAULT_FORMATS]
+    if unknown or not chosen:
+        raise value_error(
+            f"formats are among {', '.join(DEFAULT_FORMATS)} (at least one; 'bf16' is always "
+            "a choice)",
+            "formats",
+            list(formats),
+        )
+    return chosen
+
+
+def _check_budget(budget: object) -> float | None:
+    if budget is None:
+        return None
+    if isinstance(budget, bool) or not isinstance(budget, numbers.Real):
+        raise type_error("budget is a loss change (a float >= 0) or None", "budget", budget)
+    if not math.isfinite(budget) or budget < 0:
+        raise value_error(
+            "budget is a finite loss change >= 0 (None: the bfloat16-mixed seed spread)",
+            "budget",
+            budget,
+        )
+    return float(budget)
+
+
+def _no_layer_error(model: Any, refused: dict[str, str], formats: list[str]) -> ValueError:
+    seen = [
+        f"{n or '<model>'} ({'x'.join(map(str, linear_dims(m)))}): {refused.get(n, '')}"
+        for n, m in model.named_modules()
+        if n in refused
+    ]
+    return value_error(
+        f"amped.tune found no layer to measure for formats {formats}: it tunes nn.Linear "
+        "and transformers Conv1D layers whose dims are multiples of 16 (32 for the MX "
+        "formats) and that no policy module rule keeps out; give a model with such layers",
+        "layers seen",
+        seen or "no nn.Linear or Conv1D layer",
+    )
+
+
+def _reason(choice: Choice, measured: list[LayerMeasurement], budget: float) -> str | None:
+    if any(fmt != "bf16" for fmt in choice.layers.values()):
+        return None
+    costs = [fm.loss_change_estimate for m in measured for fm in m.formats.values()]
+    cheapest = min(costs) if costs else math.inf
+    return (
+        f"no plan meets the budget: the smallest estimated loss change of any layer in any "
+        f"format is {cheapest:.3g}, the budget is {budget:.3g}; every layer stays in bf16. "
+        "Give a larger budget, or more seeds for the measured default"
+    )
+
+
+def tune(
+    factory: Callable[..., Any],
+    *,
+    formats: Sequence[str] | None = None,
+    budget: float | None = None,
+    steps: int = 50,
+    seeds: int = 3,
+    seed: int = 0,
+    max_time: float | None = None,
+    progress: Progress | None = None,
+    target: str = "blackwell",
+    measure_batches: int = 2,
+) -> TuneResult:
+    """Measure each eligible layer in each format, choose a per-layer plan, verify it.
+
+    Args:
+        factory: ``factory(seed=...)`` returning ``(model, batches, loss_fn)`` or a task
+            object (the contract of ``amped compare``; :mod:`amped.tuning.task`).
+        formats: candidate formats (default: all of ``fp8-tensorwise``, ``fp8-rowwise``,
+            ``fp8-rowwise-gw-hp``, ``mxfp8``, ``mxfp4``, ``nvfp4``).
+        budget: the summed estimated loss change the plan may cost; None: the sample
+            standard deviation of bfloat16-mixed's final loss over the seeds.
+        steps: training steps of each verification run.
+        seeds: verification seeds (``seed``, ``seed + 1``, ...), paired across arms.
+        seed: the first seed; the measurement uses its model and batches.
+        max_time: seconds after which no further verification run starts (the result
+            then says the verification did not complete, and the plan does not pass).
+        progress: ``progress(stage, done, total)``, stage ``"measure"`` or ``"train"``.
+        target: the device whose format speeds weigh the choice
+            (:data:`amped.tuning.choose.SPEEDUPS`: ``"blackwell"``, ``"hopper"``).
+        measure_batches: batches of the measurement step.
+
+    Returns:
+        A :class:`TuneResult`: ``.plan`` goes to :func:`amped.prepare`, ``.save(path)``
+        writes tuned.json.
+
+    Raises:
+        ValueError: an unknown format or target, a negative budget, bad counts, or a model
+            with no eligible layer.
+        TypeError: a factory that breaks the contract.
+
+    Example:
+        >>> import torch, amped
+        >>> def factory(seed):
+        ...     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+        ...                                 torch.nn.Linear(64, 16))
+        ...     batches = [(torch.randn(32, 64), torch.randn(32, 16))] * 4
+        ...     return model, batches, torch.nn.functional.mse_loss
+        >>> result = amped.tune(factory, formats=["fp8-rowwise"], steps=4, budget=1.0)
+        >>> sorted(result.plan.layers)
+        ['0', '2']
+    """
+    start = time.monotonic()
+    chosen_formats = _check_formats(formats)
+    given_budget = _check_budget(budget)
+    speedups(target)
+    steps = _check_int("steps", steps, 1)
+    seeds = _check_int("seeds", seeds, 1)
+    measure_batches = _check_int("measure_batches", measure_batches, 1)
+    seed = _check_int("seed", seed, 0)
+    if max_time is not None and not (isinstance(max_time, numbers.Real) and max_time > 0):
+        raise value_error("max_time is a number of seconds > 0, or None", "max_time", max_time)
+    deadline = None if max_time is None else start + float(max_time)
+
+    task = build_task(factory, seed, measure_batches)
+    eligible, refused = eligible_layers(task.model, chosen_formats, set())
+    if not eligible:
+        raise _no_layer_error(task.model, refused, chosen_formats)
+    measured, count = measure(task.model, eligible, task.batches, task.loss_fn, progress)
+    del task
+
+    seed_list = [seed + i for i in range(seeds)]
+    names = [m.name for m in measured]
+    total, done = 3 * seeds, 0
+
+    def tick() -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress("train", done, total)
+
+    all_bf16 = PrecisionPlan("bf16-mixed", dict.fromkeys(names, "bf16"))
+    reference = verify_arm("bf16-mixed", factory, all_bf16, seed_list, steps, deadline, tick)
+    if given_budget is None:
+        budget_value = reference.spread if reference.completed else 0.0
+        source = f"bf16-mixed seed spread (sample std of final loss over {seeds} seeds)"
+    else:
+        budget_value, source = given_budget, "given"
+    choice = choose_plan(measured, budget_value, target)
+    rule = best_rule(measured, budget_value, target)
+    if rule.saving > choice.saving:  # the knapsack's rounding missed a plan the rule found
+        choice = Choice(rule.layers, rule.estimate, rule.saving)
+    plan = PrecisionPlan("bf16-mixed", choice.layers)
+    arms = {"bf16-mixed": reference}
+    arms["plan"] = _arm("plan", choice, reference, arms, factory, seed_list, steps, deadline, tick)
+    arms["rule"] = _arm("rule", rule, reference, arms, factory, seed_list, steps, deadline, tick)
+    settings = {
+        "formats": chosen_formats,
+        "target": target,
+        "speedups": {f: SPEEDUPS[target][f] for f in ["bf16", *chosen_formats]},
+        "steps": steps,
+        "seeds": seeds,
+        "seed": seed,
+        "seed_list": seed_list,
+        "measure_batches": measure_batches,
+        "max_time": max_time,
+        "skipped_layers": refused,
+        "seconds": time.monotonic() - start,
+    }
+    passes = count.to_dict()
+    passes["training_steps"] = {n: len(a.final_losses) * steps for n, a in arms.items()}
+    reason = _reason(choice, measured, budget_value)
+    return TuneResult(
+        plan, measured, budget_value, source, choice, rule, arms, passes, reason, settings
+    )
+
+
+def _arm(
+    name: str,
+    choice: Choice,
+    reference: Arm,
+    arms: dict[str, Arm],
+    factory: Callable[..., Any],
+    seeds: list[int],
+    steps: int,
+    deadline: float | None,
+    tick: Callable[[], None],
+) -> Arm:
+    """Train ``choice``, or reuse an arm that trained the same layers (the all-bf16 plan
+    computes exactly what bf16-mixed does)."""
+    for arm in arms.values():
+        if arm.layers == choice.layers:
+            for _ in seeds:
+                tick()
+            return Arm(name, dict(choice.layers), list(arm.final_losses), arm.completed)
+    plan = PrecisionPlan("bf16-mixed", choice.layers)
+    return verify_arm(name, factory, plan, seeds, steps, deadline, tick)

@@ -187,10 +187,14 @@ def final_loss(s: Settings, seed: int, layer: str | None) -> float:
 
 
 def linear_layers(s: Settings) -> list[str]:
-    """The block linears (GPT-2's Conv1D projections), in model order; the tied head is
-    left out (its weight is the embedding's)."""
+    """The layers ``amped.tune`` measures, in model order: the blocks' Conv1D projections
+    and the output head (an ``nn.Linear`` whose weight is tied to the embedding)."""
     model = TinyGPT2(s)
-    return [name for name, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    return [
+        name
+        for name, m in model.named_modules()
+        if type(m).__name__ == "Conv1D" or type(m) is nn.Linear
+    ]
 
 
 def ground_truth(
@@ -205,7 +209,8 @@ def ground_truth(
         diffs = [final_loss(s, seed, name) - base[seed] for seed in s.seeds]
         spread = statistics.stdev(diffs) if len(diffs) > 1 else 0.0
         truth[name] = {"mean": statistics.mean(diffs), "spread": spread, "per_seed": diffs}
-        log(f"  {name:34} {truth[name]['mean']:+.5f} +- {spread:.5f}  {[f'{d:+.5f}' for d in diffs]}")
+        per_seed = ", ".join(f"{d:+.5f}" for d in diffs)
+        log(f"  {name:34} {truth[name]['mean']:+.5f} +- {spread:.5f}  ({per_seed})")
     return truth
 
 
@@ -218,10 +223,13 @@ def factory(s: Settings) -> Callable[..., tuple[nn.Module, list[Batch], Any]]:
     return build
 
 
-def tune_estimates(s: Settings, seed: int) -> dict[str, float]:
+def tune_estimates(s: Settings, seed: int, measure_batches: int = 2) -> dict[str, float]:
     """``amped.tune``'s first-order loss-change estimate per layer for ``s.fmt``, measured on
     seed ``seed``'s pretrained model (no verification worth the name: 1 step, 1 seed)."""
-    result = amped.tune(factory(s), formats=[s.fmt], steps=1, seeds=1, seed=seed, budget=0.0)
+    result = amped.tune(
+        factory(s), formats=[s.fmt], steps=1, seeds=1, seed=seed, budget=0.0,
+        measure_batches=measure_batches,
+    )  # fmt: skip
     return {m.name: m.formats[s.fmt].loss_change_estimate for m in result.measurements}
 
 
@@ -284,7 +292,7 @@ def main() -> None:
         mean_estimate = {n: statistics.mean(e[n] for e in per_seed) for n in names}
         rho_first = spearman([per_seed[0][n] for n in names], [truth[n]["mean"] for n in names])
         rho_mean = spearman([mean_estimate[n] for n in names], [truth[n]["mean"] for n in names])
-        print(f"Spearman (tune on seed {s.seeds[0]}): {rho_first:.3f}; (mean over seeds): {rho_mean:.3f}")
+        print(f"Spearman, tune on seed {s.seeds[0]}: {rho_first:.3f}; seeds' mean: {rho_mean:.3f}")
         result["tune"] = {"estimates": per_seed, "spearman_first_seed": rho_first,
                           "spearman_mean_estimate": rho_mean}  # fmt: skip
     seconds = time.perf_counter() - began

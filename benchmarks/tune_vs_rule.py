@@ -181,6 +181,9 @@ def compare(
               f"{', '.join(f'{g:+.5f}' for g in gaps)} |")  # fmt: skip
     out["bf16_final"] = finals["bf16-mixed"]
     out["tune_rule"] = {"layers": result.rule.layers, "estimate": result.rule.estimate}
+    out["tune_estimates"] = {
+        m.name: m.formats[fmt].loss_change_estimate for m in result.measurements
+    }
     return out
 
 

@@ -75,6 +75,30 @@ def test_single_format_plan_trains_bitwise_as_the_module_filter(fmt, layer_class
         assert torch.equal(p, q), name
 
 
+@pytest.mark.parametrize(
+    "base",
+    [pytest.param("bf16-master", marks=pytest.mark.slow), "bf16-pure"],  # master: ~10 s
+)
+def test_a_plan_over_another_base_trains_bitwise_as_the_module_filter(base: str) -> None:
+    by_filter = _mlp()
+    setup_filter = amped.prepare(
+        by_filter,
+        torch.optim.AdamW(by_filter.parameters(), lr=1e-2),
+        "fp8-rowwise",
+        base=base,
+        module_filter=lambda m, name: name == "2",
+    )
+    by_plan = _mlp()
+    plan = PrecisionPlan(base, {"2": "fp8-rowwise"})
+    setup_plan = amped.prepare(by_plan, torch.optim.AdamW(by_plan.parameters(), lr=1e-2), plan)
+    assert type(setup_plan.optimizer) is type(setup_filter.optimizer)
+    for a, b in zip(_train(setup_filter), _train(setup_plan), strict=True):
+        assert torch.equal(a, b)
+    filtered, planned = setup_filter.fp32_state_dict(), setup_plan.fp32_state_dict()
+    assert filtered.keys() == planned.keys()
+    assert all(torch.equal(filtered[k], planned[k]) for k in filtered)
+
+
 def test_mixed_plan_converts_each_layer_to_its_format(tmp_path: Path) -> None:
     model = _mlp()
     plan = PrecisionPlan("bf16-mixed", {"0": "mxfp8", "2": "fp8-rowwise", "4": "bf16"})

@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,9 @@ class TuneResult:
         passes: the measurement's forward+backward passes (see docs/tune.md).
         reason: why the plan lowers no layer, when it does not (else None).
         settings: formats, target, steps, seeds and the other arguments, as given.
+        rounds: each verified plan in turn: its estimate budget, layers, summed
+            estimate, verified gap and verdict (more than one when a plan failed and
+            ``retries`` allowed another choice).
     """
 
     plan: PrecisionPlan
@@ -49,6 +52,7 @@ class TuneResult:
     passes: dict[str, Any]
     reason: str | None
     settings: dict[str, Any]
+    rounds: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -71,6 +75,7 @@ class TuneResult:
                 "source": self.budget_source,
                 "plan_estimate": self.choice.estimate,
                 "rule_estimate": self.rule.estimate,
+                "estimate_budget": self.rounds[-1]["estimate_budget"] if self.rounds else None,
             },
             "choice": {
                 "saving_flops": self.choice.saving,
@@ -95,6 +100,7 @@ class TuneResult:
                 },
                 "passed": self.passed,
             },
+            "rounds": copy.deepcopy(self.rounds),
             "passes": self.passes,
         }
 

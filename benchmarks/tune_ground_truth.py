@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -214,21 +215,29 @@ def ground_truth(
     return truth
 
 
-def factory(s: Settings) -> Callable[..., tuple[nn.Module, list[Batch], Any]]:
-    """The ``amped compare``/``amped.tune`` factory of this experiment's A/B runs."""
+def factory(s: Settings) -> Callable[..., SimpleNamespace]:
+    """The ``amped compare``/``amped.tune`` factory of this experiment's A/B runs: the
+    model, batches, loss and optimizer (AdamW, ``s.lr``) of seed ``seed``."""
 
-    def build(seed: int = 0) -> tuple[nn.Module, list[Batch], Any]:
-        return pretrained_model(s, seed), finetune_batches(s, seed), loss_fn
+    def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=s.lr, betas=(0.9, 0.99))
+
+    def build(seed: int = 0) -> SimpleNamespace:
+        model = pretrained_model(s, seed)
+        return SimpleNamespace(
+            model=model, batches=finetune_batches(s, seed), loss_fn=loss_fn, optimizer=optimizer
+        )
 
     return build
 
 
 def tune_estimates(s: Settings, seed: int, measure_batches: int = 2) -> dict[str, float]:
     """``amped.tune``'s first-order loss-change estimate per layer for ``s.fmt``, measured on
-    seed ``seed``'s pretrained model (no verification worth the name: 1 step, 1 seed)."""
+    seed ``seed``'s pretrained model (the measurement only: a 1-step, 1-seed verification
+    and no retries)."""
     result = amped.tune(
         factory(s), formats=[s.fmt], steps=1, seeds=1, seed=seed, budget=0.0,
-        measure_batches=measure_batches,
+        measure_batches=measure_batches, retries=0,
     )  # fmt: skip
     return {m.name: m.formats[s.fmt].loss_change_estimate for m in result.measurements}
 

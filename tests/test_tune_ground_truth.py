@@ -67,9 +67,14 @@ def truth(one_thread):
 
 
 def test_tune_ranks_layers_as_training_does(truth):
-    estimate = gt.tune_estimates(SETTINGS, SETTINGS.seeds[0])
+    # Like for like: the ground truth is each layer's change averaged over the seeds'
+    # models, so the estimate is too (tune measured once on each seed's model). One
+    # seed's estimate alone ranks at 0.62-0.81 (docs/history/issue-25-tune.md): the
+    # eleven layers whose true change is noise rank among themselves at random.
+    per_seed = [gt.tune_estimates(SETTINGS, seed) for seed in SETTINGS.seeds]
     names = list(truth)
-    assert set(names) == set(estimate)
+    assert all(set(names) == set(estimate) for estimate in per_seed)
+    estimate = {n: statistics.mean(e[n] for e in per_seed) for n in names}
     rho = gt.spearman([estimate[n] for n in names], [truth[n]["mean"] for n in names])
     assert rho >= SPEARMAN_TARGET, {n: (estimate[n], truth[n]["mean"]) for n in names}
 

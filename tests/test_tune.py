@@ -128,7 +128,11 @@ def test_result_schema_and_saved_plan(tmp_path: Path) -> None:
     assert data["measurements"]["4"]["formats"].keys() == {"fp8-rowwise", "mxfp8"}
     assert data["measurements"]["0"]["flops"] == 6 * 32 * 64 * 128
     keys = {"sqnr_output", "sqnr_grad_input", "sqnr_grad_weight", "loss_change_estimate"}
-    assert keys | {"underflow", "saturation"} == set(data["measurements"]["0"]["formats"]["mxfp8"])
+    keys |= {"loss_change_coherent", "loss_change_second_order", "underflow", "saturation"}
+    measured = data["measurements"]["0"]["formats"]["mxfp8"]
+    assert keys == set(measured)
+    parts = measured["loss_change_coherent"] + measured["loss_change_second_order"]
+    assert measured["loss_change_estimate"] == pytest.approx(parts, rel=1e-12)
     assert data["budget"] == {
         "value": 1.0,
         "source": "given",

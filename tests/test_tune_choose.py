@@ -16,7 +16,16 @@ FORMATS = ("fp8-rowwise", "mxfp8", "nvfp4")
 
 
 def _fm(cost: float) -> FormatMeasurement:
-    return FormatMeasurement(30.0, 30.0, 30.0, cost, 0.0, 0.0)
+    return FormatMeasurement(
+        sqnr_output=30.0,
+        sqnr_grad_input=30.0,
+        sqnr_grad_weight=30.0,
+        loss_change_estimate=cost,
+        loss_change_coherent=cost,
+        loss_change_second_order=0.0,
+        underflow=0.0,
+        saturation=0.0,
+    )
 
 
 def _layers(rng: random.Random, count: int) -> list[LayerMeasurement]:

@@ -60,11 +60,11 @@ def _outlier_factory(seed: int) -> SimpleNamespace:
 
 @pytest.mark.slow
 def test_the_outlier_layer_stays_in_bf16_and_the_rest_are_lowered() -> None:
-    # The budget sits between the other layers' summed estimates (about 7e-5) and the
-    # outlier layer's (about 9e-4). The default budget (the seed spread, 4e-3 here) admits
-    # the outlier layer too: docs/tune.md, "What the estimate is not".
+    # The budget sits between the other layers' summed estimates (about 5e-5) and the
+    # outlier layer's (about 1.1e-4). The default budget (the seed spread, 4e-3 here)
+    # admits the outlier layer too: docs/tune.md, "What the estimate is not".
     result = amped.tune(
-        _outlier_factory, formats=["fp8-tensorwise"], steps=12, seeds=3, budget=3e-4
+        _outlier_factory, formats=["fp8-tensorwise"], steps=12, seeds=3, budget=8e-5
     )
     assert result.plan.layers == {
         "0": "fp8-tensorwise",
@@ -74,7 +74,9 @@ def test_the_outlier_layer_stays_in_bf16_and_the_rest_are_lowered() -> None:
     }
     by_name = {m.name: m.formats["fp8-tensorwise"] for m in result.measurements}
     others = [by_name[n].loss_change_estimate for n in ("0", "2", "7")]
-    assert by_name["5"].loss_change_estimate > 10 * max(others)
+    # The most sensitive layer by a margin (3.7x the next, 9x their mean; history doc).
+    assert by_name["5"].loss_change_estimate > 3 * max(others)
+    assert by_name["5"].loss_change_estimate > sum(others)
     assert by_name["5"].underflow > 0.5  # the ~1 channels flushed
     assert result.reason is None
     assert result.passed, result.to_dict()["verification"]
@@ -83,8 +85,9 @@ def test_the_outlier_layer_stays_in_bf16_and_the_rest_are_lowered() -> None:
 @pytest.mark.slow
 def test_a_failed_plan_is_reported_and_the_next_round_keeps_the_outlier_layer() -> None:
     # The default budget (the seed spread, about 6e-3 here) admits the outlier layer's
-    # estimate (about 9e-4); trained 30 steps, that plan's gap (about 1e-2) is over the
-    # budget. The next round's estimate budget, scaled by that gap, leaves it in bf16.
+    # estimate (about 1.1e-4); trained 30 steps, that plan's gap (about 1e-2) is over the
+    # budget. The next round's estimate budget, scaled by that gap (about 5e-5), leaves it
+    # in bf16, and with it the costliest healthy layer ("7", 3e-5 of the others' 5e-5).
     result = amped.tune(_outlier_factory, formats=["fp8-tensorwise"], steps=30, seeds=3)
     first, last = result.rounds[0], result.rounds[-1]
     assert first["layers"]["5"] == "fp8-tensorwise"
@@ -95,7 +98,7 @@ def test_a_failed_plan_is_reported_and_the_next_round_keeps_the_outlier_layer() 
         "0": "fp8-tensorwise",
         "2": "fp8-tensorwise",
         "5": "bf16",
-        "7": "fp8-tensorwise",
+        "7": "bf16",
     }
     assert result.passed and last["passed"] is True
     assert result.to_dict()["rounds"] == result.rounds

@@ -43,11 +43,15 @@ class FormatMeasurement:
         sqnr_output: forward output SQNR in dB (inf: identical).
         sqnr_grad_input: grad_input SQNR in dB.
         sqnr_grad_weight: grad_weight SQNR in dB.
-        loss_change_estimate: first-order loss change of the output's quantization
-            error e against the output gradient g: the larger of ``sqrt(mean over batches
-            of (sum over rows g_row . e_row)^2)`` (the change the batches saw) and
-            ``sqrt(mean over batches of sum over rows (g_row . e_row)^2)`` (its size were
-            the rows independent); docs/tune.md says why.
+        loss_change_estimate: the expected loss change of the output's quantization
+            error e against the output gradient g, ``loss_change_coherent +
+            loss_change_second_order``; both parts add over layers (docs/tune.md says why).
+        loss_change_coherent: the first-order change the batches agree on, ``|mean over
+            batches of sum over rows g_row . e_row|``.
+        loss_change_second_order: the expected second-order change with the empirical
+            Fisher as the curvature, ``mean over batches of (N / 2) * sum over rows
+            (g_row . e_row)^2`` (N: the layer's rows in the batch; the loss is a mean over
+            rows, so each row's gradient carries a 1 / N).
         underflow: the largest fraction, over the three GEMM operands (input, weight,
             grad_output), of nonzero elements the cast flushes to zero.
         saturation: the largest fraction, over the operands, of elements cast to the
@@ -58,6 +62,8 @@ class FormatMeasurement:
     sqnr_grad_input: float
     sqnr_grad_weight: float
     loss_change_estimate: float
+    loss_change_coherent: float
+    loss_change_second_order: float
     underflow: float
     saturation: float
 
@@ -67,6 +73,8 @@ class FormatMeasurement:
             "sqnr_grad_input": self.sqnr_grad_input,
             "sqnr_grad_weight": self.sqnr_grad_weight,
             "loss_change_estimate": self.loss_change_estimate,
+            "loss_change_coherent": self.loss_change_coherent,
+            "loss_change_second_order": self.loss_change_second_order,
             "underflow": self.underflow,
             "saturation": self.saturation,
         }
@@ -229,9 +237,10 @@ def _measure_format(
     convert_to_fp8(low, config, ["0"])
     signal = dict.fromkeys(("output", "grad_input", "grad_weight"), 0.0)
     noise = dict(signal)
-    coherent, incoherent = [], []
+    coherent, second_order = [], []
     for batch, refs in zip(calls, references, strict=True):
         batch_sum = batch_square = 0.0
+        rows_seen = 0
         for (x, g), ref in zip(batch, refs, strict=True):
             got = _run(low[0], x, g)
             count.format_calls[fmt] = count.format_calls.get(fmt, 0) + 1
@@ -243,8 +252,9 @@ def _measure_format(
             rows = (error * g.double()).reshape(-1, error.shape[-1]).sum(-1)
             batch_sum += float(rows.sum())
             batch_square += float(rows.square().sum())
-        coherent.append(batch_sum**2)
-        incoherent.append(batch_square)
+            rows_seen += rows.numel()
+        coherent.append(batch_sum)
+        second_order.append(rows_seen / 2 * batch_square)
     x_all = torch.cat([x.reshape(-1, x.shape[-1]) for batch in calls for x, _ in batch])
     g_all = torch.cat([g.reshape(-1, g.shape[-1]) for batch in calls for _, g in batch])
     weight = layer.weight
@@ -255,7 +265,9 @@ def _measure_format(
         sqnr_output=_db(signal["output"], noise["output"]),
         sqnr_grad_input=_db(signal["grad_input"], noise["grad_input"]),
         sqnr_grad_weight=_db(signal["grad_weight"], noise["grad_weight"]),
-        loss_change_estimate=math.sqrt(max(sum(coherent), sum(incoherent)) / len(calls)),
+        loss_change_estimate=abs(sum(coherent) / len(calls)) + sum(second_order) / len(calls),
+        loss_change_coherent=abs(sum(coherent) / len(calls)),
+        loss_change_second_order=sum(second_order) / len(calls),
         underflow=underflow,
         saturation=saturation,
     )

@@ -1,0 +1,266 @@
+"""``amped tune``'s plan against the best "first N / last M layers in bf16" rule, by training.
+
+For each task, with one format (``--fmt``, default mxfp4) and a loss budget:
+
+1. the per-layer ground truth: one-layer-at-a-time paired A/B runs, 3 seeds
+   (:mod:`tune_ground_truth`; the tiny GPT-2's is read back from its JSON when the
+   settings match);
+2. the tuned plan: ``amped.tune(factory, formats=[fmt], budget=..., steps=..., seeds=3)``'s
+   plan after its own verification and retries (what a user gets), or with
+   ``--measure-only`` its knapsack choice from the measurement alone;
+3. the best rule *by the ground truth*: over every (N, M), lowering layers N .. L-M-1 to
+   ``fmt``, the one quantizing the most GEMM FLOPs whose summed ground-truth loss change
+   is within the budget (ties: the smaller change). This is the rule an engineer with the
+   one-at-a-time runs in hand would pick, a stronger peer than tune's own rule, which is
+   picked by tune's estimate;
+4. both trained over the same seeds, paired with bfloat16-mixed (same weights, same
+   batches): the loss gap per seed, its mean and sample standard deviation.
+
+GEMM FLOPs are counted from the layers' shapes (every layer sees the same rows, so a
+layer's share is in * out over the sum), independently of tune's count.
+
+Tasks: ``gpt2`` (the ground-truth model: a tiny GPT-2 with outlier channels, pretrained
+in bf16, then ``steps`` steps) and ``builtin`` (``amped compare``'s task, its
+:class:`~amped.cli.default_task.TinyGPT` from random init, ``--builtin-steps`` steps).
+
+The built-in task's ground truth is read back from ``--builtin-truth-json`` when there.
+
+Usage:
+    python benchmarks/tune_vs_rule.py [--tasks gpt2,builtin] [--budget-gpt2 0.002]
+                                      [--budget-builtin 0.002] [--measure-only] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import tune_ground_truth as gt
+from torch import nn
+
+import amped
+from amped.cli import default_task
+from amped.fp8.conv1d import linear_dims
+from amped.recipes import PrecisionPlan
+
+
+def shares(model: nn.Module, names: list[str]) -> dict[str, int]:
+    """in * out per layer: its GEMM FLOPs up to the (common) row count."""
+    out = {}
+    for name in names:
+        fan_in, fan_out = linear_dims(model.get_submodule(name))
+        out[name] = fan_in * fan_out
+    return out
+
+
+def best_rule(
+    names: list[str], size: dict[str, int], change: dict[str, float], budget: float
+) -> tuple[dict[str, str], int, int, float]:
+    """The (layers, N, M, summed change) of the rule with the most FLOPs within budget."""
+    best: tuple[int, float, int, int] | None = None
+    count = len(names)
+    for first in range(count + 1):
+        for last in range(count - first + 1):
+            lowered = names[first : count - last]
+            total = sum(change[n] for n in lowered)
+            if total > budget:
+                continue
+            key = (sum(size[n] for n in lowered), -total, -first, -last)
+            if best is None or key > (best[0], -best[1], -best[2], -best[3]):
+                best = (key[0], total, first, last)
+    assert best is not None  # N = count lowers nothing and costs nothing
+    _, total, first, last = best
+    lowered = set(names[first : count - last])
+    return {n: ("fmt" if n in lowered else "bf16") for n in names}, first, last, total
+
+
+class Builtin:
+    """``amped compare``'s built-in task as a factory, with a fixed batch list per seed."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+
+    def __call__(self, seed: int = 0) -> SimpleNamespace:
+        task = default_task.build(seed=seed)
+        data = [next(task.batches) for _ in range(self.steps)]  # type: ignore[call-overload]
+        return SimpleNamespace(
+            model=task.model, batches=data, loss_fn=task.loss_fn, optimizer=task.optimizer
+        )
+
+
+Factory = Callable[..., SimpleNamespace]
+
+
+def train_plan(factory: Factory, plan: PrecisionPlan, seed: int, last_k: int) -> float:
+    """Final loss (mean of the last ``last_k`` steps) of ``plan`` on seed ``seed``."""
+    torch.manual_seed(seed)
+    task = factory(seed)
+    setup = amped.prepare(task.model, task.optimizer(task.model), plan)
+    losses = []
+    for x, y in task.batches:
+        with setup.autocast():
+            loss = task.loss_fn(setup.model(x), y)
+        setup.backward(loss)
+        setup.step()
+        setup.zero_grad()
+        losses.append(loss.item())
+    return statistics.mean(losses[-last_k:])
+
+
+def one_at_a_time(
+    factory: Factory, names: list[str], fmt: str, seeds: tuple[int, ...], last_k: int
+) -> dict[str, dict[str, Any]]:
+    """The paired per-layer ground truth on any factory (as :func:`gt.ground_truth`)."""
+    bf16 = PrecisionPlan("bf16-mixed", dict.fromkeys(names, "bf16"))
+    base = {s: train_plan(factory, bf16, s, last_k) for s in seeds}
+    truth = {}
+    for name in names:
+        plan = PrecisionPlan("bf16-mixed", {n: fmt if n == name else "bf16" for n in names})
+        diffs = [train_plan(factory, plan, s, last_k) - base[s] for s in seeds]
+        truth[name] = {"mean": statistics.mean(diffs), "spread": statistics.stdev(diffs),
+                       "per_seed": diffs}  # fmt: skip
+        print(f"  {name:34} {truth[name]['mean']:+.5f} +- {truth[name]['spread']:.5f}", flush=True)
+    return truth
+
+
+def tuned(
+    factory: Factory, fmt: str, budget: float, seeds: tuple[int, ...], verify_steps: int | None
+) -> Any:
+    """``amped.tune``'s result. ``verify_steps`` None: its choice from the measurement alone
+    (a 1-step, 1-seed verification, no retries); else its full verification over ``seeds``
+    with its default retries, so the plan is the one a user gets."""
+    if verify_steps is None:
+        return amped.tune(
+            factory, formats=[fmt], steps=1, seeds=1, seed=seeds[0], budget=budget, retries=0
+        )
+    return amped.tune(
+        factory, formats=[fmt], steps=verify_steps, seeds=len(seeds), seed=seeds[0],
+        budget=budget,
+    )  # fmt: skip
+
+
+def compare(
+    name: str,
+    factory: Factory,
+    truth: dict[str, dict[str, Any]] | None,
+    fmt: str,
+    budget: float,
+    seeds: tuple[int, ...],
+    last_k: int,
+    verify_steps: int | None = None,
+) -> dict[str, Any]:
+    """Tune, pick the best ground-truth rule, train both against bf16-mixed."""
+    result = tuned(factory, fmt, budget, seeds, verify_steps)
+    names = [m.name for m in result.measurements]
+    torch.manual_seed(seeds[0])
+    size = shares(factory(seeds[0]).model, names)
+    if truth is None:
+        truth = one_at_a_time(factory, names, fmt, seeds, last_k)
+    change = {n: truth[n]["mean"] for n in names}
+    rule_layers, first, last, _ = best_rule(names, size, change, budget)
+    rule_layers = {n: (fmt if f == "fmt" else "bf16") for n, f in rule_layers.items()}
+    plans = {
+        "bf16-mixed": PrecisionPlan("bf16-mixed", dict.fromkeys(names, "bf16")),
+        "tuned": result.plan,
+        "rule": PrecisionPlan("bf16-mixed", rule_layers),
+    }
+    finals = {k: [train_plan(factory, p, s, last_k) for s in seeds] for k, p in plans.items()}
+    total = sum(size.values())
+    out: dict[str, Any] = {"budget": budget, "format": fmt, "layers": names, "truth": truth,
+                           "rule_first": first, "rule_last": last,
+                           "verify_steps": verify_steps}  # fmt: skip
+    mode = "measurement only" if verify_steps is None else f"verified, {verify_steps} steps"
+    print(f"\n{name}: {fmt}, budget {budget}, seeds {list(seeds)}, tune {mode}")
+    print("| arm | lowered | GEMM FLOPs lowered | truth sum | loss gap (mean +- std) | seeds |")
+    print("|---|---|---|---|---|---|")
+    for arm in ("tuned", "rule"):
+        lowered = [n for n, f in plans[arm].layers.items() if f != "bf16"]
+        gaps = [a - b for a, b in zip(finals[arm], finals["bf16-mixed"], strict=True)]
+        frac = sum(size[n] for n in lowered) / total
+        summed = sum(change[n] for n in lowered)
+        out[arm] = {"lowered": lowered, "flops_fraction": frac, "truth_sum": summed,
+                    "gaps": gaps, "gap_mean": statistics.mean(gaps),
+                    "gap_std": statistics.stdev(gaps)}  # fmt: skip
+        label = f"rule (N={first}, M={last})" if arm == "rule" else "tuned"
+        print(f"| {label} | {len(lowered)}/{len(names)} | {frac:.1%} | {summed:+.5f} | "
+              f"{out[arm]['gap_mean']:+.5f} +- {out[arm]['gap_std']:.5f} | "
+              f"{', '.join(f'{g:+.5f}' for g in gaps)} |")  # fmt: skip
+    out["bf16_final"] = finals["bf16-mixed"]
+    out["tune_rule"] = {"layers": result.rule.layers, "estimate": result.rule.estimate}
+    out["tune_estimates"] = {
+        m.name: m.formats[fmt].loss_change_estimate for m in result.measurements
+    }
+    out["tune_passed"] = result.passed
+    out["tune_rounds"] = result.rounds
+    return out
+
+
+def _saved_truth(path: Path, task: str, fmt: str, check: dict[str, Any]) -> Any:
+    """A ground truth saved earlier for this task and format, if its settings match."""
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    if task == "gpt2":
+        settings = data.get("settings", {})
+        same = settings.get("fmt") == fmt and settings.get("outliers") == check
+        return data["ground_truth"] if same else None
+    entry = data.get(task, {})
+    return entry.get("truth") if entry.get("format") == fmt else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tasks", default="gpt2,builtin")
+    parser.add_argument("--fmt", default="mxfp4")
+    parser.add_argument("--budget-gpt2", type=float, default=0.002)
+    parser.add_argument("--budget-builtin", type=float, default=0.002)
+    parser.add_argument("--builtin-steps", type=int, default=100)
+    parser.add_argument("--truth-json", default="benchmarks/results/tune_ground_truth.json")
+    parser.add_argument(
+        "--builtin-truth-json", default="benchmarks/results/tune_vs_rule_builtin_0.005.json"
+    )
+    parser.add_argument(
+        "--measure-only", action="store_true",
+        help="the tuned plan from tune's measurement alone (no verification, no retries)",
+    )  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", default="benchmarks/results/tune_vs_rule.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    cpu = platform.processor() or platform.machine()
+    print(f"torch {torch.__version__}, {cpu}, threads {args.threads}, load {os.getloadavg()}")
+    began = time.perf_counter()
+    results: dict[str, Any] = {}
+    s = gt.Settings(fmt=args.fmt)
+    for task in args.tasks.split(","):
+        if task == "gpt2":
+            truth = _saved_truth(Path(args.truth_json), task, s.fmt, s.outliers)
+            verify = None if args.measure_only else s.steps
+            results[task] = compare(task, gt.factory(s), truth, s.fmt, args.budget_gpt2,
+                                    s.seeds, s.last_k, verify)  # fmt: skip
+        else:
+            truth = _saved_truth(Path(args.builtin_truth_json), task, args.fmt, {})
+            verify = None if args.measure_only else args.builtin_steps
+            results[task] = compare(task, Builtin(args.builtin_steps), truth, args.fmt,
+                                    args.budget_builtin, (0, 1, 2), 10, verify)  # fmt: skip
+    seconds = time.perf_counter() - began
+    results["machine"] = {"cpu": cpu, "threads": args.threads, "load_after": os.getloadavg(),
+                          "seconds": seconds}  # fmt: skip
+    print(f"\n{seconds:.0f} s; load {os.getloadavg()}")
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

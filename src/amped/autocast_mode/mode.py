@@ -161,8 +161,15 @@ class AutocastMode(TorchFunctionMode):
             return transparent.run_transparently(
                 self, self.running, func, types, args, kwargs or _EMPTY
             )
+        return self.call_unlisted(func, args, kwargs or _EMPTY)
+
+    def call_unlisted(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Run a call no policy lists: plainly, or with torch's C++ autocast kept out
+        where this region excludes it (``"low"`` rules, no torch alongside)."""
         if self.exclude_unlisted:
-            return call_without_torch_autocast(self.device_types, func, args, kwargs or _EMPTY)
+            return call_without_torch_autocast(self.device_types, func, args, kwargs)
         if kwargs:
             return func(*args, **kwargs)
         return func(*args)

@@ -101,9 +101,10 @@ def _run_traced(
     # clone, whose checks are off, with the mode entered again as a context manager.
     if func in SUPER_FORWARDERS:
         # Eagerly only its super() call comes back to the mode, as an unlisted op; here
-        # the mode is off while it handles a call, so the method is that op directly.
+        # the mode is off while it handles a call, so the method is that op directly
+        # (run as unlisted, not looked up in the rules: Dynamo cannot hash a bound method).
         method = getattr(args[0], func.__name__)
-        return mode.__torch_function__(method, (), args[1:], kwargs)
+        return mode.call_unlisted(method, args[1:], kwargs)
     if targets.is_python_op(func):  # an @amped.autocast_op no rule names: its own body
         with mode:
             return cast(Any, func).__wrapped__(*args, **kwargs)

@@ -162,3 +162,20 @@ def test_first_non_finite_names_the_users_source_line(recipe):
     assert rest.endswith(
         "(hidden = self.second(hidden).relu()  # the line the report must point at)"
     )
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-rowwise", "mxfp8", "nvfp4"])
+def test_nonfinite_counter_counts_each_inf_and_nan_of_a_sampled_step(recipe):
+    # The counter reads each operand and the output once (x * 0 is NaN exactly at an
+    # inf or NaN): the input's planted ones plus those the output holds.
+    setup, health = _setup(recipe, every=1)
+    outputs = []
+    setup.model[0].register_forward_hook(lambda _m, _i, out: outputs.append(out.detach()))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    x[3, 5], x[7, 9], x[8, 1] = math.inf, -math.inf, math.nan
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        assert not _step(setup, x)
+    forward = health.read()["0"]["forward"]
+    in_output = int((~torch.isfinite(outputs[0])).sum())
+    assert in_output > 0 and forward["nonfinite"] == 3 + in_output
+    assert math.isnan(forward["amax"]) or math.isinf(forward["amax"])

@@ -37,12 +37,13 @@ import argparse
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from amped.cli.environment import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL_KINDS = {"listed op": "listed op (F.linear)", "untouched op": "untouched op (torch.add)"}
@@ -92,17 +93,6 @@ def flatten(figures: dict) -> dict[tuple[str, str], float]:
         for side, value in ratios.items():
             flat[(f"step {model}", side)] = value
     return flat
-
-
-def cpu_name() -> str:
-    """The CPU's model name (``lscpu``'s), where Linux gives it."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -35,6 +34,7 @@ import torch
 import torch.nn as nn
 
 import amped
+from amped.cli.environment import cpu_name
 
 RECIPES = ("fp8-tensorwise", "fp8-rowwise", "mxfp8", "mxfp4", "nvfp4")
 
@@ -45,17 +45,6 @@ def stack(dim: int, layers: int) -> nn.Sequential:
     for _ in range(layers):
         blocks += [nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim)]
     return nn.Sequential(*blocks, nn.Linear(dim, 16))
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def stepper(

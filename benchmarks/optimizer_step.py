@@ -43,12 +43,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 
 import torch
 
+from amped.cli.environment import cpu_name
 from amped.recipes import CompensatedAdamW, CompensatedSGD, MasterWeightOptimizer
 from amped.recipes.adamw8bit import CompensatedAdamW8bit
 
@@ -164,17 +164,6 @@ def time_ratios(steps: dict[str, Callable[[], object]], repeats: int, warmup: in
         for name in names[1:]
     }
     return statistics.median(base), ratios
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown CPU (no lscpu)"
-    for line in out.splitlines():
-        if line.startswith("Model name:"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> None:

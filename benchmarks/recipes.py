@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -65,6 +64,7 @@ from device_sync import synchronize
 
 import amped
 from amped._internal.jsonio import to_json
+from amped.cli.environment import cpu_name
 
 BATCH, SEQ = 4, 32
 MEMORY_RECIPES = ("fp32", "bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
@@ -349,17 +349,6 @@ def print_ratios(
         f"  weight casts in the O1 step: {casts:.1%} of it; skipping them alone gives "
         f"{1 - casts:.3f} (the fused O2 step also beats torch's per-tensor AdamW)"
     )
-
-
-def cpu_name() -> str:
-    """The CPU's model name (Linux: /proc/cpuinfo), else what platform says."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def load() -> str:

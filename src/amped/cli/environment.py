@@ -13,7 +13,7 @@ import torch
 import amped
 from amped.cli.errors import UsageError
 
-__all__ = ["default_device", "describe", "resolve_device", "synchronize"]
+__all__ = ["cpu_name", "default_device", "describe", "resolve_device", "synchronize"]
 
 # /proc/cpuinfo flags of native low-precision matmul units; without them torch emulates
 # bf16/fp16 through float32, which is why low precision can be slower than float32.
@@ -81,7 +81,7 @@ def describe(device: torch.device) -> dict[str, Any]:
         "amped": amped.__version__,
         "platform": platform.platform(),
         "device": str(device),
-        "cpu": _cpu_name(),
+        "cpu": cpu_name(),
         "cpu_capability": _cpu_capability(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -109,7 +109,9 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
+    """The CPU's model name (Linux: /proc/cpuinfo), else what platform says (also
+    for the benchmarks, which print it beside every figure)."""
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         for line in cpuinfo.read_text(errors="replace").splitlines():

@@ -287,6 +287,35 @@ def cpu_scaled_mm_takes_rowwise() -> bool:
     return torch_at_least(2, 12)
 
 
+# A tensor subclass that behaves exactly as a plain tensor (every op's result a plain
+# tensor), as nn.Parameter does: torch's own marker for "no __torch_function__ logic".
+DISABLED_TORCH_FUNCTION: Any = torch._C._disabled_torch_function_impl
+
+
+def make_wrapper_subclass(
+    cls: type, shape: torch.Size, stride: tuple[int, ...], dtype: torch.dtype, device: Any
+) -> Any:
+    """A tensor of class ``cls`` with this metadata and no storage of its own (its
+    ``__torch_dispatch__`` computes on tensors it holds): how torch's and torchao's
+    tensor subclasses are made; underscore-named, with no public equivalent."""
+    return torch.Tensor._make_wrapper_subclass(
+        cls, shape, strides=stride, dtype=dtype, device=device, requires_grad=False
+    )
+
+
+def dtensor_local(dtensor: torch.Tensor) -> torch.Tensor:
+    """The local tensor object a DTensor holds (``to_local()`` of a parameter returns a
+    new view of it, which does not tell its class)."""
+    return dtensor._local_tensor  # type: ignore[attr-defined]
+
+
+def set_dtensor_local(dtensor: torch.Tensor, local: torch.Tensor) -> None:
+    """Make ``local`` (same shape, strides and storage) the local tensor of ``dtensor``,
+    in place: FSDP2 reads a shard's all-gather hooks from that object
+    (``DTensor._local_tensor``), and does the same assignment itself."""
+    dtensor._local_tensor = local  # type: ignore[attr-defined]
+
+
 # --- recipes ---
 # torch's multi-tensor ops (what torch.optim's foreach paths use; public in effect but
 # underscore-named): one call copies or adds a list of tensors, where a Python loop
@@ -367,7 +396,8 @@ def track_step_for_scheduler(
 
 def fsdp_reset_sharded_params(module: torch.nn.Module) -> None:
     """Make FSDP2's ``fully_shard(module)`` take up parameters swapped in after sharding
-    with a new dtype: what ``FSDPModule._apply`` does after ``module.to(dtype)``, for the
+    with a new dtype or all-gather hooks (``fsdp_pre_all_gather``): what
+    ``FSDPModule._apply`` does after ``module.to(dtype)``, for the
     parameters of its own groups, plus what ``_apply`` leaves stale once the module has
     run (its dtypes, read at its first forward, and its all-gather buffers, made then).
     Call it between steps (the parameters resharded)."""
@@ -379,6 +409,7 @@ def fsdp_reset_sharded_params(module: torch.nn.Module) -> None:
         for group in groups:
             for fsdp_param in group.fsdp_params:
                 fsdp_param.reset_sharded_param()
+                fsdp_param._init_extensions()  # all-gather hooks of a new local tensor
                 fsdp_param.all_gather_outputs = []
                 if hasattr(fsdp_param, "_unsharded_param"):
                     del fsdp_param._unsharded_param

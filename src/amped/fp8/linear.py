@@ -36,6 +36,7 @@ from amped.fp8.delayed import (
     propagate_nonfinite,
     reduce_max,
 )
+from amped.fp8.fsdp_wire import gathered_fp8
 from amped.fp8.gemm import has_scaled_mm, scaled_mm
 from amped.fp8.health import Operand, record_gemm
 
@@ -50,7 +51,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
         cfg = layer.fp8_config
         x2 = x.reshape(-1, x.shape[-1])
         xq = layer.fp8_cast(x2, cfg.input, INPUT, dim=-1)
-        wq = layer.fp8_cast(weight, cfg.weight, WEIGHT, dim=-1)
+        wq = gathered_fp8(weight)  # FSDP2 all-gathered it cast already (amped.fp8.fsdp_wire)
+        if wq is None:
+            wq = layer.fp8_cast(weight, cfg.weight, WEIGHT, dim=-1)
         out = scaled_mm(
             xq, wq.t(), x.dtype, emulate=layer.fp8_emulate, use_fast_accum=cfg.fast_accum_output
         )
@@ -178,27 +181,35 @@ class Float8Linear(torch.nn.Linear):
         return self.fp8_config.delayed
 
     def fp8_cast(self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int) -> Fp8Tensor:
-        """Quantize ``x`` by ``rule``: dynamically, or with the delayed scale of ``role``.
+        """Quantize ``x`` by ``rule``: dynamically, or with the delayed scale of ``role``
+        (:meth:`fp8_delayed_scale`)."""
+        if self.fp8_config.delayed is None or role is None:
+            return quantize(x, rule.dtype, rule.granularity, dim, self.fp8_config.power_of_2)
+        scale = self.fp8_delayed_scale(amax_of(x).to(torch.float32), role)
+        return Fp8Tensor(cast_saturated(x, scale, rule.dtype), scale)
 
-        Under delayed scaling, in training mode, the amax of ``x`` is recorded for the
-        next update; a layer in eval mode casts with the current scales and records nothing.
+    @torch.no_grad()
+    def fp8_delayed_scale(
+        self, amax: torch.Tensor, role: int, reduced: bool = False
+    ) -> torch.Tensor:
+        """The delayed scale tensor ``role`` casts with, given its float32 ``amax`` now
+        (``reduced``: already the maximum over the ranks, as an FSDP2 shard's is).
+
+        In training mode the amax is recorded for the next update; a layer in eval mode
+        casts with the current scales and records nothing.
         """
         delayed = self.fp8_config.delayed
-        if delayed is None or role is None:
-            return quantize(x, rule.dtype, rule.granularity, dim, self.fp8_config.power_of_2)
-        amax = amax_of(x).to(torch.float32)
-        with torch.no_grad():
-            if self.training:  # evaluation does not feed the history
-                if self.fp8_pending.device != amax.device:  # the model moved
-                    self.fp8_pending = self.fp8_pending.to(amax.device)
-                self.fp8_pending[role] = torch.maximum(self.fp8_pending[role], amax)
-            if self.fp8_started:
-                scale = self.fp8_scale[role]
-            else:  # first step: this tensor's own amax, the same on every rank
-                amax = reduce_max(amax.clone())
-                scale = next_scale(amax, self.fp8_max[role], self.fp8_scale[role], delayed.margin)
-            scale = propagate_nonfinite(scale, amax)
-        return Fp8Tensor(cast_saturated(x, scale, rule.dtype), scale)
+        assert delayed is not None  # fp8_cast and the FSDP2 wire call it for delayed only
+        if self.training:  # evaluation does not feed the history
+            if self.fp8_pending.device != amax.device:  # the model moved
+                self.fp8_pending = self.fp8_pending.to(amax.device)
+            self.fp8_pending[role] = torch.maximum(self.fp8_pending[role], amax)
+        if self.fp8_started:
+            scale = self.fp8_scale[role]
+        else:  # first step: this tensor's own amax, the same on every rank
+            amax = amax if reduced else reduce_max(amax.clone())
+            scale = next_scale(amax, self.fp8_max[role], self.fp8_scale[role], delayed.margin)
+        return propagate_nonfinite(scale, amax)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return linear_forward(self, _Fp8LinearFunction, input)

@@ -34,6 +34,7 @@ from amped.fp8.block_config import BlockConfig
 from amped.fp8.block_linear import BlockLinear
 from amped.fp8.convert import Fp8Layers, LowPrecisionConfig, ModuleFilter, plan_fp8
 from amped.policy import Policy
+from amped.recipes.fp8_wire import install_fp8_wire
 from amped.recipes.registry import Recipe, register, resolve_recipe
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import require_float32, ruled_modules
@@ -251,6 +252,7 @@ class Fp8Plan:
             names = plan_fp8(model, self.module_filter, keep, self.config)
             converted = convert_to_fp8(model, self.config, names)
         setup.fp8_layers = converted
+        install_fp8_wire(setup.model, converted)  # FSDP2: FP8 weights on the wire
         setup.fp8_base = self.base.name
         setup.recipe = dataclasses.replace(
             self.recipe, weights=self.base.weights, compensation=self.base.compensation

@@ -27,6 +27,8 @@ from torch.utils.hooks import RemovableHandle
 from amped._internal.errors import value_error
 from amped._internal.torch_compat import BATCH_NORM_BASE, fsdp_reset_sharded_params
 from amped._internal.trees import map_tensors
+from amped.fp8.block_linear import BlockLinear
+from amped.fp8.linear import Float8Linear
 from amped.policy import ModuleRule, Policy
 from amped.recipes.shards import fsdp_modules, is_sharded
 
@@ -54,6 +56,12 @@ _TORCH_NORMS: tuple[type[torch.nn.Module], ...] = (
     torch.nn.GroupNorm,
     torch.nn.RMSNorm,
 )
+
+
+# Low-precision layers converted before prepare (FSDP2 asks for that order) hold
+# delayed scaling's amax histories and scales as float32 buffers: state of the casts,
+# not of the model, kept in float32 whatever the weights are.
+_SCALING_LAYERS = (Float8Linear, BlockLinear)
 
 
 def require_float32(model: torch.nn.Module, why: str) -> None:
@@ -155,6 +163,8 @@ def lower_(
             for param in module.parameters(recurse=False):
                 if param.dtype is torch.float32 and param not in originals:
                     originals[param] = _lower_param_(param, dtype)
+            if isinstance(module, _SCALING_LAYERS):
+                continue  # their buffers are cast scales and amaxes, float32 by rule
             for key, buf in module.named_buffers(recurse=False):
                 if buf is not None and buf.dtype is torch.float32:
                     lowered = buf.to(dtype)

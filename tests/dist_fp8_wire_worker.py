@@ -1,0 +1,231 @@
+"""One rank of the FP8-on-the-wire tests (run by tests/test_fsdp2_fp8_wire.py through
+dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
+
+- ``equal/RECIPE/BASE``: the FP8 recipe on a ``fully_shard`` model whose weights have
+  33, 50 and 1 rows (17/16, 25/25 and 1/0 on 2 ranks), every rank on the same global
+  batch, against one process (on every rank) without FSDP2: parameters, losses, delayed
+  scaling's buffers, and which layers all-gathered FP8.
+- ``wire/RECIPE``: the bytes and dtype of each ``dist.all_gather_single`` input in one
+  training step, FP8 recipes and, as the bf16 and float32 wires, ``bf16-pure`` and
+  ``bf16-mixed`` on the same model.
+- ``dcp/RECIPE``: weights and optimizer state saved with torch.distributed.checkpoint
+  after 2 steps, loaded into a fresh setup, then both trained on.
+- ``rowwise``: ``fp8-rowwise`` on FSDP2: the warning ``prepare`` gives, the wire's
+  dtype, and the parameters against one process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import fully_shard
+
+import amped
+from amped.fp8 import FP8_CONFIGS, convert_to_fp8
+from amped.recipes.fp8_wire import wire_layers
+
+STEPS = 4
+BATCH, IN = 16, 64
+LINEARS = ("0", "3", "5")
+
+
+def net() -> nn.Sequential:
+    """Linear layers of 33, 50 and 1 output rows: uneven shards on 2 ranks, the last one
+    empty on rank 1. No biases on them, so each layer's all-gather is its weight alone."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(IN, 33, bias=False),
+        nn.GELU(),
+        nn.LayerNorm(33),
+        nn.Linear(33, 50, bias=False),
+        nn.GELU(),
+        nn.Linear(50, 1, bias=False),
+    )
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, IN, generator=generator), torch.randn(BATCH, 1, generator=generator)
+
+
+def prepared(recipe: str, base: str, sharded: bool) -> amped.TrainSetup:
+    """``recipe`` on ``base``; under FSDP2 the Linear layers are converted first, then
+    each one and the root ``fully_shard``ed."""
+    model = net()
+    if sharded:
+        if recipe.startswith("fp8-"):
+            config = FP8_CONFIGS[recipe.removeprefix("fp8-")]
+            convert_to_fp8(model, config, list(LINEARS))
+        for name in LINEARS:
+            fully_shard(model.get_submodule(name))
+        fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if not recipe.startswith("fp8-"):
+        return amped.prepare(model, optimizer, recipe)
+    setup = amped.prepare(model, optimizer, recipe, base=base, module_filter=lambda m, n: True)
+    if hasattr(setup.optimizer, "fused"):
+        setup.optimizer.fused = False  # the eager step on both sides
+    return setup
+
+
+def train(setup: amped.TrainSetup, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        with setup.autocast():
+            loss = F.mse_loss(setup.model(x).float(), y)
+        setup.backward(loss)
+        setup.step()
+        setup.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    value = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return value.detach().clone()
+
+
+def record(setup: amped.TrainSetup, losses: list[float]) -> dict[str, Any]:
+    model = setup.model
+    return {
+        "losses": losses,
+        "params": {n: whole(p) for n, p in model.named_parameters()},
+        "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
+        "wire_layers": wire_layers(model),
+    }
+
+
+def equal(recipe: str, base: str) -> dict[str, Any]:
+    setup = prepared(recipe, base, sharded=True)
+    out = record(setup, train(setup, range(STEPS)))
+    out["rows"] = {n: p.to_local().shape[0] for n, p in setup.model.named_parameters()}
+    # Every rank runs the control: delayed scaling's first step all-reduces its amaxes
+    # whenever a process group is up, sharded or not.
+    control = prepared(recipe, base, sharded=False)
+    out["control"] = record(control, train(control, range(STEPS)))
+    return out
+
+
+class GatherCounter:
+    """Records the bytes and dtype of each ``dist.all_gather_single`` input while active."""
+
+    def __enter__(self) -> GatherCounter:
+        self.calls: list[tuple[int, str]] = []
+        self._original = dist.all_gather_single
+
+        def counted(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.calls.append((input.numel() * input.element_size(), str(input.dtype)))
+            return self._original(output, input, *args, **kwargs)
+
+        dist.all_gather_single = counted  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_gather_single = self._original  # type: ignore[assignment]
+
+
+def wire(recipe: str, base: str) -> list[tuple[int, str]]:
+    setup = prepared(recipe, base, sharded=True)
+    train(setup, range(1))  # the first step sets FSDP2 up; count the second
+    with GatherCounter() as counter:
+        train(setup, range(1, 2))
+    return counter.calls
+
+
+def local_state(setup: amped.TrainSetup) -> dict[str, Any]:
+    out = {}
+    for name, param in setup.model.named_parameters():
+        state = setup.optimizer.state[param]
+        out[name] = {"weight": param.to_local().clone()}
+        for key, value in state.items():
+            out[name][key] = value.to_local().clone() if torch.is_tensor(value) else value
+    return out
+
+
+def checkpointed(recipe: str, base: str, folder: Path) -> dict[str, Any]:
+    setup = prepared(recipe, base, sharded=True)
+    train(setup, range(2))
+    model_state, optim_state = get_state_dict(setup.model, setup.optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(folder))
+    saved = local_state(setup)
+    after = train(setup, range(2, STEPS))
+
+    fresh = prepared(recipe, base, sharded=True)
+    model_state, optim_state = get_state_dict(fresh.model, fresh.optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(
+        fresh.model,
+        fresh.optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optim"],
+    )
+    loaded = local_state(fresh)
+    with GatherCounter() as counter:
+        resumed = train(fresh, range(2, STEPS))
+    return {
+        "saved": saved,
+        "loaded": loaded,
+        "losses": after,
+        "resumed_losses": resumed,
+        "params": {n: whole(p) for n, p in setup.model.named_parameters()},
+        "resumed_params": {n: whole(p) for n, p in fresh.model.named_parameters()},
+        "resumed_wire": counter.calls,
+        "wire_layers": wire_layers(fresh.model),
+    }
+
+
+def rowwise() -> dict[str, Any]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        setup = prepared("fp8-rowwise", "bf16-pure", sharded=True)
+    with GatherCounter() as counter:
+        out = record(setup, train(setup, range(STEPS)))
+    out["warnings"] = [str(w.message) for w in caught if w.category is UserWarning]
+    out["wire"] = counter.calls
+    control = prepared("fp8-rowwise", "bf16-pure", sharded=False)
+    out["control"] = record(control, train(control, range(STEPS)))
+    return out
+
+
+FP8 = ("fp8-tensorwise", "fp8-delayed")
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    timeout = datetime.timedelta(seconds=float(os.environ["AMPED_COLLECTIVE_TIMEOUT_S"]))
+    dist.init_process_group("gloo", timeout=timeout)
+    try:
+        results: dict[str, Any] = {}
+        for recipe in FP8:
+            for base in ("bf16-pure", "bf16-mixed"):
+                results[f"equal/{recipe}/{base}"] = equal(recipe, base)
+            results[f"dcp/{recipe}"] = checkpointed(recipe, "bf16-pure", out / f"dcp-{recipe}")
+        for recipe in (*FP8, "bf16-pure", "bf16-mixed"):
+            results[f"wire/{recipe}"] = wire(recipe, "bf16-pure")
+        results["wire/fp8-tensorwise/bf16-mixed"] = wire("fp8-tensorwise", "bf16-mixed")
+        results["rowwise"] = rowwise()
+        torch.save(results, out / f"rank{rank}.pt")
+        # Every rank reaches this point before any tears its group down (see
+        # tests/dist_fsdp_worker.py).
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

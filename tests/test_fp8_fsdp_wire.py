@@ -189,3 +189,21 @@ def test_other_recipes_keep_their_dtype_on_the_wire_and_say_why(recipe):
         assert len(messages) == 1 and "Received: layers=['0']" in messages[0]
         assert wire_layers(model) == []
         _train(setup, 1)
+
+
+def test_a_conv1d_layer_uses_its_gathered_weight_transposed():
+    """transformers' Conv1D stores its weight ``[in, out]`` (FSDP2 shards the input
+    features); the layer takes the gathered weight's transpose, still FP8."""
+    conv1d = pytest.importorskip("transformers.pytorch_utils").Conv1D
+    torch.manual_seed(0)
+    plain = conv1d(12, 16).to(torch.bfloat16)  # 16 in, 12 out
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    reference = Float8Linear.convert_(plain, FP8_CONFIGS["tensorwise"])
+    expected = reference(x)
+    layer = Float8Linear.convert_(conv1d(12, 16).to(torch.bfloat16), FP8_CONFIGS["tensorwise"])
+    layer.weight = nn.Parameter(_gathered(plain.weight.detach()))
+    layer.bias = nn.Parameter(plain.bias.detach().clone())
+    out = layer(x)
+    out.float().sum().backward()
+    assert torch.equal(out, expected)
+    assert layer.weight.grad.shape == (16, 12) and layer.weight.grad.dtype is torch.bfloat16

@@ -12,6 +12,8 @@ dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
   after 2 steps, loaded into a fresh setup, then both trained on.
 - ``rowwise``: ``fp8-rowwise`` on FSDP2: the warning ``prepare`` gives, the wire's
   dtype, and the parameters against one process.
+- ``mixed``: ``fp8-tensorwise`` on float32 shards all-gathered as bfloat16 by a
+  ``MixedPrecisionPolicy``, with the FP8 wire and with it taken away (the control).
 """
 
 from __future__ import annotations
@@ -29,11 +31,17 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import amped
+from amped._internal.torch_compat import (
+    dtensor_local,
+    fsdp_reset_sharded_params,
+    set_dtensor_local,
+)
 from amped.fp8 import FP8_CONFIGS, convert_to_fp8
 from amped.recipes.fp8_wire import wire_layers
+from amped.recipes.shards import fsdp_modules
 
 STEPS = 4
 BATCH, IN = 16, 64
@@ -187,6 +195,38 @@ def checkpointed(recipe: str, base: str, folder: Path) -> dict[str, Any]:
     }
 
 
+def without_wire(model: nn.Module) -> None:
+    """Give each sharded weight a plain local tensor again (the same storage), so that
+    FSDP2 all-gathers it in its own dtype: the control of the ``mixed`` scenario."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is not None and hasattr(weight, "to_local"):
+            local = dtensor_local(weight)
+            set_dtensor_local(weight, local.as_subclass(torch.Tensor))
+    for module in fsdp_modules(model):
+        fsdp_reset_sharded_params(module)
+
+
+def mixed(wire: bool) -> dict[str, Any]:
+    """fp8-tensorwise on float32 shards that FSDP2 all-gathers as bfloat16
+    (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``): with the FP8 wire, and, as the
+    control, all-gathering bfloat16 and casting the gathered weight in the layer."""
+    model = net()
+    convert_to_fp8(model, FP8_CONFIGS["tensorwise"], list(LINEARS))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for name in LINEARS:
+        fully_shard(model.get_submodule(name), mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    setup = amped.prepare(model, optimizer, "fp8-tensorwise", module_filter=lambda m, n: True)
+    if not wire:
+        without_wire(model)
+    with GatherCounter() as counter:
+        out = record(setup, train(setup, range(STEPS)))
+    out["wire"] = counter.calls
+    return out
+
+
 def rowwise() -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -219,6 +259,7 @@ def main() -> None:
             results[f"wire/{recipe}"] = wire(recipe, "bf16-pure")
         results["wire/fp8-tensorwise/bf16-mixed"] = wire("fp8-tensorwise", "bf16-mixed")
         results["rowwise"] = rowwise()
+        results["mixed"] = {"wire": mixed(wire=True), "control": mixed(wire=False)}
         torch.save(results, out / f"rank{rank}.pt")
         # Every rank reaches this point before any tears its group down (see
         # tests/dist_fsdp_worker.py).

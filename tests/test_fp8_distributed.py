@@ -154,3 +154,19 @@ def test_rowwise_keeps_bfloat16_on_the_wire_says_why_and_matches_one_process(wir
         assert run["wire_layers"] == []
         assert {d for _, d in run["wire"]} == {"torch.bfloat16"}
         assert _differing(run["params"], run["control"]["params"]) == []
+
+
+def test_under_a_mixed_precision_policy_the_wire_casts_what_the_layer_would_have(wire_ranks):
+    """float32 shards that FSDP2 all-gathers as bfloat16: the wire casts the bfloat16
+    value of the weight, so it trains as FSDP2 without the wire (all-gathering bfloat16
+    and casting in the layer), bit for bit, on half the bytes."""
+    for rank in wire_ranks:
+        wire, control = rank["mixed"]["wire"], rank["mixed"]["control"]
+        assert wire["wire_layers"] == WIRE_LAYERS and control["wire_layers"] == []
+        assert _differing(wire["params"], control["params"]) == []
+        assert wire["losses"] == control["losses"]
+        for (fp8_bytes, fp8_dtype), (bf16_bytes, bf16_dtype) in _pairs(
+            wire["wire"], control["wire"]
+        ):
+            assert bf16_dtype == "torch.bfloat16"
+            assert (2 if fp8_dtype == "torch.uint8" else 1) * fp8_bytes == bf16_bytes

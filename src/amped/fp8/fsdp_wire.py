@@ -102,14 +102,17 @@ class WireShard(torch.Tensor):
         layer: Any = module  # a Float8Linear (not imported: it imports this module)
         config: Fp8Config = layer.fp8_config
         dtype = config.weight.dtype
-        amax = global_amax(self, mesh.get_group())
+        # Under a MixedPrecisionPolicy the layer would have cast the weight in param_dtype.
+        param_dtype = getattr(mp_policy, "param_dtype", None)
+        shard = self if param_dtype in (None, self.dtype) else self.to(param_dtype)
+        amax = global_amax(shard, mesh.get_group())
         if config.delayed is None:
             scale = amax_to_scale(amax, dtype, config.power_of_2)
         else:
             scale = layer.fp8_delayed_scale(amax, _WEIGHT, reduced=True)
         rows = -(-outer_size[0] // mesh.size())
         wire = torch.zeros((rows, *self.shape[1:]), dtype=torch.uint8, device=self.device)
-        wire[: self.shape[0]] = cast_saturated(self, scale, dtype).view(torch.uint8)
+        wire[: self.shape[0]] = cast_saturated(shard, scale, dtype).view(torch.uint8)
         return (wire,), (scale, dtype)
 
     def fsdp_post_all_gather(

@@ -71,8 +71,7 @@ def wire_refusal(config: Fp8Config) -> str | None:
 def global_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """The largest magnitude over every rank's ``shard`` (float32 scalar; NaN if any rank
     holds a NaN, as ``max`` over the whole tensor gives). One all-reduce of 2 numbers."""
-    local = shard.abs().max().to(torch.float32) if shard.numel() else shard.new_zeros(())
-    local = local.to(torch.float32)
+    local = (shard.abs().max() if shard.numel() else shard.new_zeros(())).to(torch.float32)
     isnan = torch.isnan(local)
     both = torch.stack([torch.where(isnan, torch.inf, local), isnan.to(torch.float32)])
     dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
@@ -98,7 +97,8 @@ class WireShard(torch.Tensor):
         mp_policy: Any,
     ) -> tuple[tuple[torch.Tensor, ...], Any]:
         """This rank's rows cast to FP8 with the whole weight's scale, padded to FSDP2's
-        shard size and sent as bytes (gloo and NCCL all-gather uint8 everywhere)."""
+        shard size and sent as bytes (uint8: every backend all-gathers it, and FSDP2
+        packs the group's other parameters beside it as bytes too)."""
         layer: Any = module  # a Float8Linear (not imported: it imports this module)
         config: Fp8Config = layer.fp8_config
         dtype = config.weight.dtype

@@ -1,4 +1,4 @@
-"""One rank of the FP8-on-the-wire tests (run by tests/test_fsdp2_fp8_wire.py through
+"""One rank of the FP8-on-the-wire tests (run by tests/test_fp8_distributed.py through
 dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
 
 - ``equal/RECIPE/BASE``: the FP8 recipe on a ``fully_shard`` model whose weights have

@@ -12,6 +12,8 @@ dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
   after 2 steps, loaded into a fresh setup, then both trained on.
 - ``rowwise``: ``fp8-rowwise`` on FSDP2: the warning ``prepare`` gives, the wire's
   dtype, and the parameters against one process.
+- ``split/RECIPE``: each rank on its half of the batch, with the FP8 wire and with it
+  taken away (the control).
 - ``mixed``: ``fp8-tensorwise`` on float32 shards all-gathered as bfloat16 by a
   ``MixedPrecisionPolicy``, with the FP8 wire and with it taken away (the control).
 """
@@ -87,10 +89,12 @@ def prepared(recipe: str, base: str, sharded: bool) -> amped.TrainSetup:
     return setup
 
 
-def train(setup: amped.TrainSetup, steps: range) -> list[float]:
+def train(setup: amped.TrainSetup, steps: range, rank: int = 0, world: int = 1) -> list[float]:
+    """``steps`` steps, on rows ``rank`` of ``world`` of each global batch."""
     losses = []
     for step in steps:
         x, y = batch(step)
+        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
         with setup.autocast():
             loss = F.mse_loss(setup.model(x).float(), y)
         setup.backward(loss)
@@ -227,6 +231,19 @@ def mixed(wire: bool) -> dict[str, Any]:
     return out
 
 
+def split(recipe: str, rank: int, world: int) -> dict[str, Any]:
+    """Each rank on its half of the batch (FSDP2 then sums the ranks' gradients, which
+    one process never rounds apart): the FP8 wire against the same run with the wire
+    taken off."""
+    out = {}
+    for wire in (True, False):
+        setup = prepared(recipe, "bf16-pure", sharded=True)
+        if not wire:
+            without_wire(setup.model)
+        out["wire" if wire else "control"] = record(setup, train(setup, range(STEPS), rank, world))
+    return out
+
+
 def rowwise() -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -246,7 +263,7 @@ FP8 = ("fp8-tensorwise", "fp8-delayed")
 def main() -> None:
     out = Path(sys.argv[1])
     torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     timeout = datetime.timedelta(seconds=float(os.environ["AMPED_COLLECTIVE_TIMEOUT_S"]))
     dist.init_process_group("gloo", timeout=timeout)
     try:
@@ -260,6 +277,8 @@ def main() -> None:
         results["wire/fp8-tensorwise/bf16-mixed"] = wire("fp8-tensorwise", "bf16-mixed")
         results["rowwise"] = rowwise()
         results["mixed"] = {"wire": mixed(wire=True), "control": mixed(wire=False)}
+        for recipe in FP8:
+            results[f"split/{recipe}"] = split(recipe, rank, world)
         torch.save(results, out / f"rank{rank}.pt")
         # Every rank reaches this point before any tears its group down (see
         # tests/dist_fsdp_worker.py).

@@ -170,3 +170,20 @@ def test_under_a_mixed_precision_policy_the_wire_casts_what_the_layer_would_have
         ):
             assert bf16_dtype == "torch.bfloat16"
             assert (2 if fp8_dtype == "torch.uint8" else 1) * fp8_bytes == bf16_bytes
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
+def test_with_each_rank_on_its_own_data_the_wire_changes_only_the_bytes(wire_ranks, recipe):
+    """Each rank on half the batch: FSDP2's reduce-scatter sums gradients one process
+    never rounds apart, so the control is the same 2-rank run with the wire taken off
+    (FSDP2 all-gathering bfloat16, the layer casting): bitwise, delayed scaling's state
+    included."""
+    losses = []
+    for rank in wire_ranks:
+        wire, control = rank[f"split/{recipe}"]["wire"], rank[f"split/{recipe}"]["control"]
+        assert wire["wire_layers"] == WIRE_LAYERS and control["wire_layers"] == []
+        assert _differing(wire["params"], control["params"]) == []
+        assert _differing(wire["buffers"], control["buffers"]) == []
+        assert wire["losses"] == control["losses"]
+        losses.append(wire["losses"])
+    assert losses[0] != losses[1]  # the ranks did see different data

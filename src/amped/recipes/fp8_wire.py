@@ -45,6 +45,12 @@ _BLOCKS = (
 )
 
 
+_REPLACED = (
+    "FSDP2 replaced its local shard when taking it up (CPUOffloadPolicy pins a copy), "
+    "dropping the all-gather hooks"
+)
+
+
 def _refusal(layer: Float8Linear | BlockLinear) -> str | None:
     """Why ``layer``'s sharded weight keeps its own dtype on the wire, or None."""
     placements = tuple(layer.weight.placements)  # type: ignore[attr-defined]
@@ -86,6 +92,9 @@ def install_fp8_wire(model: torch.nn.Module, layers: Fp8Layers) -> dict[str, str
             set_dtensor_local(layer.weight, shard.as_subclass(WireShard))
     for module in fsdp_modules(model):
         fsdp_reset_sharded_params(module)
+    for name, layer in sharded.items():  # FSDP2 may replace a local tensor it takes up
+        if name not in kept and not isinstance(dtensor_local(layer.weight), WireShard):
+            kept[name] = _REPLACED
     if kept:
         reasons = sorted(set(kept.values()))
         warnings.warn(

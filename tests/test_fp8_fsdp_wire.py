@@ -207,3 +207,32 @@ def test_a_conv1d_layer_uses_its_gathered_weight_transposed():
     out.float().sum().backward()
     assert torch.equal(out, expected)
     assert layer.weight.grad.shape == (16, 12) and layer.weight.grad.dtype is torch.bfloat16
+
+
+@pytest.mark.slow  # importing FSDP2 takes seconds
+def test_a_shard_fsdp2_replaces_on_taking_it_up_is_reported_not_assumed_wired(monkeypatch):
+    """FSDP2 may swap a shard's local tensor when it takes it up (CPU offload pins a
+    copy, which needs an accelerator): simulated here by a reset that does that."""
+    from torch.distributed.fsdp import fully_shard
+
+    import amped.recipes.fp8_wire as fp8_wire
+    from amped._internal.torch_compat import dtensor_local, set_dtensor_local
+
+    original = fp8_wire.fsdp_reset_sharded_params
+
+    def replacing(module: nn.Module) -> None:
+        weight = getattr(module, "weight", None)
+        if weight is not None:  # a plain copy, as pin_memory() returns
+            set_dtensor_local(weight, dtensor_local(weight).as_subclass(torch.Tensor).clone())
+        original(module)
+
+    monkeypatch.setattr(fp8_wire, "fsdp_reset_sharded_params", replacing)
+    with one_rank_group():
+        model = _model()
+        convert_to_fp8(model, FP8_CONFIGS["tensorwise"], ["0", "2"])
+        fully_shard(model[0])
+        fully_shard(model)
+        with pytest.warns(UserWarning, match=r"FSDP2 replaced its local shard.*layers=\['0'\]"):
+            setup = _prepare(model, "fp8-tensorwise", "bf16-pure")
+        assert wire_layers(model) == ["2"]  # the root's own layer kept its shard
+        _train(setup, 1)

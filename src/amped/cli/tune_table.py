@@ -101,7 +101,7 @@ def rounds_table(tuned: dict[str, Any]) -> Table:
     """The verification rounds along the estimate's order of plans, in the order
     trained; failed rounds red, the plan kept marked."""
     rows = tune_summary.round_rows(tuned)
-    table = _table("Rounds: up the estimate's order after a pass, down after a failure")
+    table = _table("Rounds: up after a pass, down after a failure")
     for key in ("round", "lowered", "estimate", "gap", "verdict", "chosen"):
         table.add_column(key, justify="left" if key in ("verdict", "chosen") else "right",
                          no_wrap=True)  # fmt: skip

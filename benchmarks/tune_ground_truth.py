@@ -234,10 +234,10 @@ def factory(s: Settings) -> Callable[..., SimpleNamespace]:
 def tune_estimates(s: Settings, seed: int, measure_batches: int = 2) -> dict[str, float]:
     """``amped.tune``'s first-order loss-change estimate per layer for ``s.fmt``, measured on
     seed ``seed``'s pretrained model (the measurement only: a 1-step, 1-seed verification
-    and no retries)."""
+    and one round)."""
     result = amped.tune(
         factory(s), formats=[s.fmt], steps=1, seeds=1, seed=seed, budget=0.0,
-        measure_batches=measure_batches, retries=0,
+        measure_batches=measure_batches, rounds=1,
     )  # fmt: skip
     return {m.name: m.formats[s.fmt].loss_change_estimate for m in result.measurements}
 

@@ -6,7 +6,7 @@ For each task, with one format (``--fmt``, default mxfp4) and a loss budget:
    (:mod:`tune_ground_truth`; the tiny GPT-2's is read back from its JSON when the
    settings match);
 2. the tuned plan: ``amped.tune(factory, formats=[fmt], budget=..., steps=..., seeds=3)``'s
-   plan after its own verification and retries (what a user gets), or with
+   plan after its own verification rounds (what a user gets), or with
    ``--measure-only`` its knapsack choice from the measurement alone;
 3. the best rule *by the ground truth*: over every (N, M), lowering layers N .. L-M-1 to
    ``fmt``, the one quantizing the most GEMM FLOPs whose summed ground-truth loss change
@@ -136,11 +136,11 @@ def tuned(
     factory: Factory, fmt: str, budget: float, seeds: tuple[int, ...], verify_steps: int | None
 ) -> Any:
     """``amped.tune``'s result. ``verify_steps`` None: its choice from the measurement alone
-    (a 1-step, 1-seed verification, no retries); else its full verification over ``seeds``
-    with its default retries, so the plan is the one a user gets."""
+    (a 1-step, 1-seed verification, one round); else its full verification over ``seeds``
+    with its default rounds, so the plan is the one a user gets."""
     if verify_steps is None:
         return amped.tune(
-            factory, formats=[fmt], steps=1, seeds=1, seed=seeds[0], budget=budget, retries=0
+            factory, formats=[fmt], steps=1, seeds=1, seed=seeds[0], budget=budget, rounds=1
         )
     return amped.tune(
         factory, formats=[fmt], steps=verify_steps, seeds=len(seeds), seed=seeds[0],
@@ -232,7 +232,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--measure-only", action="store_true",
-        help="the tuned plan from tune's measurement alone (no verification, no retries)",
+        help="the tuned plan from tune's measurement alone (no verification rounds)",
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default="benchmarks/results/tune_vs_rule.json")

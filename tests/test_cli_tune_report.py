@@ -21,7 +21,7 @@ from amped._internal.jsonio import from_json
 from amped.cli.tune_command import exit_code
 from amped.cli.tune_plots import sensitivity_chart
 from amped.cli.tune_report import render_html, write_report
-from amped.cli.tune_summary import headline, layer_rows, outcome, verification_rows
+from amped.cli.tune_summary import headline, layer_rows, outcome, round_rows, verification_rows
 from amped.cli.tune_table import layer_tables, print_tune
 
 CONTEXT = {"task": "tiny-gpt", "device": "cpu", "created": "2026-12-01T18:00:00+00:00",
@@ -116,6 +116,21 @@ def test_the_terminal_shows_both_tables_and_the_outcome():
     assert text.index("blocks.0.attn.qkv") < text.index("head ")  # model order
 
 
+def test_the_rounds_are_shown_in_order_with_the_plan_kept_marked():
+    tuned = tune_fixture.passed()
+    rows = round_rows(tuned)
+    assert [(r["round"], r["verdict"], r["chosen"]) for r in rows] == [
+        ("1", "passed", "<- plan"),
+        ("2", "FAILED", ""),
+    ]
+    assert rows[1]["lowered"] == "5/5 (100%)" and rows[1]["gap"] == "+0.0213"
+    text = _printed(tuned)
+    assert "Rounds" in text and "<- plan" in text
+    page = render_html(tuned, {})
+    assert "<h3>Rounds</h3>" in page and "+0.0213" in page
+    assert "Rounds" not in _printed(tune_fixture.no_plan())
+
+
 @pytest.mark.parametrize("width", [80, 100, 160])
 def test_the_layer_tables_fit_the_width_keeping_every_format_and_the_end_of_names(width):
     tuned = tune_fixture.six_formats()
@@ -161,7 +176,7 @@ def test_a_failed_plan_is_marked_failed_on_the_page():
     assert "Verification FAILED" in page
     passed = render_html(tune_fixture.passed(), CONTEXT)
     assert '<tr class="plan"><td class="arm">plan</td>' in passed
-    assert "FAILED" not in passed
+    assert "Verification FAILED" not in passed  # a larger plan's round did fail
 
 
 def test_names_are_escaped():

@@ -138,7 +138,6 @@ def test_result_schema_and_saved_plan(tmp_path: Path) -> None:
         "source": "given",
         "plan_estimate": result.choice.estimate,
         "rule_estimate": result.rule.estimate,
-        "estimate_budget": 1.0,
     }
     assert data["rounds"][0]["layers"] == data["layers"]
     arms = data["verification"]["arms"]
@@ -278,7 +277,7 @@ def test_no_eligible_layer_is_a_value_error_listing_the_layers() -> None:
         ({"seeds": 0}, ValueError, "seeds is an int >= 1"),
         ({"target": "ampere"}, ValueError, "target is one of"),
         ({"max_time": 0}, ValueError, "max_time"),
-        ({"retries": -1}, ValueError, "retries is an int >= 0"),
+        ({"rounds": 0}, ValueError, "rounds is an int >= 1"),
     ],
     ids=[
         "delayed",
@@ -290,7 +289,7 @@ def test_no_eligible_layer_is_a_value_error_listing_the_layers() -> None:
         "zero-seeds",
         "unknown-target",
         "zero-time",
-        "negative-retries",
+        "zero-rounds",
     ],
 )
 def test_bad_arguments_say_what_is_allowed(kwargs, error, match) -> None:

@@ -1,15 +1,14 @@
-"""The choice (amped.tuning.choose): the knapsack against brute force, the first/last-N
-rule against its definition, and the budget edge cases."""
+"""The choice (amped.tuning.choose): the estimate's path of plans against brute force,
+the first/last-N rule against its definition, and the budget edge cases."""
 
 from __future__ import annotations
 
 import itertools
-import math
 import random
 
 import pytest
 
-from amped.tuning.choose import RESOLUTION, SPEEDUPS, best_rule, choose_plan
+from amped.tuning.choose import SPEEDUPS, best_rule, plan_path, within
 from amped.tuning.measure import FormatMeasurement, LayerMeasurement
 
 FORMATS = ("fp8-rowwise", "mxfp8", "nvfp4")
@@ -51,48 +50,62 @@ def _cost(layers: list[LayerMeasurement], plan: dict[str, str]) -> float:
 
 
 def _brute_force(layers, budget: float, target: str) -> float:
-    """The best saving over every plan whose costs, rounded up to budget/RESOLUTION
-    units as the knapsack rounds them, fit the budget."""
+    """The best saving over every plan whose summed estimate is within ``budget``."""
     best = 0.0
     choices = [["bf16", *m.formats] for m in layers]
     for combo in itertools.product(*choices):
         plan = {m.name: f for m, f in zip(layers, combo, strict=True)}
-        units = sum(
-            math.ceil(m.formats[f].loss_change_estimate / budget * RESOLUTION)
-            for m, f in zip(layers, combo, strict=True)
-            if f != "bf16"
-        )
-        if units <= RESOLUTION:
+        if _cost(layers, plan) <= budget * (1 + 1e-12):
             best = max(best, _saving(layers, plan, target))
     return best
 
 
 @pytest.mark.parametrize("seed", range(6), ids=lambda s: f"instance{s}")
 @pytest.mark.parametrize("target", ["blackwell", "hopper"])
-def test_knapsack_finds_the_brute_force_optimum(seed: int, target: str) -> None:
-    rng = random.Random(seed)
-    layers = _layers(rng, 5)
-    budget = rng.uniform(0.3, 2.0)
-    choice = choose_plan(layers, budget, target)
-    assert choice.estimate <= budget
-    assert choice.saving == pytest.approx(_brute_force(layers, budget, target), rel=1e-12)
-    assert choice.saving == pytest.approx(_saving(layers, choice.layers, target), rel=1e-12)
-    assert choice.estimate == pytest.approx(_cost(layers, choice.layers), rel=1e-12)
-    assert list(choice.layers) == [m.name for m in layers]
+def test_every_plan_on_the_path_is_the_brute_force_optimum_at_its_estimate(
+    seed: int, target: str
+) -> None:
+    layers = _layers(random.Random(seed), 5)
+    path = plan_path(layers, target)
+    assert set(path[0].layers.values()) == {"bf16"} and path[0].estimate == 0.0
+    for choice in path:
+        assert list(choice.layers) == [m.name for m in layers]
+        assert choice.saving == pytest.approx(_saving(layers, choice.layers, target), rel=1e-12)
+        assert choice.estimate == pytest.approx(_cost(layers, choice.layers), rel=1e-12)
+        best = _brute_force(layers, choice.estimate, target)
+        assert choice.saving == pytest.approx(best, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(4), ids=lambda s: f"instance{s}")
+def test_the_path_moves_one_layer_at_a_time_to_more_saving(seed: int) -> None:
+    layers = _layers(random.Random(seed), 6)
+    path = plan_path(layers, "blackwell")
+    for before, after in itertools.pairwise(path):
+        changed = [n for n in before.layers if before.layers[n] != after.layers[n]]
+        assert len(changed) == 1
+        assert after.saving > before.saving and after.estimate >= before.estimate
+    # The end lowers every layer with a format to a fastest one it can run.
+    speed = SPEEDUPS["blackwell"]
+    for m in layers:
+        fastest = max((speed[f] for f in m.formats), default=1.0)
+        assert speed[path[-1].layers[m.name]] == fastest
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"), [(0.0, 0), (0.25, 1), (0.5, 1), (0.75, 2), (10.0, 3)], ids=str
+)
+def test_within_is_the_last_plan_whose_estimate_fits(budget: float, expected: int) -> None:
+    costs = {"a": 0.5, "b": 0.25, "c": 1.0}
+    layers = [LayerMeasurement(n, 10**6, {"nvfp4": _fm(c)}) for n, c in costs.items()]
+    path = plan_path(layers, "blackwell")
+    assert [c.estimate for c in path] == [0.0, 0.25, 0.75, 1.75]  # cheapest per saving first
+    assert within(path, budget) == expected
 
 
 def test_hopper_never_chooses_a_format_without_a_speedup() -> None:
     layers = [LayerMeasurement("a", 10**6, {"nvfp4": _fm(0.0), "mxfp8": _fm(0.0)})]
-    assert choose_plan(layers, 1.0, "hopper").layers == {"a": "bf16"}
-    assert choose_plan(layers, 1.0, "blackwell").layers == {"a": "nvfp4"}
-
-
-@pytest.mark.parametrize("budget", [0.0, 1e-9], ids=["zero", "tiny"])
-def test_a_budget_nothing_fits_keeps_every_layer_in_bf16(budget: float) -> None:
-    layers = _layers(random.Random(1), 4)
-    choice = choose_plan(layers, budget, "blackwell")
-    assert set(choice.layers.values()) == {"bf16"}
-    assert choice.estimate == 0.0 and choice.saving == 0.0
+    assert [c.layers for c in plan_path(layers, "hopper")] == [{"a": "bf16"}]
+    assert plan_path(layers, "blackwell")[-1].layers == {"a": "nvfp4"}
 
 
 def test_rule_is_the_best_first_last_n_rule_within_budget() -> None:
@@ -117,5 +130,7 @@ def test_rule_is_the_best_first_last_n_rule_within_budget() -> None:
                         plan[m.name] = fmt
                 if _cost(layers, plan) <= budget:
                     assert _saving(layers, plan, "blackwell") <= rule.saving + 1e-6
-    # The knapsack searches a superset of the rules.
-    assert choose_plan(layers, budget, "blackwell").saving >= rule.saving * (1 - 6 / RESOLUTION)
+    # The path's last plan within the budget is optimal at its own estimate, not at the
+    # budget, so a rule may save more (the verification rounds then move up the path).
+    path = plan_path(layers, "blackwell")
+    assert path[within(path, budget)].estimate <= budget

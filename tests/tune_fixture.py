@@ -29,6 +29,12 @@ PLAN = dict(zip(LAYERS, ("nvfp4", "nvfp4", "fp8-rowwise", "bf16", "fp8-rowwise")
 RULE = {LAYERS[0]: "bf16", **dict.fromkeys(LAYERS[1:4], "fp8-rowwise"), "head": "bf16"}
 BASE_LOSSES = [2.412, 2.405, 2.421]
 BUDGET = 0.008
+LARGER = {**PLAN, LAYERS[3]: "nvfp4", "head": "nvfp4"}  # a round that failed
+
+
+def _round(index: int, layers: dict[str, str], estimate: float, gap: float) -> dict[str, Any]:
+    return {"index": index, "layers": dict(layers), "estimate": estimate, "gap": gap,
+            "passed": gap <= BUDGET, "completed": True}  # fmt: skip
 
 
 def _arm(layers: dict[str, str], losses: list[float], complete: bool = True) -> dict[str, Any]:
@@ -107,6 +113,9 @@ def passed() -> dict[str, Any]:
         "measurements": measurements,
         "verification": {"seeds": [0, 1, 2], "steps": 60, "arms": arms, "passed": True},
         "passes": {"capture": 1, "reference": 1.0, "formats": {"fp8-rowwise": 1.0, "nvfp4": 1.0}},
+        # The first plan (within the budget by the estimate) passed, the larger one after
+        # it failed, so the search kept the first.
+        "rounds": [_round(5, PLAN, 0.0072, 0.0047), _round(8, LARGER, 0.0291, 0.0213)],
     }
 
 
@@ -115,6 +124,7 @@ def failed() -> dict[str, Any]:
     document = passed()
     document["verification"]["arms"]["plan"] = _arm(PLAN, [2.461, 2.458, 2.470])
     document["passed"] = document["verification"]["passed"] = False
+    document["rounds"] = [_round(5, PLAN, 0.0072, 0.0497)]  # rounds=1: nothing else tried
     return document
 
 
@@ -124,6 +134,7 @@ def incomplete() -> dict[str, Any]:
     document["verification"]["arms"]["plan"] = _arm(PLAN, [2.418], complete=False)
     document["verification"]["arms"]["rule"] = _arm(RULE, [], complete=False)
     document["passed"] = document["verification"]["passed"] = False
+    document["rounds"] = [_round(5, PLAN, 0.0072, 0.006) | {"passed": False, "completed": False}]
     return document
 
 
@@ -139,6 +150,7 @@ def no_plan() -> dict[str, Any]:
         "budget, or more seeds for the measured default"
     )
     document["verification"]["arms"]["plan"] = _arm(bf16, BASE_LOSSES)
+    document["rounds"] = []
     return document
 
 

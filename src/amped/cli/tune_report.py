@@ -93,6 +93,21 @@ def _verification(tuned: dict[str, Any]) -> str:
     return intro + _html_table(rows, css)
 
 
+def _rounds(tuned: dict[str, Any]) -> str:
+    rows = tune_summary.round_rows(tuned)
+    if not rows:
+        return ""
+    css = ["" if row["verdict"] == "passed" else "plan failed" for row in rows]
+    intro = (
+        "<p class='sub'>Each round trains one plan along the estimate's order of plans "
+        "(each the most GEMM FLOPs for its estimated loss change): the first is the last "
+        "within the budget by the estimate; after a pass the next is halfway to the "
+        "largest plan not yet failed, after a failure halfway back to the largest passed. "
+        "The plan kept is the largest that passed.</p>"
+    )
+    return "<h3>Rounds</h3>" + intro + _html_table(rows, css)
+
+
 def _chart(tuned: dict[str, Any]) -> str:
     png = sensitivity_chart(tuned)
     if png is None:
@@ -158,6 +173,7 @@ change of that layer alone in that format.</p>
 {_layers(tuned)}
 <h2>Verification</h2>
 {_verification(tuned)}
+{_rounds(tuned)}
 <h2>What ran</h2>
 {_facts(tuned, context)}
 <p class="foot">Every number is in <code>tuned.json</code> beside this file (schema

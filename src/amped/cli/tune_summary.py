@@ -118,8 +118,8 @@ def headline(tuned: dict[str, Any]) -> str:
     text = (
         f"The plan lowers {lowered} of {len(tuned['measurements'])} layers "
         f"({lowered_share(tuned, layers):.0%} of the GEMM FLOPs) at an estimated loss "
-        f"change of {format_estimate(tuned['budget']['plan_estimate'])}, within the budget "
-        f"{_budget(tuned)}."
+        f"change of {format_estimate(tuned['budget']['plan_estimate'])}; budget "
+        f"{_budget(tuned)}; {len(tuned['rounds'])} verification round(s)."
     )
     plan = tuned["verification"]["arms"]["plan"]
     if state == "incomplete":
@@ -179,4 +179,24 @@ def verification_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
         row |= {"mean": _number(arm["mean"]), "std": _number(arm["spread"]),
                 "gap": _number(arm["gap"], "+.4f"), "verdict": _verdict(arm, name)}  # fmt: skip
         rows.append(row)
+    return rows
+
+
+def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
+    """One row per verification round, in the order trained: ``round``, ``lowered``
+    (layers and FLOPs), ``estimate`` (summed), ``gap`` to bf16-mixed and ``verdict``
+    (``passed``, ``FAILED`` or ``incomplete``); ``chosen`` marks the plan kept."""
+    rows = []
+    for number, entry in enumerate(tuned["rounds"], start=1):
+        layers = entry["layers"]
+        low = sum(1 for f in layers.values() if f != "bf16")
+        verdict = "passed" if entry["passed"] else "FAILED"
+        rows.append({
+            "round": str(number),
+            "lowered": f"{low}/{len(layers)} ({lowered_share(tuned, layers):.0%})",
+            "estimate": format_estimate(entry["estimate"]),
+            "gap": _number(entry["gap"], "+.4f"),
+            "verdict": verdict if entry["completed"] else "incomplete",
+            "chosen": "<- plan" if layers == tuned["layers"] else "",
+        })  # fmt: skip
     return rows

@@ -97,6 +97,20 @@ def verification_table(tuned: dict[str, Any]) -> Table:
     return table
 
 
+def rounds_table(tuned: dict[str, Any]) -> Table:
+    """The verification rounds along the estimate's order of plans, in the order
+    trained; failed rounds red, the plan kept marked."""
+    rows = tune_summary.round_rows(tuned)
+    table = _table("Rounds: up after a pass, down after a failure")
+    for key in ("round", "lowered", "estimate", "gap", "verdict", "chosen"):
+        table.add_column(key, justify="left" if key in ("verdict", "chosen") else "right",
+                         no_wrap=True)  # fmt: skip
+    for row in rows:
+        style = "green" if row["verdict"] == "passed" else "red"
+        table.add_row(*row.values(), style=style)
+    return table
+
+
 def print_tune(
     tuned: dict[str, Any], paths: tuple[Path, ...], console: Console | None = None
 ) -> None:
@@ -108,6 +122,8 @@ def print_tune(
     for table in layer_tables(tuned, width=console.width):
         console.print(table)
     console.print(verification_table(tuned))
+    if tuned["rounds"]:
+        console.print(rounds_table(tuned))
     state = tune_summary.outcome(tuned)
     style = "bold green" if state == "passed" else "bold red"
     console.print(tune_summary.headline(tuned), style=style, markup=False, highlight=False)

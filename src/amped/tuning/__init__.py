@@ -2,8 +2,10 @@
 
 - :mod:`.task`: the factory contract, on the library side;
 - :mod:`.measure`: per-layer, per-format shadow measurements;
-- :mod:`.choose`: the knapsack plan, the first/last-N rule, the format speed table;
-- :mod:`.verify`: paired training runs of the plan, bfloat16-mixed and the rule;
+- :mod:`.choose`: the estimate's order of plans, the first/last-N rule, the format
+  speed table;
+- :mod:`.verify`: paired training runs of a plan (an arm);
+- :mod:`.search`: the verification rounds along the estimate's order;
 - :mod:`.result`: :class:`TuneResult` and tuned.json; :mod:`.tuner`: :func:`tune`.
 
 The plan itself (:class:`amped.recipes.PrecisionPlan`) lives in the recipes layer, with

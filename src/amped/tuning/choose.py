@@ -3,10 +3,10 @@ the best first/last-N rule it is compared with (docs/tune.md, "How it chooses").
 
 A layer in format ``f`` saves ``flops * (1 - 1 / speedup[f])`` of bfloat16 GEMM time
 (``speedup`` from :data:`SPEEDUPS`, per target device) and costs its measured
-``loss_change_estimate``. The plan maximises the summed saving with the summed cost at
-most the budget: a multiple-choice knapsack, solved exactly by dynamic programming over
-the costs rounded *up* to ``budget / RESOLUTION`` (so the plan never exceeds the budget;
-it may miss a plan within ``layers * budget / RESOLUTION`` of it).
+``loss_change_estimate``. :func:`plan_path` orders the plans by the estimate, from
+all-bfloat16 to everything lowered, each the most saving for its summed estimate;
+:func:`within` finds the last one within a budget (the tuner's first plan; its
+verification rounds move along the path, docs/tune.md, "How it verifies").
 """
 
 from __future__ import annotations
@@ -17,10 +17,7 @@ from dataclasses import dataclass
 from amped._internal.errors import value_error
 from amped.tuning.measure import LayerMeasurement
 
-__all__ = ["RESOLUTION", "SPEEDUPS", "Choice", "best_rule", "choose_plan", "speedups"]
-
-RESOLUTION = 1000
-"""Cost units per budget in the knapsack."""
+__all__ = ["SPEEDUPS", "Choice", "best_rule", "plan_path", "speedups", "within"]
 
 SPEEDUPS: dict[str, dict[str, float]] = {
     # NVIDIA B200 datasheet, dense tensor-core throughput: BF16 2.25, FP8/MXFP8 4.5,
@@ -80,40 +77,58 @@ def _options(m: LayerMeasurement, speed: dict[str, float]) -> list[tuple[str, fl
     return options
 
 
-def _units(cost: float, budget: float) -> int:
-    if cost == 0:
-        return 0
-    if budget == 0:
-        return RESOLUTION + 1  # never fits
-    return math.ceil(cost / budget * RESOLUTION)
+def _hull(options: list[tuple[str, float, float]]) -> list[tuple[str, float, float]]:
+    """The options on the upper concave hull of saving against cost, from bfloat16
+    (cost 0, saving 0) on: each next one is the steepest step up in saving per cost
+    (ties: the larger saving); dominated options drop out."""
+    hull: list[tuple[str, float, float]] = []
+    cost, saving = 0.0, 0.0
+    while True:
+        best: tuple[float, float, tuple[str, float, float]] | None = None
+        for option in options:
+            _, c, s = option
+            if s <= saving or c < cost:
+                continue
+            slope = math.inf if c == cost else (s - saving) / (c - cost)
+            if best is None or (slope, s) > (best[0], best[1]):
+                best = (slope, s, option)
+        if best is None:
+            return hull
+        hull.append(best[2])
+        _, cost, saving = best[2]
 
 
-def choose_plan(measured: list[LayerMeasurement], budget: float, target: str) -> Choice:
-    """The knapsack's plan (see the module docstring). Ties keep bfloat16."""
+def plan_path(measured: list[LayerMeasurement], target: str) -> list[Choice]:
+    """The estimate's order of plans: from all-bfloat16 to every layer in its
+    fastest format, one layer lowered (or moved to a faster format) per step, the step
+    with the most saving per estimated loss change first (ties: model order).
+
+    Each plan contains the one before it, and saves the most any plan can for its summed
+    estimate (the steps follow each layer's concave hull in order of falling saving per
+    cost, so every prefix is the exact knapsack optimum at its own cost). ``path[0]`` is
+    all-bf16.
+    """
     speed = speedups(target)
-    best = [0.0] * (RESOLUTION + 1)  # best[c]: most saving with at most c units
-    picks: list[list[int]] = []  # per layer, per capacity: option index, -1 for bf16
-    options = [_options(m, speed) for m in measured]
-    for layer_options in options:
-        new, pick = list(best), [-1] * (RESOLUTION + 1)
-        for index, (_, cost, saving) in enumerate(layer_options):
-            units = _units(cost, budget)
-            for c in range(units, RESOLUTION + 1):
-                if best[c - units] + saving > new[c]:
-                    new[c], pick[c] = best[c - units] + saving, index
-        best = new
-        picks.append(pick)
-    layers, capacity = {}, RESOLUTION
-    for m, layer_options, pick in reversed(list(zip(measured, options, picks, strict=True))):
-        index = pick[capacity]
-        if index < 0:
-            layers[m.name] = "bf16"
-        else:
-            fmt, cost, _ = layer_options[index]
-            layers[m.name] = fmt
-            capacity -= _units(cost, budget)
-    ordered = {m.name: layers[m.name] for m in measured}
-    return _summed(measured, ordered, speed)
+    steps: list[tuple[float, int, str]] = []  # (saving per cost, layer index, format)
+    for index, m in enumerate(measured):
+        cost = saving = 0.0
+        for fmt, c, s in _hull(_options(m, speed)):
+            slope = math.inf if c == cost else (s - saving) / (c - cost)
+            steps.append((slope, index, fmt))
+            cost, saving = c, s
+    steps.sort(key=lambda step: (-step[0], step[1]))  # stable: a layer's steps stay in order
+    layers = {m.name: "bf16" for m in measured}
+    path = [_summed(measured, dict(layers), speed)]
+    for _, index, fmt in steps:
+        layers[measured[index].name] = fmt
+        path.append(_summed(measured, dict(layers), speed))
+    return path
+
+
+def within(path: list[Choice], budget: float) -> int:
+    """The index of the last plan on ``path`` whose summed estimate is within ``budget``
+    (0, all-bf16, when none is)."""
+    return max((i for i, choice in enumerate(path) if choice.estimate <= budget), default=0)
 
 
 def _summed(

@@ -37,9 +37,9 @@ class TuneResult:
         passes: the measurement's forward+backward passes (see docs/tune.md).
         reason: why the plan lowers no layer, when it does not (else None).
         settings: formats, target, steps, seeds and the other arguments, as given.
-        rounds: each verified plan in turn: its estimate budget, layers, summed
-            estimate, verified gap and verdict (more than one when a plan failed and
-            ``retries`` allowed another choice).
+        rounds: each verified plan in turn: its index on the estimate's path of
+            plans, layers, summed estimate, verified gap, verdict and whether its runs
+            completed (:mod:`amped.tuning.search`); empty when no plan fits the budget.
     """
 
     plan: PrecisionPlan
@@ -75,7 +75,6 @@ class TuneResult:
                 "source": self.budget_source,
                 "plan_estimate": self.choice.estimate,
                 "rule_estimate": self.rule.estimate,
-                "estimate_budget": self.rounds[-1]["estimate_budget"] if self.rounds else None,
             },
             "choice": {
                 "saving_flops": self.choice.saving,

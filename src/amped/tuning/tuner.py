@@ -12,9 +12,10 @@ from typing import Any
 from amped._internal.errors import type_error, value_error
 from amped.fp8.conv1d import linear_dims
 from amped.recipes.plan import PLAN_FORMATS, PrecisionPlan
-from amped.tuning.choose import SPEEDUPS, Choice, best_rule, choose_plan, speedups
+from amped.tuning.choose import SPEEDUPS, Choice, best_rule, plan_path, speedups, within
 from amped.tuning.measure import LayerMeasurement, eligible_layers, measure
 from amped.tuning.result import TuneResult
+from amped.tuning.search import search_path, train_choice
 from amped.tuning.task import build_task
 from amped.tuning.verify import Arm, verify_arm
 
@@ -104,7 +105,7 @@ def tune(
     progress: Progress | None = None,
     target: str = "blackwell",
     measure_batches: int = 2,
-    retries: int = 2,
+    rounds: int = 4,
 ) -> TuneResult:
     """Measure each eligible layer in each format, choose a per-layer plan, verify it.
 
@@ -124,9 +125,10 @@ def tune(
         target: the device whose format speeds weigh the choice
             (:data:`amped.tuning.choose.SPEEDUPS`: ``"blackwell"``, ``"hopper"``).
         measure_batches: batches of the measurement step.
-        retries: rounds after a plan fails its verification: each chooses again within
-            a tighter estimate budget, scaled by the failed plan's gap (docs/tune.md,
-            "How it verifies"); 0 verifies one plan only.
+        rounds: the most plans verified: the first is the largest within the budget by
+            the estimate; each later one moves along the estimate's order of plans, to a
+            larger plan after a pass and a smaller one after a failure (a bisection;
+            docs/tune.md, "How it verifies"); 1 verifies that first plan only.
 
     Returns:
         A :class:`TuneResult`: ``.plan`` goes to :func:`amped.prepare`, ``.save(path)``
@@ -156,7 +158,7 @@ def tune(
     seeds = _check_int("seeds", seeds, 1)
     measure_batches = _check_int("measure_batches", measure_batches, 1)
     seed = _check_int("seed", seed, 0)
-    retries = _check_int("retries", retries, 0)
+    rounds = _check_int("rounds", rounds, 1)
     if max_time is not None and not (isinstance(max_time, numbers.Real) and max_time > 0):
         raise value_error("max_time is a number of seconds > 0, or None", "max_time", max_time)
     deadline = None if max_time is None else start + float(max_time)
@@ -170,7 +172,7 @@ def tune(
 
     seed_list = [seed + i for i in range(seeds)]
     names = [m.name for m in measured]
-    total, done = 3 * seeds, 0
+    total, done = seeds, 0
 
     def tick() -> None:
         nonlocal done
@@ -185,25 +187,22 @@ def tune(
         source = f"bf16-mixed seed spread (sample std of final loss over {seeds} seeds)"
     else:
         budget_value, source = given_budget, "given"
-    arms = {"bf16-mixed": reference}
+    path = plan_path(measured, target)
+    first = within(path, budget_value)
     trained = [reference]  # every arm trained so far, for reuse
-    rounds: list[dict[str, Any]] = []
-    effective = budget_value
-    for attempt in range(retries + 1):
-        choice, rule = _choose(measured, effective, target)
-        arms["plan"] = _arm("plan", choice, trained, factory, seed_list, steps, deadline, tick)
-        gap = arms["plan"].gap(reference)
-        passed = arms["plan"].passed(reference, budget_value)
-        rounds.append(
-            {"estimate_budget": effective, "layers": dict(choice.layers),
-             "estimate": choice.estimate, "gap": gap, "passed": passed}
-        )  # fmt: skip
-        lowered = any(f != "bf16" for f in choice.layers.values())
-        if passed or not lowered or not arms["plan"].completed or attempt == retries:
-            break
-        effective = _tightened(budget_value, choice.estimate, gap)
+
+    def train(choice: Choice, name: str = "plan") -> Arm:
+        nonlocal total
         total += seeds
-    arms["rule"] = _arm("rule", rule, trained, factory, seed_list, steps, deadline, tick)
+        return train_choice(choice, name, trained, factory, seed_list, steps, deadline, tick)
+
+    if first == 0:  # nothing fits the budget: the all-bf16 plan, with the reason
+        choice, plan_arm, rounds_run = path[0], train(path[0]), []
+    else:
+        found = search_path(path, first, rounds, train, reference, budget_value)
+        choice, plan_arm, rounds_run = found.choice, found.arm, found.rounds
+    rule = best_rule(measured, budget_value, target)
+    arms = {"bf16-mixed": reference, "plan": plan_arm, "rule": train(rule, "rule")}
     settings = {
         "formats": chosen_formats,
         "target": target,
@@ -213,7 +212,7 @@ def tune(
         "seed": seed,
         "seed_list": seed_list,
         "measure_batches": measure_batches,
-        "retries": retries,
+        "rounds": rounds,
         "max_time": max_time,
         "skipped_layers": refused,
         "seconds": time.monotonic() - start,
@@ -221,56 +220,18 @@ def tune(
     passes = count.to_dict()
     passes["training_steps"] = {n: len(a.final_losses) * steps for n, a in arms.items()}
     passes["training_steps"]["total"] = sum(len(a.final_losses) for a in trained) * steps
-    reason = _reason(choice, measured, effective)
+    reason = _reason(choice, measured, budget_value)
     plan = PrecisionPlan("bf16-mixed", choice.layers)
     return TuneResult(
-        plan, measured, budget_value, source, choice, rule, arms, passes, reason, settings, rounds
+        plan,
+        measured,
+        budget_value,
+        source,
+        choice,
+        rule,
+        arms,
+        passes,
+        reason,
+        settings,
+        rounds_run,
     )
-
-
-CALIBRATION_MARGIN = 0.5
-"""After a failed round, the next plan's summed estimate is held to this fraction of what a
-linear estimate-to-gap relation would allow (noise in the gap is about the budget's size)."""
-
-
-def _tightened(budget: float, estimate: float, gap: float) -> float:
-    """The next round's estimate budget after a plan with summed ``estimate`` trained to a
-    ``gap`` over ``budget``: were the gap proportional to the estimate (``gap = k *
-    estimate``), ``budget / k`` would just fit; take half of it. A diverged plan (no
-    finite gap) halves its own estimate. Always below half the failed plan's estimate."""
-    if not math.isfinite(gap) or gap <= 0:
-        return CALIBRATION_MARGIN * estimate
-    return CALIBRATION_MARGIN * budget * estimate / gap
-
-
-def _choose(measured: list[LayerMeasurement], budget: float, target: str) -> tuple[Choice, Choice]:
-    """The knapsack's plan and the best rule; the rule's when it saves more (the
-    knapsack's rounding missed it)."""
-    choice = choose_plan(measured, budget, target)
-    rule = best_rule(measured, budget, target)
-    if rule.saving > choice.saving:
-        choice = Choice(rule.layers, rule.estimate, rule.saving)
-    return choice, rule
-
-
-def _arm(
-    name: str,
-    choice: Choice,
-    trained: list[Arm],
-    factory: Callable[..., Any],
-    seeds: list[int],
-    steps: int,
-    deadline: float | None,
-    tick: Callable[[], None],
-) -> Arm:
-    """Train ``choice``, or reuse an arm that trained the same layers (the all-bf16 plan
-    computes exactly what bf16-mixed does)."""
-    for arm in trained:
-        if arm.layers == choice.layers:
-            for _ in seeds:
-                tick()
-            return Arm(name, dict(choice.layers), list(arm.final_losses), arm.completed)
-    plan = PrecisionPlan("bf16-mixed", choice.layers)
-    arm = verify_arm(name, factory, plan, seeds, steps, deadline, tick)
-    trained.append(arm)
-    return arm

@@ -54,8 +54,8 @@ KernelRules = dict[Any, dict[torch.dtype, Cast]]
 
 def kernel_rules(policy: Policy, route_all: bool = False) -> KernelRules:
     """The kernel tables of ``policy`` (which has some) in the kernels' form."""
-    tables = plan(policy, route_all) or {}
-    return kept(policy, ("kernel_rules", route_all), lambda: {o._op: r for o, r in tables.items()})
+    key = ("kernel_rules", route_all)
+    return kept(policy, key, lambda: {o._op: r for o, r in (plan(policy, route_all) or {}).items()})
 
 
 def _plan(policy: Policy, route_all: bool) -> Tables | None:

@@ -52,10 +52,12 @@ def _mark_traced_while_tracing(policy: Policy) -> bool:
 def torch_rules_only(policy: Policy) -> bool:
     """Whether ``policy``'s op rules are torch's own for its device type, under every
     low dtype (kept with the policy)."""
+    return kept(policy, "torch_equal", lambda: _rules_equal(policy))
+
+
+def _rules_equal(policy: Policy) -> bool:
     torch_rules = torch_default_rules(policy.device_type)
-    return kept(
-        policy, "torch_equal", lambda: all(policy.rules_for(d) == torch_rules for d in LOW_DTYPES)
-    )
+    return all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
 
 
 def _prepare(policy: Policy) -> None:

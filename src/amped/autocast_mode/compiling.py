@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextvars
-import threading
 import types
 from typing import Any
 
@@ -43,26 +42,20 @@ _config = torch_compat.FUNCTORCH_CONFIG
 _entry = torch_compat.config_entry(_config, _NAME) if COMPILE_SUPPORTED else None
 
 
-class _Saved(threading.local):
-    def __init__(self) -> None:
-        self.tokens: list[contextvars.Token[Any]] = []
+def backward_autocast_off() -> contextvars.Token[Any] | None:
+    """Trace compiled backward passes with autocast off while the engine is active; the
+    token undoes it (:func:`restore_backward_autocast`)."""
+    if _entry is None:
+        return None
+    token = _entry.user_override.set("off")
+    torch_compat.mark_config_changed(_config, _NAME)
+    return token
 
 
-_saved_per_thread = _Saved()
-
-
-def backward_autocast_off() -> None:
-    """Trace compiled backward passes with autocast off while the engine is active."""
-    if _entry is not None:
-        _saved_per_thread.tokens.append(_entry.user_override.set("off"))
-        torch_compat.mark_config_changed(_config, _NAME)
-
-
-def restore_backward_autocast() -> None:
-    """Undo the matching :func:`backward_autocast_off`."""
-    if _entry is None or not _saved_per_thread.tokens:
+def restore_backward_autocast(token: contextvars.Token[Any] | None) -> None:
+    """Undo the :func:`backward_autocast_off` that returned ``token``."""
+    if _entry is None or token is None:
         return
-    token = _saved_per_thread.tokens.pop()
     try:
         _entry.user_override.reset(token)
     except ValueError:  # exited in another context (a task other than the entering one)

@@ -18,7 +18,7 @@ import torch
 from amped._internal import torch_compat
 from amped._internal.torch_compat import OpOverload
 from amped.autocast_mode import casting, targets
-from amped.autocast_mode.state import STATE
+from amped.autocast_mode.state import STATE, kept
 from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
@@ -45,10 +45,7 @@ def plan(policy: Policy, route_all: bool = False) -> Tables | None:
     """The kernel tables of ``policy``, or None when the dispatcher cannot apply its
     rules (an op that is no dispatcher op, a device type without an Autocast key).
     ``route_all``: torch's own rules too (the tests' forced ``KERNELS`` path)."""
-    key = ("fast_plan", route_all)
-    if key not in policy._engine_cache:
-        policy._engine_cache[key] = _plan(policy, route_all)
-    return policy._engine_cache[key]
+    return kept(policy, ("fast_plan", route_all), lambda: _plan(policy, route_all))
 
 
 KernelRules = dict[Any, dict[torch.dtype, Cast]]
@@ -58,10 +55,7 @@ KernelRules = dict[Any, dict[torch.dtype, Cast]]
 def kernel_rules(policy: Policy, route_all: bool = False) -> KernelRules:
     """The kernel tables of ``policy`` (which has some) in the kernels' form."""
     key = ("kernel_rules", route_all)
-    if key not in policy._engine_cache:
-        tables = plan(policy, route_all) or {}
-        policy._engine_cache[key] = {op._op: rules for op, rules in tables.items()}
-    return policy._engine_cache[key]
+    return kept(policy, key, lambda: {o._op: r for o, r in (plan(policy, route_all) or {}).items()})
 
 
 def _plan(policy: Policy, route_all: bool) -> Tables | None:

@@ -17,7 +17,7 @@ from amped._internal import torch_compat
 from amped.autocast_mode import compiling, dispatch, transparent
 from amped.autocast_mode.mode import AutocastMode, merged_rules
 from amped.autocast_mode.module_hooks import hooks
-from amped.autocast_mode.state import STATE, EngineState, Path, Region, innermost_policies
+from amped.autocast_mode.state import STATE, EngineState, Path, Region, innermost_policies, kept
 from amped.policy import Policy
 from amped.policy.created import add_creation_listener
 from amped.policy.ops import torch_default_rules
@@ -52,12 +52,12 @@ def _mark_traced_while_tracing(policy: Policy) -> bool:
 def torch_rules_only(policy: Policy) -> bool:
     """Whether ``policy``'s op rules are torch's own for its device type, under every
     low dtype (kept with the policy)."""
-    equal = policy._engine_cache.get("torch_equal")
-    if equal is None:
-        torch_rules = torch_default_rules(policy.device_type)
-        equal = all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
-        policy._engine_cache["torch_equal"] = equal
-    return bool(equal)
+    return kept(policy, "torch_equal", lambda: _rules_equal(policy))
+
+
+def _rules_equal(policy: Policy) -> bool:
+    torch_rules = torch_default_rules(policy.device_type)
+    return all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
 
 
 def _prepare(policy: Policy) -> None:
@@ -70,22 +70,20 @@ def _prepare(policy: Policy) -> None:
 add_creation_listener(_prepare)
 
 
-def _choose_path(policy: Policy | None, st: EngineState) -> Path:
-    if policy is None:
+def _choose_path(region: Region, st: EngineState) -> Path:
+    policy = region.policy
+    if policy is None or not (region.unplain or st.forced):  # torch's rules alone
         return Path.TORCH
     if st.forced is Path.MODE or any(r.precision == "low" for r in policy.module_rules):
         return Path.MODE
-    plain = torch_rules_only(policy)
-    if plain and not policy.module_rules and st.forced is None:
-        return Path.TORCH
     if _is_compiling():
         _mark_traced_while_tracing(policy)
         return Path.MODE
     if _TRACED and policy in _TRACED:
         return Path.MODE
-    if plain and st.forced is not Path.KERNELS:
-        return Path.TORCH
     route_all = st.forced is Path.KERNELS
+    if torch_rules_only(policy) and not route_all:  # with "fp32" / "skip" module rules
+        return Path.TORCH
     return Path.KERNELS if dispatch.plan(policy, route_all) is not None else Path.MODE
 
 
@@ -145,7 +143,7 @@ def enter(region: Region) -> None:
     torch.set_autocast_cache_enabled(region.cache_enabled)
     if policy is not None and not _is_compiling():
         region.depth = torch_compat.len_torch_function_stack()
-    region.path = path = _choose_path(policy, st)
+    region.path = path = _choose_path(region, st)
     if path is Path.KERNELS:
         dispatch.register(policy, dispatch.plan(policy, st.forced is Path.KERNELS) or {})  # type: ignore[arg-type]
     st.regions.append(region)
@@ -231,11 +229,9 @@ def _unplain(policy: Policy | None) -> bool:
     # A policy other than torch's own rules alone: it needs the mark for Dynamo's guards.
     if policy is None:
         return False
-    found = policy._engine_cache.get("unplain")
-    if found is None:
-        found = not torch_rules_only(policy) or bool(policy.module_rules)
-        policy._engine_cache["unplain"] = found
-    return bool(found)
+    return kept(
+        policy, "unplain", lambda: not torch_rules_only(policy) or bool(policy.module_rules)
+    )
 
 
 def _mark_for_guards(st: EngineState, on: bool) -> None:
@@ -257,9 +253,8 @@ def _push_mode(st: EngineState) -> None:
         mode.cache = st.cache
     st.mode = mode
     _push(mode)
-    if not mode.backward_off:
-        compiling.backward_autocast_off()
-        mode.backward_off = True
+    if mode.backward_token is None:
+        mode.backward_token = compiling.backward_autocast_off()
 
 
 @torch_compat.assume_constant_result
@@ -285,9 +280,8 @@ def _pop_mode(st: EngineState) -> None:
             "open. Exit modes (and regions) in the reverse order of entering them."
         )
     _pop()
-    if mode.backward_off:
-        mode.backward_off = False
-        compiling.restore_backward_autocast()
+    token, mode.backward_token = mode.backward_token, None
+    compiling.restore_backward_autocast(token)
 
 
 # torch.compile: hearing when Dynamo starts, and moving this thread's regions then.

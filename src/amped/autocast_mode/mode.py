@@ -18,12 +18,13 @@ from torch.overrides import TorchFunctionMode
 
 from amped._internal import torch_compat
 from amped.autocast_mode import casting, compiling, transparent
+from amped.autocast_mode.state import kept
 from amped.autocast_mode.targets import callables_for
 from amped.policy import Cast, Policy
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
 
-__all__ = ["AutocastMode", "call_without_torch_autocast", "compiled_rules", "merged_rules"]
+__all__ = ["AutocastMode", "call_without_torch_autocast", "merged_rules"]
 
 _FunctionType = types.FunctionType
 # Dynamo folds it to True while tracing; eagerly one frame (is_compiling() costs two).
@@ -47,46 +48,30 @@ Rule = tuple[Cast, bool]
 PerDevice = dict[str, dict[torch.dtype, Rule]]
 
 
-def compiled_rules(policy: Policy, dtype: torch.dtype) -> dict[Callable[..., Any], Rule]:
-    """The policy's rules under ``dtype``, keyed by the Python callables the mode sees.
-
-    Where the rule is torch's own, torch's C++ autocast kernel may run after amped's
-    casts (it finds its dtype and does nothing); elsewhere it is excluded, which costs
-    about a microsecond per call. Kept with the policy.
-    """
-    cache = policy._engine_cache
-    found = cache.get(dtype)
-    if found is not None:
-        return found
-    torch_rules = torch_default_rules(policy.device_type)
-    table: dict[Callable[..., Any], Rule] = {}
-    for op, cast in policy.rules_for(dtype).items():
-        exclude = not isinstance(op, str) or "::" in op or torch_rules.get(op) is not cast
-        for fn in callables_for(op):
-            table[fn] = (cast, exclude)
-    cache[dtype] = table
-    return table
-
-
 def merged_rules(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
     """One dict for the active policies: callable -> device type -> low dtype -> rule
     (kept with the policy when there is one)."""
     if len(policies) == 1:
         ((_device_type, policy),) = policies.items()
-        found = policy._engine_cache.get("merged")
-        if found is None:
-            found = _merge(policies)
-            policy._engine_cache["merged"] = found
-        return found
-    return _merge(policies)
+        return kept(policy, "merged", lambda: _rules_of(policy))
+    merged: dict[Callable[..., Any], PerDevice] = {}
+    for policy in policies.values():
+        for fn, per_device in merged_rules({policy.device_type: policy}).items():
+            merged.setdefault(fn, {}).update(per_device)
+    return merged
 
 
-def _merge(policies: dict[str, Policy]) -> dict[Callable[..., Any], PerDevice]:
+def _rules_of(policy: Policy) -> dict[Callable[..., Any], PerDevice]:
+    # Keyed by the Python callables the mode sees. Where the rule is torch's own, torch's
+    # C++ autocast kernel may run after amped's casts (it finds its dtype and does
+    # nothing); elsewhere it is excluded, which costs about a microsecond per call.
+    torch_rules = torch_default_rules(policy.device_type)
     rules: dict[Callable[..., Any], PerDevice] = {}
-    for device_type, policy in policies.items():
-        for dtype in LOW_DTYPES:
-            for fn, rule in compiled_rules(policy, dtype).items():
-                rules.setdefault(fn, {}).setdefault(device_type, {})[dtype] = rule
+    for dtype in LOW_DTYPES:
+        for op, cast in policy.rules_for(dtype).items():
+            exclude = not isinstance(op, str) or "::" in op or torch_rules.get(op) is not cast
+            for fn in callables_for(op):
+                rules.setdefault(fn, {}).setdefault(policy.device_type, {})[dtype] = (cast, exclude)
     return rules
 
 
@@ -124,7 +109,7 @@ class AutocastMode(TorchFunctionMode):
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
         self.device_types: tuple[str, ...] = ()
         self.rules: dict[Callable[..., Any], PerDevice] = {}
-        self.backward_off = False  # compiled backward autocast turned off for it
+        self.backward_token: Any = None  # compiled backward autocast turned off for it
         self.low = False  # inside a "low" module rule
         # torch's C++ autocast may run inside calls no policy lists, and after amped's
         # casts where the rule is torch's (off only in the tests' forced runs).

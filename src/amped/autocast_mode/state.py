@@ -9,14 +9,25 @@ from __future__ import annotations
 import dataclasses
 import enum
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
 from amped.autocast_mode.casting import WeightCache
 from amped.policy import Policy
 
-__all__ = ["STATE", "EngineState", "Path", "Region", "current_policy", "innermost_policies"]
+__all__ = [
+    "STATE",
+    "EngineState",
+    "Path",
+    "Region",
+    "current_policy",
+    "innermost_policies",
+    "kept",
+]
+
+T = TypeVar("T")
 
 
 class Path(enum.Enum):
@@ -72,6 +83,15 @@ class EngineState(threading.local):
 
 
 STATE = EngineState()
+
+
+def kept(policy: Policy, key: object, compute: Callable[[], T]) -> T:
+    """``compute()``, computed once and kept with ``policy`` (a policy is immutable):
+    every table the engine derives from a policy is built this one way."""
+    cache = policy._engine_cache
+    if key not in cache:
+        cache[key] = compute()
+    return cache[key]
 
 
 def innermost_policies(regions: list[Region]) -> dict[str, Policy]:

@@ -7,6 +7,7 @@ wrappers (``F.softmax``) need no entry: the mode runs them transparently.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -75,20 +76,14 @@ def _aten_callables(name: str) -> tuple[Callable[..., Any], ...]:
             fn = namespace.__dict__.get(attr) if isinstance(namespace, type) else None
             if fn is None:
                 fn = getattr(namespace, attr, None)
-            if fn is not None and _is_builtin(fn) and fn not in found:
+            if isinstance(fn, _BUILTIN_TYPES) and fn not in found:
                 found.append(fn)
     return tuple(found)
 
 
-def _is_builtin(fn: object) -> bool:
-    # Python functions are run transparently by the engine; only C bindings are targets.
-    return (
-        callable(fn)
-        and not isinstance(fn, type)
-        and type(fn).__name__
-        in {
-            "builtin_function_or_method",
-            "method_descriptor",
-            "wrapper_descriptor",
-        }
-    )
+# C bindings only: Python functions are run transparently by the engine.
+_BUILTIN_TYPES = (
+    types.BuiltinFunctionType,
+    types.MethodDescriptorType,
+    types.WrapperDescriptorType,
+)

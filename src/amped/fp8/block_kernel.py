@@ -87,14 +87,20 @@ def _mx_reciprocal(exponent: torch.Tensor, mode: str) -> torch.Tensor:
         value = torch.where(exponent == 0, 1.0, value)
         value = torch.where(exponent == 254, 2.0**-127, value)
         return torch.where(exponent == 255, float("nan"), value)
-    scale = (exponent << 23).view(torch.float32).clamp(min=_F32_MIN_NORMAL)
+    scale = torch.exp2(exponent.to(torch.float32) - 127).clamp(min=_F32_MIN_NORMAL)
     return scale.reciprocal()  # exact: a power of two (inf for exponent 255: 1/inf = 0)
 
 
 def e8m0_value(exponent: torch.Tensor) -> torch.Tensor:
-    """``2 ** (exponent - 127)`` in float32 (exponent 0: ``2 ** -127``; 255: NaN), from
-    the bits: exact, and the same compiled or eager."""
-    value = torch.where(exponent == 0, 2.0**-127, (exponent << 23).view(torch.float32))
+    """``2 ** (exponent - 127)`` in float32 (255: NaN), as
+    :meth:`~amped.fp8.block_cast.BlockTensor.block_scale` reads it.
+
+    ``exp2`` of an integer is exact, eager and compiled (SLEEF's, both); the exponent
+    bits shifted into a float32 would be too, but Inductor's CPU code moves each element
+    through memory for that bit cast, which is slow where the scale varies along the
+    vectorized dim (blocks along dim 0).
+    """
+    value = torch.exp2(exponent.to(torch.float32) - 127)
     return torch.where(exponent == 255, float("nan"), value)
 
 

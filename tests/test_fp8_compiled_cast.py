@@ -5,7 +5,7 @@ compiled (amped.fp8.compiled_cast); the eager call of the same function is the
 reference, and its elements and scales are in turn held to torchao by
 tests/test_block_cast.py. Inputs span 40 binades and hold zeros, ties between
 neighbouring elements, float32 subnormals, NaN and inf. Every compile takes seconds,
-so these tests are slow; the rest of the suite runs the casts eagerly (conftest.py).
+so those tests are slow; the rest of the suite runs the casts eagerly (conftest.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from amped.fp8.block_format import BLOCK_FORMATS
 from amped.fp8.block_operand import block_operand
 from amped.fp8.e2m1 import E2M1_VALUES
 
-pytestmark = [pytest.mark.compiled_casts, pytest.mark.slow]
+pytestmark = pytest.mark.compiled_casts
 
 CASES = {  # name: (format, blocked dim, 16x16 tiles)
     "mxfp8": ("mxfp8", -1, False),
@@ -64,6 +64,7 @@ def _same(a, b):
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
 @pytest.mark.parametrize("case", list(CASES))
@@ -83,6 +84,7 @@ def test_compiled_operand_is_the_eager_one_bitwise(case, special, dtype, monkeyp
         assert _same(compiled.tensor_scale, eager.tensor_scale)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_operand_is_the_cast_torchao_matches_read_back(case):
     """The values are ``quantize_block(x).block_values()`` (of ``x.t()`` for dim 0), and
@@ -99,6 +101,7 @@ def test_compiled_operand_is_the_cast_torchao_matches_read_back(case):
     assert torch.equal(operand.cast.scale_bits, reference.scale_bits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape", [(3, 40, 64), (32, 32), (256, 512)], ids=["3d", "one-block", "wide"]
 )
@@ -108,6 +111,7 @@ def test_other_shapes_compile_to_the_same_bits(shape, monkeypatch):
     assert _same(block_operand(x, fmt).values, _eager(monkeypatch, x, fmt).values)
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_compiled_draws_what_eager_draws(monkeypatch):
     fmt = BLOCK_FORMATS["nvfp4"]
     x = _suite((64, 64), torch.float32, seed=5, special=False)
@@ -118,6 +122,7 @@ def test_stochastic_rounding_compiled_draws_what_eager_draws(monkeypatch):
     assert not torch.equal(compiled.values, nearest.values)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
 def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(recipe, monkeypatch):
     torch.manual_seed(0)
@@ -138,6 +143,7 @@ def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(recipe, m
         assert _same(a, b)
 
 
+@pytest.mark.slow
 def test_a_compile_inside_an_autocast_region_leaves_its_path(monkeypatch):
     """The kernels compile on the worker thread: the caller's region keeps its path."""
     import amped
@@ -147,3 +153,19 @@ def test_a_compile_inside_an_autocast_region_leaves_its_path(monkeypatch):
         before = current_path("cpu")
         block_operand(x, BLOCK_FORMATS["mxfp8"])
         assert current_path("cpu") == before
+
+
+def test_a_failed_compile_warns_once_and_casts_eagerly_with_the_same_bits(monkeypatch):
+    """No C++ compiler (or an Inductor error): the eager function, the same values."""
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(compiled_cast, "_kernel", no_compiler)
+    monkeypatch.setattr(compiled_cast, "_broken", {})  # this process's record, restored after
+    fmt = BLOCK_FORMATS["mxfp8"]
+    x = _suite((32, 64), torch.bfloat16, seed=8)
+    with pytest.warns(RuntimeWarning, match="could not compile .* same values"):
+        first = block_operand(x, fmt)
+    assert not compiled_cast.compiles(x)
+    assert _same(first.values, _eager(monkeypatch, x, fmt).values)

@@ -8,7 +8,9 @@ Recipes run in one process, interleaved one step at a time with the order rotati
 every repeat; the printed figure is the median over repeats of
 ``time(recipe) / time(bf16-mixed)`` (target <= 1.5 on an AVX512-BF16/AMX CPU), once
 with one thread and once with all of them (``--threads``). Every recipe except
-bf16-mixed runs its GEMMs emulated (no FP8 or block GEMM on a CPU).
+bf16-mixed runs its GEMMs emulated (no FP8 or block GEMM on a CPU); the block recipes'
+casts run compiled (amped.fp8.compiled_cast: compiled in the warm-up step, not timed),
+and ``--eager-casts`` adds each block recipe with its casts run eagerly (the same bits).
 
 **GPU** (sm100-class, compute capability 10.x, only; skipped with a line elsewhere):
 :func:`run_gpu` times mxfp8, mxfp4 and nvfp4 with native block GEMMs
@@ -18,7 +20,7 @@ bf16-mixed runs its GEMMs emulated (no FP8 or block GEMM on a CPU).
 Usage: python benchmarks/block_formats.py [--repeats 7] [--steps 2] [--dim 512]
                                           [--layers 2] [--tokens 2048] [--threads 1,0]
                                           [--recipes fp8-tensorwise,fp8-rowwise,mxfp8,nvfp4]
-                                          [--compile]
+                                          [--compile] [--eager-casts]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import torch.nn as nn
 
 import amped
 from amped.cli.environment import cpu_name
+from amped.fp8 import compiled_cast
 
 RECIPES = ("fp8-tensorwise", "fp8-rowwise", "mxfp8", "mxfp4", "nvfp4")
 
@@ -48,8 +51,10 @@ def stack(dim: int, layers: int) -> nn.Sequential:
 
 
 def stepper(
-    model: nn.Module, recipe: str, x: torch.Tensor, compile: bool = False
+    model: nn.Module, recipe: str, x: torch.Tensor, compile: bool = False, eager_casts: bool = False
 ) -> Callable[[], None]:
+    """One train step of ``recipe``; ``eager_casts``: its block casts run eagerly (the
+    same bits, uncompiled: what the step cost before amped.fp8.compiled_cast)."""
     model = copy.deepcopy(model).to(x.device)
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), recipe)
     forward = torch.compile(setup.model) if compile else setup.model
@@ -61,7 +66,15 @@ def stepper(
         setup.step()
         setup.zero_grad()
 
-    return step
+    def eager_step() -> None:
+        compiles = compiled_cast.compiles
+        compiled_cast.compiles = lambda x: False  # type: ignore[assignment]
+        try:
+            step()
+        finally:
+            compiled_cast.compiles = compiles  # type: ignore[assignment]
+
+    return eager_step if eager_casts else step
 
 
 def interleaved(
@@ -103,13 +116,19 @@ def run_cpu(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         torch.set_num_threads(threads or os.cpu_count() or 1)
         variants = {"bf16-mixed": stepper(base, "bf16-mixed", x, args.compile)}
         variants |= {name: stepper(base, name, x, args.compile) for name in args.recipes}
+        if args.eager_casts:
+            variants |= {
+                f"{name} (eager casts)": stepper(base, name, x, args.compile, eager_casts=True)
+                for name in args.recipes
+                if name not in ("fp8-tensorwise", "fp8-rowwise")  # always eager
+            }
         times = interleaved(variants, args.repeats, args.steps, lambda: None)
         ms = statistics.median(times["bf16-mixed"]) / args.steps * 1e3
         print(f"{torch.get_num_threads()} thread(s): bf16-mixed {ms:.1f} ms/step")
-        for name in args.recipes:
+        for name in [v for v in variants if v != "bf16-mixed"]:
             figure = ratio(times, name, "bf16-mixed")
             print(
-                f"  {name:<16} {figure:6.2f}x bf16-mixed   {'ok' if figure <= 1.5 else 'over 1.5x'}"
+                f"  {name:<26} {figure:6.2f}x bf16-mixed   {'ok' if figure <= 1.5 else 'over 1.5x'}"
             )
             figures.setdefault(name, {})[f"threads={torch.get_num_threads()}"] = figure
     print(f"load after: {os.getloadavg()}")
@@ -146,6 +165,11 @@ def main() -> None:
     parser.add_argument("--threads", default="1,0", help="comma-separated; 0: all")
     parser.add_argument("--recipes", default=",".join(RECIPES))
     parser.add_argument("--compile", action="store_true", help="torch.compile every model")
+    parser.add_argument(
+        "--eager-casts",
+        action="store_true",
+        help="also time each block recipe with its casts uncompiled (before/after)",
+    )
     args = parser.parse_args()
     args.threads = [int(t) for t in args.threads.split(",")]
     args.recipes = args.recipes.split(",")

@@ -1,4 +1,5 @@
-"""Shared fixtures: every test must leave autocast state as it found it."""
+"""Shared fixtures: every test must leave autocast state as it found it; the FP8 and
+block casts run eagerly unless a test is marked ``compiled_casts``."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from amped.autocast_mode import current_path
+from amped.fp8 import compiled_cast
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -29,3 +31,11 @@ def _no_leaked_autocast_state():
     yield
     after = _snapshot()
     assert after == before, f"test leaked autocast state: before={before}, after={after}"
+
+
+@pytest.fixture(autouse=True)
+def _eager_casts(request, monkeypatch):
+    """The casts' compiled kernels give the eager bits (tests/test_fp8_compiled_cast.py)
+    but take seconds to compile per shape: other tests run them eagerly."""
+    if request.node.get_closest_marker("compiled_casts") is None:
+        monkeypatch.setattr(compiled_cast, "compiles", lambda x: False)

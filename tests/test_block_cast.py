@@ -151,3 +151,20 @@ def test_fp8_rounding_in_arithmetic_matches_torchs_cast(dtype, compute):
     limit = torch.finfo(dtype).max
     expected = x.to(torch.float32).clamp(-limit, limit).to(dtype).to(compute)
     assert torch.equal(round_nearest_(x.clone(), ELEMENTS[dtype]), expected)
+
+
+@pytest.mark.parametrize("compute", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_fp8_rounding_matches_torchs_cast_on_every_bfloat16_value(dtype, compute):
+    """Every finite bfloat16 (all binades: the rounding finds each value's binade in
+    arithmetic), and float32 values with random mantissas in binades -30..16."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = every[torch.isfinite(every)].to(compute)
+    if compute is torch.float32:
+        g = torch.Generator().manual_seed(0)
+        mantissa = torch.randint(0, 1 << 23, (47, 4096), generator=g, dtype=torch.int32)
+        exponent = torch.arange(-30, 17, dtype=torch.int32).unsqueeze(1) + 127
+        x = torch.cat([x, ((exponent << 23) | mantissa).view(torch.float32).flatten()])
+    limit = torch.finfo(dtype).max
+    expected = x.to(torch.float32).clamp(-limit, limit).to(dtype).to(compute)
+    assert torch.equal(round_nearest_(x.clone(), ELEMENTS[dtype]), expected)

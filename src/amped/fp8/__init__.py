@@ -8,7 +8,9 @@ Below the recipes layer; :mod:`amped.recipes.fp8` builds the ``fp8-*`` recipes o
 - :mod:`.delayed`: delayed (amax-history) scaling state and its per-step update;
 - :mod:`.linear`: :class:`Float8Linear`; :mod:`.convert`: which layers convert;
 - :mod:`.block_format`, :mod:`.block_cast`, :mod:`.block_gemm`, :mod:`.block_config`,
-  :mod:`.block_linear`: the MX and NVFP4 block formats and their ``BlockLinear``.
+  :mod:`.block_linear`: the MX and NVFP4 block formats and their ``BlockLinear``;
+  :mod:`.block_kernel` (a cast's arithmetic), :mod:`.block_operand` (an emulated GEMM's
+  operand, one fused kernel) and :mod:`.compiled_cast` (running casts compiled).
 
 Exported here is what converting a model and checking its numerics needs; the
 building blocks (``scaled_mm``, ``quantize``, ``quantize_block``, ``BlockLinear``, ...)

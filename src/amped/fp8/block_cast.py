@@ -44,21 +44,19 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped.fp8.block_format import SCALE_MODES, BlockFormat, ScaleMode
+from amped.fp8.block_kernel import NVFP4_AMAX_FLOOR, BlockSpec, block_kernel, nvfp4_tensor_scale
 from amped.fp8.e2m1 import pack_e2m1, to_e2m1_codes
-from amped.fp8.element_round import ELEMENTS, round_nearest_, round_stochastic_
+from amped.fp8.element_round import ELEMENTS, random_draw
 
 __all__ = [
     "NVFP4_AMAX_FLOOR",
     "BlockTensor",
+    "block_spec",
+    "check_block_input",
     "check_block_multiple",
     "nvfp4_tensor_scale",
     "quantize_block",
 ]
-
-NVFP4_AMAX_FLOOR = 1e-30
-"""Smallest tensor amax an NVFP4 tensor scale is computed from."""
-_E4M3_TINY = 2.0**-6  # torchao's E4M3_EPS: smallest normal e4m3, the floor of a block scale
-_F32_MIN_NORMAL = 2.0**-126
 
 
 class BlockTensor(NamedTuple):
@@ -122,12 +120,6 @@ class BlockTensor(NamedTuple):
         return (blocks.to(torch.float32) * scale.unsqueeze(-1)).flatten(-2).to(dtype)
 
 
-def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
-    """NVFP4's float32 tensor scale of ``x``: ``max(amax, 1e-30) / (448 * 6)``."""
-    amax = x.abs().amax().to(torch.float32)
-    return amax.clamp(min=NVFP4_AMAX_FLOOR) / (448.0 * 6.0)
-
-
 def check_block_multiple(fmt: BlockFormat, name: str, shape: tuple[int, ...]) -> None:
     """Refuse a blocked dim (the last of ``shape``) that is not a multiple of the block."""
     if not shape or shape[-1] % fmt.block_size:
@@ -140,7 +132,8 @@ def check_block_multiple(fmt: BlockFormat, name: str, shape: tuple[int, ...]) ->
         )
 
 
-def _check(x: torch.Tensor, fmt: BlockFormat, tile_2d: bool) -> None:
+def check_block_input(x: torch.Tensor, fmt: BlockFormat, tile_2d: bool) -> None:
+    """Refuse a tensor, format or tiling a block cast cannot take (see quantize_block)."""
     if not isinstance(fmt, BlockFormat):
         raise type_error(
             "format is a BlockFormat (see amped.fp8.block_format.BLOCK_FORMATS)", "format", fmt
@@ -158,48 +151,6 @@ def _check(x: torch.Tensor, fmt: BlockFormat, tile_2d: bool) -> None:
             "x.shape",
             (fmt.name, tuple(x.shape)),
         )
-
-
-def _mx_exponent(amax: torch.Tensor, fmt: BlockFormat, mode: ScaleMode) -> torch.Tensor:
-    """The biased E8M0 exponent (int32, 0..255) of each block's scale (torchao's rules)."""
-    if mode == "rceil":
-        descale = amax / fmt.elem_max
-        exponent = torch.ceil(torch.log2(descale)).clamp(-127, 127) + 127
-        exponent = torch.where(torch.isinf(descale), 254, exponent)
-        return torch.where(torch.isnan(descale), 255, exponent).to(torch.int32)
-    bits = amax.view(torch.int32)
-    if mode == "even":  # round the amax to the element's mantissa width first
-        half_ulp = 1 << (23 - fmt.elem_mbits - 1)
-        bits = (bits + half_ulp) & -(1 << 23)  # keep sign and exponent: 0xFF800000
-    unbiased = ((bits >> 23) & 0xFF) - 127
-    if mode == "ceil":
-        unbiased = unbiased + ((bits & 0x7FFFFF) > 0).to(torch.int32)
-    exponent = (unbiased - fmt.elem_emax).clamp(-127, 128) + 127
-    return torch.where(torch.isnan(amax), 255, exponent)
-
-
-def _mx_reciprocal(exponent: torch.Tensor, mode: ScaleMode) -> torch.Tensor:
-    """What each block is multiplied by before the cast (``1 / scale``, torchao's edges)."""
-    if mode == "rceil":
-        value = torch.exp2(127 - exponent.to(torch.float32))
-        value = torch.where(exponent == 0, 1.0, value)
-        value = torch.where(exponent == 254, 2.0**-127, value)
-        return torch.where(exponent == 255, float("nan"), value)
-    scale = (exponent << 23).view(torch.float32).clamp(min=_F32_MIN_NORMAL)
-    return scale.reciprocal()  # exact: a power of two (inf for exponent 255: 1/inf = 0)
-
-
-def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
-    """Largest magnitude of each block (the last dim), kept as size 1; NaN if any.
-
-    bfloat16 takes the maximum of the bits with the sign cleared: for non-negative
-    floats the integer order is the float order (NaN above inf), and torch's CPU
-    integer reduction is several times faster than its bfloat16 one.
-    """
-    if blocks.dtype is torch.bfloat16:
-        bits = blocks.view(torch.int16) & 0x7FFF
-        return bits.amax(dim=-1, keepdim=True).view(torch.bfloat16)
-    return blocks.abs().amax(dim=-1, keepdim=True)
 
 
 @torch.no_grad()
@@ -236,38 +187,47 @@ def quantize_block(
         >>> q.scale.view(torch.uint8), q.dequantize()[-1]
         (tensor([119], dtype=torch.uint8), tensor(1.))
     """
-    _check(x, format, tile_2d)
+    check_block_input(x, format, tile_2d)
     if scale_mode not in SCALE_MODES:
         raise value_error(f"scale_mode is one of {SCALE_MODES}", "scale_mode", scale_mode)
     if generator is not None and not format.is_fp4:
         raise value_error("Stochastic rounding is for E2M1 formats", "format", format.name)
-    # MX scales are powers of two: scaling a bfloat16 x is exact in bfloat16, so it stays
-    # there (half the bytes per pass). NVFP4's are not: float32, as torchao computes.
-    compute = torch.bfloat16 if format.is_mx and x.dtype is torch.bfloat16 else torch.float32
-    xc = x.to(compute)
-    blocks = xc.unflatten(-1, (-1, format.block_size))
-    if tile_2d:  # one amax per 16x16 tile, repeated on the tile's rows: [M, K/16, 1]
-        tiles = xc.unflatten(0, (-1, 16)).unflatten(-1, (-1, 16))  # [M/16, 16, K/16, 16]
-        amax = tiles.abs().amax(dim=(1, 3)).repeat_interleave(16, dim=0).unsqueeze(-1)
-    else:
-        amax = _block_amax(blocks)
-    amax = amax.to(torch.float32)
-    if format.is_mx:
-        if tensor_scale is not None:
-            raise value_error("MX formats have no tensor scale", "tensor_scale", tensor_scale)
-        exponent = _mx_exponent(amax, format, scale_mode)
-        scaled = blocks * _mx_reciprocal(exponent, scale_mode).to(compute)
-        scale_bits = exponent.to(torch.uint8)
-    else:
-        if tensor_scale is None:
-            tensor_scale = nvfp4_tensor_scale(xc)
-        ratio = amax / 6.0 / tensor_scale
-        scale = ratio.clamp(_E4M3_TINY, 448.0).to(torch.float8_e4m3fn)
-        scaled = blocks * ((1.0 / tensor_scale) / scale.to(torch.float32))
-        scale_bits = scale.view(torch.uint8)
-    element = ELEMENTS[format.elem_dtype]
-    if generator is not None:
-        elements = round_stochastic_(scaled, element, generator)
-    else:
-        elements = round_nearest_(scaled, element)
-    return BlockTensor(elements.flatten(-2), scale_bits.squeeze(-1), tensor_scale, format)
+    if format.is_mx and tensor_scale is not None:
+        raise value_error("MX formats have no tensor scale", "tensor_scale", tensor_scale)
+    # MX elements of bfloat16 input are returned in bfloat16 (exact), as before.
+    elements_dtype = torch.bfloat16 if format.is_mx and x.dtype is torch.bfloat16 else None
+    spec = block_spec(format, scale_mode, -1, tile_2d, elements_dtype or torch.float32, None)
+    spec = spec._replace(
+        given_tensor_scale=tensor_scale is not None, stochastic=generator is not None
+    )
+    draw = None if generator is None else random_draw(x.shape, generator, x.device)
+    _, elements, scale_bits, tensor_scale = block_kernel(spec, x, tensor_scale, draw)
+    assert elements is not None  # the spec asks for them
+    return BlockTensor(elements, scale_bits, tensor_scale, format)
+
+
+def block_spec(
+    fmt: BlockFormat,
+    scale_mode: ScaleMode,
+    blocked_dim: int,
+    tile_2d: bool,
+    elements_dtype: torch.dtype | None,
+    values_dtype: torch.dtype | None,
+) -> BlockSpec:
+    """The :class:`~amped.fp8.block_kernel.BlockSpec` of a cast (nearest rounding, the
+    tensor scale computed; ``_replace`` the last two fields to change that)."""
+    emax = fmt.elem_emax if fmt.is_mx else 0
+    element = ELEMENTS[fmt.elem_dtype]
+    return BlockSpec(
+        fmt.block_size,
+        fmt.is_mx,
+        element,
+        emax,
+        scale_mode,
+        blocked_dim,
+        tile_2d,
+        elements_dtype,
+        values_dtype,
+        False,
+        False,
+    )

@@ -28,8 +28,15 @@ import torch
 
 from amped._internal import torch_compat
 from amped.fp8.block_cast import BlockTensor
+from amped.fp8.block_operand import BlockOperand
 
-__all__ = ["block_mm", "has_block_scaled_mm", "swizzle_scales"]
+__all__ = [
+    "block_mm",
+    "gemm_dtype",
+    "has_block_scaled_mm",
+    "operand_mm",
+    "swizzle_scales",
+]
 
 
 @functools.cache
@@ -86,10 +93,35 @@ def block_mm(
             RuntimeError elsewhere).
     """
     if emulate:
-        gemm_dtype = torch.float32 if out_dtype is torch.float32 else torch.bfloat16
-        out = a.block_values(gemm_dtype) @ b.block_values(gemm_dtype).t()
+        dtype = gemm_dtype(out_dtype)
+        out = a.block_values(dtype) @ b.block_values(dtype).t()
     else:
         out = _native(a, b, out_dtype)
     if a.tensor_scale is not None and b.tensor_scale is not None:
         out = out.to(torch.float32) * (a.tensor_scale * b.tensor_scale)
     return out.to(out_dtype)
+
+
+def operand_mm(
+    a: BlockOperand, b: BlockOperand, out_dtype: torch.dtype, *, emulate: bool = True
+) -> torch.Tensor:
+    """``a @ b.T`` of two block operands (``[M, K]`` and ``[N, K]``, blocked along K, any
+    layout) in ``out_dtype``: :func:`block_mm` (the same bits), the emulation from the
+    block values :func:`~amped.fp8.block_operand.block_operand` made in
+    :func:`gemm_dtype`, the hardware GEMM from their casts."""
+    if emulate:
+        if a.values is None or b.values is None:
+            raise ValueError("An emulated block GEMM needs the operands' block values")
+        out = a.values @ b.values.t()
+    else:
+        if a.cast is None or b.cast is None:
+            raise ValueError("A native block GEMM needs the operands' elements and scales")
+        out = _native(a.cast, b.cast, out_dtype)
+    if a.tensor_scale is not None and b.tensor_scale is not None:
+        out = out.to(torch.float32) * (a.tensor_scale * b.tensor_scale)
+    return out.to(out_dtype)
+
+
+def gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an emulated block GEMM with an ``out_dtype`` result multiplies in."""
+    return torch.float32 if out_dtype is torch.float32 else torch.bfloat16

@@ -27,9 +27,15 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error
-from amped.fp8.block_cast import BlockTensor, check_block_multiple, quantize_block
+from amped.fp8.block_cast import check_block_multiple
 from amped.fp8.block_config import BlockConfig
-from amped.fp8.block_gemm import block_mm, has_block_scaled_mm, require_block_scaled_mm
+from amped.fp8.block_gemm import (
+    gemm_dtype,
+    has_block_scaled_mm,
+    operand_mm,
+    require_block_scaled_mm,
+)
+from amped.fp8.block_operand import BlockOperand, block_operand
 from amped.fp8.conv1d import (
     is_conv1d,
     is_linear_like,
@@ -54,9 +60,10 @@ class _BlockLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: BlockLinear) -> Any:
         x2 = x.reshape(-1, x.shape[-1])
-        xq, wq = layer.block_cast(x2), layer.weight_cast(weight)
-        out = block_mm(xq, wq, x.dtype, emulate=layer.fp8_emulate)
-        operands = {"input": (x2, xq), "weight": (weight, wq)}
+        xq = layer.block_operand(x2, x.dtype)
+        wq = layer.block_operand(weight, x.dtype, weight=True)
+        out = operand_mm(xq, wq, x.dtype, emulate=layer.fp8_emulate)
+        operands = {"input": (x2, xq.cast), "weight": (weight, wq.cast)}
         mode = layer.block_config.scale_mode  # how the MX probes read the scales
         record_gemm(layer, "forward", "output", out, operands, scale_mode=mode)
         ctx.save_for_backward(x2, weight)
@@ -71,10 +78,11 @@ class _BlockLinearFunction(torch.autograd.Function):
         generator = layer.rounding_generator()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
-            goq, w_t = layer.block_cast(go, generator), weight.t()
-            wq = layer.weight_cast(w_t)
-            grad_x = block_mm(goq, wq, grad.dtype, emulate=layer.fp8_emulate)
-            operands = {"grad_output": (go, goq), "weight": (w_t, wq)}
+            goq = layer.block_operand(go, grad.dtype, generator=generator)
+            # weight.T blocked along out_features: cast in weight's layout, no copy
+            wq = layer.block_operand(weight, grad.dtype, dim=0, weight=True).t()
+            grad_x = operand_mm(goq, wq, grad.dtype, emulate=layer.fp8_emulate)
+            operands = {"grad_output": (go, goq.cast), "weight": (weight.t(), wq.cast)}
             mode = layer.block_config.scale_mode
             record_gemm(layer, "grad_input", "grad_input", grad_x, operands, scale_mode=mode)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
@@ -85,10 +93,11 @@ class _BlockLinearFunction(torch.autograd.Function):
             if cfg.hadamard:
                 rotation = layer.hadamard_rotation()
                 go_rows, x_rows = rotate_rows(go_rows, rotation), rotate_rows(x_rows, rotation)
-            go_rows_t, x_rows_t = go_rows.t().contiguous(), x_rows.t().contiguous()
-            go_t, x_t = layer.block_cast(go_rows_t, generator), layer.block_cast(x_rows_t)
-            grad_w = block_mm(go_t, x_t, grad.dtype, emulate=layer.fp8_emulate)
-            operands = {"grad_output": (go_rows_t, go_t), "input": (x_rows_t, x_t)}
+            # Both blocked along the tokens, cast in their own layout and used transposed
+            go_t = layer.block_operand(go_rows, grad.dtype, dim=0, generator=generator).t()
+            x_t = layer.block_operand(x_rows, grad.dtype, dim=0).t()
+            grad_w = operand_mm(go_t, x_t, grad.dtype, emulate=layer.fp8_emulate)
+            operands = {"grad_output": (go_rows.t(), go_t.cast), "input": (x_rows.t(), x_t.cast)}
             mode = cfg.scale_mode
             record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands, scale_mode=mode)
             grad_w = grad_w.to(ctx.w_dtype)
@@ -160,16 +169,31 @@ class BlockLinear(torch.nn.Linear):
         layer.register_buffer("fp8_rng", rng)
         return layer
 
-    def block_cast(self, x: torch.Tensor, generator: torch.Generator | None = None) -> BlockTensor:
-        """``x`` (2-D) cast to the layer's format, blocks along its last dim."""
+    def block_operand(
+        self,
+        x: torch.Tensor,
+        out_dtype: torch.dtype,
+        *,
+        dim: int = -1,
+        weight: bool = False,
+        generator: torch.Generator | None = None,
+    ) -> BlockOperand:
+        """``x`` (2-D) cast to the layer's format, blocks along ``dim``, for a GEMM with
+        an ``out_dtype`` result: block values when emulated, the cast (elements and
+        scales) for a hardware GEMM or a health monitor. ``weight``: the weight's cast
+        (16x16 tiles under ``weight_2d``)."""
         cfg = self.block_config
-        return quantize_block(x, cfg.format, cfg.scale_mode, generator=generator)
-
-    def weight_cast(self, weight: torch.Tensor) -> BlockTensor:
-        """The weight (or its transpose) cast, in 16x16 tiles under ``weight_2d``."""
-        cfg = self.block_config
-        w = weight if weight.is_contiguous() else weight.contiguous()
-        return quantize_block(w, cfg.format, cfg.scale_mode, tile_2d=cfg.weight_2d)
+        observed = getattr(self, "fp8_observer", None) is not None
+        return block_operand(
+            x,
+            cfg.format,
+            cfg.scale_mode,
+            dim=dim,
+            tile_2d=weight and cfg.weight_2d,
+            dtype=gemm_dtype(out_dtype) if self.fp8_emulate else None,
+            generator=generator,
+            keep_cast=observed or not self.fp8_emulate,
+        )
 
     def rounding_generator(self) -> torch.Generator | None:
         """A generator for this backward's stochastic rounding (None when off); each

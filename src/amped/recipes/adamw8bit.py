@@ -221,8 +221,6 @@ class CompensatedAdamW8bit(SeededOptimizer):
             state["exp_avg_sq_codes"].view(-1),
         )
         tables = (
-            q8.dynamic_map(True, device),
-            q8.dynamic_map(False, device),
             q8.thresholds(True, device),
             q8.thresholds(False, device),
             torch.tensor(scalars, dtype=torch.float32, device=device),

@@ -17,11 +17,11 @@ by a lookup in the map, which Inductor compiles to a scalar loop per vector.
 Covered: bfloat16 parameters whose moments are quantized, under stochastic rounding.
 The rest (small tensors, Kahan, float32 and float16 parameters) steps eagerly.
 
-Numerics: the eager step's float32 ops in its order, with its random bits, so the
-results differ only where Inductor's arithmetic does (see :mod:`amped.recipes.fused`:
-eager ``lerp`` and ``add(alpha=)`` fuse a multiply-add, eager ``sqrt`` may differ by
-an ulp): a float32 ulp of an intermediate, which rarely moves a code across a midpoint
-or a weight across a bfloat16 rounding boundary (``tests/test_recipes_8bit_fused.py``).
+Numerics: the eager step's float32 ops in its order, with its random bits, and the
+same bits come out (``tests/test_recipes_8bit_fused.py`` checks weights, codes and
+scales): the eager step rounds every operation on its own as Inductor's C++ does
+(``lerp`` written as ``m + w * (g - m)``, no ``add(alpha=)``, whose eager kernels fuse
+a multiply-add) and takes a correctly rounded square root, as the kernel's is.
 """
 
 from __future__ import annotations

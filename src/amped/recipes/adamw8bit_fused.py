@@ -91,8 +91,8 @@ def adamw8bit_(strict: bool, args: tuple[torch.Tensor, ...]) -> bool:
     cannot be compiled (``strict``: raise instead)."""
     device_type = args[0].device.type
     who = "amped's CompensatedAdamW8bit"
-    # Every table index is in range by construction (uint8 codes into 256 entries; the
-    # encoder's clamped estimate into 255 thresholds): Inductor's per-lookup bounds
-    # check, which made each lookup several times dearer, is left out.
+    # The one table lookup left, the encoder's clamped estimate into 255 thresholds, is
+    # in range by construction: Inductor's per-lookup bounds check, which made each
+    # lookup several times dearer, is left out.
     options = {"assert_indirect_indexing": False}
     return fused.run(_adamw8bit, device_type, strict, args, (), who=who, options=options)

@@ -1,5 +1,6 @@
 """The 8-bit code computed from a value (``quantized_state.encode``) against the search
-in the map that torchao's ``AdamW8bit`` runs: equal on every class of float32."""
+in the map that torchao's ``AdamW8bit`` runs, equal on every class of float32; and the
+value computed from a code (``quantized_state.decode``) against the map, on every code."""
 
 from __future__ import annotations
 
@@ -116,3 +117,24 @@ def test_nan_takes_code_zero_as_in_the_search() -> None:
     for signed in (True, False):
         assert q8.encode(scaled, q8.thresholds(signed), signed).tolist() == [0, 0]
         assert _search(scaled, signed).tolist() == [0, 0]
+
+
+@SIGNS
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int32, torch.int64, torch.float32], ids=str)
+def test_decode_is_the_map_on_every_code(signed: bool, dtype: torch.dtype) -> None:
+    # decode computes each entry from torch.linspace's formula instead of reading the
+    # table; the 256 codes of each map are all there is to check.
+    values = q8.decode(torch.arange(256).to(dtype), signed)
+    assert values.dtype == torch.float32
+    assert torch.equal(values.view(torch.int32), q8.dynamic_map(signed).view(torch.int32))
+
+
+@pytest.mark.slow  # compiles (10-30 s on a loaded 2-core machine)
+@SIGNS
+def test_compiled_decode_is_the_map_on_every_code(signed: bool) -> None:
+    # The fused step decodes inside a compiled kernel: the same float32 operations, each
+    # exact but the last addition of each bin edge, so the same values come out.
+    compiled = torch.compile(q8.decode, dynamic=True, fullgraph=True)
+    values = compiled(torch.arange(256, dtype=torch.uint8).repeat(3), signed)
+    expected = q8.dynamic_map(signed).repeat(3)
+    assert torch.equal(values.view(torch.int32), expected.view(torch.int32))

@@ -169,15 +169,23 @@ class CompensatedAdamW8bit(SeededOptimizer):
         weight = local(param.detach()).to(torch.float32, copy=True)
         if wd != 0 and not group["decoupled_weight_decay"]:
             grad = grad + wd * weight
-        exp_avg = self._moment(param, state, "exp_avg", True).lerp(grad, 1 - beta1)
-        exp_avg_sq = self._moment(param, state, "exp_avg_sq", False).lerp(grad.square(), 1 - beta2)
+        # Every float32 operation is rounded on its own, as in the fused kernel, so that
+        # both steps give the same bits: lerp as ``m + w * (g - m)`` (eager lerp fuses
+        # the multiply and add, Inductor's does not: torchao's compiled step rounds as
+        # here), and a correctly rounded square root (eager float32 sqrt is off by an
+        # ulp on about 0.7% of values; the float64 root rounded to float32 is exact).
+        exp_avg = self._moment(param, state, "exp_avg", True)
+        exp_avg = exp_avg + (1 - beta1) * (grad - exp_avg)
+        exp_avg_sq = self._moment(param, state, "exp_avg_sq", False)
+        exp_avg_sq = exp_avg_sq + (1 - beta2) * (grad * grad - exp_avg_sq)
         self._store(param, state, "exp_avg", True, exp_avg)
         self._store(param, state, "exp_avg_sq", False, exp_avg_sq)
         # torch's bias corrections, in Python floats (double precision).
-        denom = exp_avg_sq.sqrt_().div_(math.sqrt(1 - beta2**count)).add_(eps)
+        root = exp_avg_sq.double().sqrt_().to(torch.float32)
+        denom = root.div_(math.sqrt(1 - beta2**count)).add_(eps)
         update = exp_avg.div_(denom).mul_(-lr / (1 - beta1**count))
         if wd != 0 and group["decoupled_weight_decay"]:
-            update.add_(weight, alpha=-lr * wd)  # below half an ulp: compensated too
+            update.add_(weight * (-lr * wd))  # below half an ulp: compensated too
         self._apply(param, group, state, weight, update)
 
     def _fusable(self, param: torch.Tensor, group: dict) -> bool:
@@ -221,8 +229,6 @@ class CompensatedAdamW8bit(SeededOptimizer):
             state["exp_avg_sq_codes"].view(-1),
         )
         tables = (
-            q8.dynamic_map(True, device),
-            q8.dynamic_map(False, device),
             q8.thresholds(True, device),
             q8.thresholds(False, device),
             torch.tensor(scalars, dtype=torch.float32, device=device),

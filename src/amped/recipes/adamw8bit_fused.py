@@ -10,16 +10,18 @@ compensated optimizers' machinery: one compile per process, a warning and the ea
 step where it cannot compile). It reads the bfloat16 gradient and weight and the
 one-byte codes once and writes the weight, codes and scales once; Inductor keeps some
 float32 intermediates in memory (about 22 bytes an element), so the optimizer calls it
-on pieces of a large tensor.
+on pieces of a large tensor. The moments are decoded by arithmetic
+(:func:`amped.recipes.quantized_state.decode`, equal to the map on every code), not
+by a lookup in the map, which Inductor compiles to a scalar loop per vector.
 
 Covered: bfloat16 parameters whose moments are quantized, under stochastic rounding.
 The rest (small tensors, Kahan, float32 and float16 parameters) steps eagerly.
 
-Numerics: the eager step's float32 ops in its order, with its random bits, so the
-results differ only where Inductor's arithmetic does (see :mod:`amped.recipes.fused`:
-eager ``lerp`` and ``add(alpha=)`` fuse a multiply-add, eager ``sqrt`` may differ by
-an ulp): a float32 ulp of an intermediate, which rarely moves a code across a midpoint
-or a weight across a bfloat16 rounding boundary (``tests/test_recipes_8bit_fused.py``).
+Numerics: the eager step's float32 ops in its order, with its random bits, and the
+same bits come out (``tests/test_recipes_8bit_fused.py`` checks weights, codes and
+scales): the eager step rounds every operation on its own as Inductor's C++ does
+(``lerp`` written as ``m + w * (g - m)``, no ``add(alpha=)``, whose eager kernels fuse
+a multiply-add) and takes a correctly rounded square root, as the kernel's is.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 
 from amped.recipes import fused
 from amped.recipes.fused import _canonical, _noise, _stochastic
-from amped.recipes.quantized_state import BLOCK, encode
+from amped.recipes.quantized_state import BLOCK, decode, encode
 
 __all__ = ["adamw8bit_"]
 
@@ -49,8 +51,8 @@ def _quantize(
     scale.copy_(block_scale.view(-1))
 
 
-def _dequantize(codes: torch.Tensor, scale: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    return qmap[codes.view(-1, BLOCK).long()] * scale.view(-1, 1)
+def _dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
+    return decode(codes.view(-1, BLOCK), signed) * scale.view(-1, 1)
 
 
 def _adamw8bit(
@@ -60,8 +62,6 @@ def _adamw8bit(
     avg_scale: torch.Tensor,
     avg_sq_codes: torch.Tensor,
     avg_sq_scale: torch.Tensor,
-    signed_map: torch.Tensor,
-    unsigned_map: torch.Tensor,
     signed_thresholds: torch.Tensor,
     unsigned_thresholds: torch.Tensor,
     values: torch.Tensor,
@@ -73,8 +73,8 @@ def _adamw8bit(
     g = grad.view(-1, BLOCK).float() * values[0]
     w = weight.view(-1, BLOCK).float()
     g = g + values[1] * w  # add(weight, alpha=wd) under Adam's L2 form; 0 otherwise
-    avg = _dequantize(avg_codes, avg_scale, signed_map)
-    avg_sq = _dequantize(avg_sq_codes, avg_sq_scale, unsigned_map)
+    avg = _dequantize(avg_codes, avg_scale, True)
+    avg_sq = _dequantize(avg_sq_codes, avg_sq_scale, False)
     avg = avg + values[2] * (g - avg)  # lerp(g, 1 - beta1)
     avg_sq = avg_sq + values[3] * (g * g - avg_sq)  # lerp(g.square(), 1 - beta2)
     _quantize(avg, signed_thresholds, True, avg_codes, avg_scale)
@@ -91,8 +91,8 @@ def adamw8bit_(strict: bool, args: tuple[torch.Tensor, ...]) -> bool:
     cannot be compiled (``strict``: raise instead)."""
     device_type = args[0].device.type
     who = "amped's CompensatedAdamW8bit"
-    # Every table index is in range by construction (uint8 codes into 256 entries; the
-    # encoder's clamped estimate into 255 thresholds): Inductor's per-lookup bounds
-    # check, which made each lookup several times dearer, is left out.
+    # The one table lookup left, the encoder's clamped estimate into 255 thresholds, is
+    # in range by construction: Inductor's per-lookup bounds check, which made each
+    # lookup several times dearer, is left out.
     options = {"assert_indirect_indexing": False}
     return fused.run(_adamw8bit, device_type, strict, args, (), who=who, options=options)

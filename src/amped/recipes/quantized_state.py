@@ -24,7 +24,11 @@ the map (eight table lookups an element); here the code is computed from the val
 (:func:`encode`): an estimate from its decade and its fraction, then one comparison
 with a precomputed threshold, which gives the search's code on every float32
 (``tests/test_recipes_8bit_encode.py`` checks every class of them). The eager and the
-fused step (:mod:`amped.recipes.adamw8bit_fused`) run the same :func:`encode`.
+fused step (:mod:`amped.recipes.adamw8bit_fused`) run the same :func:`encode`. To read a
+code back, the eager step indexes the map; the fused step computes the entry
+(:func:`decode`: a compiled kernel turns each table lookup into a scalar loop), which
+equals the map on all 256 codes of both maps (the same test file checks), so both read
+the same values.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import torch
 __all__ = [
     "BLOCK",
     "MIN_QUANTIZED",
+    "decode",
     "dequantize",
     "dynamic_map",
     "encode",
@@ -77,6 +82,79 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> torch.Tenso
         values.sort()
         _MAPS[key] = torch.tensor(values, dtype=torch.float32, device=key[1])
     return _MAPS[key]
+
+
+# The map's bins: torch.linspace(0.1, 1, m + 1) in float32, which torch (2.13, CPU)
+# computes as ``start + step * j`` below the middle and ``end - step * (m - j)`` above
+# it, each rounded once (a multiply-add), with ``step = (1 - 0.1) / m``. For ``m`` a
+# power of two and ``t = j / m`` (7 significant bits at most) those are the exact
+# values ``0.1 + span * t`` and ``(1 - span) + span * t``, with 0.1 and ``span = 1 -
+# 0.1`` in float32. :func:`_bin_edge` rounds them once, in float32 alone: ``span`` and
+# each start are cut into a high part on a coarse grid and a low rest, so that every
+# product and every partial sum is exact.
+_SPAN = float(torch.tensor(1.0) - torch.tensor(0.1))  # 1 - 0.1 in float32
+_STARTS = (float(torch.tensor(0.1)), 1.0 - _SPAN)  # below and above the middle
+
+
+def _cut(value: float, grid: float) -> tuple[float, float]:
+    """``value`` as a multiple of ``grid`` plus a small rest (both exact floats here)."""
+    high = math.floor(value / grid) * grid
+    return high, value - high
+
+
+_SPAN_HIGH, _SPAN_LOW = _cut(_SPAN, 2.0**-12)  # 12 bits; 1638 * 2**-24
+_START_CUTS = [_cut(start, 2.0**-19) for start in _STARTS]  # on span_high * t's grid
+_DECADES = [float(torch.tensor(10.0**-k)) for k in range(_EXPONENT_BITS)]  # float32, top first
+
+
+def _bin_edge(fraction: torch.Tensor) -> torch.Tensor:
+    """``torch.linspace(0.1, 1, m + 1)[j]`` for float32 ``fraction = j / m`` (``m`` a
+    power of two up to 128), rounded once as torch rounds it.
+
+    ``(start_high + SPAN_HIGH * t) + (start_low + SPAN_LOW * t)``: ``SPAN_HIGH * t`` has
+    19 significant bits and ``SPAN_LOW * t`` 18, so both are exact; the first sum is a
+    multiple of 2**-19 in [0, 1] and the second a multiple of 2**-31 below 2**-13, both
+    exact; the last addition is the one rounding. (A compiler that fuses a multiply and
+    an add changes nothing: every product is exact.)
+    """
+    upper = fraction >= 0.5
+    (low_high, low_low), (up_high, up_low) = _START_CUTS
+    start_high = torch.where(upper, up_high, low_high)
+    start_low = torch.where(upper, up_low, low_low)
+    return (start_high + _SPAN_HIGH * fraction) + (start_low + _SPAN_LOW * fraction)
+
+
+def decode(codes: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The float32 map entry (:func:`dynamic_map`) of each code (integers 0..255, of any
+    dtype), computed, not looked up: equal to the table on all 256 codes of both maps
+    (``tests/test_recipes_8bit_encode.py`` checks).
+
+    Counted from the map's zero, the ``r``-th entry (``r`` = 1, 2, ...) lies in the
+    decade of ``m`` entries (a power of two: 1..64 signed, 2..128 unsigned) with ``m <=
+    r < 2 m``, as its ``j = r - m``-th: ``10**-k`` (``k`` from the top) times the centre
+    of bin ``j`` of ``linspace(0.1, 1, m + 1)``, in float32 as :func:`dynamic_map`
+    builds it; the entry past the last is 1.0, negative codes mirror positive ones.
+    Six comparisons find the decade, :func:`_bin_edge` the bin's edges: selections and
+    multiply-adds, which a compiled kernel vectorizes (a table lookup there is a
+    scalar loop).
+    """
+    code = codes.to(torch.float32)
+    rank = (code - 127.0).abs() if signed else code + 1.0
+    lowest = 1 if signed else 2  # entries in the lowest decade
+    size = torch.full_like(rank, float(lowest))
+    decade = torch.full_like(rank, _DECADES[-1])
+    for k in range(1, _EXPONENT_BITS):
+        upper = rank >= float(lowest << k)
+        size = torch.where(upper, float(lowest << k), size)
+        decade = torch.where(upper, _DECADES[-1 - k], decade)
+    width = 1.0 / size  # a bin's width, as a fraction of the decade: exact
+    fraction = (rank - size) * width
+    centre = (_bin_edge(fraction) + _bin_edge(fraction + width)) / 2.0
+    value = decade * centre
+    if signed:
+        value = torch.where(code < 127.0, -value, value)
+    value = torch.where(code == (127.0 if signed else 0.0), 0.0, value)
+    return torch.where(code == 255.0, 1.0, value)
 
 
 def thresholds(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -14,8 +14,8 @@ without a sync:
 
 - every step, per tensor, a :class:`Probe`: device data that tells whether the tensor
   held an inf or NaN. A quantized operand's probe is what its cast computed anyway,
-  so it costs no pass over the tensor; an output's is its min and max (one
-  ``aminmax`` pass);
+  so it costs no pass over the tensor; an output's is made by :func:`range_probe`
+  (one pass, see there);
 - on the steps it samples (``observer.sampling``), the counts in :data:`STATS`.
 
 **What a cast shows** (checked in ``tests/test_monitor_probes.py``):
@@ -77,6 +77,7 @@ __all__ = [
     "any_nonfinite",
     "nonfinite_exponent",
     "probe_nonfinite",
+    "range_probe",
     "record_gemm",
 ]
 
@@ -122,6 +123,31 @@ def _bad(kind: ProbeKind, values: torch.Tensor, threshold: int) -> torch.Tensor:
     if kind == "exponent":
         return values >= threshold
     return ~torch.isfinite(values)
+
+
+def range_probe(tensor: torch.Tensor) -> Probe | None:
+    """The probe of a tensor no cast has scaled (a GEMM's output, a gradient), or None
+    when the host knows already that it holds no inf or NaN.
+
+    On an accelerator the probe is the tensor's min and max (one ``aminmax`` pass, the
+    cheapest exact check there is), left on the device for the step's one batched test:
+    reading it here would stall the device once per GEMM. On the CPU there is nothing to
+    wait for, so the answer is read at once from a cheaper detector, the tensor's
+    ``sum()`` (2-2.5x faster than ``aminmax`` on bfloat16): it is finite whenever every
+    element is, so a finite sum means a finite tensor (None). A sum that is not finite
+    comes from an inf or NaN, or from finite values summing past the dtype's range
+    (float32's for a bfloat16 or float32 tensor, float16's for a float16 one): only then,
+    while the tensor is still alive, ``aminmax`` checks exactly, and a finite tensor is
+    None again. Either way the probe is exact: no false "non-finite", none missed.
+    """
+    if tensor.device.type != "cpu":
+        return Probe("range", tuple(torch.aminmax(tensor)))
+    if math.isfinite(float(tensor.sum())):
+        return None
+    low, high = torch.aminmax(tensor)  # the exact re-check, while the tensor is alive
+    if math.isfinite(float(low)) and math.isfinite(float(high)):
+        return None  # finite values whose sum overflowed
+    return Probe("range", (low, high))
 
 
 def probe_nonfinite(probe: Probe) -> bool:
@@ -217,21 +243,32 @@ def record_gemm(
             probes.append((name, probe))
     # A GEMM runs inside an autograd Function, where grad mode is off already.
     with torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext():
-        if output.numel():
-            # aminmax: one vectorized pass without a copy; NaN propagates through it.
-            probes.append((output_name, Probe("range", tuple(torch.aminmax(output)))))
-        stats = _stats(operands, output) if observer.sampling else None
+        output_probe = range_probe(output.detach()) if output.numel() else None
+        if output_probe is not None:
+            probes.append((output_name, output_probe))
+        stats = None
+        if observer.sampling:
+            # The tensors the host already knows finite need no non-finite count: those
+            # whose probe it read (on the CPU, where reading one waits for nothing).
+            finite = set()
+            if output.device.type == "cpu":
+                finite = {name for name, probe in probes if not probe_nonfinite(probe)}
+                finite |= {output_name} if output_probe is None else set()
+            stats = _stats(operands, output, output_name, finite)
     observer.observe(layer, role, probes, stats)
 
 
-def _stats(operands: Mapping[str, Operand], output: torch.Tensor) -> torch.Tensor:
+def _stats(
+    operands: Mapping[str, Operand], output: torch.Tensor, output_name: str, finite: set[str]
+) -> torch.Tensor:
     """The :data:`STATS` of one GEMM, as a float32 vector on the output's device.
 
     Built from the passes a CPU runs fastest (measured: comparisons, ``isfinite`` and
     ``where`` cost 3-10 times a multiply or a sum), on the tensors the cast produced
     where they tell the count:
 
-    - non-finite elements: the non-zero elements of ``tensor * 0`` (inf and NaN give NaN);
+    - non-finite elements: the non-zero elements of ``tensor * 0`` (inf and NaN give NaN),
+      counted only for the tensors not in ``finite`` (names the host knows hold none);
     - underflow: the operand's non-zero elements minus the quantized form's (a cast
       keeps zero as zero and NaN as NaN, so the difference is the non-zero elements it
       made zero; exact unless a scale is NaN, where it counts fewer);
@@ -242,7 +279,7 @@ def _stats(operands: Mapping[str, Operand], output: torch.Tensor) -> torch.Tenso
     Counts stay on the device; they are stacked at the end, with no sync.
     """
     device = output.device
-    sums: list[torch.Tensor] = [_count_nonfinite(output.detach().abs())]
+    sums: list[torch.Tensor] = [torch.zeros((), dtype=torch.float32, device=device)]
     rows: list[int] = [STATS.index("nonfinite")]
     amaxes = [torch.zeros((), dtype=torch.float32, device=device)]
     elements = 0
@@ -251,12 +288,15 @@ def _stats(operands: Mapping[str, Operand], output: torch.Tensor) -> torch.Tenso
         sums.append(value)
         rows.append(STATS.index(stat))
 
-    for high, low in operands.values():
+    if output_name not in finite:
+        add("nonfinite", _count_nonfinite(output.detach().abs()))
+    for name, (high, low) in operands.items():
         magnitude = None
         if high is not None and high.numel():
             high = high.detach()
             magnitude = high.abs()
-            add("nonfinite", _count_nonfinite(magnitude))
+            if name not in finite:
+                add("nonfinite", _count_nonfinite(magnitude))
             amaxes.append(magnitude.amax())
         if isinstance(low, BlockTensor):
             elements += low.elements.numel()
@@ -304,9 +344,9 @@ def _count_nonfinite(magnitude: torch.Tensor) -> torch.Tensor:
 
 
 def _count_nonzero_fp8(data: torch.Tensor) -> torch.Tensor:
-    """The elements of an FP8 tensor other than +-0 (its bits other than the sign not
-    all 0), in byte arithmetic: ``(bits & 0x7F) + 0x7F`` reaches ``0x80`` exactly there."""
-    return (((data.view(torch.uint8) & 0x7F) + 0x7F) >> 7).sum(dtype=torch.int64)
+    """The elements of an FP8 tensor other than +-0: its bytes with a bit other than the
+    sign set, counted on the bytes (no wider copy)."""
+    return torch.count_nonzero(data.view(torch.uint8) & 0x7F)
 
 
 _E8M0_LARGEST = 254  # the largest finite E8M0 exponent (255 is NaN)

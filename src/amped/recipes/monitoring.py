@@ -44,7 +44,7 @@ import torch
 
 from amped._internal.errors import value_error
 from amped._internal.source import describe, user_frame
-from amped.fp8.health import ROLES, STATS, Probe, any_nonfinite, probe_nonfinite
+from amped.fp8.health import ROLES, STATS, Probe, any_nonfinite, probe_nonfinite, range_probe
 from amped.recipes.setup import TrainSetup
 
 __all__ = ["Monitor", "NonFinite", "NonFiniteError", "monitor"]
@@ -162,11 +162,11 @@ class Monitor:
         """
         setup = self.setup
         scaled = setup.scaler.is_enabled()  # the scaler checks (and skips) the gradients
-        grads = [p.grad for p in self._unprobed if p.grad is not None]
         probes = [event[3] for event in self._events]
-        if grads and not scaled:
-            # aminmax: one vectorized pass per gradient (CPU: 10x faster than _foreach_norm).
-            probes += [Probe("range", tuple(torch.aminmax(grad))) for grad in grads]
+        if not scaled:
+            # One pass per gradient (CPU: 10x faster than _foreach_norm), see range_probe.
+            grads = (p.grad for p in self._unprobed if p.grad is not None and p.grad.numel())
+            probes += [probe for probe in map(range_probe, grads) if probe is not None]
         if not probes or not bool(any_nonfinite(probes)):  # the one sync
             return True
         # A bad step: the probes one by one (a sync each), in the order the step ran them.

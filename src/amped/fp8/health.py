@@ -248,9 +248,9 @@ def record_gemm(
             probes.append((output_name, output_probe))
         stats = None
         if observer.sampling:
-            # The tensors the host already knows finite need no non-finite count: those
-            # whose probe it read (on the CPU, where reading one waits for nothing).
-            finite = set()
+            # On the CPU, where reading a device value waits for nothing, the host knows
+            # which tensors are finite (their probes) and can skip counts it knows are 0.
+            finite = None
             if output.device.type == "cpu":
                 finite = {name for name, probe in probes if not probe_nonfinite(probe)}
                 finite |= {output_name} if output_probe is None else set()
@@ -259,7 +259,10 @@ def record_gemm(
 
 
 def _stats(
-    operands: Mapping[str, Operand], output: torch.Tensor, output_name: str, finite: set[str]
+    operands: Mapping[str, Operand],
+    output: torch.Tensor,
+    output_name: str,
+    finite: set[str] | None,
 ) -> torch.Tensor:
     """The :data:`STATS` of one GEMM, as a float32 vector on the output's device.
 
@@ -268,12 +271,16 @@ def _stats(
     where they tell the count:
 
     - non-finite elements: the non-zero elements of ``tensor * 0`` (inf and NaN give NaN),
-      counted only for the tensors not in ``finite`` (names the host knows hold none);
+      counted only for the tensors not in ``finite`` (the names the host knows hold
+      none; None where it cannot read the device without waiting: all counted);
     - underflow: the operand's non-zero elements minus the quantized form's (a cast
       keeps zero as zero and NaN as NaN, so the difference is the non-zero elements it
       made zero; exact unless a scale is NaN, where it counts fewer);
     - saturated: ``|high| * scale > largest`` (an FP8 scale) or ``|high| > largest *
-      block scale`` (a block operand, per block without a copy of the scales);
+      block scale`` (a block operand, per block without a copy of the scales). Where the
+      host reads the device for free, an FP8 operand whose ``amax * max(scale)`` is at
+      most ``largest`` has none (rounding is monotonic, so no element's product exceeds
+      that one) and is not counted: dynamic tensorwise and delayed scales mostly;
     - amax: the largest magnitude (inf or NaN when the operand held one).
 
     Counts stay on the device; they are stacked at the end, with no sync.
@@ -288,22 +295,26 @@ def _stats(
         sums.append(value)
         rows.append(STATS.index(stat))
 
-    if output_name not in finite:
+    if finite is None or output_name not in finite:
         add("nonfinite", _count_nonfinite(output.detach().abs()))
+    read_now = finite is not None
     for name, (high, low) in operands.items():
         magnitude = None
         if high is not None and high.numel():
-            high = high.detach()
-            magnitude = high.abs()
-            if name not in finite:
+            magnitude = high.detach().abs()
+            if finite is None or name not in finite:
                 add("nonfinite", _count_nonfinite(magnitude))
-            amaxes.append(magnitude.amax())
         if isinstance(low, BlockTensor):
             elements += low.elements.numel()
-            for stat, value in _block_counts(magnitude, low).items():
+            counts, amax = _block_counts(magnitude, low, read_now)
+            for stat, value in counts.items():
                 add(stat, value)
+            if amax is not None:
+                amaxes.append(amax)
             continue
         if low is None:
+            if magnitude is not None:
+                amaxes.append(magnitude.amax())
             continue
         elements += low.data.numel()
         dtype_max = torch.finfo(low.data.dtype).max
@@ -314,7 +325,14 @@ def _stats(
             kept = _count_nonzero_fp8(low.data)
             add("nonzero", nonzero)
             add("underflow", (nonzero - kept).clamp(min=0))
-            add("saturated", torch.count_nonzero(magnitude * scale > dtype_max))
+            # The largest magnitude under each scale: the same pass as one amax.
+            per_scale = magnitude.amax(dim=_dims_of_one(scale, magnitude), keepdim=True)
+            amaxes.append(per_scale.max())
+            # NaN (an operand holding one) is not <= dtype_max: counted.
+            if not read_now or not float((per_scale.float() * scale).max()) <= dtype_max:
+                add("saturated", torch.count_nonzero(magnitude * scale > dtype_max))
+        elif magnitude is not None:  # an operand without its quantized form's shape
+            amaxes.append(magnitude.amax())
     # One stack and one indexed add for all the counts (dtypes promoted to float32).
     row = torch.zeros(len(STATS), dtype=torch.float32, device=device)
     row.index_add_(0, torch.tensor(rows, device=device), torch.stack(sums).float())
@@ -353,9 +371,23 @@ _E8M0_LARGEST = 254  # the largest finite E8M0 exponent (255 is NaN)
 _E4M3_FLOOR = 2.0**-6  # NVFP4's smallest block scale
 
 
-def _block_counts(magnitude: torch.Tensor | None, low: BlockTensor) -> dict[str, torch.Tensor]:
+def _dims_of_one(scale: torch.Tensor, tensor: torch.Tensor) -> list[int]:
+    """The dims of ``tensor`` one value of ``scale`` covers (all of them for one scale)."""
+    if scale.dim() != tensor.dim():
+        return list(range(tensor.dim()))
+    return [dim for dim, size in enumerate(scale.shape) if size == 1] or [tensor.dim() - 1]
+
+
+def _block_counts(
+    magnitude: torch.Tensor | None, low: BlockTensor, read_now: bool
+) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
     """The counts of one block operand: its scale clamps, and with its high-precision
-    ``magnitude`` its non-zero, underflowed and saturated elements."""
+    ``magnitude`` its non-zero, underflowed and saturated elements; and the magnitude's
+    largest element (None without one).
+
+    Where the host reads the device for free (``read_now``), the saturated elements are
+    counted only if a block's largest magnitude exceeds its limit (none saturates
+    otherwise); the per-block maxima take the pass a plain ``amax`` would."""
     fmt = low.format
     scale = low.block_scale()
     bits = low.scale_bits
@@ -364,15 +396,19 @@ def _block_counts(magnitude: torch.Tensor | None, low: BlockTensor) -> dict[str,
     else:
         clamps = torch.count_nonzero(scale == _E4M3_FLOOR)
     if magnitude is None or magnitude.shape != low.elements.shape:
-        return {"scale_clamps": clamps}
+        return {"scale_clamps": clamps}, None if magnitude is None else magnitude.amax()
     if low.tensor_scale is not None:
         scale = scale * low.tensor_scale
-    limit = (scale * fmt.elem_max).unsqueeze(-1)  # per block, broadcast over its elements
+    limit = scale * fmt.elem_max  # per block
     nonzero = _count_nonzero(magnitude)
     blocks = magnitude.unflatten(-1, (-1, fmt.block_size))
-    return {
+    block_amax = blocks.amax(-1)
+    counts = {
         "nonzero": nonzero,
         "underflow": (nonzero - _count_nonzero(low.elements.abs())).clamp(min=0),
-        "saturated": torch.count_nonzero(blocks > limit),
         "scale_clamps": clamps,
     }
+    # NaN (a block holding one, or a NaN scale) is not <= its limit: counted.
+    if not read_now or not bool((block_amax <= limit).all()):
+        counts["saturated"] = torch.count_nonzero(blocks > limit.unsqueeze(-1))
+    return counts, block_amax.max()

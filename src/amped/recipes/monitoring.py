@@ -10,8 +10,9 @@ consults it::
     monitor.first_nonfinite   # NonFinite(step=..., module=..., role=..., tensor=...) or None
 
 Every step, each FP8 layer leaves, per GEMM role (forward, grad_input, grad_weight),
-a probe per operand and output on the device (:mod:`amped.fp8.health`: an operand's
-is data its cast computed anyway, an output's its min and max), and the monitor adds
+a probe per operand and output (:mod:`amped.fp8.health`: an operand's is data its
+cast computed anyway, an output's is made by :func:`~amped.fp8.health.range_probe`,
+which on the CPU already knows a finite output and leaves none), and the monitor adds
 one per gradient the optimizer would step on that no GEMM probed. Before the
 optimizer steps it tests them all in a few batched ops and brings one flag to the host
 (**one** sync); only if it is set (a bad step, rare) does it test the probes one by

@@ -278,9 +278,10 @@ def _stats(
       made zero; exact unless a scale is NaN, where it counts fewer);
     - saturated: ``|high| * scale > largest`` (an FP8 scale) or ``|high| > largest *
       block scale`` (a block operand, per block without a copy of the scales). Where the
-      host reads the device for free, an FP8 operand whose ``amax * max(scale)`` is at
-      most ``largest`` has none (rounding is monotonic, so no element's product exceeds
-      that one) and is not counted: dynamic tensorwise and delayed scales mostly;
+      host reads the device for free, an FP8 operand in which every scale's slice (the
+      tensor, a row or a column) has ``slice amax * scale <= largest`` has none
+      (rounding is monotonic, so no element's product exceeds its slice's) and is not
+      counted: most dynamic and delayed scales;
     - amax: the largest magnitude (inf or NaN when the operand held one).
 
     Counts stay on the device; they are stacked at the end, with no sync.

@@ -24,6 +24,7 @@ Usage: python benchmarks/monitor_overhead.py [--threads 1] [--repeats 5] [--step
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 import amped
+from amped.cli.environment import cpu_name
 from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 
 
@@ -110,6 +112,7 @@ def main() -> None:
     if args.steps % args.every:
         parser.error(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
     print(
+        f"{cpu_name()}, {os.cpu_count()} logical CPUs; "
         f"torch {torch.__version__}, {args.threads} thread(s), {args.repeats} repeats x "
         f"{args.steps} steps, batch {args.batch}, {args.layers} x Linear({args.dim}), "
         f"every={args.every}; ratios: median [min-max] over repeats; twin: the unmonitored "
@@ -123,7 +126,8 @@ def main() -> None:
             for (name, label), (ratio, low, high) in ratios.items()
             if label == "monitored"
         ]
-        print(f"{recipe:18s} monitored/plain: " + "; ".join(parts), flush=True)
+        load = "/".join(f"{value:.1f}" for value in os.getloadavg())
+        print(f"{recipe:18s} monitored/plain: " + "; ".join(parts) + f"; load {load}", flush=True)
 
 
 if __name__ == "__main__":

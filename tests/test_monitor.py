@@ -15,7 +15,7 @@ from torch import nn
 
 import amped
 from amped.fp8.cast import quantize
-from amped.fp8.health import ROLES, STATS
+from amped.fp8.health import ROLES, STATS, record_gemm
 
 
 def _setup(recipe: str = "fp8-tensorwise", every: int = 2, **kwargs):
@@ -179,3 +179,39 @@ def test_nonfinite_counter_counts_each_inf_and_nan_of_a_sampled_step(recipe):
     in_output = int((~torch.isfinite(outputs[0])).sum())
     assert in_output > 0 and forward["nonfinite"] == 3 + in_output
     assert math.isnan(forward["amax"]) or math.isinf(forward["amax"])
+
+
+class _Sampler:
+    """A GemmObserver that samples every GEMM and keeps its counters."""
+
+    sampling = True
+
+    def __init__(self) -> None:
+        self.stats: list[torch.Tensor] = []
+
+    def observe(self, layer, role, probes, stats) -> None:
+        self.stats.append(stats)
+
+
+@pytest.mark.parametrize("dim", [-1, 0], ids=["scale-per-row", "scale-per-column"])
+@pytest.mark.parametrize("boost", [1.0, 4.0], ids=["dynamic", "scale-x4"])
+def test_saturation_count_matches_a_hand_count_for_any_scale_layout(dim, boost):
+    """Saturated = elements whose ``|x| * scale`` passes the FP8 largest value, for rowwise
+    scales along either dim: a dynamic scale at most a slice's largest element (where
+    ``amax * (largest / amax)`` rounds past ``largest``), a scale made 4x larger (as a
+    stale delayed one can be) many more."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(32, 64, generator=generator)
+    x[5, :] *= 100.0  # one row (and so every column) with larger values
+    scale = quantize(x, torch.float8_e4m3fn, "rowwise", dim=dim).scale * boost
+    quantized = quantize(x, torch.float8_e4m3fn, "rowwise", dim=dim, scale=scale)
+    layer, sampler = nn.Linear(1, 1), _Sampler()
+    layer.fp8_observer = sampler
+    record_gemm(layer, "forward", "output", torch.ones(4), {"x": (x, quantized)})
+    (row,) = sampler.stats
+    stats = dict(zip(STATS, row.tolist(), strict=True))
+    largest = torch.finfo(torch.float8_e4m3fn).max
+    hand = int((x.abs() * scale > largest).sum())
+    assert stats["saturated"] == hand
+    assert hand > 64 if boost > 1.0 else hand <= 64
+    assert stats["amax"] == float(x.abs().max()) and stats["elements"] == x.numel()

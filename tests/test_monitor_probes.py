@@ -26,7 +26,7 @@ from amped.fp8.block_cast import quantize_block
 from amped.fp8.block_format import BLOCK_FORMATS, SCALE_MODES
 from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
 from amped.fp8.delayed import propagate_nonfinite
-from amped.fp8.health import Probe, any_nonfinite, probe_nonfinite, record_gemm
+from amped.fp8.health import Probe, any_nonfinite, probe_nonfinite, range_probe, record_gemm
 from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 from amped.recipes.monitoring import NonFinite
 
@@ -81,6 +81,7 @@ for _fmt in BLOCK_FORMATS.values():
             _mode,
         )
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+OUTPUT_DTYPES = {**DTYPES, "float16": torch.float16}
 
 
 def _tensor(dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -148,6 +149,61 @@ def test_batched_test_agrees_with_the_probes_one_by_one():
         chosen = rng.sample(clean, 5) + rng.sample(bad, rng.choice((0, 0, 1, 2)))
         rng.shuffle(chosen)
         assert bool(any_nonfinite(chosen)) == any(probe_nonfinite(p) for p in chosen)
+
+
+@pytest.mark.parametrize("dtype", OUTPUT_DTYPES, ids=str)
+def test_an_output_with_an_inf_or_nan_is_flagged(dtype):
+    """range_probe, the probe of a GEMM's output and of an unprobed gradient."""
+    for seed, value in enumerate((math.inf, -math.inf, math.nan) * 3):
+        x = _tensor(OUTPUT_DTYPES[dtype], seed)
+        position = random.Random(seed).randrange(x.numel())
+        x.view(-1)[position] = value
+        probe = range_probe(x)
+        assert probe is not None and probe_nonfinite(probe), (value, position)
+    both = _tensor(OUTPUT_DTYPES[dtype], 0)
+    both[0, 0], both[1, 1] = math.inf, -math.inf  # a sum of inf and -inf is NaN: flagged too
+    assert range_probe(both) is not None
+
+
+@pytest.mark.parametrize("dtype", OUTPUT_DTYPES, ids=str)
+def test_a_finite_output_is_never_flagged_even_when_its_sum_overflows(dtype):
+    """On the CPU the sum is read first; finite values summing past the dtype's range
+    (here every element at the largest value, of one sign or of both) must not make a
+    false "non-finite": the exact re-check clears them."""
+    torch_dtype = OUTPUT_DTYPES[dtype]
+    largest = torch.finfo(torch_dtype).max
+    for sign in (1, -1):
+        x = torch.full((32, 64), sign * largest, dtype=torch_dtype)
+        assert not math.isfinite(float(x.sum()))  # the detector fires: the re-check decides
+        assert range_probe(x) is None
+    halves = torch.full((32, 64), largest, dtype=torch_dtype)
+    halves[16:] = -largest  # float32 partial sums reach +inf and -inf: NaN (float16: 0)
+    assert range_probe(halves) is None
+    assert range_probe(torch.zeros(32, 64, dtype=torch_dtype)) is None
+    assert range_probe(_tensor(torch_dtype, 3)) is None
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "mxfp8"])
+def test_finite_outputs_summing_past_float32s_range_are_not_named(recipe):
+    """A forward GEMM whose output is finite (2**121 each) but sums past float32's range:
+    the step is taken, nothing is named, and no non-finite element is counted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 16, bias=False))
+    setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0), recipe)
+    health = amped.monitor(setup, every=1)
+    with torch.no_grad():
+        setup.model[0].weight.fill_(2.0**55)
+        setup.model[1].weight.fill_(2.0**-70)  # the head (bfloat16): outputs of 2**57
+    outputs = []
+    setup.model[0].register_forward_hook(lambda _m, _i, out: outputs.append(out.detach()))
+    with setup.autocast():
+        out = setup.model(torch.full((8, 64), 2.0**60))
+    loss = (out.float() * 2.0**-57).sum()  # finite: 128 elements of 1
+    assert torch.isfinite(outputs[0]).all() and not torch.isfinite(outputs[0].sum())
+    setup.backward(loss)
+    assert setup.step()
+    assert health.first_nonfinite is None
+    assert health.read()["0"]["forward"]["nonfinite"] == 0
 
 
 def _model() -> nn.Sequential:

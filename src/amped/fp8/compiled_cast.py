@@ -1,7 +1,7 @@
-"""The FP8 and block casts run as compiled kernels: one pass over memory instead of ten.
+"""The block casts run as compiled kernels: one pass over memory instead of ten.
 
-A cast (amax, scale, saturate, round, and for the emulated GEMM the product with the
-block scale) is some ten elementwise torch ops; run eagerly on a CPU each is a
+A block cast (amax, scale, saturate, round, and for the emulated GEMM the product with
+the block scale) is some ten elementwise torch ops; run eagerly on a CPU each is a
 separate memory-bound loop. :func:`run` calls the same Python function compiled by
 ``torch.compile`` (Inductor's C++), which fuses them into one or two loops. The
 function is the cast's only definition: run compiled or eagerly it computes the same
@@ -130,7 +130,7 @@ def run(function: Callable[..., Any], spec: Hashable, x: torch.Tensor, *args: An
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
         _broken["cpu"] = reason
         warnings.warn(
-            f"amped could not compile its FP8/block cast kernels on cpu ({reason}); the "
+            f"amped could not compile its block cast kernels on cpu ({reason}); the "
             "casts run eagerly, which gives the same values more slowly",
             RuntimeWarning,
             stacklevel=3,

@@ -88,15 +88,15 @@ def test_compiled_operand_is_the_eager_one_bitwise(case, special, dtype, monkeyp
 @pytest.mark.parametrize("case", list(CASES))
 def test_compiled_operand_is_the_cast_torchao_matches_read_back(case):
     """The values are ``quantize_block(x).block_values()`` (of ``x.t()`` for dim 0), and
-    the cast kept is quantize_block's, transposed for dim 0."""
+    the cast kept is quantize_block's (of the transposed operand for dim 0)."""
     name, dim, tiles = CASES[case]
     fmt = BLOCK_FORMATS[name]
     x = _suite((64, 96), torch.bfloat16, seed=3, special=False)  # NaN bits: test above
     operand = block_operand(x, fmt, dim=dim, tile_2d=tiles, keep_cast=True)
     source = x.t() if dim == 0 else x
     reference = quantize_block(source.contiguous(), fmt, tile_2d=tiles)
-    values = operand.values.t() if dim == 0 else operand.values
-    assert _same(values, reference.block_values(torch.bfloat16))
+    operand = operand.t() if dim == 0 else operand  # what the layers use
+    assert _same(operand.values, reference.block_values(torch.bfloat16))
     assert torch.equal(operand.cast.elements, reference.elements)
     assert torch.equal(operand.cast.scale_bits, reference.scale_bits)
 

@@ -3,7 +3,7 @@
 Grid: every FP8 and block recipe (mxfp8, mxfp4, nvfp4) x every converted layer x
 every GEMM role it runs x {inf, NaN} x the step of the fault. The fault is an inf or
 NaN written into one element (chosen by a seeded generator) of one low-precision
-GEMM's output (``scaled_mm`` of Float8Linear, ``block_mm`` of BlockLinear), at one
+GEMM's output (``scaled_mm`` of Float8Linear, ``operand_mm`` of BlockLinear), at one
 step: the forward output of a layer, the grad_input or the grad_weight it computes.
 Must hold in 100% of cases:
 
@@ -81,7 +81,7 @@ def _gemm_order(recipe: str) -> list[tuple[str, str]]:
 def _gemm_site(recipe: str) -> tuple[object, str]:
     """The module and name of the GEMM function the recipe's layers call."""
     if recipe in BLOCK_RECIPE_NAMES:
-        return amped.fp8.block_linear, "block_mm"
+        return amped.fp8.block_linear, "operand_mm"
     return amped.fp8.linear, "scaled_mm"
 
 

@@ -78,8 +78,11 @@ def block_operand(
             ``keep_cast`` must be set).
         generator: E2M1: round stochastically, drawing one number per element, in
             ``x``'s row-major order, from it.
-        keep_cast: also return the elements and scales (``.cast``), blocks along the
-            last dim of ``x`` (``dim=-1``) or of ``x.t()`` (``dim=0``, a view).
+        keep_cast: also return the elements and scales (``.cast``), in ``x``'s layout:
+            for ``dim=0`` one scale per block of rows (``[M // block, N]``), so that
+            the operand's :meth:`~BlockOperand.t` holds the cast of ``x.t()`` as
+            :func:`~amped.fp8.block_cast.quantize_block` gives it (blocks along the
+            last dim), which the GEMM and the health monitor read.
 
     Raises:
         ValueError: the blocked dim is not a multiple of the block size.
@@ -101,7 +104,8 @@ def block_operand(
     )
     cast = None
     if elements is not None:
+        if tile_2d and dim == 0:  # a tile's scale, per block of rows: [M // 16, N]
+            size = format.block_size
+            scale_bits = scale_bits[::size].repeat_interleave(size, dim=1)
         cast = BlockTensor(elements, scale_bits, tensor_scale, format)
-        if dim == 0:
-            cast = cast._replace(elements=elements.t(), scale_bits=scale_bits.t())
     return BlockOperand(values, tensor_scale, cast)

@@ -36,6 +36,9 @@ def _no_leaked_autocast_state():
 @pytest.fixture(autouse=True)
 def _eager_casts(request, monkeypatch):
     """The casts' compiled kernels give the eager bits (tests/test_fp8_compiled_cast.py)
-    but take seconds to compile per shape: other tests run them eagerly."""
+    but take seconds to compile per shape: other tests run them eagerly; the tests
+    marked ``compiled_casts`` compile whatever their tensors' size."""
     if request.node.get_closest_marker("compiled_casts") is None:
         monkeypatch.setattr(compiled_cast, "compiles", lambda x: False)
+    else:
+        monkeypatch.setattr(compiled_cast, "MIN_ELEMENTS", 0)

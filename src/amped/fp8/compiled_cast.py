@@ -25,10 +25,11 @@ autocast is off (both are per thread), under ``no_grad``; its compiles and Dynam
 guards only ever see that state. A call costs one hand-off to the worker, about 15
 microseconds.
 
-**Where eager.** Off CPU, inside a user's ``torch.compile`` (Dynamo then traces the
-function itself), and under any Python dispatch or function mode (a mode would not see
-the worker's ops, and ``torch.compile`` skips frames under one), the function runs
-eagerly on the calling thread.
+**Where eager.** For tensors under :data:`MIN_ELEMENTS`, off CPU, inside a user's
+``torch.compile`` (Dynamo then traces the function itself), and under any Python
+dispatch or function mode (a mode would not see the worker's ops, and
+``torch.compile`` skips frames under one), the function runs eagerly on the calling
+thread.
 A compile that fails (no C++ compiler, an Inductor error) is reported once, as a
 warning, and the process keeps the eager casts: the same values, more slowly.
 """
@@ -46,10 +47,16 @@ import torch
 
 from amped._internal import torch_compat
 
-__all__ = ["STATIC_SHAPES", "compiles", "run"]
+__all__ = ["MIN_ELEMENTS", "STATIC_SHAPES", "compiles", "run"]
 
 STATIC_SHAPES = 16
 """Shapes compiled statically per kernel setting; more share one dynamic-size kernel."""
+
+MIN_ELEMENTS = 1 << 18
+"""Tensors with fewer elements (a 512 x 512 operand) cast eagerly: a kernel takes
+seconds to compile, which a small tensor's casts (microseconds to a millisecond each)
+earn back only over thousands of steps, and a small model's short run (``amped
+compare``'s built-in task, ``amped tune``'s verification runs) never does."""
 
 _compiled: dict[tuple[Hashable, ...], Callable[..., Any]] = {}
 _shapes: dict[tuple[Hashable, ...], int] = {}  # setting -> static shapes compiled
@@ -108,6 +115,7 @@ def compiles(x: torch.Tensor) -> bool:
     """Whether :func:`run` would call the compiled kernel for ``x`` (see the module)."""
     return (
         x.device.type == "cpu"
+        and x.numel() >= MIN_ELEMENTS
         and "cpu" not in _broken
         and not torch.compiler.is_compiling()
         and not torch_compat.python_mode_active()

@@ -48,7 +48,9 @@ SPEARMAN_TARGET = 0.7  # the issue's target
 # sensitive layers' changes (1e-3 to 6e-2), so that the budget decides which layers go.
 # At 0.002 the estimate alone lowers fewer FLOPs than the best rule (61.5% against 69.2%;
 # docs/history/issue-25-tune.md); the verification rounds reach the rule's plan.
-BUDGETS = [0.005, 0.002]
+# The suite runs the tighter budget, where the estimate alone fell short of the rule; at
+# 0.005 both choose the same plan (benchmarks/tune_vs_rule.py runs both).
+BUDGETS = [0.002]
 
 
 @pytest.fixture(scope="module")

@@ -81,6 +81,25 @@ def _pieces(numel: int) -> list[tuple[int, int]]:
 _MOMENTS = (("exp_avg", True), ("exp_avg_sq", False))  # (key, signed map)
 
 
+# The float64 square root runs this many elements at a time: its temporary copy stays
+# at 512 KiB, not 8 bytes per element of the largest tensor (an 8-bit state's saving).
+_SQRT_CHUNK = 1 << 16
+
+
+def _sqrt_rounded(values: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded float32 square root of float32 ``values`` (as the fused
+    kernel's), through float64 in chunks of :data:`_SQRT_CHUNK` elements."""
+    root = torch.empty_like(values, memory_format=torch.contiguous_format)
+    flat_root = root.view(-1)
+    for start, chunk in zip(
+        range(0, values.numel(), _SQRT_CHUNK),
+        values.reshape(-1).split(_SQRT_CHUNK),
+        strict=True,
+    ):
+        flat_root[start : start + chunk.numel()].copy_(chunk.double().sqrt_())
+    return root
+
+
 class CompensatedAdamW8bit(SeededOptimizer):
     """AdamW for bf16 weights with blockwise 8-bit moments (see the module).
 
@@ -181,7 +200,7 @@ class CompensatedAdamW8bit(SeededOptimizer):
         self._store(param, state, "exp_avg", True, exp_avg)
         self._store(param, state, "exp_avg_sq", False, exp_avg_sq)
         # torch's bias corrections, in Python floats (double precision).
-        root = exp_avg_sq.double().sqrt_().to(torch.float32)
+        root = _sqrt_rounded(exp_avg_sq)
         denom = root.div_(math.sqrt(1 - beta2**count)).add_(eps)
         update = exp_avg.div_(denom).mul_(-lr / (1 - beta1**count))
         if wd != 0 and group["decoupled_weight_decay"]:

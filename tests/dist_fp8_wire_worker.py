@@ -41,7 +41,7 @@ from amped._internal.torch_compat import (
     fsdp_reset_sharded_params,
     set_dtensor_local,
 )
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8
+from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
 from amped.recipes.fp8_wire import wire_layers
 from amped.recipes.shards import fsdp_modules
 
@@ -258,6 +258,80 @@ def rowwise() -> dict[str, Any]:
 
 
 FP8 = ("fp8-tensorwise", "fp8-delayed")
+BLOCK_LINEARS = ("0", "2", "4")
+
+
+def block_net() -> nn.Sequential:
+    """nvfp4 layers (dims multiples of 16) of 64, 32 and 48 rows: on 2 ranks 32 and 16
+    rows each (whole 16-row tiles: the FP4 wire), and 24 each (tiles cut: refused)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(IN, 64, bias=False),
+        nn.GELU(),
+        nn.Linear(64, 32, bias=False),
+        nn.GELU(),
+        nn.Linear(32, 48, bias=False),
+    )
+
+
+def block_prepared(sharded: bool, policy: MixedPrecisionPolicy | None = None) -> amped.TrainSetup:
+    """nvfp4 on bf16-pure, every layer converted (named: nvfp4 keeps its last 15% in
+    bfloat16 otherwise) before ``fully_shard``."""
+    model = block_net()
+    convert_to_fp8(model, BLOCK_CONFIGS["nvfp4"], list(BLOCK_LINEARS))
+    if sharded:
+        kwargs = {} if policy is None else {"mp_policy": policy}
+        for name in BLOCK_LINEARS:
+            fully_shard(model.get_submodule(name), **kwargs)
+        fully_shard(model, **kwargs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    base = "bf16-pure" if policy is None else "bf16-mixed"
+    setup = amped.prepare(model, optimizer, "nvfp4", base=base, module_filter=lambda m, n: True)
+    if hasattr(setup.optimizer, "fused"):
+        setup.optimizer.fused = False
+    return setup
+
+
+def block_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(BATCH, IN, generator=generator), torch.randn(BATCH, 48, generator=generator)
+
+
+def block_train(setup: amped.TrainSetup, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = block_batch(step)
+        with setup.autocast():
+            loss = F.mse_loss(setup.model(x).float(), y)
+        setup.backward(loss)
+        setup.step()
+        setup.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def nvfp4() -> dict[str, Any]:
+    """nvfp4 with the FP4 wire against one process; the bytes of its second step
+    against bf16-pure's on the same model (the wire taken off)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        setup = block_prepared(sharded=True)
+    losses = block_train(setup, range(1))  # the first step sets FSDP2 up; count the second
+    with GatherCounter() as counter:
+        losses += block_train(setup, range(1, 2))
+    out = record(setup, losses + block_train(setup, range(2, STEPS)))
+    out["wire"] = counter.calls
+    out["warnings"] = [str(w.message) for w in caught if "FSDP2 all-gathers" in str(w.message)]
+    out["rows"] = {n: p.to_local().shape[0] for n, p in setup.model.named_parameters()}
+    plain = block_prepared(sharded=True)
+    without_wire(plain.model)
+    block_train(plain, range(1))
+    with GatherCounter() as counter:
+        block_train(plain, range(1, 2))
+    out["plain_wire"] = counter.calls
+    control = block_prepared(sharded=False)
+    out["control"] = record(control, block_train(control, range(STEPS)))
+    return out
 
 
 def main() -> None:
@@ -267,18 +341,22 @@ def main() -> None:
     timeout = datetime.timedelta(seconds=float(os.environ["AMPED_COLLECTIVE_TIMEOUT_S"]))
     dist.init_process_group("gloo", timeout=timeout)
     try:
+        only = set(sys.argv[2:])  # scenario groups to run (default: all)
         results: dict[str, Any] = {}
-        for recipe in FP8:
-            for base in ("bf16-pure", "bf16-mixed"):
-                results[f"equal/{recipe}/{base}"] = equal(recipe, base)
-            results[f"dcp/{recipe}"] = checkpointed(recipe, "bf16-pure", out / f"dcp-{recipe}")
-        for recipe in (*FP8, "bf16-pure", "bf16-mixed"):
-            results[f"wire/{recipe}"] = wire(recipe, "bf16-pure")
-        results["wire/fp8-tensorwise/bf16-mixed"] = wire("fp8-tensorwise", "bf16-mixed")
-        results["rowwise"] = rowwise()
-        results["mixed"] = {"wire": mixed(wire=True), "control": mixed(wire=False)}
-        for recipe in FP8:
-            results[f"split/{recipe}"] = split(recipe, rank, world)
+        if not only or "fp8" in only:
+            for recipe in FP8:
+                for base in ("bf16-pure", "bf16-mixed"):
+                    results[f"equal/{recipe}/{base}"] = equal(recipe, base)
+                results[f"dcp/{recipe}"] = checkpointed(recipe, "bf16-pure", out / f"dcp-{recipe}")
+            for recipe in (*FP8, "bf16-pure", "bf16-mixed"):
+                results[f"wire/{recipe}"] = wire(recipe, "bf16-pure")
+            results["wire/fp8-tensorwise/bf16-mixed"] = wire("fp8-tensorwise", "bf16-mixed")
+            results["rowwise"] = rowwise()
+            results["mixed"] = {"wire": mixed(wire=True), "control": mixed(wire=False)}
+            for recipe in FP8:
+                results[f"split/{recipe}"] = split(recipe, rank, world)
+        if not only or "nvfp4" in only:
+            results["nvfp4"] = nvfp4()
         torch.save(results, out / f"rank{rank}.pt")
         # Every rank reaches this point before any tears its group down (see
         # tests/dist_fsdp_worker.py).

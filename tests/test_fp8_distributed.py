@@ -187,3 +187,41 @@ def test_with_each_rank_on_its_own_data_the_wire_changes_only_the_bytes(wire_ran
         assert wire["losses"] == control["losses"]
         losses.append(wire["losses"])
     assert losses[0] != losses[1]  # the ranks did see different data
+
+
+# --- NVFP4 weights on the FSDP2 wire (amped.fp8.fsdp_block_wire) ------------------------
+
+
+def test_nvfp4_on_the_wire_trains_bitwise_as_one_process(wire_ranks):
+    """Layers of 64 and 32 rows (32 and 16 per rank: whole 16x16 tiles) all-gather
+    FP4; the one of 48 rows (24 per rank: its tiles would straddle the ranks) keeps
+    bfloat16 and says why. Stochastic rounding and the Hadamard transform included."""
+    for rank in wire_ranks:
+        run = rank["nvfp4"]
+        assert run["wire_layers"] == ["0", "2"]
+        assert run["rows"] == {"0.weight": 32, "2.weight": 16, "4.weight": 24}
+        assert len(run["warnings"]) == 1
+        message = run["warnings"][0]
+        assert "48 rows do not split into 2 equal shards of whole 16-row tiles" in message
+        assert "Received: layers=['4']" in message
+        control = run["control"]
+        assert _differing(run["params"], control["params"]) == []
+        assert _differing(run["buffers"], control["buffers"]) == []  # the rounding's draws
+        assert run["losses"] == control["losses"]
+
+
+def test_nvfp4_weights_take_a_quarter_of_the_bytes_of_bfloat16_plus_tile_scales(wire_ranks):
+    for rank in wire_ranks:
+        pairs = _pairs(rank["nvfp4"]["wire"], rank["nvfp4"]["plain_wire"])
+        assert len(pairs) == 2 * 3  # forward and backward, each layer
+        fp4 = 0
+        for (got, got_dtype), (bf16, bf16_dtype) in pairs:
+            assert bf16_dtype == "torch.bfloat16"
+            if got_dtype == "torch.uint8":  # packed E2M1, then one E4M3 byte per tile
+                rows, cols = bf16 // 2 // 64, 64
+                assert got == bf16 // 4 + (rows // 16) * (cols // 16)
+                fp4 += 1
+            else:  # the 48-row layer
+                assert (got, got_dtype) == (bf16, bf16_dtype)
+        assert fp4 == 4
+        assert sorted({b for b, d in rank["nvfp4"]["wire"] if d == "torch.uint8"}) == [516, 1032]

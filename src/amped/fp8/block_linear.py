@@ -43,6 +43,7 @@ from amped.fp8.conv1d import (
     linear_forward,
     low_precision_class,
 )
+from amped.fp8.fsdp_block_wire import gathered_block
 from amped.fp8.hadamard import HADAMARD_SIZE, random_hadamard, rotate_rows
 from amped.fp8.health import record_gemm
 
@@ -184,6 +185,10 @@ class BlockLinear(torch.nn.Linear):
         (16x16 tiles under ``weight_2d``)."""
         cfg = self.block_config
         observed = getattr(self, "fp8_observer", None) is not None
+        gathered = gathered_block(x) if weight else None
+        if gathered is not None:  # FSDP2 all-gathered it cast (amped.fp8.fsdp_block_wire)
+            dtype = gemm_dtype(out_dtype) if self.fp8_emulate else None
+            return gathered.operand(dim, dtype, keep_cast=observed or not self.fp8_emulate)
         return block_operand(
             x,
             cfg.format,

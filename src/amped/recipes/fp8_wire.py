@@ -1,4 +1,6 @@
-"""Which layers of an FP8 recipe all-gather FP8 weights under FSDP2, installed by ``prepare``.
+"""Which layers of an FP8 or block recipe all-gather low-precision weights under FSDP2.
+
+Installed by ``prepare``.
 
 For each converted layer whose weight ``fully_shard`` sharded, ``prepare`` makes the
 weight's local shard a :class:`~amped.fp8.fsdp_wire.WireShard` where one FP8 cast of
@@ -14,9 +16,10 @@ and the reason (docs/distributed.md):
   rank's rows; or tensorwise), from the high-precision weight the layer saves.
 - ``mxfp8``, ``mxfp4``: the same for blocks of 32 along the input dim (forward) and the
   output dim (grad-input GEMM).
-- ``nvfp4``: its 16x16 weight tiles serve both GEMMs, so an FP4 wire could be exact
-  where the shard boundaries fall on multiples of 16 rows; not built (the block layer
-  casts the saved high-precision weight again in its backward).
+
+``nvfp4`` layers all-gather FP4 (:class:`~amped.fp8.fsdp_block_wire.BlockWireShard`):
+its 16x16 weight tiles serve both GEMMs, exactly where the weight's rows split evenly
+into shards of whole tiles; other shapes keep their dtype, with the warning.
 """
 
 from __future__ import annotations
@@ -33,17 +36,12 @@ from amped._internal.torch_compat import (
 )
 from amped.fp8.block_linear import BlockLinear
 from amped.fp8.convert import Fp8Layers
+from amped.fp8.fsdp_block_wire import BlockWireShard, block_wire_refusal
 from amped.fp8.fsdp_wire import WireShard, wire_refusal
 from amped.fp8.linear import Float8Linear
 from amped.recipes.shards import fsdp_modules, is_sharded, reshard
 
 __all__ = ["install_fp8_wire", "wire_layers"]
-
-_BLOCKS = (
-    "its block cast runs along the input features in the forward and along the output "
-    "features in the grad-input GEMM, from the high-precision weight its backward saves"
-)
-
 
 _REPLACED = (
     "FSDP2 replaced its local shard when taking it up (CPUOffloadPolicy pins a copy), "
@@ -57,8 +55,14 @@ def _refusal(layer: Float8Linear | BlockLinear) -> str | None:
     if len(placements) != 1 or not placements[0].is_shard() or placements[0].dim != 0:
         return f"its weight is not sharded on dim 0 over a 1-D mesh ({placements})"
     if isinstance(layer, BlockLinear):
-        return _BLOCKS
+        world = layer.weight.device_mesh.size()  # type: ignore[attr-defined]
+        rows = layer.weight.shape[0]
+        return block_wire_refusal(layer.block_config, rows, world, layer.weight_transposed)
     return wire_refusal(layer.fp8_config)
+
+
+def _wire_class(layer: Float8Linear | BlockLinear) -> type[torch.Tensor]:
+    return BlockWireShard if isinstance(layer, BlockLinear) else WireShard
 
 
 def wire_layers(model: torch.nn.Module) -> list[str]:
@@ -66,9 +70,9 @@ def wire_layers(model: torch.nn.Module) -> list[str]:
     return [
         name
         for name, module in model.named_modules()
-        if isinstance(module, Float8Linear)
+        if isinstance(module, (Float8Linear, BlockLinear))
         and is_sharded(module.weight)
-        and isinstance(dtensor_local(module.weight), WireShard)
+        and isinstance(dtensor_local(module.weight), _wire_class(module))
     ]
 
 
@@ -87,20 +91,20 @@ def install_fp8_wire(model: torch.nn.Module, layers: Fp8Layers) -> dict[str, str
         if reason is not None:
             kept[name] = reason
             continue
-        shard = dtensor_local(layer.weight)
-        if not isinstance(shard, WireShard):  # the same storage: writes still reach it
-            set_dtensor_local(layer.weight, shard.as_subclass(WireShard))
+        shard, wire = dtensor_local(layer.weight), _wire_class(layer)
+        if not isinstance(shard, wire):  # the same storage: writes still reach it
+            set_dtensor_local(layer.weight, shard.as_subclass(wire))
     for module in fsdp_modules(model):
         fsdp_reset_sharded_params(module)
     for name, layer in sharded.items():  # FSDP2 may replace a local tensor it takes up
-        if name not in kept and not isinstance(dtensor_local(layer.weight), WireShard):
+        if name not in kept and not isinstance(dtensor_local(layer.weight), _wire_class(layer)):
             kept[name] = _REPLACED
     if kept:
         reasons = sorted(set(kept.values()))
         warnings.warn(
-            f"FSDP2 all-gathers the weights of {len(kept)} FP8 layer(s) in their own dtype, "
-            f"not FP8: {'; '.join(reasons)} (docs/distributed.md, 'FP8 on the wire'). "
-            + received("layers", sorted(kept)),
+            f"FSDP2 all-gathers the weights of {len(kept)} low-precision layer(s) in their "
+            f"own dtype, not FP8 or FP4: {'; '.join(reasons)} "
+            "(docs/distributed.md, 'FP8 on the wire'). " + received("layers", sorted(kept)),
             UserWarning,
             stacklevel=4,
         )

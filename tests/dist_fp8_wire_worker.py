@@ -43,6 +43,7 @@ from amped._internal.torch_compat import (
 )
 from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
 from amped.recipes.fp8_wire import wire_layers
+from amped.recipes.plan import PrecisionPlan
 from amped.recipes.shards import fsdp_modules
 
 STEPS = 4
@@ -292,6 +293,37 @@ def block_prepared(sharded: bool, policy: MixedPrecisionPolicy | None = None) ->
     return setup
 
 
+PLAN = PrecisionPlan("bf16-pure", {"0": "fp8-tensorwise", "2": "nvfp4", "4": "fp8-rowwise"})
+
+
+def plan_prepared(sharded: bool) -> amped.TrainSetup:
+    """A tuned per-layer plan on ``block_net``: under FSDP2 ``plan.convert`` first."""
+    model = block_net()
+    if sharded:
+        PLAN.convert(model)
+        for name in BLOCK_LINEARS:
+            fully_shard(model.get_submodule(name))
+        fully_shard(model)
+    setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), PLAN)
+    setup.optimizer.fused = False
+    return setup
+
+
+def plan() -> dict[str, Any]:
+    """The plan's FP8 and NVFP4 layers on the wire (its rowwise one refused) against one
+    process."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        setup = plan_prepared(sharded=True)
+    with GatherCounter() as counter:
+        out = record(setup, block_train(setup, range(STEPS)))
+    out["wire"] = counter.calls
+    out["warnings"] = [str(w.message) for w in caught if "FSDP2 all-gathers" in str(w.message)]
+    control = plan_prepared(sharded=False)
+    out["control"] = record(control, block_train(control, range(STEPS)))
+    return out
+
+
 def block_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1000 + step)
     return torch.randn(BATCH, IN, generator=generator), torch.randn(BATCH, 48, generator=generator)
@@ -357,6 +389,7 @@ def main() -> None:
                 results[f"split/{recipe}"] = split(recipe, rank, world)
         if not only or "nvfp4" in only:
             results["nvfp4"] = nvfp4()
+            results["plan"] = plan()
         torch.save(results, out / f"rank{rank}.pt")
         # Every rank reaches this point before any tears its group down (see
         # tests/dist_fsdp_worker.py).

@@ -225,3 +225,17 @@ def test_nvfp4_weights_take_a_quarter_of_the_bytes_of_bfloat16_plus_tile_scales(
                 assert (got, got_dtype) == (bf16, bf16_dtype)
         assert fp4 == 4
         assert sorted({b for b, d in rank["nvfp4"]["wire"] if d == "torch.uint8"}) == [516, 1032]
+
+
+def test_a_tuned_plan_converted_before_fully_shard_gets_the_wire(wire_ranks):
+    """``plan.convert(model)``, ``fully_shard``, ``prepare(model, optimizer, plan)``: the
+    plan's fp8-tensorwise and nvfp4 layers all-gather FP8 and FP4, its fp8-rowwise layer
+    keeps bfloat16 (with the warning), and the run is one process's bit for bit."""
+    for rank in wire_ranks:
+        run = rank["plan"]
+        assert run["wire_layers"] == ["0", "2"]
+        assert len(run["warnings"]) == 1 and "Received: layers=['4']" in run["warnings"][0]
+        assert {d for _, d in run["wire"]} == {"torch.uint8", "torch.bfloat16"}
+        control = run["control"]
+        assert _differing(run["params"], control["params"]) == []
+        assert run["losses"] == control["losses"]

@@ -27,7 +27,7 @@ NVFP4 = BLOCK_CONFIGS["nvfp4"]
     "config, rows, world, transposed, refused",
     [
         pytest.param(NVFP4, 64, 2, False, None, id="nvfp4-64-rows-on-2"),
-        pytest.param(NVFP4, 32, 1, False, None, id="nvfp4-one-rank"),
+        pytest.param(NVFP4, 32, 1, False, "one rank", id="nvfp4-one-rank"),
         pytest.param(NVFP4, 48, 2, False, "equal shards of whole 16-row", id="nvfp4-24-rows-each"),
         pytest.param(NVFP4, 32, 3, False, "equal shards of whole 16-row", id="nvfp4-uneven"),
         pytest.param(NVFP4, 64, 2, True, "Conv1D", id="nvfp4-conv1d"),
@@ -112,3 +112,27 @@ def test_the_block_layer_computes_with_the_gathered_weight_as_with_its_own():
     grad = layer.weight.grad
     assert type(grad) is torch.Tensor and grad.dtype is torch.bfloat16
     assert torch.equal(grad, reference.weight.grad)
+
+
+@pytest.mark.slow  # importing FSDP2 takes seconds
+def test_a_plan_refuses_a_layer_fully_shard_wrapped_and_says_to_convert_first():
+    from torch.distributed.fsdp import fully_shard
+
+    import amped
+    from amped.recipes.plan import PrecisionPlan
+    from dist_launch import one_rank_group
+
+    plan = PrecisionPlan("bf16-pure", {"0": "nvfp4", "1": "bf16"})
+    with one_rank_group():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+        fully_shard(model[0])
+        fully_shard(model[1])  # a "bf16" layer may be sharded: nothing converts it
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters())
+        with pytest.raises(ValueError, match=r"FSDPLinear: fully_shard wrapped.*plan\.convert"):
+            amped.prepare(model, optimizer, plan)
+        other = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 16))
+        PrecisionPlan("bf16-pure", {"0": "mxfp8"}).convert(other)
+        with pytest.raises(ValueError, match="converted already, with other rules"):
+            plan.convert(other)

@@ -19,7 +19,8 @@ a multiple of 16) each rank casts its tiles as the unsharded cast does.
 **Where it does not apply** (:func:`block_wire_refusal`): MX formats and ``nvfp4``
 without ``weight_2d`` (blocks along the input features in the forward and along the
 output features in the grad-input GEMM, which cross the shards); a Conv1D twin (its
-weight is stored transposed); and shards that are uneven or not whole tiles. FSDP2
+weight is stored transposed); shards that are uneven or not whole tiles; and a mesh of
+one rank (nothing travels; FSDP2 reads only the first of the wire's two inputs there). FSDP2
 requires a rank whose shard is shorter than the padded shard (uneven sharding) to send
 all-gather inputs of the padded shard's shape, at least a byte per element, so packed
 FP4 can travel only where the weight's rows split evenly into whole tiles.
@@ -57,6 +58,11 @@ def block_wire_refusal(
             "output features in the grad-input GEMM (crossing the shards), from the "
             "high-precision weight its backward saves; only nvfp4's 16x16 weight tiles "
             "serve both GEMMs"
+        )
+    if world == 1:
+        return (
+            "a mesh of one rank all-gathers nothing (and FSDP2 then reads only a weight's "
+            "first all-gather input, where the FP4 wire sends two: elements and scales)"
         )
     if transposed:
         return "a Conv1D's weight is stored transposed, so a dim-0 shard cuts its tiles' other dim"

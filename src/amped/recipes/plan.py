@@ -13,6 +13,12 @@ module_filter=...)`` converts them, so a single-format plan trains bitwise the s
 that call. ``"bf16"`` leaves a layer to the base recipe, as every layer the plan does not
 name. The setup's recipe is named ``plan-<digest of the plan>``: a checkpoint loads only
 into a setup of the same plan.
+
+Under FSDP2 convert first, as for the FP8 recipes: ``plan.convert(model)``, then
+``fully_shard``, then ``prepare(model, optimizer, plan)``, which keeps the converted
+layers and has FSDP2 all-gather their weights in FP8 or FP4 where that is exact
+(:mod:`amped.recipes.fp8_wire`). ``fully_shard`` wraps a module's class, so a layer it
+was applied to cannot be converted in place afterwards.
 """
 
 from __future__ import annotations
@@ -32,10 +38,14 @@ from amped._internal.errors import type_error, value_error
 from amped._internal.jsonio import from_json, to_json
 from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
 from amped.fp8.block_config import BlockConfig
+from amped.fp8.block_linear import BlockLinear
 from amped.fp8.conv1d import is_linear_like, linear_dims
 from amped.fp8.convert import Fp8Layers, LowPrecisionConfig
+from amped.fp8.linear import Float8Linear
+from amped.recipes.fp8_wire import install_fp8_wire
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
+from amped.recipes.shards import fsdp_modules
 from amped.recipes.weights import require_float32
 from amped.scaling import GradScaler
 
@@ -85,11 +95,30 @@ def format_multiple(fmt: str) -> int:
     return 16
 
 
+def _is_fsdp_module(module: torch.nn.Module) -> bool:
+    return any(m is module for m in fsdp_modules(module))
+
+
 def layer_ineligibility(module: torch.nn.Module | None, fmt: str) -> str | None:
     """Why ``module`` cannot run in ``fmt``, or None when it can."""
     if module is None:
         return "the model has no module of that name"
-    if not is_linear_like(module):
+    if isinstance(module, Float8Linear | BlockLinear):  # converted before fully_shard
+        own = module.block_config if isinstance(module, BlockLinear) else module.fp8_config
+        if fmt == "bf16" or own != format_config(fmt):
+            return (
+                f"it is converted already, with other rules ({own}); convert a model "
+                "with plan.convert(model)"
+            )
+        return None
+    sharded_linear = isinstance(module, torch.nn.Linear) and _is_fsdp_module(module)
+    if sharded_linear and fmt != "bf16":
+        return (
+            f"it is a {type(module).__name__}: fully_shard wrapped its class, and a sharded "
+            "layer cannot be converted in place; under FSDP2 call plan.convert(model) "
+            "before fully_shard (docs/distributed.md)"
+        )
+    if not is_linear_like(module) and not sharded_linear:
         return f"it is a {type(module).__name__}, not an nn.Linear or transformers Conv1D"
     multiple = format_multiple(fmt)
     fan_in, fan_out = linear_dims(module)
@@ -173,6 +202,19 @@ class PrecisionPlan:
             ) from None
         return cls.from_dict(data)
 
+    def convert(self, model: torch.nn.Module) -> Fp8Layers | None:
+        """Convert ``model``'s layers to the plan's formats in place, as ``prepare``
+        does (under FSDP2: before ``fully_shard``; ``prepare`` keeps them). Returns the
+        converted layers (None when the plan lowers none); layers converted before with
+        the same format are kept.
+
+        Raises:
+            ValueError: a layer the plan cannot give its format (see ``prepare``).
+        """
+        device_type = next((p.device.type for p in model.parameters()), "cpu")
+        check_plan(self, model, device_type, None, set())
+        return _convert(self, model)
+
     def digest(self) -> str:
         """Eight hex digits naming this plan (its base and layers)."""
         text = json.dumps([self.base, sorted(self.layers.items())])
@@ -238,18 +280,33 @@ def apply_plan(plan: PrecisionPlan, setup: TrainSetup) -> TrainSetup:
     Layers of one format convert together, in model order (the seeds of stochastic
     rounding and Hadamard signs follow that order, as ``convert_to_fp8`` gives them).
     """
-    order = [name for name, _ in setup.model.named_modules()]
+    converted = _convert(plan, setup.model)
+    if converted is not None:
+        setup.fp8_layers = converted
+        setup.fp8_base = plan.base
+        install_fp8_wire(setup.model, converted)  # FSDP2: FP8 or FP4 weights on the wire
+    setup.recipe = plan_recipe(plan)
+    return setup
+
+
+def _convert(plan: PrecisionPlan, model: torch.nn.Module) -> Fp8Layers | None:
+    """Convert the plan's lowered layers of ``model`` not converted yet, one format at a
+    time in model order (the seeds of stochastic rounding and Hadamard signs follow that
+    order, as ``convert_to_fp8`` gives them); None when the plan lowers no layer."""
+    modules = dict(model.named_modules())
+    order = list(modules)
     lowered = plan.lowered()
     layers: dict[str, Any] = {}
     first_config: LowPrecisionConfig | None = None
     for fmt in dict.fromkeys(lowered[name] for name in order if name in lowered):
         names = [name for name in order if lowered.get(name) == fmt]
         config = format_config(fmt)
-        layers.update(convert_to_fp8(setup.model, config, names).layers)
+        fresh = [n for n in names if not isinstance(modules[n], Float8Linear | BlockLinear)]
+        layers.update({n: modules[n] for n in names if n not in fresh})
+        if fresh:
+            layers.update(convert_to_fp8(model, config, fresh).layers)
         first_config = first_config or config
-    if first_config is not None:
-        # No plan format has delayed scaling, so update() is a no-op whatever the config.
-        setup.fp8_layers = Fp8Layers({n: layers[n] for n in order if n in layers}, first_config)
-        setup.fp8_base = plan.base
-    setup.recipe = plan_recipe(plan)
-    return setup
+    if first_config is None:
+        return None
+    # No plan format has delayed scaling, so update() is a no-op whatever the config.
+    return Fp8Layers({n: layers[n] for n in order if n in layers}, first_config)

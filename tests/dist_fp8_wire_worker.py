@@ -1,13 +1,13 @@
-"""One rank of the FP8-on-the-wire tests (run by tests/test_fp8_distributed.py through
-dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
+"""The FP8- and FP4-on-the-wire scenarios of one rank (run by tests/dist_fsdp2_worker.py,
+results read by tests/test_fp8_distributed.py). :func:`scenarios` returns:
 
 - ``equal/RECIPE/BASE``: the FP8 recipe on a ``fully_shard`` model whose weights have
   33, 50 and 1 rows (17/16, 25/25 and 1/0 on 2 ranks), every rank on the same global
   batch, against one process (on every rank) without FSDP2: parameters, losses, delayed
-  scaling's buffers, and which layers all-gathered FP8.
-- ``wire/RECIPE``: the bytes and dtype of each ``dist.all_gather_single`` input in one
-  training step, FP8 recipes and, as the bf16 and float32 wires, ``bf16-pure`` and
-  ``bf16-mixed`` on the same model.
+  scaling's buffers, which layers all-gathered FP8, and (``wire``) the bytes and dtype
+  of each ``dist.all_gather_single`` input in its second step.
+- ``wire/RECIPE``: the same for ``bf16-pure`` and ``bf16-mixed`` (the bf16 and float32
+  wires) on the same model.
 - ``dcp/RECIPE``: weights and optimizer state saved with torch.distributed.checkpoint
   after 2 steps, loaded into a fresh setup, then both trained on.
 - ``rowwise``: ``fp8-rowwise`` on FSDP2: the warning ``prepare`` gives, the wire's
@@ -16,21 +16,20 @@ dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
   taken away (the control).
 - ``mixed``: ``fp8-tensorwise`` on float32 shards all-gathered as bfloat16 by a
   ``MixedPrecisionPolicy``, with the FP8 wire and with it taken away (the control).
+- ``nvfp4``: nvfp4 on layers of 64, 32 and 48 rows against one process, and the bytes
+  of its second step against the same model without the wire.
+- ``plan``: a tuned per-layer plan (fp8-tensorwise, nvfp4, fp8-rowwise) converted
+  before ``fully_shard``, against one process.
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import sys
 import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -45,8 +44,9 @@ from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
 from amped.recipes.fp8_wire import wire_layers
 from amped.recipes.plan import PrecisionPlan
 from amped.recipes.shards import fsdp_modules
+from dist_models import GatherCounter, clock, local_state, train_on, whole
 
-STEPS = 4
+STEPS = 3
 BATCH, IN = 16, 64
 LINEARS = ("0", "3", "5")
 
@@ -91,23 +91,7 @@ def prepared(recipe: str, base: str, sharded: bool) -> amped.TrainSetup:
 
 
 def train(setup: amped.TrainSetup, steps: range, rank: int = 0, world: int = 1) -> list[float]:
-    """``steps`` steps, on rows ``rank`` of ``world`` of each global batch."""
-    losses = []
-    for step in steps:
-        x, y = batch(step)
-        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        with setup.autocast():
-            loss = F.mse_loss(setup.model(x).float(), y)
-        setup.backward(loss)
-        setup.step()
-        setup.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    value = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-    return value.detach().clone()
+    return train_on(setup, batch, steps, rank, world)
 
 
 def record(setup: amped.TrainSetup, losses: list[float]) -> dict[str, Any]:
@@ -122,7 +106,11 @@ def record(setup: amped.TrainSetup, losses: list[float]) -> dict[str, Any]:
 
 def equal(recipe: str, base: str) -> dict[str, Any]:
     setup = prepared(recipe, base, sharded=True)
-    out = record(setup, train(setup, range(STEPS)))
+    losses = train(setup, range(1))  # the first step sets FSDP2 up; count the second
+    with GatherCounter() as counter:
+        losses += train(setup, range(1, 2))
+    out = record(setup, losses + train(setup, range(2, STEPS)))
+    out["wire"] = counter.calls
     out["rows"] = {n: p.to_local().shape[0] for n, p in setup.model.named_parameters()}
     # Every rank runs the control: delayed scaling's first step all-reduces its amaxes
     # whenever a process group is up, sharded or not.
@@ -131,40 +119,12 @@ def equal(recipe: str, base: str) -> dict[str, Any]:
     return out
 
 
-class GatherCounter:
-    """Records the bytes and dtype of each ``dist.all_gather_single`` input while active."""
-
-    def __enter__(self) -> GatherCounter:
-        self.calls: list[tuple[int, str]] = []
-        self._original = dist.all_gather_single
-
-        def counted(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.calls.append((input.numel() * input.element_size(), str(input.dtype)))
-            return self._original(output, input, *args, **kwargs)
-
-        dist.all_gather_single = counted  # type: ignore[assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_gather_single = self._original  # type: ignore[assignment]
-
-
 def wire(recipe: str, base: str) -> list[tuple[int, str]]:
     setup = prepared(recipe, base, sharded=True)
     train(setup, range(1))  # the first step sets FSDP2 up; count the second
     with GatherCounter() as counter:
         train(setup, range(1, 2))
     return counter.calls
-
-
-def local_state(setup: amped.TrainSetup) -> dict[str, Any]:
-    out = {}
-    for name, param in setup.model.named_parameters():
-        state = setup.optimizer.state[param]
-        out[name] = {"weight": param.to_local().clone()}
-        for key, value in state.items():
-            out[name][key] = value.to_local().clone() if torch.is_tensor(value) else value
-    return out
 
 
 def checkpointed(recipe: str, base: str, folder: Path) -> dict[str, Any]:
@@ -330,16 +290,7 @@ def block_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def block_train(setup: amped.TrainSetup, steps: range) -> list[float]:
-    losses = []
-    for step in steps:
-        x, y = block_batch(step)
-        with setup.autocast():
-            loss = F.mse_loss(setup.model(x).float(), y)
-        setup.backward(loss)
-        setup.step()
-        setup.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_on(setup, block_batch, steps)
 
 
 def nvfp4() -> dict[str, Any]:
@@ -366,37 +317,27 @@ def nvfp4() -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=float(os.environ["AMPED_COLLECTIVE_TIMEOUT_S"]))
-    dist.init_process_group("gloo", timeout=timeout)
-    try:
-        only = set(sys.argv[2:])  # scenario groups to run (default: all)
-        results: dict[str, Any] = {}
-        if not only or "fp8" in only:
-            for recipe in FP8:
-                for base in ("bf16-pure", "bf16-mixed"):
-                    results[f"equal/{recipe}/{base}"] = equal(recipe, base)
-                results[f"dcp/{recipe}"] = checkpointed(recipe, "bf16-pure", out / f"dcp-{recipe}")
-            for recipe in (*FP8, "bf16-pure", "bf16-mixed"):
-                results[f"wire/{recipe}"] = wire(recipe, "bf16-pure")
-            results["wire/fp8-tensorwise/bf16-mixed"] = wire("fp8-tensorwise", "bf16-mixed")
-            results["rowwise"] = rowwise()
-            results["mixed"] = {"wire": mixed(wire=True), "control": mixed(wire=False)}
-            for recipe in FP8:
-                results[f"split/{recipe}"] = split(recipe, rank, world)
-        if not only or "nvfp4" in only:
-            results["nvfp4"] = nvfp4()
-            results["plan"] = plan()
-        torch.save(results, out / f"rank{rank}.pt")
-        # Every rank reaches this point before any tears its group down (see
-        # tests/dist_fsdp_worker.py).
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+def scenarios(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Every scenario of this module (see its docstring), by name."""
+    results: dict[str, Any] = {}
+    for recipe in FP8:
+        for base in ("bf16-pure", "bf16-mixed"):
+            with clock(f"equal/{recipe}/{base}"):
+                results[f"equal/{recipe}/{base}"] = equal(recipe, base)
+        with clock(f"dcp/{recipe}"):
+            results[f"dcp/{recipe}"] = checkpointed(recipe, "bf16-pure", out / f"dcp-{recipe}")
+    for recipe in ("bf16-pure", "bf16-mixed"):
+        with clock(f"wire/{recipe}"):
+            results[f"wire/{recipe}"] = wire(recipe, "bf16-pure")
+    with clock("rowwise"):
+        results["rowwise"] = rowwise()
+    with clock("mixed"):
+        results["mixed"] = {"wire": mixed(wire=True), "control": mixed(wire=False)}
+    for recipe in FP8:
+        with clock(f"split/{recipe}"):
+            results[f"split/{recipe}"] = split(recipe, rank, world)
+    with clock("nvfp4"):
+        results["nvfp4"] = nvfp4()
+    with clock("plan"):
+        results["plan"] = plan()
+    return results

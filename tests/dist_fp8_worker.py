@@ -1,14 +1,9 @@
-"""One rank of the FP8 distributed test (run by tests/test_fp8_distributed.py through
-dist_launch with torchrun's environment): fp8-delayed under DDP and under FSDP2, each
-rank on its own data, recording per step every layer's local amaxes (before the
-all-reduce), amax history and scales. Saves ``OUT_DIR/rankR.pt``."""
+"""fp8-delayed under DDP and under FSDP2 on one rank (run by tests/dist_fsdp2_worker.py,
+results read by tests/test_fp8_distributed.py), each rank on its own data, recording per
+step every layer's local amaxes (before the all-reduce), amax history and scales:
+:func:`ddp` and :func:`fsdp`."""
 
 from __future__ import annotations
-
-import datetime
-import os
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -98,23 +93,3 @@ def fsdp(rank: int) -> dict[str, list]:
     record = train(model, setup, rank)
     record["params"] = [p.full_tensor().detach().clone() for p in model.parameters()]
     return record
-
-
-def main() -> None:
-    out = Path(sys.argv[1])
-    torch.set_num_threads(1)
-    rank = int(os.environ["RANK"])
-    timeout = datetime.timedelta(seconds=float(os.environ["AMPED_COLLECTIVE_TIMEOUT_S"]))
-    dist.init_process_group("gloo", timeout=timeout)
-    try:
-        torch.save({"ddp": ddp(rank), "fsdp": fsdp(rank)}, out / f"rank{rank}.pt")
-        # Every rank reaches this point before any tears its group down: a rank that
-        # destroys its group while a peer's last collective is still in flight can
-        # abort in gloo's teardown ("terminate called without an active exception").
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()

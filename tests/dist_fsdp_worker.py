@@ -1,41 +1,35 @@
-"""One rank of the FSDP2 bf16-pure tests (run by tests/test_fsdp2_pure.py through
-dist_launch, with torchrun's environment). Saves ``OUT_DIR/rankR.pt``:
+"""The bf16-pure scenarios of one rank on FSDP2 (run by tests/dist_fsdp2_worker.py,
+results read by tests/test_fsdp2_pure.py). :func:`scenarios` returns:
 
 - ``equal/RECIPE``: the recipe on a ``fully_shard`` model, every rank on the same
-  global batch, against (rank 0) one process without FSDP2 on the same model, data
-  and seed: parameters, the 8-bit moments (dequantized) and which state each
+  global batch, against (on one rank: ``control``) one process without FSDP2 on the
+  same model, data and seed: parameters, the 8-bit moments (dequantized) and which state each
   parameter keeps.
-- ``split/RECIPE``: the same, each rank on its half of the batch.
 - ``fused/RECIPE``: ``equal`` with the fused step on both sides (bf16-pure, -sr).
 - ``dcp/RECIPE``: state and lowered weights saved with torch.distributed.checkpoint
   and loaded into a fresh setup, then both trained on.
 - ``wire``: the bytes FSDP2 all-gathers in one training step, per recipe (the inputs
   of ``dist.all_gather_single``, which FSDP2's default all-gather calls).
-- ``uneven/fp8-tensorwise``: an FP8 recipe (on bf16-pure) whose layers have an odd
-  number of rows (33: 17 and 16 on 2 ranks), against one process.
+
+(FP8 layers with uneven shards: tests/dist_fp8_wire_worker.py.)
 """
 
 from __future__ import annotations
 
-import datetime
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
 import amped
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8
+from dist_models import GatherCounter, clock, local_state, train_on, whole
 
 RECIPES = ("bf16-pure", "bf16-pure-sr", "bf16-pure-8bit")
-STEPS = 4
+STEPS = 3
 BATCH, IN, OUT = 16, 64, 33
 
 
@@ -85,22 +79,7 @@ def prepared(recipe: str, sharded: bool, fused: bool | None = False) -> amped.Tr
 
 
 def train(setup: amped.TrainSetup, steps: range, rank: int = 0, world: int = 1) -> list[float]:
-    losses = []
-    for step in steps:
-        x, y = batch(step)
-        x, y = x.chunk(world)[rank], y.chunk(world)[rank]
-        with setup.autocast():
-            loss = F.mse_loss(setup.model(x).float(), y)
-        setup.backward(loss)
-        setup.step()
-        setup.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
-def whole(tensor: torch.Tensor) -> torch.Tensor:
-    value = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-    return value.detach().clone()
+    return train_on(setup, batch, steps, rank, world)
 
 
 def record(setup: amped.TrainSetup) -> dict[str, Any]:
@@ -119,13 +98,12 @@ def record(setup: amped.TrainSetup) -> dict[str, Any]:
     return out
 
 
-def equal(
-    recipe: str, rank: int, world: int, split: bool, fused: bool | None = False
-) -> dict[str, Any]:
+def equal(recipe: str, rank: int, control_rank: int, fused: bool | None = False) -> dict[str, Any]:
+    """The 2-rank run on every rank; the one-process control on ``control_rank`` only
+    (the scenarios alternate it, so that the ranks run their controls side by side)."""
     setup = prepared(recipe, sharded=True, fused=fused)
-    rows = (rank, world) if split else (0, 1)
-    out = record_after(setup, train(setup, range(STEPS), *rows))
-    if rank == 0:
+    out = record_after(setup, train(setup, range(STEPS)))
+    if rank == control_rank:
         control = prepared(recipe, sharded=False, fused=fused)
         out["control"] = record_after(control, train(control, range(STEPS)))
     return out
@@ -134,18 +112,7 @@ def equal(
 def record_after(setup: amped.TrainSetup, losses: list[float]) -> dict[str, Any]:
     out = record(setup)
     out["losses"] = losses
-    return out
-
-
-def local_state(setup: amped.TrainSetup) -> dict[str, Any]:
-    """Every local shard of the weights and of the optimizer's state tensors, and the
-    step counts, by parameter name."""
-    out = {}
-    for name, param in setup.model.named_parameters():
-        state = setup.optimizer.state[param]
-        out[name] = {"weight": param.to_local().clone()}
-        for key, value in state.items():
-            out[name][key] = value.to_local().clone() if torch.is_tensor(value) else value
+    out["memory"] = amped.memory_report(setup.model, setup.optimizer).as_dict()
     return out
 
 
@@ -179,59 +146,6 @@ def checkpointed(recipe: str, rank: int, world: int, folder: Path) -> dict[str, 
     }
 
 
-def fp8_net() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN, 33), nn.GELU(), nn.Linear(33, OUT))
-
-
-def fp8_setup(sharded: bool) -> amped.TrainSetup:
-    """fp8-tensorwise on bf16-pure, both layers converted (33 rows: not a multiple of
-    16, so named explicitly); under FSDP2 converted before fully_shard."""
-    model = fp8_net()
-    if sharded:
-        convert_to_fp8(model, FP8_CONFIGS["tensorwise"], ["0", "2"])
-        fully_shard(model[0])
-        fully_shard(model[2])
-        fully_shard(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    setup = amped.prepare(
-        model, optimizer, "fp8-tensorwise", base="bf16-pure", module_filter=lambda m, n: True
-    )
-    setup.optimizer.fused = False
-    return setup
-
-
-def uneven_fp8(rank: int) -> dict[str, Any]:
-    setup = fp8_setup(sharded=True)
-    out = {"losses": train(setup, range(STEPS)), "rows": {}}
-    out["params"] = {n: whole(p) for n, p in setup.model.named_parameters()}
-    out["rows"] = {n: p.to_local().shape[0] for n, p in setup.model.named_parameters()}
-    out["layers"] = setup.fp8_layers.names()
-    if rank == 0:
-        control = fp8_setup(sharded=False)
-        train(control, range(STEPS))
-        out["control"] = {n: whole(p) for n, p in control.model.named_parameters()}
-    return out
-
-
-class GatherCounter:
-    """Counts the bytes and dtypes of ``dist.all_gather_single``'s inputs while active."""
-
-    def __enter__(self) -> GatherCounter:
-        self.bytes, self.dtypes, self._original = 0, set(), dist.all_gather_single
-
-        def counted(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            self.bytes += input.numel() * input.element_size()
-            self.dtypes.add(str(input.dtype))
-            return self._original(output, input, *args, **kwargs)
-
-        dist.all_gather_single = counted  # type: ignore[assignment]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        dist.all_gather_single = self._original  # type: ignore[assignment]
-
-
 def wire(rank: int, world: int) -> dict[str, Any]:
     out = {}
     for recipe in ("bf16-mixed", "bf16-pure", "bf16-pure-8bit"):
@@ -241,40 +155,22 @@ def wire(rank: int, world: int) -> dict[str, Any]:
             setup = amped.prepare(model, torch.optim.AdamW(model.parameters()), recipe)
         with GatherCounter() as counter:
             train(setup, range(1), rank, world)
-        out[recipe] = {"bytes": counter.bytes, "dtypes": sorted(counter.dtypes)}
-    setup = fp8_setup(sharded=True)
-    with GatherCounter() as counter:
-        train(setup, range(1), rank, world)
-    out["fp8-tensorwise"] = {"bytes": counter.bytes, "dtypes": sorted(counter.dtypes)}
+        out[recipe] = {"bytes": counter.bytes, "dtypes": counter.dtypes}
     out["params"] = sum(p.numel() for p in net().parameters())
-    out["fp8_params"] = sum(p.numel() for p in fp8_net().parameters())
     return out
 
 
-def main() -> None:
-    out = Path(sys.argv[1])
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    timeout = datetime.timedelta(seconds=float(os.environ["AMPED_COLLECTIVE_TIMEOUT_S"]))
-    dist.init_process_group("gloo", timeout=timeout)
-    try:
-        results: dict[str, Any] = {}
-        for recipe in RECIPES:
-            results[f"equal/{recipe}"] = equal(recipe, rank, world, split=False)
-            results[f"split/{recipe}"] = equal(recipe, rank, world, split=True)
+def scenarios(rank: int, world: int, out: Path) -> dict[str, Any]:
+    """Every scenario of this module (see its docstring), by name."""
+    results: dict[str, Any] = {}
+    for index, recipe in enumerate(RECIPES):
+        with clock(f"equal/{recipe}"):
+            results[f"equal/{recipe}"] = equal(recipe, rank, control_rank=index % 2)
+        with clock(f"dcp/{recipe}"):
             results[f"dcp/{recipe}"] = checkpointed(recipe, rank, world, out / f"dcp-{recipe}")
-        for recipe in ("bf16-pure", "bf16-pure-sr"):  # the fused step, on shards too
-            results[f"fused/{recipe}"] = equal(recipe, rank, world, split=False, fused=True)
-        results["uneven/fp8-tensorwise"] = uneven_fp8(rank)
+    for index, recipe in enumerate(("bf16-pure", "bf16-pure-sr")):  # fused, on shards too
+        with clock(f"fused/{recipe}"):
+            results[f"fused/{recipe}"] = equal(recipe, rank, 1 - index, fused=True)
+    with clock("wire"):
         results["wire"] = wire(rank, world)
-        torch.save(results, out / f"rank{rank}.pt")
-        # Every rank reaches this point before any tears its group down: a rank that
-        # destroys its group while a peer's last collective is still in flight can
-        # abort in gloo's teardown ("terminate called without an active exception").
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return results

@@ -21,7 +21,9 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 TESTS = Path(__file__).resolve().parent
@@ -31,6 +33,7 @@ LOOPBACK = "127.0.0.1"
 # the launcher kills what is left after LAUNCH_DEADLINE_S.
 COLLECTIVE_TIMEOUT_S = 30
 LAUNCH_DEADLINE_S = 180
+FSDP2_DEADLINE_S = 600  # tests/dist_fsdp2_worker.py: every FSDP2 scenario in one launch
 
 
 @contextlib.contextmanager
@@ -80,8 +83,12 @@ class Rank:
         )
 
 
-def launch(args: list[str], workdir: Path, world: int = 2) -> list[Rank]:
-    """Start ``world`` ranks of the worker with ``args``; results and logs go to ``workdir``."""
+def launch(
+    args: list[str], workdir: Path, world: int = 2, worker: Path | None = None
+) -> list[Rank]:
+    """Start ``world`` ranks of ``worker`` (default :data:`WORKER`) with ``args``; results
+    and logs go to ``workdir``."""
+    worker = worker or WORKER
     port = free_port()
     ranks = []
     for rank in range(world):
@@ -99,7 +106,7 @@ def launch(args: list[str], workdir: Path, world: int = 2) -> list[Rank]:
         stdout, stderr = workdir / f"rank{rank}.out", workdir / f"rank{rank}.err"
         with stdout.open("wb") as out, stderr.open("wb") as err:
             process = subprocess.Popen(
-                [sys.executable, str(WORKER), str(workdir), *args], env=env, stdout=out, stderr=err
+                [sys.executable, str(worker), str(workdir), *args], env=env, stdout=out, stderr=err
             )
         ranks.append(Rank(rank, process, stdout, stderr))
     return ranks
@@ -138,3 +145,16 @@ def wait_for_line(rank: Rank, line: str, deadline_s: float) -> None:
             raise AssertionError(f"rank exited before printing {line!r}\n{rank.describe()}")
         time.sleep(0.02)
     raise AssertionError(f"no {line!r} within {deadline_s} s\n{rank.describe()}")
+
+
+_RESULTS: dict[str, list[Any]] = {}
+
+
+def ranks_results(worker: str, workdir: Path, deadline_s: float) -> list[Any]:
+    """Each rank's results (``workdir/rankR.pt``) of a 2-rank run of ``tests/<worker>``,
+    launched once per test session: test modules sharing a worker share its run."""
+    if worker not in _RESULTS:
+        wait_all(launch([], workdir, worker=TESTS / worker), deadline_s=deadline_s)
+        files = [workdir / f"rank{rank}.pt" for rank in range(2)]
+        _RESULTS[worker] = [torch.load(path, weights_only=False) for path in files]
+    return _RESULTS[worker]

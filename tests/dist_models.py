@@ -7,6 +7,8 @@ same global batch, so a run on N ranks and a run in one process see the same dat
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -89,3 +91,86 @@ def single_process_run(recipe: str, steps: int) -> dict[str, Any]:
     record["losses"] = [loss.item() for loss in record["losses"]]
     record["params"] = setup.fp32_state_dict()
     return record
+
+
+# --- helpers of the FSDP2 workers (tests/dist_fsdp_worker.py, dist_fp8_wire_worker.py) ---
+
+Batch = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def train_on(
+    setup: amped.TrainSetup, batch: Batch, steps: range, rank: int = 0, world: int = 1
+) -> list[float]:
+    """``steps`` steps of ``setup`` on rows ``rank`` of ``world`` of each ``batch(step)``
+    (mean squared error); returns the losses."""
+    losses = []
+    for step in steps:
+        x, y = batch(step)
+        x, y = local_rows(x, rank, world), local_rows(y, rank, world)
+        with setup.autocast():
+            loss = F.mse_loss(setup.model(x).float(), y)
+        setup.backward(loss)
+        setup.step()
+        setup.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``, all-gathered if it is a DTensor (a collective then)."""
+    value = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    return value.detach().clone()
+
+
+def local_state(setup: amped.TrainSetup) -> dict[str, Any]:
+    """Every local shard of the weights and of the optimizer's state tensors, and the
+    step counts, by parameter name."""
+    out = {}
+    for name, param in setup.model.named_parameters():
+        state = setup.optimizer.state[param]
+        out[name] = {"weight": param.to_local().clone()}
+        for key, value in state.items():
+            out[name][key] = value.to_local().clone() if torch.is_tensor(value) else value
+    return out
+
+
+class GatherCounter:
+    """Records ``(bytes, dtype)`` of each ``dist.all_gather_single`` input while active
+    (FSDP2's default all-gather calls it once per group and all-gather)."""
+
+    def __enter__(self) -> GatherCounter:
+        self.calls: list[tuple[int, str]] = []
+        self._original = dist.all_gather_single
+
+        def counted(output: torch.Tensor, input: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.calls.append((input.numel() * input.element_size(), str(input.dtype)))
+            return self._original(output, input, *args, **kwargs)
+
+        dist.all_gather_single = counted  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_gather_single = self._original  # type: ignore[assignment]
+
+    @property
+    def bytes(self) -> int:
+        return sum(b for b, _ in self.calls)
+
+    @property
+    def dtypes(self) -> list[str]:
+        return sorted({d for _, d in self.calls})
+
+
+class clock:
+    """Prints ``name``, this process's CPU seconds and the wall seconds of the block to
+    stdout (the rank's log: where a 2-rank test spends its time)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        self.cpu, self.wall = time.process_time(), time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        cpu, wall = time.process_time() - self.cpu, time.perf_counter() - self.wall
+        print(f"{self.name}: {cpu:.2f} s CPU, {wall:.2f} s wall", flush=True)

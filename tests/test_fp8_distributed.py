@@ -2,31 +2,27 @@
 
 fp8-delayed, each rank on its own data, under DDP and FSDP2 (layers converted before
 fully_shard): after every step the amax history holds the MAX of the ranks' amaxes, and
-every rank casts with the same scales. FP8 weights on the FSDP2 wire
-(tests/dist_fp8_wire_worker.py): bitwise one process's training with uneven shards,
-half the bytes of bfloat16, DCP round trips, and the recipes that keep bfloat16."""
+every rank casts with the same scales. FP8 and FP4 weights on the FSDP2 wire
+(tests/dist_fp8_wire_worker.py, in one launch with tests/test_fsdp2_pure.py's
+scenarios): bitwise one process's training with uneven shards, half the bytes of
+bfloat16 (FP4: a quarter plus tile scales), DCP round trips, tuned plans, and the
+recipes that keep bfloat16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import dist_launch
-from dist_launch import TESTS, launch, wait_all
+from dist_launch import FSDP2_DEADLINE_S, ranks_results
 
 pytestmark = pytest.mark.slow  # two processes importing torch and FSDP2
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, request):
-    workdir = tmp_path_factory.mktemp("fp8")
-    patch = pytest.MonkeyPatch()
-    patch.setattr(dist_launch, "WORKER", TESTS / "dist_fp8_worker.py")
-    try:
-        wait_all(launch([], workdir))
-    finally:
-        patch.undo()
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=True) for r in range(2)]
+def ranks(tmp_path_factory):
+    """One launch serves every 2-rank FSDP2 test (tests/dist_fsdp2_worker.py)."""
+    workdir = tmp_path_factory.mktemp("fsdp2")
+    return [r["fp8"] for r in ranks_results("dist_fsdp2_worker.py", workdir, FSDP2_DEADLINE_S)]
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
@@ -65,14 +61,9 @@ WIRE_LAYERS = ["0", "3", "5"]
 
 @pytest.fixture(scope="module")
 def wire_ranks(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("fp8-wire")
-    patch = pytest.MonkeyPatch()
-    patch.setattr(dist_launch, "WORKER", TESTS / "dist_fp8_wire_worker.py")
-    try:
-        wait_all(launch([], workdir), deadline_s=400)
-    finally:
-        patch.undo()
-    return [torch.load(workdir / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    """One launch serves this module's wire tests and tests/test_fsdp2_pure.py."""
+    workdir = tmp_path_factory.mktemp("fsdp2")
+    return [r["wire"] for r in ranks_results("dist_fsdp2_worker.py", workdir, FSDP2_DEADLINE_S)]
 
 
 def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
@@ -103,7 +94,7 @@ def _pairs(fp8: list[tuple[int, str]], other: list[tuple[int, str]]) -> list[tup
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
 def test_fp8_weights_take_half_the_bytes_of_bfloat16_on_the_wire(wire_ranks, recipe):
     for rank in wire_ranks:
-        fp8, bf16 = rank[f"wire/{recipe}"], rank["wire/bf16-pure"]
+        fp8, bf16 = rank[f"equal/{recipe}/bf16-pure"]["wire"], rank["wire/bf16-pure"]
         pairs = _pairs(fp8, bf16)
         # forward and backward all-gather each layer (the root's LayerNorm: once)
         assert len(pairs) == 1 + 2 * len(WIRE_LAYERS)
@@ -119,7 +110,8 @@ def test_fp8_weights_take_half_the_bytes_of_bfloat16_on_the_wire(wire_ranks, rec
 
 def test_fp8_weights_take_a_quarter_of_the_bytes_of_float32_shards(wire_ranks):
     for rank in wire_ranks:
-        pairs = _pairs(rank["wire/fp8-tensorwise/bf16-mixed"], rank["wire/bf16-mixed"])
+        fp8 = rank["equal/fp8-tensorwise/bf16-mixed"]["wire"]
+        pairs = _pairs(fp8, rank["wire/bf16-mixed"])
         for (fp8_bytes, fp8_dtype), (fp32_bytes, fp32_dtype) in pairs:
             assert fp32_dtype == "torch.float32"
             factor = 4 if fp8_dtype == "torch.uint8" else 1

@@ -18,6 +18,14 @@ Counted from the tensors themselves (``numel * element_size``), never estimated:
   ``grads_to_masters`` to the end of the step (O2), while the low-precision gradients
   they replace are already freed; reported apart, with the step's peak.
 
+**Sharded models** (FSDP2's ``fully_shard``): every figure is this rank's, from the
+local shards of its parameters, gradients and state (DTensors count their local
+tensor), and :attr:`MemoryReport.num_params` is the number of parameter elements this
+rank holds, so bytes per parameter read as in one process. The shards of all ranks add
+up to the unsharded parameters and gradients exactly; FSDP2's all-gathered weights,
+alive while a group computes (one or two groups at a time, as it prefetches), are not
+included.
+
 Activations and autocast's per-step weight casts (O1 keeps a low-precision copy of
 each float32 weight for the duration of the forward pass) are not included.
 """
@@ -30,18 +38,22 @@ from dataclasses import dataclass, field
 import torch
 
 from amped.recipes.in_backward import in_backward
+from amped.recipes.shards import local
 
 __all__ = ["MemoryReport", "memory_report"]
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+    """The bytes this rank holds of ``tensor`` (a DTensor: its local shard)."""
+    held = local(tensor)
+    return held.numel() * held.element_size()
 
 
 @dataclass(frozen=True)
 class MemoryReport:
     """Bytes of one model and optimizer, by role. Per-parameter figures divide by
-    :attr:`num_params`, the number of model parameter elements."""
+    :attr:`num_params`, the number of model parameter elements (under FSDP2: those this
+    rank holds)."""
 
     num_params: int
     params: int
@@ -154,7 +166,7 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> M
     by_dtype: dict[str, int] = {}
     for p in params:
         name = str(p.dtype).removeprefix("torch.")
-        by_dtype[name] = by_dtype.get(name, 0) + p.numel()
+        by_dtype[name] = by_dtype.get(name, 0) + local(p).numel()
     by_key: dict[str, int] = {}
     for entry in optimizer.state.values():
         for key, value in entry.items():
@@ -163,7 +175,7 @@ def memory_report(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> M
     grads = [_nbytes(p) for p in params if p.requires_grad]
     hooked = in_backward(optimizer)
     return MemoryReport(
-        num_params=sum(p.numel() for p in params),
+        num_params=sum(local(p).numel() for p in params),
         params=sum(_nbytes(p) for p in params),
         grads=0 if hooked else sum(grads),
         transient_grads=max(grads, default=0) if hooked else 0,

@@ -102,6 +102,9 @@ def launch(
             "GLOO_SOCKET_IFNAME": "lo",
             "OMP_NUM_THREADS": "1",
             "AMPED_COLLECTIVE_TIMEOUT_S": str(COLLECTIVE_TIMEOUT_S),
+            # Inductor compiles in this process: a rank's compiles are few and mostly
+            # cache hits, where starting a pool of compile workers costs seconds.
+            "TORCHINDUCTOR_COMPILE_THREADS": "1",
         }
         stdout, stderr = workdir / f"rank{rank}.out", workdir / f"rank{rank}.err"
         with stdout.open("wb") as out, stderr.open("wb") as err:

@@ -182,7 +182,8 @@ class BlockLinear(torch.nn.Linear):
         """``x`` (2-D) cast to the layer's format, blocks along ``dim``, for a GEMM with
         an ``out_dtype`` result: block values when emulated, the cast (elements and
         scales) for a hardware GEMM or a health monitor. ``weight``: the weight's cast
-        (16x16 tiles under ``weight_2d``)."""
+        (16x16 tiles under ``weight_2d``); a weight FSDP2 all-gathered in NVFP4 gives
+        the gathered cast instead (:mod:`amped.fp8.fsdp_block_wire`)."""
         cfg = self.block_config
         observed = getattr(self, "fp8_observer", None) is not None
         gathered = gathered_block(x) if weight else None

@@ -90,7 +90,7 @@ def _classes(signed: bool) -> dict[str, torch.Tensor]:
 )
 def test_encode_equals_the_search(signed: bool, kind: str) -> None:
     scaled = _classes(signed)[kind]
-    codes = q8.encode(scaled, signed)
+    codes = q8.encode(scaled, q8.thresholds(signed), signed)
     expected = _search(scaled, signed)
     mismatched = (codes != expected).nonzero().flatten()
     assert mismatched.numel() == 0, (
@@ -108,14 +108,14 @@ def test_compiled_encode_equals_the_search(signed: bool) -> None:
     compiled = torch.compile(q8.encode, dynamic=True, fullgraph=True)
     classes = _classes(signed)
     scaled = torch.cat([classes[k] for k in ("random", "entries", "ties", "thresholds", "decades")])
-    codes = compiled(scaled, signed)
+    codes = compiled(scaled, q8.thresholds(signed), signed)
     assert torch.equal(codes, _search(scaled, signed).to(codes.dtype))
 
 
 def test_nan_takes_code_zero_as_in_the_search() -> None:
     scaled = torch.tensor([math.nan, -math.nan])
     for signed in (True, False):
-        assert q8.encode(scaled, signed).tolist() == [0, 0]
+        assert q8.encode(scaled, q8.thresholds(signed), signed).tolist() == [0, 0]
         assert _search(scaled, signed).tolist() == [0, 0]
 
 

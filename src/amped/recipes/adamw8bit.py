@@ -247,7 +247,11 @@ class CompensatedAdamW8bit(SeededOptimizer):
             state["exp_avg_codes"].view(-1),
             state["exp_avg_sq_codes"].view(-1),
         )
-        values = torch.tensor(scalars, dtype=torch.float32, device=device)
+        tables = (
+            q8.thresholds(True, device),
+            q8.thresholds(False, device),
+            torch.tensor(scalars, dtype=torch.float32, device=device),
+        )
         start = self._start(param)
         for first, end in _pieces(param.numel()):
             grad, weight, avg_codes, avg_sq_codes = (t[first:end] for t in flat)
@@ -259,7 +263,7 @@ class CompensatedAdamW8bit(SeededOptimizer):
                 state["exp_avg_scale"][blocks],
                 avg_sq_codes,
                 state["exp_avg_sq_scale"][blocks],
-                values,
+                *tables,
                 start + _int32(first),  # the piece's first element number
             )
             if not adamw8bit_(bool(self.fused), args):

@@ -66,7 +66,9 @@ def disable(device_type: str, reason: str) -> None:
     _broken[device_type] = reason
 
 
-def _kernel(function: Callable[..., None], flags: tuple[bool, ...]) -> Callable[..., None]:
+def _kernel(
+    function: Callable[..., None], flags: tuple[bool, ...], options: dict[str, Any] | None = None
+) -> Callable[..., None]:
     """``function`` compiled for one setting of its trailing boolean ``flags``.
 
     Each setting compiles a copy of ``function`` with a code object of its own: Dynamo
@@ -80,7 +82,7 @@ def _kernel(function: Callable[..., None], flags: tuple[bool, ...]) -> Callable[
         name = f"{function.__name__}_{''.join('1' if flag else '0' for flag in flags)}"
         code = function.__code__.replace(co_name=name)  # (co_qualname, 3.11+, is left)
         variant = types.FunctionType(code, function.__globals__, name, function.__defaults__)
-        compiled = torch.compile(variant, dynamic=True, fullgraph=True)
+        compiled = torch.compile(variant, dynamic=True, fullgraph=True, options=options)
         _compiled[key] = compiled
     return compiled
 
@@ -92,8 +94,10 @@ def run(
     args: tuple[Any, ...],
     flags: tuple[bool, ...],
     who: str = "amped's compensated optimizers",
+    options: dict[str, Any] | None = None,
 ) -> bool:
-    """Call ``function(*args, *flags)`` compiled; False if it cannot be compiled here.
+    """Call ``function(*args, *flags)`` compiled (with Inductor ``options``, the same for
+    every call of ``function``); False if it cannot be compiled here.
 
     With ``strict`` (``fused=True``) a failure raises; otherwise it is reported once,
     as a warning, and the process keeps the eager step on that device type.
@@ -101,7 +105,7 @@ def run(
     if device_type in _broken:  # a chunk before this one failed to compile
         return False
     try:
-        _kernel(function, flags)(*args, *flags)
+        _kernel(function, flags, options)(*args, *flags)
     except Exception as error:
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
         if strict:

@@ -185,101 +185,57 @@ def thresholds(signed: bool, device: torch.device | str = "cpu") -> torch.Tensor
     return _THRESHOLDS[key]
 
 
-class _Level:
-    """The constants of one stretch of magnitudes in :func:`encode`: from ``start`` (the
-    entry at the top of the decade below, or 0) up to the next level's ``start``."""
-
-    def __init__(self, signed: bool, k: int | None) -> None:
-        qmap, cuts = dynamic_map(signed).tolist(), thresholds(signed).tolist()
-        if k is None:  # from the top entry up to 1.0: the one pair (top entry, 1.0)
-            self.size, self.base, self.decade, self.slope, self.intercept = 1, 255, 1.0, 0.0, 0.0
-        else:  # decade k: 64 / 2**k centres (128 / 2**k unsigned) from code ``base`` on
-            self.size = (64 if signed else 128) >> k
-            self.base = 127 + self.size if signed else self.size - 1
-            self.decade = _DECADES[k]
-            # Centre j of the decade sits at 0.1 + 0.9 * (j + 0.5) / size times 10**-k.
-            self.slope = self.size / (0.9 * 10.0**-k)
-            self.intercept = -self.size / 9 - 0.5
-        lowest = k == _EXPONENT_BITS - 1
-        self.start = 0.0 if lowest else qmap[self.base - 1]
-        # The level's first pair (the entry below ``base``, ``base``) as a magnitude
-        # threshold: a positive value takes the upper code at ``x >= cuts[low]``; a
-        # negative one, mirrored (codes 253 - low and 254 - low), the larger magnitude
-        # where the smaller code holds: above ``-cuts[253 - low]``, so from the float
-        # after it on. No negative code lies beyond the top entry.
-        low = self.base - 1
-        self.positive = cuts[low]
-        self.negative = math.inf
-        if signed and low < 254:
-            above = torch.nextafter(torch.tensor(-cuts[253 - low]), torch.tensor(math.inf))
-            self.negative = float(above)
+def _lines(signed: bool) -> list[tuple[float, float]]:
+    """Per decade ``k`` (0..6 from the top), the slope and intercept of a magnitude's
+    position in the map (see :func:`encode`), in double precision."""
+    size = 64 if signed else 128  # entries in the top decade
+    offset = 128 if signed else 0  # entries below the first positive one
+    # offset - 1.5 + n * (y + 0.8) / 0.9, with y = a * 10**k and n = size / 2**k
+    return [
+        (size * 5**k / 0.9, offset - 1.5 + size * 0.8 / 2**k / 0.9) for k in range(_EXPONENT_BITS)
+    ]
 
 
-def _levels(signed: bool) -> list[_Level]:
-    """:class:`_Level` of each decade, lowest first, then the top pair's."""
-    decades = [_Level(signed, k) for k in range(_EXPONENT_BITS - 1, -1, -1)]
-    return [*decades, _Level(signed, None)]
+_LINES = {signed: _lines(signed) for signed in (True, False)}
 
 
-# Built on import (a compiled kernel cannot read the tables while it traces encode).
-_LEVELS = {signed: _levels(signed) for signed in (True, False)}
-
-
-def encode(scaled: torch.Tensor, signed: bool) -> torch.Tensor:
+def encode(scaled: torch.Tensor, thresholds: torch.Tensor, signed: bool) -> torch.Tensor:
     """The int32 code of each float32 in ``scaled`` (a value over its block's scale): the
-    nearest map entry's index, as the search finds it, without a search or a lookup.
+    nearest map entry's index, as the search finds it, without a search.
 
     The map (:func:`dynamic_map`) spends, per decade ``[10**-k / 10, 10**-k)`` (``k`` =
     0..6 from the top), ``n = 64 / 2**k`` entries (128 / 2**k unsigned) at the centres
-    of ``n`` equal bins of ``linspace(0.1, 1, n + 1) * 10**-k``. A magnitude is placed in
-    a *level* by comparisons with the entry at the top of each decade (so a level runs
-    from the decade below's top entry to its own top entry; the last level, from the
-    map's top entry to 1.0). Inside it, one multiply-add and a floor give ``lo``, the
-    centre at or below the magnitude, or one off where the magnitude lies within float32
-    error of a centre (there either neighbour pair gives the same code). Then the
-    search's own rule decides between entries ``lo`` and ``lo + 1``: up where ``x -
-    below >= (above - below) * 0.5`` in float32, with both entries computed as
-    :func:`decode` computes them (three bin edges of the decade); the level's first pair
-    (whose lower entry is the decade below's, or 0) has its threshold as a constant
-    (from :func:`thresholds`). Negative values use the mirrored pair (the rule rounds
-    ties up, towards the smaller magnitude there). Values beyond the map (above 1,
-    below -1, infinities) take the end codes, NaN code 0, as in the search.
+    of ``n`` equal bins, above ``offset`` entries (128 signed: the negatives and 0; 0
+    unsigned) and below 1.0. So a magnitude ``a = y * 10**-k`` (``y`` in [0.1, 1)) lies
+    at position ``offset - 1.5 + n * (y + 0.8) / 0.9`` of the map, counted in entries:
+    a line per decade, chosen by comparing ``a`` with the powers of ten. The map's index
+    is linear in ``y`` within a decade; between decades, and between 0 and the first
+    entry, the line is off by at most 0.39 of an entry, and it is continuous across
+    decades, so a comparison that picks the neighbouring decade for a value at its
+    edge changes nothing; the float32 arithmetic adds about 1e-4. A negative value sits
+    mirrored, at ``254 - position``. The position's floor is then the code or one less,
+    and one comparison with the threshold above that entry (:func:`thresholds`)
+    decides. Values beyond the map (above 1, below -1, infinities) and NaN take the
+    end codes, as in the search (NaN: 0, as torchao's binary search gives it).
 
-    Comparisons, selections and multiply-adds, which vectorize in a compiled kernel:
-    equal to the search on every float32 (``tests/test_recipes_8bit_encode.py``).
+    Plain comparisons, selections and one multiply-add, which vectorize in a compiled
+    kernel: no search, and no ``log10`` or ``pow`` to find the decade.
     """
-    magnitude = (scaled.abs() if signed else scaled.clamp(min=0.0)).clamp(max=1.0)
-    levels = _LEVELS[signed]
-    names = ["size", "base", "decade", "slope", "intercept", "positive"]
+    magnitude = scaled.abs() if signed else scaled.clamp(min=0.0)
+    lines = _LINES[signed]
+    below = magnitude < 0.1
+    slope = torch.where(below, lines[1][0], lines[0][0])
+    intercept = torch.where(below, lines[1][1], lines[0][1])
+    for k in range(2, _EXPONENT_BITS):  # below 10**-6, the lowest decade's line
+        below = magnitude < 10.0**-k
+        slope = torch.where(below, lines[k][0], slope)
+        intercept = torch.where(below, lines[k][1], intercept)
+    position = magnitude * slope + intercept
     if signed:
-        names.append("negative")
-    chosen = {name: torch.full_like(magnitude, getattr(levels[0], name)) for name in names}
-    for level in levels[1:]:
-        inside = magnitude >= level.start
-        for name in names:
-            chosen[name] = torch.where(inside, getattr(level, name), chosen[name])
-    size = chosen["size"]
-    lo = torch.floor(magnitude * chosen["slope"] + chosen["intercept"])
-    lo = torch.minimum(lo.clamp(min=-1.0), size - 2.0)  # -1: the level's first pair
-    width = 1.0 / size  # exact: a power of two
-    fraction = lo * width
-    edge = _bin_edge(fraction + width)
-    below = chosen["decade"] * ((_bin_edge(fraction) + edge) / 2.0)
-    above = chosen["decade"] * ((edge + _bin_edge(fraction + 2.0 * width)) / 2.0)
-    half = (above - below) * 0.5
-    if signed:
-        negative = scaled < 0
-        residual = torch.where(negative, above - magnitude, magnitude - below)
-        inner = (residual >= half) != negative  # negative: up is the smaller magnitude
-        first = magnitude >= torch.where(negative, chosen["negative"], chosen["positive"])
-    else:
-        inner = (magnitude - below) >= half
-        first = magnitude >= chosen["positive"]
-    up = torch.where(lo < 0.0, first, inner).to(torch.float32)
-    code = chosen["base"] + lo + up
-    if signed:
-        code = torch.where(negative, 254.0 - code, code)
-    return torch.where(scaled != scaled, 0.0, code).to(torch.int32)
+        position = torch.where(scaled < 0, 254.0 - position, position)
+    position = torch.where(position != position, 0.0, position).clamp(0.0, 254.0)
+    low = position.to(torch.int64)  # the code or one less
+    return low + (scaled >= thresholds[low]).to(torch.int64)
 
 
 def quantize(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -291,7 +247,7 @@ def quantize(value: torch.Tensor, signed: bool) -> tuple[torch.Tensor, torch.Ten
     blocks = value.reshape(-1, BLOCK)
     scale = blocks.abs().amax(-1).clip(_MIN_SCALE)
     scaled = (blocks / scale.view(-1, 1)).reshape(-1)
-    codes = encode(scaled, signed).to(torch.uint8)
+    codes = encode(scaled, thresholds(signed, value.device), signed).to(torch.uint8)
     return codes.view(value.shape), scale
 
 

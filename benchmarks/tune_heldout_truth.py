@@ -41,8 +41,9 @@ def main() -> None:
     began = time.perf_counter()
     seeds = tuple(int(s) for s in args.seeds.split(","))
     factory = vs.Builtin(args.steps)
-    names = [n for n, m in default_task.build(seed=0).model.named_modules()
-             if type(m) is torch.nn.Linear]  # tune's layers (attention's out_proj is not one)
+    # tune's layers: the nn.Linears (attention's out_proj is a subclass, not one of them)
+    model = default_task.build(seed=0).model
+    names = [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
     truth = vs.one_at_a_time(factory, names, args.fmt, seeds, 10)
     seconds = time.perf_counter() - began
     print(f"{seconds:.0f} s; load {os.getloadavg()}")

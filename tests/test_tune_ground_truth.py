@@ -110,10 +110,13 @@ def test_tune_ranks_layers_as_training_does(truth):
 def test_tuned_plan_beats_the_best_rule(truth, budget):
     # What a user gets: tune's plan after its verification rounds (the estimate orders
     # the plans, training on the same seeds decides how far along to go).
-    # The rule is the ground truth's best that passes the same verification.
+    # The rule is the ground truth's best that passes the same verification. Three rounds,
+    # not the default four: at 0.002 the rounds train path plans 11 (pass), 14 (fail), 12
+    # (pass), and a fourth, 13, fails (docs/history/issue-25-tune.md); it changes nothing
+    # kept, and costs a tenth of this file's training.
     out = vs.compare(
         "gpt2", gt.factory(SETTINGS), truth, SETTINGS.fmt, budget, SETTINGS.seeds,
-        SETTINGS.steps, verify_steps=SETTINGS.steps,
+        SETTINGS.steps, verify_steps=SETTINGS.steps, rounds=3,
     )  # fmt: skip
     tuned, rule = out["tuned"], out["rule"]
     assert tuned["passed"] and rule["passed"], out

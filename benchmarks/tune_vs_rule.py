@@ -8,13 +8,16 @@ For each task, with one format (``--fmt``, default mxfp4) and a loss budget:
 2. the tuned plan: ``amped.tune(factory, formats=[fmt], budget=..., steps=..., seeds=3)``'s
    plan after its own verification rounds (what a user gets), or with
    ``--measure-only`` its knapsack choice from the measurement alone;
-3. the best rule *by the ground truth*: over every (N, M), lowering layers N .. L-M-1 to
-   ``fmt``, the one quantizing the most GEMM FLOPs whose summed ground-truth loss change
-   is within the budget (ties: the smaller change). This is the rule an engineer with the
+3. the best rules *by the ground truth*: over every (N, M), lowering layers N .. L-M-1 to
+   ``fmt``, those whose summed ground-truth loss change is within the budget, the most
+   GEMM FLOPs first (ties: the smaller change). This is the rule an engineer with the
    one-at-a-time runs in hand would pick, a stronger peer than tune's own rule, which is
    picked by tune's estimate;
-4. both trained over the same seeds, paired with bfloat16-mixed (same weights, same
-   batches): the loss gap per seed, its mean and sample standard deviation.
+4. like with like: each of those rules in turn (at most 3) goes through the same
+   verification as tune's plan (tune's own ``verify_arm``: the same seeds, steps, paired
+   bfloat16-mixed arm and final-loss window; passed when its gap is within the budget)
+   until one passes; that one "meets the same budget". The tuned plan's gap is tune's own
+   verified arm (or, with ``--measure-only``, its choice trained the same way).
 
 GEMM FLOPs are counted from the layers' shapes (every layer sees the same rows, so a
 layer's share is in * out over the sum), independently of tune's count.
@@ -51,6 +54,7 @@ import amped
 from amped.cli import default_task
 from amped.fp8.conv1d import linear_dims
 from amped.recipes import PrecisionPlan
+from amped.tuning.verify import Arm, verify_arm
 
 
 def shares(model: nn.Module, names: list[str]) -> dict[str, int]:
@@ -62,11 +66,12 @@ def shares(model: nn.Module, names: list[str]) -> dict[str, int]:
     return out
 
 
-def best_rule(
+def rules(
     names: list[str], size: dict[str, int], change: dict[str, float], budget: float
-) -> tuple[dict[str, str], int, int, float]:
-    """The (layers, N, M, summed change) of the rule with the most FLOPs within budget."""
-    best: tuple[int, float, int, int] | None = None
+) -> list[tuple[dict[str, str], int, int, float]]:
+    """The (layers, N, M, summed change) of every rule within budget by the ground truth,
+    the most FLOPs first (ties: the smaller change, then smaller N, then smaller M)."""
+    found: list[tuple[tuple[int, float, int, int], tuple[dict[str, str], int, int, float]]] = []
     count = len(names)
     for first in range(count + 1):
         for last in range(count - first + 1):
@@ -74,13 +79,14 @@ def best_rule(
             total = sum(change[n] for n in lowered)
             if total > budget:
                 continue
-            key = (sum(size[n] for n in lowered), -total, -first, -last)
-            if best is None or key > (best[0], -best[1], -best[2], -best[3]):
-                best = (key[0], total, first, last)
-    assert best is not None  # N = count lowers nothing and costs nothing
-    _, total, first, last = best
-    lowered = set(names[first : count - last])
-    return {n: ("fmt" if n in lowered else "bf16") for n in names}, first, last, total
+            layers = {n: ("fmt" if n in lowered else "bf16") for n in names}
+            key = (-sum(size[n] for n in lowered), total, first, last)
+            found.append((key, (layers, first, last, total)))
+    found.sort(key=lambda item: item[0])
+    unique: dict[tuple[str, ...], tuple[dict[str, str], int, int, float]] = {}
+    for _, rule in found:  # N = count and M = count lower the same nothing: keep the first
+        unique.setdefault(tuple(n for n, f in rule[0].items() if f == "fmt"), rule)
+    return list(unique.values())
 
 
 class Builtin:
@@ -133,18 +139,23 @@ def one_at_a_time(
 
 
 def tuned(
-    factory: Factory, fmt: str, budget: float, seeds: tuple[int, ...], verify_steps: int | None
+    factory: Factory,
+    fmt: str,
+    budget: float,
+    seeds: tuple[int, ...],
+    verify_steps: int | None,
+    rounds: int = 4,
 ) -> Any:
     """``amped.tune``'s result. ``verify_steps`` None: its choice from the measurement alone
     (a 1-step, 1-seed verification, one round); else its full verification over ``seeds``
-    with its default rounds, so the plan is the one a user gets."""
+    with ``rounds`` rounds, so the plan is the one a user gets."""
     if verify_steps is None:
         return amped.tune(
             factory, formats=[fmt], steps=1, seeds=1, seed=seeds[0], budget=budget, rounds=1
         )
     return amped.tune(
         factory, formats=[fmt], steps=verify_steps, seeds=len(seeds), seed=seeds[0],
-        budget=budget,
+        budget=budget, rounds=rounds,
     )  # fmt: skip
 
 
@@ -155,46 +166,70 @@ def compare(
     fmt: str,
     budget: float,
     seeds: tuple[int, ...],
-    last_k: int,
+    steps: int,
     verify_steps: int | None = None,
+    rule_tries: int = 3,
+    rounds: int = 4,
 ) -> dict[str, Any]:
-    """Tune, pick the best ground-truth rule, train both against bf16-mixed."""
-    result = tuned(factory, fmt, budget, seeds, verify_steps)
+    """Tune, then verify the best ground-truth rules in turn until one passes; the tuned
+    plan and the rules are judged by the same verification (tune's own: ``steps`` steps
+    over ``seeds``, paired with bfloat16-mixed, gap of the last ``steps // 10`` steps,
+    passed when within the budget). With ``verify_steps`` (== ``steps``) tune's own arms
+    are reused; without, the measurement's choice is trained here."""
+    result = tuned(factory, fmt, budget, seeds, verify_steps, rounds)
     names = [m.name for m in result.measurements]
     torch.manual_seed(seeds[0])
     size = shares(factory(seeds[0]).model, names)
     if truth is None:
-        truth = one_at_a_time(factory, names, fmt, seeds, last_k)
+        truth = one_at_a_time(factory, names, fmt, seeds, 10)
     change = {n: truth[n]["mean"] for n in names}
-    rule_layers, first, last, _ = best_rule(names, size, change, budget)
-    rule_layers = {n: (fmt if f == "fmt" else "bf16") for n, f in rule_layers.items()}
-    plans = {
-        "bf16-mixed": PrecisionPlan("bf16-mixed", dict.fromkeys(names, "bf16")),
-        "tuned": result.plan,
-        "rule": PrecisionPlan("bf16-mixed", rule_layers),
-    }
-    finals = {k: [train_plan(factory, p, s, last_k) for s in seeds] for k, p in plans.items()}
-    total = sum(size.values())
+    seed_list = list(seeds)
+
+    def verify(arm: str, plan: PrecisionPlan) -> Arm:
+        return verify_arm(arm, factory, plan, seed_list, steps, None)
+
+    if verify_steps == steps:
+        reference, tuned_arm = result.arms["bf16-mixed"], result.arms["plan"]
+    else:
+        reference = verify("bf16-mixed", PrecisionPlan("bf16-mixed", dict.fromkeys(names, "bf16")))
+        tuned_arm = verify("tuned", result.plan)
+    tried: list[dict[str, Any]] = []
+    for layers, first, last, total in rules(names, size, change, budget)[:rule_tries]:
+        plan = PrecisionPlan("bf16-mixed", {n: (fmt if f == "fmt" else "bf16")
+                                            for n, f in layers.items()})  # fmt: skip
+        arm = verify("rule", plan)
+        tried.append({"first": first, "last": last, "truth_sum": total, "arm": arm})
+        if arm.passed(reference, budget):
+            break
+    rule = tried[-1]
+    total_size = sum(size.values())
     out: dict[str, Any] = {"budget": budget, "format": fmt, "layers": names, "truth": truth,
-                           "rule_first": first, "rule_last": last,
-                           "verify_steps": verify_steps}  # fmt: skip
+                           "rule_first": rule["first"], "rule_last": rule["last"],
+                           "verify_steps": verify_steps, "steps": steps}  # fmt: skip
     mode = "measurement only" if verify_steps is None else f"verified, {verify_steps} steps"
     print(f"\n{name}: {fmt}, budget {budget}, seeds {list(seeds)}, tune {mode}")
-    print("| arm | lowered | GEMM FLOPs lowered | truth sum | loss gap (mean +- std) | seeds |")
-    print("|---|---|---|---|---|---|")
-    for arm in ("tuned", "rule"):
-        lowered = [n for n, f in plans[arm].layers.items() if f != "bf16"]
-        gaps = [a - b for a, b in zip(finals[arm], finals["bf16-mixed"], strict=True)]
-        frac = sum(size[n] for n in lowered) / total
-        summed = sum(change[n] for n in lowered)
-        out[arm] = {"lowered": lowered, "flops_fraction": frac, "truth_sum": summed,
-                    "gaps": gaps, "gap_mean": statistics.mean(gaps),
-                    "gap_std": statistics.stdev(gaps)}  # fmt: skip
-        label = f"rule (N={first}, M={last})" if arm == "rule" else "tuned"
-        print(f"| {label} | {len(lowered)}/{len(names)} | {frac:.1%} | {summed:+.5f} | "
-              f"{out[arm]['gap_mean']:+.5f} +- {out[arm]['gap_std']:.5f} | "
-              f"{', '.join(f'{g:+.5f}' for g in gaps)} |")  # fmt: skip
-    out["bf16_final"] = finals["bf16-mixed"]
+    print("| arm | lowered | GEMM FLOPs lowered | truth sum | loss gap (mean +- std) | "
+          "seeds | passed |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    rows = [("tuned", tuned_arm)] + [
+        (f"rule (N={t['first']}, M={t['last']})", t["arm"]) for t in tried
+    ]
+    for label, arm in rows:
+        lowered = [n for n, f in arm.layers.items() if f != "bf16"]
+        gaps = [a - b for a, b in zip(arm.final_losses, reference.final_losses, strict=True)]
+        entry = {"lowered": lowered, "flops_fraction": sum(size[n] for n in lowered) / total_size,
+                 "truth_sum": sum(change[n] for n in lowered), "gaps": gaps,
+                 "gap_mean": statistics.mean(gaps), "gap_std": statistics.stdev(gaps),
+                 "passed": arm.passed(reference, budget)}  # fmt: skip
+        if label == "tuned":
+            out["tuned"] = entry
+        else:
+            out.setdefault("rules_tried", []).append(entry)
+        print(f"| {label} | {len(lowered)}/{len(names)} | {entry['flops_fraction']:.1%} | "
+              f"{entry['truth_sum']:+.5f} | {entry['gap_mean']:+.5f} +- {entry['gap_std']:.5f} | "
+              f"{', '.join(f'{g:+.5f}' for g in gaps)} | {entry['passed']} |")  # fmt: skip
+    out["rule"] = out["rules_tried"][-1]
+    out["bf16_final"] = reference.final_losses
     out["tune_rule"] = {"layers": result.rule.layers, "estimate": result.rule.estimate}
     out["tune_estimates"] = {
         m.name: m.formats[fmt].loss_change_estimate for m in result.measurements
@@ -234,6 +269,7 @@ def main() -> None:
         "--measure-only", action="store_true",
         help="the tuned plan from tune's measurement alone (no verification rounds)",
     )  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=4, help="tune's verification rounds")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", default="benchmarks/results/tune_vs_rule.json")
     args = parser.parse_args()
@@ -248,12 +284,13 @@ def main() -> None:
             truth = _saved_truth(Path(args.truth_json), task, s.fmt, s.outliers)
             verify = None if args.measure_only else s.steps
             results[task] = compare(task, gt.factory(s), truth, s.fmt, args.budget_gpt2,
-                                    s.seeds, s.last_k, verify)  # fmt: skip
+                                    s.seeds, s.steps, verify, rounds=args.rounds)  # fmt: skip
         else:
             truth = _saved_truth(Path(args.builtin_truth_json), task, args.fmt, {})
             verify = None if args.measure_only else args.builtin_steps
             results[task] = compare(task, Builtin(args.builtin_steps), truth, args.fmt,
-                                    args.budget_builtin, (0, 1, 2), 10, verify)  # fmt: skip
+                                    args.budget_builtin, (0, 1, 2), args.builtin_steps, verify,
+                                    rounds=args.rounds)  # fmt: skip
     seconds = time.perf_counter() - began
     results["machine"] = {"cpu": cpu, "threads": args.threads, "load_after": os.getloadavg(),
                           "seconds": seconds}  # fmt: skip

@@ -91,6 +91,7 @@ def test_an_unknown_format_names_the_allowed_ones(capsys, tmp_path, formats, exp
         ("--max-time", "-1", "argument --max-time: expected seconds"),
         ("--seed", "-1", "argument --seed: expected an integer in [0, 2**64 - 1]"),
         ("--threads", "0", "argument --threads: expected a positive integer"),
+        ("--rounds", "0", "argument --rounds: expected a positive integer"),
     ],
     ids=[
         "budget-negative",
@@ -102,6 +103,7 @@ def test_an_unknown_format_names_the_allowed_ones(capsys, tmp_path, formats, exp
         "max-time",
         "seed",
         "threads",
+        "rounds-0",
     ],
 )
 def test_a_bad_value_is_one_line(capsys, tmp_path, flag, value, expected):
@@ -183,6 +185,15 @@ def test_json_prints_the_document_written(capsys, tmp_path):
     code, stdout, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0", "--json")
     assert code == 0, err
     assert json.loads(stdout) == json.loads((tmp_path / "tuned.json").read_text())
+
+
+def test_rounds_caps_the_plans_verified(capsys, tmp_path):
+    # tuned.json's settings record the rounds amped.tune ran with (default 4).
+    code, _, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0", "--rounds", "1")
+    assert code == 0, err
+    tuned = _document(tmp_path)
+    assert tuned["settings"]["rounds"] == 1
+    assert len(tuned["rounds"]) == 1
 
 
 def test_a_budget_no_plan_meets_writes_the_all_bf16_plan_and_exits_3(capsys, tmp_path):

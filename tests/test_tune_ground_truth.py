@@ -8,13 +8,19 @@ outlier channels in chosen LayerNorms, pretrained in bf16; docs/history/issue-25
 - tune's plan (after its verification rounds) lowers at least the GEMM FLOPs of the best
   first/last-N rule within the same budget, at no larger a trained loss gap.
 
-Both share one ground truth (module fixture). Slow: about a minute of training on an idle
-core.
+Both read one ground truth: benchmarks/results/tune_ground_truth.json, the 51 paired runs
+of `python benchmarks/tune_ground_truth.py` (3 minutes on an idle core: too long for the
+suite). A spot check retrains three of its figures (seed 0: bf16-mixed, the most sensitive
+layer, and one whose true change is noise) and fails when the saved truth is no longer
+what training gives: then rerun the benchmark. Slow: about 1.5 minutes of training on an
+idle core (the three seeds' bf16 pretraining, shared, is 40 s of it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -23,11 +29,11 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-# The shared ground truth (51 paired runs) takes 8-10 minutes at load 6-13, past the
-# suite's 600 s per-test timeout for the test that builds the fixture.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+# The seeds' pretraining and tune's rounds take 3-4 minutes at load 10-12.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+SAVED_TRUTH = BENCHMARKS / "results" / "tune_ground_truth.json"
 
 
 def _load(name):
@@ -63,7 +69,28 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def truth(one_thread):
-    return gt.ground_truth(SETTINGS, log=lambda _line: None)
+    saved = json.loads(SAVED_TRUTH.read_text())
+    settings = json.loads(json.dumps(dataclasses.asdict(SETTINGS)))  # tuples as lists
+    assert saved["settings"] == settings, "rerun benchmarks/tune_ground_truth.py"
+    return saved["ground_truth"]
+
+
+# One thread on one machine trains bit for bit the same; across CPUs (other GEMM kernels,
+# AMX or not) the final losses may differ in their last bits, which 30 steps can grow. The
+# saved figures are trusted to 2e-4: the size of the noise layers' true changes (-1.8e-4
+# to +1.1e-4), below which the saved ranking among them is noise anyway, and 0.4% of the
+# most sensitive layer's. A change to the training numerics moves them by more.
+SPOT_TOLERANCE = 2e-4
+SPOT_LAYERS = ["gpt.lm_head", "gpt.transformer.h.3.attn.c_attn"]  # +0.056; -6e-5 (seed 0)
+
+
+def test_the_saved_ground_truth_is_what_training_gives(truth, one_thread):
+    seed = SETTINGS.seeds[0]
+    base = gt.final_loss(SETTINGS, seed, None)
+    for layer in SPOT_LAYERS:
+        change = gt.final_loss(SETTINGS, seed, layer) - base
+        saved = truth[layer]["per_seed"][0]
+        assert change == pytest.approx(saved, abs=SPOT_TOLERANCE), (layer, change, saved)
 
 
 def test_tune_ranks_layers_as_training_does(truth):
@@ -83,11 +110,16 @@ def test_tune_ranks_layers_as_training_does(truth):
 def test_tuned_plan_beats_the_best_rule(truth, budget):
     # What a user gets: tune's plan after its verification rounds (the estimate orders
     # the plans, training on the same seeds decides how far along to go).
+    # The rule is the ground truth's best that passes the same verification. Three rounds,
+    # not the default four: at 0.002 the rounds train path plans 11 (pass), 14 (fail), 12
+    # (pass), and a fourth, 13, fails (docs/history/issue-25-tune.md); it changes nothing
+    # kept, and costs a tenth of this file's training.
     out = vs.compare(
         "gpt2", gt.factory(SETTINGS), truth, SETTINGS.fmt, budget, SETTINGS.seeds,
-        SETTINGS.last_k, verify_steps=SETTINGS.steps,
+        SETTINGS.steps, verify_steps=SETTINGS.steps, rounds=3,
     )  # fmt: skip
     tuned, rule = out["tuned"], out["rule"]
+    assert tuned["passed"] and rule["passed"], out
     assert tuned["flops_fraction"] >= rule["flops_fraction"]
     # "No larger a loss gap": the tuned gap may exceed the rule's by at most the
     # standard error of a paired 3-seed mean difference, the resolution of this test.

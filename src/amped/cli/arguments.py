@@ -25,6 +25,7 @@ DEFAULT_TUNE_OUT = "amped-tune"
 DEFAULT_TUNE_STEPS = 50
 DEFAULT_TUNE_SEEDS = 3
 DEFAULT_TUNE_MAX_TIME = 600.0
+DEFAULT_TUNE_ROUNDS = 4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -176,6 +177,11 @@ def _add_tune(tune: argparse.ArgumentParser) -> None:
     add("--seeds", type=positive_int, default=DEFAULT_TUNE_SEEDS,
         help="seeds the verification trains each arm with, from --seed on (default: "
         f"{DEFAULT_TUNE_SEEDS})")  # fmt: skip
+    add("--rounds", type=positive_int, default=DEFAULT_TUNE_ROUNDS,
+        help="the most plans the verification trains: the first is the largest within "
+        "the budget by the estimate, each later one moves along the estimate's order (a "
+        "bisection); 1 verifies that first plan only (default: "
+        f"{DEFAULT_TUNE_ROUNDS})")  # fmt: skip
     _add_task_arguments(tune, "cpu, cuda or cuda:N (default: cuda if available)", DEFAULT_TUNE_OUT)
     add("--max-time", type=seconds, default=DEFAULT_TUNE_MAX_TIME, metavar="SECONDS",
         help="no verification run starts after SECONDS from the start; a verification "

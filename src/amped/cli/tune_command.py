@@ -145,6 +145,7 @@ def _run(
             steps=args.steps,
             seeds=args.seeds,
             seed=args.seed,
+            rounds=args.rounds,
             max_time=args.max_time or None,
             progress=progress,
         )

@@ -95,7 +95,6 @@ def call_without_torch_autocast(
 
 
 _EMPTY: dict[str, Any] = {}
-_LOWER = Cast.LOWER
 _OPAQUE = torch_compat.AUTOCAST_ENTER_EXIT
 
 
@@ -104,7 +103,9 @@ class AutocastMode(TorchFunctionMode):
     fields current). Per call one dict look-up in ``rules`` (callable -> device type ->
     low dtype -> rule); Dynamo guards on the entries it reads."""
 
-    def __init__(self, torch_alongside: bool = True) -> None:
+    def __init__(
+        self, torch_alongside: bool = True, cache: casting.WeightCache | None = None
+    ) -> None:
         super().__init__()
         self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
         self.device_types: tuple[str, ...] = ()
@@ -115,7 +116,7 @@ class AutocastMode(TorchFunctionMode):
         # casts where the rule is torch's (off only in the tests' forced runs).
         self.alongside = torch_alongside
         self.exclude_unlisted = not torch_alongside
-        self.cache: casting.WeightCache | None = None  # the thread's (engine.py sets it)
+        self.cache = cache  # the thread's weight cache (None: no cast is cached)
         # Python functions run transparently just now, and those never to be: the graph
         # of a compiled region calls _enter_autocast/_exit_autocast, which hand
         # themselves to any mode whatever one-hop skip is set.
@@ -188,8 +189,6 @@ class AutocastMode(TorchFunctionMode):
             compiling.check_supported()
             cache = None
         if not exclude and self.alongside:
-            if cast is _LOWER:  # the hot path: one frame less than casting.run
-                return casting.cast_call(func, args, kwargs, low, device_type, cache)
             return casting.run(cast, func, args, kwargs, device_type, low, cache)
         if cache is None:  # Dynamo is tracing
             return call_without_torch_autocast(

@@ -47,12 +47,8 @@ def plan(policy: Policy, route_all: bool = False) -> Tables | None:
     return kept(policy, ("fast_plan", route_all), lambda: _plan(policy, route_all))
 
 
-KernelRules = dict[Any, dict[torch.dtype, Cast]]
-""":data:`Tables` keyed by ``op._op``, which the kernels hash in C per call."""
-
-
-def kernel_rules(policy: Policy, route_all: bool = False) -> KernelRules:
-    """The kernel tables of ``policy`` (which has some) in the kernels' form."""
+def kernel_rules(policy: Policy, route_all: bool = False) -> dict[Any, dict[torch.dtype, Cast]]:
+    """:func:`plan`'s tables keyed by ``op._op``, which the kernels hash in C per call."""
     key = ("kernel_rules", route_all)
     return kept(policy, key, lambda: {o._op: r for o, r in (plan(policy, route_all) or {}).items()})
 

@@ -147,15 +147,13 @@ def exit(region: Region) -> None:
     st = STATE
     regions = st.regions
     enabled, dtype, cache_enabled = region.saved
-    index = len(regions) - 1  # the usual case: the innermost region exits
-    while index >= 0 and regions[index] is not region:
-        index -= 1
-    if index < 0:
+    if region not in regions:  # (a Region compares by identity)
         raise RuntimeError(
             "This amped.autocast region is not open on this thread: it was exited "
             "already, or entered on another thread. Exit each region once, on the "
             f"thread that entered it. Received: region for device_type={region.device_type!r}"
         )
+    index = regions.index(region)  # usually the last: the innermost region exits
     above = regions[index + 1 :]
     del regions[index]
     same_device = [r for r in above if r.device_type == region.device_type]

@@ -107,9 +107,7 @@ class AutocastMode(TorchFunctionMode):
         self, torch_alongside: bool = True, cache: casting.WeightCache | None = None
     ) -> None:
         super().__init__()
-        self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
-        self.device_types: tuple[str, ...] = ()
-        self.rules: dict[Callable[..., Any], PerDevice] = {}
+        self.refresh({})  # policies, device_types, rules: none active yet
         self.backward_token: Any = None  # compiled backward autocast turned off for it
         self.low = False  # inside a "low" module rule
         # torch's C++ autocast may run inside calls no policy lists, and after amped's
@@ -123,7 +121,7 @@ class AutocastMode(TorchFunctionMode):
         self.running: dict[Callable[..., Any], None] = dict.fromkeys(_OPAQUE)
 
     def refresh(self, policies: dict[str, Policy]) -> None:
-        """Make ``policies`` (device type -> policy) the active ones."""
+        """Make ``policies`` (device type -> policy of the innermost region) the active ones."""
         self.policies = policies
         self.device_types = tuple(policies)
         self.rules = merged_rules(policies)
@@ -156,9 +154,7 @@ class AutocastMode(TorchFunctionMode):
         where this region excludes it (``"low"`` rules, no torch alongside)."""
         if self.exclude_unlisted:
             return call_without_torch_autocast(self.device_types, func, args, kwargs)
-        if kwargs:
-            return func(*args, **kwargs)
-        return func(*args)
+        return func(*args, **kwargs)
 
     def run_listed(
         self,

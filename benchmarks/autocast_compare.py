@@ -1,7 +1,7 @@
 """The engine before and after a change, one machine, one run: old commit vs this tree.
 
-Runs ``benchmarks/autocast_overhead.py --json`` of an old commit (checked out once as a
-git worktree, its ``src`` on PYTHONPATH) and of this tree, alternately (old, new, new,
+Runs ``benchmarks/autocast_overhead.py --json`` of an old commit (extracted once with
+``git archive``, its ``src`` on PYTHONPATH) and of this tree, alternately (old, new, new,
 old, ...), each in its own process, and prints for every path (the overhead script's
 sides) the medians over rounds of:
 
@@ -51,14 +51,17 @@ DIAGNOSTIC = {"engine"}
 
 
 def old_tree(commit: str) -> Path:
-    """A git worktree of ``commit`` (made once, under the system's temp directory)."""
+    """The files of ``commit`` (``git archive``, extracted once under the system's temp
+    directory: no worktree is registered in the repository)."""
     where = Path(tempfile.gettempdir()) / f"amped-{commit}"
     if not (where / "src").exists():
-        subprocess.run(
-            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), commit],
+        where.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(
+            ["git", "-C", str(ROOT), "archive", "--format=tar", commit],
             check=True,
             capture_output=True,
         )
+        subprocess.run(["tar", "-x", "-C", str(where)], input=archive.stdout, check=True)
     return where
 
 

@@ -153,11 +153,9 @@ def _promote_type(values: Any, device_type: str, low: torch.dtype) -> torch.dtyp
 def _to_low(out: Any, low: torch.dtype) -> Any:
     if isinstance(out, _Tensor):
         return out.to(low) if out.dtype is _FLOAT32 else out
-    if isinstance(out, tuple):
+    if isinstance(out, (list, tuple)):  # (a torch.return_types tuple keeps its type)
         items = [_to_low(o, low) for o in out]
-        return type(out)(items) if type(out) is not tuple else tuple(items)
-    if isinstance(out, list):
-        return [_to_low(o, low) for o in out]
+        return items if isinstance(out, list) else type(out)(items)
     return out
 
 
@@ -212,32 +210,24 @@ def device_type_of(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
     An accelerator tensor anywhere in the arguments wins over CPU tensors (a CPU scalar
     tensor next to CUDA tensors still dispatches to CUDA).
     """
+    found = _device_type_in(args)
+    if not kwargs or (found is not None and found != "cpu"):
+        return found
+    return _device_type_in(kwargs.values()) or found
+
+
+def _device_type_in(values: Any) -> str | None:
+    # (Loops unrolled by hand: this runs per listed op, and a generator costs more.)
     found = None
-    for value in args:
+    for value in values:
         if isinstance(value, _Tensor):
             if not value.is_cpu:
                 return value.device.type
             found = "cpu"
         elif isinstance(value, (list, tuple)):
-            inner = _device_type_in(value)
-            if inner is not None and inner != "cpu":
-                return inner
-            found = found or inner
-    if kwargs:
-        inner = _device_type_in(kwargs.values())
-        if inner is not None and inner != "cpu":
-            return inner
-        found = found or inner
-    return found
-
-
-def _device_type_in(values: Any) -> str | None:
-    found = None
-    for value in values:
-        items = value if isinstance(value, (list, tuple)) else (value,)
-        for t in items:
-            if isinstance(t, _Tensor):
-                if not t.is_cpu:
-                    return t.device.type
-                found = "cpu"
+            for t in value:
+                if isinstance(t, _Tensor):
+                    if not t.is_cpu:
+                        return t.device.type
+                    found = "cpu"
     return found

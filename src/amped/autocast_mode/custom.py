@@ -161,6 +161,5 @@ def _run_python_op(
         return func(*args, **kwargs)
     runner = st.runner
     if runner is None:
-        runner = st.runner = AutocastMode()
-        runner.cache = st.cache
+        runner = st.runner = AutocastMode(cache=st.cache)
     return runner.run_listed(func, per_device, args, kwargs)

@@ -26,7 +26,6 @@ from amped.policy.policy import LOW_DTYPES
 __all__ = ["kernel_rules", "plan", "register", "registered_ops", "release_kernels"]
 
 _KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
-_LOWER = Cast.LOWER
 # fp32_append_dtype: the overload torch's C++ autocast redispatches each one to.
 _APPEND_DTYPE = {
     "aten::norm.Scalar": "ScalarOpt_dtype",
@@ -48,12 +47,8 @@ def plan(policy: Policy, route_all: bool = False) -> Tables | None:
     return kept(policy, ("fast_plan", route_all), lambda: _plan(policy, route_all))
 
 
-KernelRules = dict[Any, dict[torch.dtype, Cast]]
-""":data:`Tables` keyed by ``op._op``, which the kernels hash in C per call."""
-
-
-def kernel_rules(policy: Policy, route_all: bool = False) -> KernelRules:
-    """The kernel tables of ``policy`` (which has some) in the kernels' form."""
+def kernel_rules(policy: Policy, route_all: bool = False) -> dict[Any, dict[torch.dtype, Cast]]:
+    """:func:`plan`'s tables keyed by ``op._op``, which the kernels hash in C per call."""
     key = ("kernel_rules", route_all)
     return kept(policy, key, lambda: {o._op: r for o, r in (plan(policy, route_all) or {}).items()})
 
@@ -112,8 +107,7 @@ def register(policy: Policy, tables: Tables) -> None:
             if (op.name(), key) in _libraries:  # another thread registered it meanwhile
                 continue
             lib = torch.library.Library(op.namespace, "IMPL")
-            kernel, with_keyset = _kernel(op, policy.device_type, key)
-            lib.impl(op, kernel, key, with_keyset=with_keyset)
+            lib.impl(op, _kernel(op, policy.device_type, key), key)
             _libraries[(op.name(), key)] = lib
 
 
@@ -136,25 +130,21 @@ def release_kernels() -> None:
         _libraries.clear()
 
 
-def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
-    """The kernel for ``op`` at ``key``, and whether it takes the dispatch key set (only
-    where it must redispatch: building the key set costs about a microsecond)."""
+def _kernel(op: OpOverload, device_type: str, key: str) -> Any:
+    """The kernel for ``op`` at ``key``."""
     raw = op._op
     dispatch_key = getattr(torch_compat.DispatchKey, key)
-    after = torch_compat.dispatch_keyset_full_after(dispatch_key)
     torch_kernel = (
         torch.library.get_kernel(op, key) if torch_compat.has_kernel_for(op.name(), key) else None
     )
     appended = _APPEND_DTYPE.get(op.name())
     with_dtype = getattr(op.overloadpacket, appended)._op if appended else raw
     positional = [a for a in torch_compat.op_schema(op).arguments if not a.kwarg_only]
-    tensor_slots = tuple(i for i, a in enumerate(positional) if str(a.type) == "Tensor")
     defaults = [(a.name, a.default_value) for a in positional if a.has_default_value()]
     first_default = len(positional) - len(defaults)  # defaults are trailing in a schema
     tls = STATE
     get_dtype = torch.get_autocast_dtype
     run = casting.run
-    cast_call = casting.cast_call
     is_compiling = torch_compat.dynamo_is_compiling_flag
     # The dispatcher calls this kernel only while its key is not excluded, so the key is
     # excluded for the op and included again after it: two calls, where an exclude-guard
@@ -164,69 +154,40 @@ def _kernel(op: OpOverload, device_type: str, key: str) -> tuple[Any, bool]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
         tables = tls.kernels.get(device_type)
         rule = tables.get(raw) if tables else None  # keyed by op._op: hashed in C
+        cast = None
         if rule is not None:
             low = get_dtype(device_type)
             cast = rule.get(low)
-            if cast is not None:
-                if is_compiling():
-                    raise RuntimeError(_TRACED_FAST)
-                set_excluded(dispatch_key, True)
-                try:
-                    if cast is _LOWER:  # the hot path: one frame less than casting.run
-                        return cast_call(raw, args, kwargs, low, device_type, tls.cache)
-                    if cast is Cast.FP32_APPEND_DTYPE and casting.first_eligible(
-                        args, kwargs, device_type
-                    ):  # torch redispatches to the dtype overload, which has no defaults
-                        missing = defaults[max(len(args) - first_default, 0) :]
-                        filled = {name: value for name, value in missing if name not in kwargs}
-                        return with_dtype(*args, **kwargs, **filled, dtype=torch.float32)
-                    if cast is Cast.BANNED:  # raw (a C++ op) has no name to put in the error
-                        raise casting.banned_error(op._opname)
-                    return run(cast, raw, args, kwargs, device_type, low, tls.cache)
-                finally:
-                    set_excluded(dispatch_key, False)
-        # Not ours here: exactly what torch does.
-        if aten_kernel is not None:
-            return aten_kernel.call_boxed(_ANY_KEYSET, *args, **kwargs)
-        return _NOT_OURS
-
-    def kernel_with_keyset(keyset: Any, *args: Any, **kwargs: Any) -> Any:
-        out = kernel(*args, **kwargs)
-        if out is not _NOT_OURS:
-            return out
-        if torch_kernel is not None:
-            return torch_kernel.call_boxed(keyset, *args, **kwargs)
-        if _number_in(args, tensor_slots):
-            # x + 1e-6 passes a wrapped number, which reaches Python as a float and
-            # which redispatch cannot take: run the op as torch's own autocast kernels
-            # do, called again with this key excluded (the call already passed the
-            # torch-function layer: no mode sees it twice).
-            set_excluded(dispatch_key, True)
-            try:
+        if cast is None and torch_kernel is not None:  # not ours here: exactly what torch does
+            return torch_kernel.call_boxed(_ANY_KEYSET, *args, **kwargs)
+        if cast is not None and is_compiling():
+            raise RuntimeError(_TRACED_FAST)
+        set_excluded(dispatch_key, True)
+        try:
+            if cast is None:
+                # Not ours, and torch has no autocast kernel for it: the op runs again
+                # with this key excluded, as torch's own autocast kernels call theirs
+                # (the call already passed the torch-function layer: no mode sees it twice).
                 with _no_torch_function():
                     return raw(*args, **kwargs)
-            finally:
-                set_excluded(dispatch_key, False)
-        return op.redispatch(keyset & after, *args, **kwargs)
+            if cast is Cast.FP32_APPEND_DTYPE and casting.first_eligible(
+                args, kwargs, device_type
+            ):  # torch redispatches to the dtype overload, which has no defaults
+                missing = defaults[max(len(args) - first_default, 0) :]
+                filled = {name: value for name, value in missing if name not in kwargs}
+                return with_dtype(*args, **kwargs, **filled, dtype=torch.float32)
+            if cast is Cast.BANNED:  # raw (a C++ op) has no name to put in the error
+                raise casting.banned_error(op._opname)
+            return run(cast, raw, args, kwargs, device_type, low, tls.cache)
+        finally:
+            set_excluded(dispatch_key, False)
 
-    aten_kernel = torch_kernel if op.namespace == "aten" else None
-    kernel.__name__ = kernel_with_keyset.__name__ = op._opname
-    if aten_kernel is not None:
-        return kernel, False
-    return kernel_with_keyset, True
+    kernel.__name__ = op._opname
+    return kernel
 
 
-_NOT_OURS = object()
 _ANY_KEYSET = torch_compat.dispatch_keyset_full()  # torch's autocast kernels ignore it
 _no_torch_function = torch_compat.DisableTorchFunction
-
-
-def _number_in(args: tuple[Any, ...], slots: tuple[int, ...]) -> bool:
-    # (a loop: an idle kernel runs this per call, and any() over a generator costs more)
-    for i in slots:  # noqa: SIM110
-        if i < len(args) and isinstance(args[i], (int, float, complex)):
-            return True
-    return False
 
 
 _TRACED_FAST = (

@@ -41,23 +41,15 @@ every graph): later regions of these take ``MODE``, so that they pass the graphs
 _listening = False  # amped registered its compile-start callback
 
 
-@torch_compat.assume_constant_result
-def _mark_traced_while_tracing(policy: Policy) -> bool:
-    # Run for real while Dynamo traces, and not guarded on: the graph must not depend
-    # on whether the policy was marked before.
-    _TRACED.add(policy)
-    return True
-
-
 def torch_rules_only(policy: Policy) -> bool:
     """Whether ``policy``'s op rules are torch's own for its device type, under every
     low dtype (kept with the policy)."""
-    return kept(policy, "torch_equal", lambda: _rules_equal(policy))
-
-
-def _rules_equal(policy: Policy) -> bool:
-    torch_rules = torch_default_rules(policy.device_type)
-    return all(policy.rules_for(dtype) == torch_rules for dtype in LOW_DTYPES)
+    device_type, rules = policy.device_type, policy.rules_for
+    return kept(
+        policy,
+        "torch_equal",
+        lambda: all(rules(dtype) == torch_default_rules(device_type) for dtype in LOW_DTYPES),
+    )
 
 
 def _prepare(policy: Policy) -> None:
@@ -74,13 +66,9 @@ def _choose_path(region: Region, st: EngineState) -> Path:
     policy = region.policy
     if policy is None or not (region.unplain or st.forced):  # torch's rules alone
         return Path.TORCH
-    if st.forced is Path.MODE or any(r.precision == "low" for r in policy.module_rules):
-        return Path.MODE
-    if _is_compiling():
-        _mark_traced_while_tracing(policy)
-        return Path.MODE
-    if _TRACED and policy in _TRACED:
-        return Path.MODE
+    low_rules = any(r.precision == "low" for r in policy.module_rules)
+    if st.forced is Path.MODE or low_rules or _is_compiling() or (_TRACED and policy in _TRACED):
+        return Path.MODE  # (compiling: enter() marked the policy traced)
     route_all = st.forced is Path.KERNELS
     if torch_rules_only(policy) and not route_all:  # with "fp32" / "skip" module rules
         return Path.TORCH
@@ -127,7 +115,7 @@ def enter(region: Region) -> None:
     region.unplain = unplain = _unplain(policy)
     if unplain:  # (first: it may find Dynamo was reset, which frees the hooks)
         if _is_compiling():
-            _prepare_while_tracing()
+            _prepare_while_tracing(policy)
         elif _on_compile_start not in _CALLBACKS.start_callbacks:
             _listen_for_compiles()
     if policy is not None and policy.module_rules:
@@ -159,19 +147,15 @@ def exit(region: Region) -> None:
     st = STATE
     regions = st.regions
     enabled, dtype, cache_enabled = region.saved
-    if regions and regions[-1] is region:  # the usual case: the innermost region exits
-        regions.pop()
-        above: list[Region] = []
-    else:
-        index = next((i for i, r in enumerate(regions) if r is region), None)
-        if index is None:
-            raise RuntimeError(
-                "This amped.autocast region is not open on this thread: it was exited "
-                "already, or entered on another thread. Exit each region once, on the "
-                f"thread that entered it. Received: region for device_type={region.device_type!r}"
-            )
-        above = regions[index + 1 :]
-        del regions[index]
+    if region not in regions:  # (a Region compares by identity)
+        raise RuntimeError(
+            "This amped.autocast region is not open on this thread: it was exited "
+            "already, or entered on another thread. Exit each region once, on the "
+            f"thread that entered it. Received: region for device_type={region.device_type!r}"
+        )
+    index = regions.index(region)  # usually the last: the innermost region exits
+    above = regions[index + 1 :]
+    del regions[index]
     same_device = [r for r in above if r.device_type == region.device_type]
     if same_device:  # the next region up on this device restores what this one found
         nxt = same_device[0]
@@ -242,15 +226,14 @@ def _mark_for_guards(st: EngineState, on: bool) -> None:
 
 def _push_mode(st: EngineState) -> None:
     if _is_compiling():  # Dynamo traces the context-manager protocol
-        _prepare_while_tracing()
+        _prepare_while_tracing(None)
         st.mode = AutocastMode(st.torch_alongside)
         st.mode.__enter__()
         return
     transparent.prepare_clones()  # once per process, about 1 ms
     mode = st.spare_mode  # one instance per thread, reused region after region
     if mode is None or mode.alongside is not st.torch_alongside:
-        mode = st.spare_mode = AutocastMode(st.torch_alongside)
-        mode.cache = st.cache
+        mode = st.spare_mode = AutocastMode(st.torch_alongside, st.cache)
     st.mode = mode
     _push(mode)
     if mode.backward_token is None:
@@ -258,10 +241,14 @@ def _push_mode(st: EngineState) -> None:
 
 
 @torch_compat.assume_constant_result
-def _prepare_while_tracing() -> bool:
-    # Run for real while Dynamo traces (it cannot build the clones, nor register).
+def _prepare_while_tracing(traced: Policy | None) -> bool:
+    # Run for real while Dynamo traces (it cannot build the clones, nor register), and
+    # not guarded on: the graph must not depend on whether it ran before. ``traced``:
+    # later regions of this policy take MODE, to pass the graph's guards.
     transparent.prepare_clones()
     _listen_for_compiles()
+    if traced is not None:
+        _TRACED.add(traced)
     return True
 
 

@@ -95,7 +95,6 @@ def call_without_torch_autocast(
 
 
 _EMPTY: dict[str, Any] = {}
-_LOWER = Cast.LOWER
 _OPAQUE = torch_compat.AUTOCAST_ENTER_EXIT
 
 
@@ -104,25 +103,25 @@ class AutocastMode(TorchFunctionMode):
     fields current). Per call one dict look-up in ``rules`` (callable -> device type ->
     low dtype -> rule); Dynamo guards on the entries it reads."""
 
-    def __init__(self, torch_alongside: bool = True) -> None:
+    def __init__(
+        self, torch_alongside: bool = True, cache: casting.WeightCache | None = None
+    ) -> None:
         super().__init__()
-        self.policies: dict[str, Policy] = {}  # device type -> policy of the innermost region
-        self.device_types: tuple[str, ...] = ()
-        self.rules: dict[Callable[..., Any], PerDevice] = {}
+        self.refresh({})  # policies, device_types, rules: none active yet
         self.backward_token: Any = None  # compiled backward autocast turned off for it
         self.low = False  # inside a "low" module rule
         # torch's C++ autocast may run inside calls no policy lists, and after amped's
         # casts where the rule is torch's (off only in the tests' forced runs).
         self.alongside = torch_alongside
         self.exclude_unlisted = not torch_alongside
-        self.cache: casting.WeightCache | None = None  # the thread's (engine.py sets it)
+        self.cache = cache  # the thread's weight cache (None: no cast is cached)
         # Python functions run transparently just now, and those never to be: the graph
         # of a compiled region calls _enter_autocast/_exit_autocast, which hand
         # themselves to any mode whatever one-hop skip is set.
         self.running: dict[Callable[..., Any], None] = dict.fromkeys(_OPAQUE)
 
     def refresh(self, policies: dict[str, Policy]) -> None:
-        """Make ``policies`` (device type -> policy) the active ones."""
+        """Make ``policies`` (device type -> policy of the innermost region) the active ones."""
         self.policies = policies
         self.device_types = tuple(policies)
         self.rules = merged_rules(policies)
@@ -155,9 +154,7 @@ class AutocastMode(TorchFunctionMode):
         where this region excludes it (``"low"`` rules, no torch alongside)."""
         if self.exclude_unlisted:
             return call_without_torch_autocast(self.device_types, func, args, kwargs)
-        if kwargs:
-            return func(*args, **kwargs)
-        return func(*args)
+        return func(*args, **kwargs)
 
     def run_listed(
         self,
@@ -188,8 +185,6 @@ class AutocastMode(TorchFunctionMode):
             compiling.check_supported()
             cache = None
         if not exclude and self.alongside:
-            if cast is _LOWER:  # the hot path: one frame less than casting.run
-                return casting.cast_call(func, args, kwargs, low, device_type, cache)
             return casting.run(cast, func, args, kwargs, device_type, low, cache)
         if cache is None:  # Dynamo is tracing
             return call_without_torch_autocast(

@@ -12,13 +12,12 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from amped._internal import torch_compat
-from amped.autocast_mode.state import STATE
+from amped.autocast_mode.state import STATE, kept
 from amped.policy import ModuleRule, Policy
 
 __all__ = ["hooks"]
 
 _is_compiling = torch.compiler.is_dynamo_compiling
-_UNSEEN: Any = object()
 
 
 def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule | None:
@@ -48,11 +47,7 @@ def _rule_for(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRul
     if _is_compiling() or len(policies) != 1:  # traced: no cache (Dynamo guards its size)
         return _match(module, policies)
     ((_, policy),) = policies.items()  # rules by type alone: one look-up per class
-    by_type = policy._engine_cache.setdefault("rule_by_type", {})
-    rule = by_type.get(type(module), _UNSEEN)
-    if rule is _UNSEEN:
-        rule = by_type[type(module)] = _match(module, policies)
-    return cast("ModuleRule | None", rule)
+    return kept(policy, ("rule", type(module)), lambda: _match(module, policies))
 
 
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:

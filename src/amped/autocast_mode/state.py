@@ -103,7 +103,4 @@ def innermost_policies(regions: list[Region]) -> dict[str, Policy]:
 
 def current_policy(device_type: str) -> Policy | None:
     """The policy of the innermost enabled amped region for ``device_type`` on this thread."""
-    for region in reversed(STATE.regions):
-        if region.device_type == device_type and region.policy is not None:
-            return region.policy
-    return None
+    return innermost_policies(STATE.regions).get(device_type)

@@ -63,14 +63,9 @@ def prepare_clones() -> None:
                 _clone(value)
 
 
-def call_with_clone(
-    func: Callable[..., Any],
-    types_: tuple[type, ...],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-) -> Any:
+def call_with_clone(func: Any, types_: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The fallback for torch releases without the one-hop skip (2.11)."""
-    return _clone(func)(*args, **kwargs)  # type: ignore[arg-type]
+    return _clone(func)(*args, **kwargs)
 
 
 _skip_one_hop = torch_compat.skip_one_hop_torch_function

@@ -21,6 +21,7 @@ from amped.fp8.block_cast import quantize_block
 from amped.fp8.block_format import BLOCK_FORMATS
 from amped.fp8.block_operand import block_operand
 from amped.fp8.e2m1 import E2M1_VALUES
+from amped.fp8.hadamard import hadamard_rows, hadamard_signs
 
 pytestmark = pytest.mark.compiled_casts
 
@@ -120,6 +121,27 @@ def test_stochastic_rounding_compiled_draws_what_eager_draws(monkeypatch):
     nearest = block_operand(x, fmt, dim=0)
     assert _same(compiled.values, eager.values)
     assert not torch.equal(compiled.values, nearest.values)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
+def test_hadamard_rotated_cast_compiled_is_the_eager_one_and_the_rotated_cast(special, monkeypatch):
+    """The rotation inside the kernel: compiled and eager give the same bits, and they are
+    the cast of the rotated tensor (:func:`hadamard_rows`, then quantize_block)."""
+    fmt = BLOCK_FORMATS["nvfp4"]
+    x = _suite((64, 96), torch.bfloat16, seed=6, special=special)
+    signs = hadamard_signs(3)
+    kwargs = dict(dim=0, hadamard_signs=signs, keep_cast=True)
+    compiled = block_operand(x, fmt, **kwargs)
+    eager = _eager(monkeypatch, x, fmt, **kwargs)
+    assert _same(compiled.values, eager.values)
+    assert _same(compiled.cast.elements, eager.cast.elements)
+    assert _same(compiled.cast.scale_bits, eager.cast.scale_bits)
+    if not special:
+        rotated = hadamard_rows(x.float(), signs)
+        reference = quantize_block(rotated.t().contiguous(), fmt)
+        assert _same(compiled.t().values, reference.block_values(torch.bfloat16))
+        assert not torch.equal(compiled.values, block_operand(x, fmt, dim=0).values)
 
 
 @pytest.mark.slow

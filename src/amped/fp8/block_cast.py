@@ -46,7 +46,7 @@ from amped._internal.errors import type_error, value_error
 from amped.fp8.block_format import SCALE_MODES, BlockFormat, ScaleMode
 from amped.fp8.block_kernel import NVFP4_AMAX_FLOOR, BlockSpec, block_kernel, nvfp4_tensor_scale
 from amped.fp8.e2m1 import pack_e2m1, to_e2m1_codes
-from amped.fp8.element_round import ELEMENTS, random_draw
+from amped.fp8.element_round import ELEMENTS, rounding_key
 
 __all__ = [
     "NVFP4_AMAX_FLOOR",
@@ -173,7 +173,8 @@ def quantize_block(
         tensor_scale: NVFP4 only: the float32 tensor scale (default
             :func:`nvfp4_tensor_scale` of ``x``).
         tile_2d: NVFP4 only: one block scale per 16x16 tile of a 2-D ``x``.
-        generator: E2M1 only: round elements stochastically, drawing from it.
+        generator: E2M1 only: round elements stochastically, with draws hashed from
+            a key drawn from it (:func:`~amped.fp8.element_round.hashed_uniform`).
 
     Raises:
         TypeError: ``x`` not floating point, or ``format`` not a BlockFormat.
@@ -200,8 +201,8 @@ def quantize_block(
     spec = spec._replace(
         given_tensor_scale=tensor_scale is not None, stochastic=generator is not None
     )
-    draw = None if generator is None else random_draw(x.shape, generator, x.device)
-    _, elements, scale_bits, tensor_scale = block_kernel(spec, x, tensor_scale, draw)
+    key = None if generator is None else rounding_key(generator, x.device)
+    _, elements, scale_bits, tensor_scale = block_kernel(spec, x, tensor_scale, key)
     assert elements is not None  # the spec asks for them
     return BlockTensor(elements, scale_bits, tensor_scale, format)
 

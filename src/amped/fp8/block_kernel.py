@@ -8,11 +8,13 @@ eagerly; the layers call it through :func:`amped.fp8.compiled_cast.run`, where i
 one fused kernel. Both give the same bits (tests/test_fp8_compiled_cast.py): all
 arithmetic is float32 (scaling by a power of two is exact there, as in bfloat16, and
 the elements, exact in bfloat16, are converted last), each step rounds once, and
-random draws come in as an argument.
+random draws are an integer hash of a key that comes in as an argument.
 
 Blocks run along the last dim, or along the first of a 2-D tensor (``blocked_dim=0``:
 the blocks of ``x.t()``, computed and laid out in ``x``'s own layout, so a transposed
 GEMM operand needs no ``.contiguous()`` copy), or over 16x16 tiles (``tile_2d``).
+With ``hadamard`` the rows are first rotated by NVFP4's random Hadamard transform
+(:func:`amped.fp8.hadamard.hadamard_rows`) in float32, inside the same kernel.
 The scale rules are :mod:`amped.fp8.block_cast`'s (torchao's), documented there.
 """
 
@@ -22,7 +24,8 @@ from typing import NamedTuple
 
 import torch
 
-from amped.fp8.element_round import Element, round_nearest, round_stochastic
+from amped.fp8.element_round import Element, hashed_uniform, round_nearest, round_stochastic
+from amped.fp8.hadamard import hadamard_rows
 
 __all__ = ["NVFP4_AMAX_FLOOR", "BlockSpec", "block_kernel", "nvfp4_tensor_scale"]
 
@@ -47,6 +50,7 @@ class BlockSpec(NamedTuple):
     values_dtype: torch.dtype | None  # the block values returned in it (None: not made)
     given_tensor_scale: bool
     stochastic: bool
+    hadamard: bool = False  # rotate blocks of 16 rows first (blocked_dim 0; signs given)
 
 
 def nvfp4_tensor_scale(x: torch.Tensor) -> torch.Tensor:
@@ -126,16 +130,22 @@ def block_kernel(
     spec: BlockSpec,
     x: torch.Tensor,
     tensor_scale: torch.Tensor | None,
-    draw: torch.Tensor | None,
+    key: torch.Tensor | None,
+    signs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """``(values, elements, scale_bits, tensor_scale)`` of ``x`` cast by ``spec``.
 
     ``values`` and ``elements`` have ``x``'s shape and layout (None where ``spec`` does
     not ask for them); ``scale_bits`` (uint8) one per block (:func:`_scale_layout`);
     ``tensor_scale`` NVFP4's (given, or computed), else None. ``draw``: uniform
-    numbers of ``x``'s shape for stochastic rounding, or None (to nearest).
+    numbers of ``x``'s shape for stochastic rounding, or None (to nearest). ``signs``:
+    the Hadamard signs (float32, 16) where ``spec.hadamard``; the elements and values
+    are then those of the rotated ``x``.
     """
     xf = x.to(torch.float32)
+    if spec.hadamard:
+        assert signs is not None and spec.blocked_dim == 0
+        xf = hadamard_rows(xf, signs)
     blocks, axes = _blocked(xf, spec)
     amax = blocks.abs().amax(dim=axes, keepdim=True)
     if spec.is_mx:
@@ -152,8 +162,9 @@ def block_kernel(
         scale_value = scale.to(torch.float32)
         scaled = blocks * ((1.0 / tensor_scale) / scale_value)
         scale_bits = scale.view(torch.uint8)
-    if draw is not None:
-        elements = round_stochastic(scaled, spec.element, draw.view(scaled.shape))
+    if key is not None:
+        draw = hashed_uniform(key, x.shape)
+        elements = round_stochastic(scaled, spec.element, _blocked(draw, spec)[0])
     else:
         elements = round_nearest(scaled, spec.element)
     elements = _one_nan(elements)

@@ -13,7 +13,8 @@ With ``weight_2d`` one 16x16-tile cast of the weight serves both GEMMs it enters
 ``stochastic_rounding`` both casts of grad_output round stochastically, drawing from a
 generator seeded by ``(seed, draws)``, two int64 numbers in the buffer ``fp8_rng``
 (so a resumed run draws what the uninterrupted one would). With ``hadamard`` the
-grad-weight GEMM's operands are rotated along the tokens first (:mod:`.hadamard`).
+grad-weight GEMM's operands are rotated along the tokens first (:mod:`.hadamard`), inside
+their cast kernels.
 
 What backward needs is saved in high precision (input and weight), as torchao's MX
 training does, and cast again along the other dims. Bias, autocast and Conv1D are
@@ -44,7 +45,7 @@ from amped.fp8.conv1d import (
     low_precision_class,
 )
 from amped.fp8.fsdp_block_wire import gathered_block
-from amped.fp8.hadamard import HADAMARD_SIZE, random_hadamard, rotate_rows
+from amped.fp8.hadamard import HADAMARD_SIZE, hadamard_rows, hadamard_signs
 from amped.fp8.health import record_gemm
 
 __all__ = ["BlockLinear"]
@@ -91,13 +92,18 @@ class _BlockLinearFunction(torch.autograd.Function):
             cfg = layer.block_config
             multiple = max(cfg.format.block_size, HADAMARD_SIZE if cfg.hadamard else 1)
             go_rows, x_rows = _pad_rows(go, multiple), _pad_rows(x2.to(go.dtype), multiple)
-            if cfg.hadamard:
-                rotation = layer.hadamard_rotation()
-                go_rows, x_rows = rotate_rows(go_rows, rotation), rotate_rows(x_rows, rotation)
-            # Both blocked along the tokens, cast in their own layout and used transposed
-            go_t = layer.block_operand(go_rows, grad.dtype, dim=0, generator=generator).t()
-            x_t = layer.block_operand(x_rows, grad.dtype, dim=0).t()
+            signs = layer.hadamard_signs() if cfg.hadamard else None
+            # Both blocked along the tokens (rotated first, inside the cast, under
+            # hadamard), cast in their own layout and used transposed
+            go_t = layer.block_operand(
+                go_rows, grad.dtype, dim=0, generator=generator, hadamard_signs=signs
+            ).t()
+            x_t = layer.block_operand(x_rows, grad.dtype, dim=0, hadamard_signs=signs).t()
             grad_w = operand_mm(go_t, x_t, grad.dtype, emulate=layer.fp8_emulate)
+            if signs is not None and getattr(layer, "fp8_observer", None) is not None:
+                # what the casts saw, for the monitor's counts (the same bits)
+                go_rows = hadamard_rows(go_rows.to(torch.float32), signs)
+                x_rows = hadamard_rows(x_rows.to(torch.float32), signs)
             operands = {"grad_output": (go_rows.t(), go_t.cast), "input": (x_rows.t(), x_t.cast)}
             mode = cfg.scale_mode
             record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands, scale_mode=mode)
@@ -178,12 +184,14 @@ class BlockLinear(torch.nn.Linear):
         dim: int = -1,
         weight: bool = False,
         generator: torch.Generator | None = None,
+        hadamard_signs: torch.Tensor | None = None,
     ) -> BlockOperand:
         """``x`` (2-D) cast to the layer's format, blocks along ``dim``, for a GEMM with
         an ``out_dtype`` result: block values when emulated, the cast (elements and
         scales) for a hardware GEMM or a health monitor. ``weight``: the weight's cast
-        (16x16 tiles under ``weight_2d``); a weight FSDP2 all-gathered in NVFP4 gives
-        the gathered cast instead (:mod:`amped.fp8.fsdp_block_wire`)."""
+        (16x16 tiles under ``weight_2d``); ``hadamard_signs``: rotate the rows first
+        (:func:`~amped.fp8.block_operand.block_operand`). A weight FSDP2 all-gathered in
+        NVFP4 gives the gathered cast instead (:mod:`amped.fp8.fsdp_block_wire`)."""
         cfg = self.block_config
         observed = getattr(self, "fp8_observer", None) is not None
         gathered = gathered_block(x) if weight else None
@@ -199,6 +207,7 @@ class BlockLinear(torch.nn.Linear):
             dtype=gemm_dtype(out_dtype) if self.fp8_emulate else None,
             generator=generator,
             keep_cast=observed or not self.fp8_emulate,
+            hadamard_signs=hadamard_signs,
         )
 
     def rounding_generator(self) -> torch.Generator | None:
@@ -211,9 +220,11 @@ class BlockLinear(torch.nn.Linear):
         generator = torch.Generator(self.fp8_rng.device)
         return generator.manual_seed((seed << 32) + draws)
 
-    def hadamard_rotation(self) -> torch.Tensor:
-        """This layer's 16x16 random Hadamard block (signs from its seed)."""
-        return random_hadamard(int(self.fp8_rng[0]))
+    def hadamard_signs(self) -> torch.Tensor:
+        """The signs (float32, 16, on the layer's device) of this layer's 16x16 random
+        Hadamard block (:func:`~amped.fp8.hadamard.random_hadamard` of its seed), which
+        the casts rotate with (:func:`~amped.fp8.hadamard.hadamard_rows`)."""
+        return hadamard_signs(int(self.fp8_rng[0])).to(self.fp8_rng.device)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return linear_forward(self, _BlockLinearFunction, input)

@@ -21,11 +21,13 @@ from typing import NamedTuple
 
 import torch
 
+from amped._internal.errors import value_error
 from amped.fp8 import compiled_cast
 from amped.fp8.block_cast import BlockTensor, block_spec, check_block_input
 from amped.fp8.block_format import BlockFormat, ScaleMode
 from amped.fp8.block_kernel import block_kernel
-from amped.fp8.element_round import random_draw
+from amped.fp8.element_round import rounding_key
+from amped.fp8.hadamard import HADAMARD_SIZE
 
 __all__ = ["BlockOperand", "block_operand"]
 
@@ -66,6 +68,7 @@ def block_operand(
     dtype: torch.dtype | None = torch.bfloat16,
     generator: torch.Generator | None = None,
     keep_cast: bool = False,
+    hadamard_signs: torch.Tensor | None = None,
 ) -> BlockOperand:
     """``x`` cast to ``format`` and read back as exact block values in ``dtype``.
 
@@ -76,31 +79,43 @@ def block_operand(
         tile_2d: NVFP4: one scale per 16x16 tile (then ``dim`` makes no difference).
         dtype: the values' dtype, bfloat16 or float32; None for none (then
             ``keep_cast`` must be set).
-        generator: E2M1: round stochastically, drawing one number per element, in
-            ``x``'s row-major order, from it.
+        generator: E2M1: round stochastically, with the draws
+            :func:`~amped.fp8.element_round.hashed_uniform` of a key drawn from it
+            (element ``i`` of ``x``, row-major, gets draw ``i``).
         keep_cast: also return the elements and scales (``.cast``), in ``x``'s layout:
             for ``dim=0`` one scale per block of rows (``[M // block, N]``), so that
             the operand's :meth:`~BlockOperand.t` holds the cast of ``x.t()`` as
             :func:`~amped.fp8.block_cast.quantize_block` gives it (blocks along the
             last dim), which the GEMM and the health monitor read.
+        hadamard_signs: with ``dim=0``: cast ``R.T @ x`` instead of ``x``, ``R`` the
+            random Hadamard transform with these 16 signs (float32,
+            :func:`~amped.fp8.hadamard.hadamard_rows`), rotated inside the cast kernel.
 
     Raises:
-        ValueError: the blocked dim is not a multiple of the block size.
+        ValueError: the blocked dim is not a multiple of the block size (16 rows
+            for ``hadamard_signs``).
     """
     if dim == 0 and x.dim() == 2:
         check_block_input(x.t(), format, tile_2d)
     else:
         check_block_input(x, format, tile_2d)
         dim = -1
+    if hadamard_signs is not None and (dim != 0 or x.shape[0] % HADAMARD_SIZE):
+        raise value_error(
+            f"The Hadamard transform rotates blocks of {HADAMARD_SIZE} rows of a 2-D "
+            "tensor cast with dim=0; pad the rows to a multiple of that",
+            "x.shape",
+            tuple(x.shape),
+        )
     elements_dtype = None
     if keep_cast:  # the dtype quantize_block returns them in
         bf16_mx = format.is_mx and x.dtype is torch.bfloat16
         elements_dtype = torch.bfloat16 if bf16_mx else torch.float32
     spec = block_spec(format, scale_mode, dim, tile_2d, elements_dtype, dtype)
-    spec = spec._replace(stochastic=generator is not None)
-    draw = None if generator is None else random_draw(x.shape, generator, x.device)
+    spec = spec._replace(stochastic=generator is not None, hadamard=hadamard_signs is not None)
+    key = None if generator is None else rounding_key(generator, x.device)
     values, elements, scale_bits, tensor_scale = compiled_cast.run(
-        block_kernel, spec, x, None, draw
+        block_kernel, spec, x, None, key, hadamard_signs
     )
     cast = None
     if elements is not None:

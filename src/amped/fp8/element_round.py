@@ -14,6 +14,12 @@ several bfloat16 multiplies). So values are rounded in the compute dtype itself
   saturates (and keeps ties below it from rounding past it).
 - **stochastic**: ``floor(|v| / q + u) * q`` with ``u`` uniform in [0, 1): up with
   probability ``frac(|v| / q)`` (``|v| / q`` is exact: ``q`` is a power of two).
+  The draws ``u`` are not ``torch.rand``'s: :func:`hashed_uniform` makes them from a
+  counter-based hash of a key (two 32-bit numbers drawn once per cast from the
+  caller's generator, :func:`rounding_key`) and each element's row-major index, in
+  integer arithmetic, so a compiled cast computes them in its own loop, with the
+  eager bits (a ``torch.rand`` inside a compiled graph draws other numbers than
+  eagerly, and an eager draw costs a pass of its own).
 
 ``2 ** floor(log2 |v|)`` comes from three multiplies and a subtraction (:func:`_binade`),
 so the rounding compiles to straight vector code. Both are checked against torch's
@@ -29,11 +35,12 @@ import torch
 __all__ = [
     "ELEMENTS",
     "Element",
-    "random_draw",
+    "hashed_uniform",
     "round_nearest",
     "round_nearest_",
     "round_stochastic",
     "round_stochastic_",
+    "rounding_key",
 ]
 
 
@@ -105,16 +112,42 @@ def round_stochastic(v: torch.Tensor, element: Element, draw: torch.Tensor) -> t
     return steps * quantum  # back to v's sign (a zero keeps it too: 0 * -q = -0)
 
 
-def random_draw(
-    shape: torch.Size, generator: torch.Generator | None, device: torch.device
-) -> torch.Tensor:
-    """The uniform float32 draws :func:`round_stochastic` takes, from ``generator``."""
-    return torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (shift-xor-multiply rounds, after Wellons' "lowbias32")
+    of int64 values in [0, 2**32). The multipliers are below 2**31, so no product
+    leaves int64's range; shifts of non-negative values are logical."""
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & _MASK32
+    h = h ^ (h >> 15)
+    h = (h * 0x5BD1E995) & _MASK32
+    return h ^ (h >> 16)
+
+
+def rounding_key(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """The key of one stochastic cast: two numbers in [0, 2**32) (int64), drawn from
+    ``generator`` (advancing it; the default generator where None)."""
+    where = device if generator is None else generator.device
+    key = torch.randint(0, 1 << 32, (2,), generator=generator, dtype=torch.int64, device=where)
+    return key.to(device)
+
+
+def hashed_uniform(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Uniform float32 numbers in [0, 1), ``shape``, 24 random bits each: element ``i``
+    (row-major) gets ``hash(hash(i mod 2**32 ^ key[0]) ^ (i >> 32) ^ key[1])``'s top 24
+    bits. Pure integer arithmetic: the same bits eager and compiled, on every device."""
+    index = torch.arange(shape.numel(), dtype=torch.int64, device=key.device).view(shape)
+    h = _mix32((index & _MASK32) ^ key[0])
+    h = _mix32(h ^ (index >> 32) ^ key[1])
+    return (h >> 8).to(torch.float32) * 2.0**-24
 
 
 def round_stochastic_(
     v: torch.Tensor, element: Element, generator: torch.Generator | None
 ) -> torch.Tensor:
     """``v`` (float32) saturated and rounded stochastically to ``element`` values, in
-    place; one uniform draw per element from ``generator``."""
-    return v.copy_(round_stochastic(v, element, random_draw(v.shape, generator, v.device)))
+    place; the draws :func:`hashed_uniform` of a :func:`rounding_key` from ``generator``."""
+    draw = hashed_uniform(rounding_key(generator, v.device), v.shape)
+    return v.copy_(round_stochastic(v, element, draw))

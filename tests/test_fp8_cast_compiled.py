@@ -1,0 +1,86 @@
+"""The FP8 casts' compiled kernels against the same functions run eagerly, bitwise.
+
+:func:`amped.fp8.cast.amax_of` and :func:`amped.fp8.cast.cast_saturated` run compiled
+on a CPU (amped.fp8.compiled_cast); their eager run is the reference, held to torchao
+in turn by tests/test_fp8_torchao.py (a NaN's sign and payload excepted: see
+``_same``). Inputs span 40 binades and hold zeros, float32
+subnormals, values past the FP8 range after scaling, NaN and inf. Each compile takes
+seconds, so these tests are slow; the rest of the suite casts eagerly (conftest.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from amped.fp8 import compiled_cast
+from amped.fp8.cast import cast_saturated, quantize
+
+pytestmark = pytest.mark.compiled_casts
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SCALINGS = {  # name: (granularity, dim, power_of_2)
+    "tensorwise": ("tensorwise", -1, False),
+    "tensorwise-pow2": ("tensorwise", -1, True),
+    "rowwise": ("rowwise", -1, True),
+    "rowwise-dim0": ("rowwise", 0, True),
+}
+
+
+def _suite(shape, dtype, special, seed=0):
+    """Gaussian rows spanning 40 binades; a zero row, a subnormal one, and (``special``)
+    a NaN and an inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x *= torch.exp2(torch.randint(-20, 20, (shape[0], 1), generator=g).float())
+    x[0] = 0.0
+    x[1] *= 1e-39  # float32 subnormals (bfloat16 ones too)
+    if special:
+        x[5, 3] = float("nan")
+        x[7, 0] = float("-inf")
+    return x.to(dtype)
+
+
+def _same(a, b):
+    """Bitwise, except that a NaN equals any NaN: the sign and payload a NaN keeps through
+    a product differ between eager x86 code and Inductor's (torch promises neither)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.reshape(-1), b.reshape(-1)
+    nan_a, nan_b = torch.isnan(a.to(torch.float32)), torch.isnan(b.to(torch.float32))
+    bits_a = a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32)
+    bits_b = b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32)
+    return torch.equal(nan_a, nan_b) and torch.equal(bits_a[~nan_a], bits_b[~nan_b])
+
+
+def _eager(monkeypatch, function, *args, **kwargs):
+    with monkeypatch.context() as patch:
+        patch.setattr(compiled_cast, "compiles", lambda x: False)
+        return function(*args, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_compiled_quantize_is_the_eager_one_bitwise(fp8, scaling, special, monkeypatch):
+    granularity, dim, power_of_2 = SCALINGS[scaling]
+    x = _suite((64, 96), torch.bfloat16, special)
+    compiled = quantize(x, fp8, granularity, dim, power_of_2)
+    eager = _eager(monkeypatch, quantize, x, fp8, granularity, dim, power_of_2)
+    assert _same(compiled.data, eager.data)
+    assert _same(compiled.scale, eager.scale)
+    if not special:
+        assert compiled.data.to(torch.float32).abs().max() > 0  # a real cast, not zeros
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
+def test_compiled_float32_cast_with_a_given_scale_saturates_as_eager(special, monkeypatch):
+    """The delayed-scaling path: a scale from history, so values past the range saturate."""
+    x = _suite((48, 80), torch.float32, special, seed=1)
+    scale = torch.tensor(2.0**10)  # most of the suite lands past e4m3's 448
+    compiled = cast_saturated(x, scale, E4M3)
+    eager = _eager(monkeypatch, cast_saturated, x, scale, E4M3)
+    assert _same(compiled, eager)
+    assert (compiled.to(torch.float32).abs() == 448).any()  # saturated, not NaN

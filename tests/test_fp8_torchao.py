@@ -14,8 +14,9 @@ products of FP8 values but sums them in float32 in another order (oneDNN's bfloa
 GEMM) and scales the float32 sums: not bitwise by design, so those cases are held to
 the issue's bar for differing summation order, SQNR >= 40 dB. Measured: 80-112 dB
 for tensorwise bfloat16 outputs and gradients (one bfloat16 rounding landing
-differently), 130-139 dB for float32 ones; the rowwise cases came out bitwise here. The FP8 casts feeding the GEMMs are torchao's bit for
-bit in every case (the ``_scaled_mm`` cases above take the same casts).
+differently), 130-139 dB for float32 ones; the rowwise cases came out bitwise here.
+The FP8 casts feeding the GEMMs are torchao's bit for bit in every case (the
+``_scaled_mm`` cases above take the same casts).
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ def amax_of(
     Computed in ``x``'s own dtype: the maximum of magnitudes is exact in any dtype.
     """
     check_granularity(granularity)
-    return compiled_cast.run(_amax_kernel, (granularity, dim), x)  # type: ignore[no-any-return]
+    return compiled_cast.run(_amax_kernel, (granularity, dim), x)
 
 
 def _amax_kernel(spec: tuple[Granularity, int], x: torch.Tensor) -> torch.Tensor:
@@ -136,7 +136,7 @@ def cast_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     largest finite one gives NaN on older torch, and e5m2 would give inf.
     """
     check_fp8_dtype(dtype)
-    return compiled_cast.run(_cast_kernel, dtype, x, scale)  # type: ignore[no-any-return]
+    return compiled_cast.run(_cast_kernel, dtype, x, scale)
 
 
 def _cast_kernel(dtype: torch.dtype, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -134,7 +134,7 @@ def _values_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     a32, b32 = a.to(torch.float32), b.to(torch.float32)
     if a.device.type != "cpu" or torch.compiler.is_compiling():
         return a32 @ b32
-    matmul = torch.backends.mkldnn.matmul
+    matmul = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # set at import
     previous = matmul.fp32_precision
     matmul.fp32_precision = "bf16"
     try:

@@ -15,6 +15,7 @@ import torch
 
 from amped.fp8 import compiled_cast
 from amped.fp8.cast import cast_saturated, quantize
+from amped.fp8.gemm import scaled_mm
 
 pytestmark = pytest.mark.compiled_casts
 
@@ -48,8 +49,8 @@ def _same(a, b):
         return False
     a, b = a.reshape(-1), b.reshape(-1)
     nan_a, nan_b = torch.isnan(a.to(torch.float32)), torch.isnan(b.to(torch.float32))
-    bits_a = a.view(torch.uint8) if a.element_size() == 1 else a.view(torch.int32)
-    bits_b = b.view(torch.uint8) if b.element_size() == 1 else b.view(torch.int32)
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    bits_a, bits_b = a.view(ints[a.element_size()]), b.view(ints[b.element_size()])
     return torch.equal(nan_a, nan_b) and torch.equal(bits_a[~nan_a], bits_b[~nan_b])
 
 
@@ -84,3 +85,19 @@ def test_compiled_float32_cast_with_a_given_scale_saturates_as_eager(special, mo
     eager = _eager(monkeypatch, cast_saturated, x, scale, E4M3)
     assert _same(compiled, eager)
     assert (compiled.to(torch.float32).abs() == 448).any()  # saturated, not NaN
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_compiled_emulated_gemm_is_the_eager_one_bitwise(granularity, out_dtype, monkeypatch):
+    """The emulated GEMM's compiled pieces (FP8 values to float32, the scaled result
+    rounded to the output dtype) around the same matmul: the eager bits."""
+    x = _suite((64, 96), torch.float32, special=False, seed=2)
+    a = quantize(x, E4M3, granularity, power_of_2=granularity == "rowwise")
+    b = quantize(x[:48], E5M2, granularity, power_of_2=granularity == "rowwise").t()
+    compiled = scaled_mm(a, b, out_dtype, emulate=True)
+    eager = _eager(monkeypatch, scaled_mm, a, b, out_dtype, emulate=True)
+    assert compiled.dtype is out_dtype
+    assert _same(compiled, eager)
+    assert compiled.abs().max() > 0

@@ -77,22 +77,52 @@ def _operands(a_rows, b_cols, dtype_a=E4M3):
     return a, b
 
 
-@pytest.mark.parametrize(
-    "a_rows,b_cols", [(False, False), (True, True), (True, False), (False, True)]
-)
+PAIRS = [(False, False), (True, True), (True, False), (False, True)]
+PAIR_IDS = ["tensorwise", "rowwise", "rowwise-tensorwise", "tensorwise-rowwise"]
+# The emulation against torch's CPU _scaled_mm: the same exact products, float32 sums in
+# another order, the scales applied after the sums (the kernel: before, or on dequantized
+# operands). Measured (K = 64): 110-136 dB where they differ, bitwise in the other cases;
+# the issue's bar where summation differs by design is 40 dB.
+SUMMATION_ORDER_DB = 40.0
+
+
+@pytest.mark.parametrize("a_rows,b_cols", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_emulation_equals_scaled_mm(a_rows, b_cols, out_dtype):
-    """Bitwise where torch's CPU kernel dequantizes and multiplies in float32 (everything
-    but e4m3 x e4m3 tensorwise to float32, which AMX CPUs send to oneDNN)."""
+def test_emulation_matches_scaled_mm_up_to_summation_order(a_rows, b_cols, out_dtype):
     if (a_rows or b_cols) and not cpu_scaled_mm_takes_rowwise():
         pytest.skip(ROWWISE_CPU)
     a, b = _operands(a_rows, b_cols, E5M2 if not (a_rows or b_cols) else E4M3)
     real = scaled_mm(a, b, out_dtype)
     emulated = scaled_mm(a, b, out_dtype, emulate=True)
     assert real.dtype == emulated.dtype == out_dtype
-    assert torch.equal(real, emulated)
+    assert sqnr(real, emulated) >= SUMMATION_ORDER_DB
     exact = (a.dequantize().double() @ b.dequantize().double()).to(out_dtype)
     assert sqnr(exact, real) > 40  # one rounding of the output dominates
+
+
+@pytest.mark.parametrize("a_rows,b_cols", PAIRS, ids=PAIR_IDS)
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("k", [64, 2048], ids=["k64", "k2048"])
+def test_emulation_is_the_exact_product_within_float32_accumulation(a_rows, b_cols, out_dtype, k):
+    """Every product of FP8 values is exact; only the float32 sums (at most K - 1
+    roundings of u = 2**-24 each, relative to the sum of magnitudes), the two scale
+    products (u each) and the output's rounding (half an ulp: 2**-8 bfloat16, 2**-24
+    float32; rowwise rounds to bfloat16 as torch's kernels do) may move the result off
+    the float64 product of the FP8 values."""
+    torch.manual_seed(0)
+    a = quantize(torch.randn(48, k) * 3, E4M3, "rowwise" if a_rows else "tensorwise")
+    b = quantize(torch.randn(32, k), E5M2, "rowwise" if b_cols else "tensorwise").t()
+    out = scaled_mm(a, b, out_dtype, emulate=True).double()
+    inv = a.scale.double().reciprocal() * b.scale.double().reciprocal()
+    values_a, values_b = a.data.double(), b.data.double()
+    exact = (values_a @ values_b) * inv
+    magnitudes = (values_a.abs() @ values_b.abs()) * inv
+    u = 2.0**-24
+    rowwise = a_rows or b_cols
+    half_ulp = 2.0**-8 if out_dtype is torch.bfloat16 or rowwise else u
+    bound = (k + 2) * u * magnitudes * (1 + half_ulp) + half_ulp * exact.abs()
+    assert ((out - exact).abs() <= bound).all()
+    assert (out != 0).any()
 
 
 def test_operand_layouts_do_not_change_the_result():

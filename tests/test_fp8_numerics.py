@@ -54,8 +54,8 @@ def test_ffn_output_and_weight_grads_keep_20db(scaling):
 
 
 def test_oneDNN_tensorwise_fp32_gemm_differs_from_emulation_by_summation_order_only():
-    """e4m3 x e4m3 tensorwise to float32 is the one case this CPU's ``_scaled_mm`` is not
-    bitwise its emulation (oneDNN sums in another order): float32 reordering, > 100 dB."""
+    """e4m3 x e4m3 tensorwise to float32: this CPU's ``_scaled_mm`` (oneDNN) and the
+    emulation sum the same exact products in another order: float32 reordering, > 100 dB."""
     torch.manual_seed(0)
     a = quantize(torch.randn(64, 256), torch.float8_e4m3fn)
     b = quantize(torch.randn(128, 256), torch.float8_e4m3fn).t()

@@ -1,16 +1,22 @@
 """Differential against torchao 0.18's float8 training (``convert_to_float8_training``),
-which runs on CPU through the same ``torch._scaled_mm``: same layer, weights and inputs;
-output and all three gradients compared bitwise.
+which runs on CPU through torch's CPU ``torch._scaled_mm``: same layer, weights and
+inputs; output and all three gradients compared.
 
-Why bitwise holds: both compute the scale as ``float32(fp8_max / float64(amax))`` (a
-power of two below it for rowwise), saturate then cast, and call ``_scaled_mm`` with the
+With amped's layers calling the same ``_scaled_mm`` (``emulate=False``) the results are
+bitwise equal: both compute the scale as ``float32(fp8_max / float64(amax))`` (a power
+of two below it for rowwise), saturate then cast, and call ``_scaled_mm`` with the
 reciprocal scales; torchao's rowwise grad GEMMs multiply the scales in after a bfloat16
 GEMM, ours pass them to the GEMM, which is the same number because rowwise scales are
-powers of two (exact in any binary float). The one place the results are not bitwise
-is amped's *emulated* GEMM against torchao's real one for a float32 tensorwise output:
-this CPU (AMX-INT8) runs e4m3 x e4m3 tensorwise GEMMs through oneDNN, which sums in
-another order than the float32 matmul of the emulation; SQNR >= 40 dB there, measured
-about 140 dB (a few float32 ulps).
+powers of two (exact in any binary float).
+
+amped's emulated GEMM (the CPU default: amped.fp8.gemm) computes the same exact
+products of FP8 values but sums them in float32 in another order (oneDNN's bfloat16
+GEMM) and scales the float32 sums: not bitwise by design, so those cases are held to
+the issue's bar for differing summation order, SQNR >= 40 dB. Measured: 80-112 dB
+for tensorwise bfloat16 outputs and gradients (one bfloat16 rounding landing
+differently), 130-139 dB for float32 ones; the rowwise cases came out bitwise here.
+The FP8 casts feeding the GEMMs are torchao's bit for bit in every case (the
+``_scaled_mm`` cases above take the same casts).
 """
 
 from __future__ import annotations
@@ -56,8 +62,7 @@ def test_linear_matches_torchao(scaling, dtype, emulate):
     convert_to_fp8(ours, FP8_CONFIGS[scaling], ["0"], emulate=emulate)
     x = torch.randn(2, 16, 128, dtype=dtype) * 3
     grad = torch.randn(2, 16, 256, dtype=dtype) * 1e-3
-    oneDNN_summation = emulate and dtype is torch.float32 and scaling == "tensorwise"
-    _compare(_run(ours, x, grad), _run(theirs, x, grad), bitwise=not oneDNN_summation)
+    _compare(_run(ours, x, grad), _run(theirs, x, grad), bitwise=not emulate)
 
 
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
@@ -79,7 +84,7 @@ def test_frozen_input_and_weight_skip_their_gemms_and_keep_the_rest_bitwise():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     theirs = torchao_convert(model, "tensorwise")
     ours = copy.deepcopy(model)
-    convert_to_fp8(ours, FP8_CONFIGS["tensorwise"], ["0"])
+    convert_to_fp8(ours, FP8_CONFIGS["tensorwise"], ["0"], emulate=False)
     x = torch.randn(8, 64, dtype=torch.bfloat16)  # no grad: grad_input GEMM skipped
     for m in (ours, theirs):
         m(x).float().sum().backward()

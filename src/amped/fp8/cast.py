@@ -15,6 +15,13 @@ binary floating point, so only the FP8 rounding itself loses information.
 
 Tensorwise scaling uses one scale per tensor; rowwise one per row (or column) of a
 2-D operand, the scale tensor keeping the reduced dim as size 1.
+
+The two passes over a whole tensor, its amax and the saturating cast, run as compiled
+kernels on a CPU (:func:`amped.fp8.compiled_cast.run`: one fused loop each instead of
+two and four eager ones; eager for tensors under its ``MIN_ELEMENTS``), the same
+functions giving the same bits eagerly (tests/test_fp8_compiled_cast.py): a maximum
+is exact in any order, and the cast is one float32 product, a clamp and one rounding.
+The scale itself, one number per tensor or row, is computed eagerly.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from typing import Literal, NamedTuple
 import torch
 
 from amped._internal.errors import value_error
+from amped.fp8 import compiled_cast
 
 __all__ = [
     "EPS",
@@ -89,6 +97,11 @@ def amax_of(
     Computed in ``x``'s own dtype: the maximum of magnitudes is exact in any dtype.
     """
     check_granularity(granularity)
+    return compiled_cast.run(_amax_kernel, (granularity, dim), x)
+
+
+def _amax_kernel(spec: tuple[Granularity, int], x: torch.Tensor) -> torch.Tensor:
+    granularity, dim = spec
     if granularity == "tensorwise":
         return x.abs().max()
     return x.abs().amax(dim=dim, keepdim=True)
@@ -123,6 +136,10 @@ def cast_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     largest finite one gives NaN on older torch, and e5m2 would give inf.
     """
     check_fp8_dtype(dtype)
+    return compiled_cast.run(_cast_kernel, dtype, x, scale)
+
+
+def _cast_kernel(dtype: torch.dtype, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     fp8_max = torch.finfo(dtype).max
     return (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(dtype)
 

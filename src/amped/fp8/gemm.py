@@ -9,12 +9,19 @@ vector first. Rowwise kernels write bfloat16 only: a float32 or float16 result i
 computed in bfloat16 and then converted, on every path, so that emulation and
 hardware round the same way.
 
-The emulation dequantizes both operands to float32 (``data * inverse_scale``), runs
-a float32 matmul and rounds the result to ``out_dtype`` once. Every product of two
-FP8 values and every product with a power-of-two scale is exact in float32, so the
-emulation and a kernel differ only where their float32 *sums* are taken in another
-order (or, with ``use_fast_accum`` on Hopper GPUs, with a narrower accumulator):
-see docs/fp8.md for where that shows.
+The emulation (every CPU) multiplies the FP8 *values* and applies the scales to the
+float32 result: ``(float32(a.data) @ float32(b.data)) * inv_a * inv_b``, rounded to
+``out_dtype`` once. The matmul runs in oneDNN's bfloat16 math mode
+(``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, set around that call only):
+oneDNN converts its float32 inputs to bfloat16, which is exact for FP8 values (e4m3
+and e5m2 have at most 3 mantissa bits), multiplies them exactly and accumulates in
+float32, at about twice the cost of a bfloat16 GEMM and under half that of a float32
+one on an AMX CPU (docs/history/fp8-speed.md). A CPU without bfloat16 units runs the
+same call as an ordinary float32 matmul: the same exact products. So every product is
+exact and the result differs from an FP8 kernel's (torch's CPU ``_scaled_mm``, which
+torchao calls, or a GPU's) only in the order its float32 sums are taken and in where
+the scales are applied; tests/test_fp8_torchao.py holds it to 40 dB of SQNR against
+torchao and to the float32-accumulation bound of the exact float64 product.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import functools
 import torch
 
 from amped._internal import torch_compat
+from amped.fp8 import compiled_cast
 from amped.fp8.cast import Fp8Tensor
 
 __all__ = ["has_scaled_mm", "pad_inner", "scaled_mm"]
@@ -86,7 +94,8 @@ def scaled_mm(
         a: ``[M, K]`` FP8 operand, tensorwise (scalar scale) or rowwise (``[M, 1]``).
         b: ``[K, N]`` FP8 operand, tensorwise or column-wise (``[1, N]``).
         out_dtype: float32, bfloat16 or float16.
-        emulate: dequantize and multiply in float32 instead of calling ``_scaled_mm``.
+        emulate: multiply the FP8 values exactly with float32 sums and scale the result
+            (see the module) instead of calling ``_scaled_mm``.
         use_fast_accum: let the kernel accumulate in reduced precision (Hopper's
             fast-accumulation mode; ignored on CPU and by the emulation).
     """
@@ -94,8 +103,8 @@ def scaled_mm(
     rowwise = inv_a.dim() == 2
     gemm_dtype = torch.bfloat16 if rowwise else out_dtype
     if emulate:
-        out = (a.data.to(torch.float32) * inv_a) @ (b.data.to(torch.float32) * inv_b)
-        out = out.to(gemm_dtype)
+        out = _values_mm(a.data, b.data)
+        out = compiled_cast.run(_scale_result, gemm_dtype, out, inv_a, inv_b)
     else:
         if (
             a.data.device.type == "cpu"
@@ -113,3 +122,38 @@ def scaled_mm(
         b_data = b.data if b.data.t().is_contiguous() else b.data.t().contiguous().t()
         out = torch_compat.scaled_mm(a_data, b_data, inv_a, inv_b, gemm_dtype, use_fast_accum)
     return out if out.dtype is out_dtype else out.to(out_dtype)
+
+
+def _values_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two FP8 tensors' values: exact products, float32 sums, float32 result.
+
+    On a CPU the float32 matmul runs in oneDNN's bfloat16 math mode, set for this call
+    only (a global flag of torch's: another thread's float32 matmul running at this
+    very moment would also get it); the bfloat16 conversion is exact for FP8 values.
+    Inside a ``torch.compile`` trace (where the flag cannot be set) and off CPU it is a
+    plain float32 matmul: the same exact products, summed by another kernel.
+    """
+    a32 = compiled_cast.run(_to_float32, None, a)
+    b32 = compiled_cast.run(_to_float32, None, b)
+    if a.device.type != "cpu" or torch.compiler.is_compiling():
+        return a32 @ b32
+    matmul = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # set at import
+    previous = matmul.fp32_precision
+    matmul.fp32_precision = "bf16"
+    try:
+        return a32 @ b32
+    finally:
+        matmul.fp32_precision = previous
+
+
+def _to_float32(spec: None, x: torch.Tensor) -> torch.Tensor:
+    """FP8 values in float32 (exact). Compiled on a CPU (amped.fp8.compiled_cast): torch's
+    eager FP8 conversion is scalar code, some 15 ns an element."""
+    return x.to(torch.float32)
+
+
+def _scale_result(
+    dtype: torch.dtype, out: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor
+) -> torch.Tensor:
+    """``out * inv_a * inv_b`` (two float32 roundings) rounded to ``dtype``: one pass."""
+    return (out * inv_a * inv_b).to(dtype)

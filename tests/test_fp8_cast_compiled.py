@@ -1,0 +1,126 @@
+"""The FP8 casts' compiled kernels against the same functions run eagerly, bitwise.
+
+:func:`amped.fp8.cast.amax_of` and :func:`amped.fp8.cast.cast_saturated` run compiled
+on a CPU (amped.fp8.compiled_cast); their eager run is the reference, held to torchao
+in turn by tests/test_fp8_torchao.py (a NaN's sign and payload excepted: see
+``_same``). Inputs span 40 binades and hold zeros, float32
+subnormals, values past the FP8 range after scaling, NaN and inf. Each compile takes
+seconds, so these tests are slow; the rest of the suite casts eagerly (conftest.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from amped.fp8 import FP8_CONFIGS, compiled_cast, convert_to_fp8
+from amped.fp8.cast import cast_saturated, quantize
+from amped.fp8.gemm import scaled_mm
+
+pytestmark = pytest.mark.compiled_casts
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+SCALINGS = {  # name: (granularity, dim, power_of_2)
+    "tensorwise": ("tensorwise", -1, False),
+    "tensorwise-pow2": ("tensorwise", -1, True),
+    "rowwise": ("rowwise", -1, True),
+    "rowwise-dim0": ("rowwise", 0, True),
+}
+
+
+def _suite(shape, dtype, special, seed=0):
+    """Gaussian rows spanning 40 binades; a zero row, a subnormal one, and (``special``)
+    a NaN and an inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    x *= torch.exp2(torch.randint(-20, 20, (shape[0], 1), generator=g).float())
+    x[0] = 0.0
+    x[1] *= 1e-39  # float32 subnormals (bfloat16 ones too)
+    if special:
+        x[5, 3] = float("nan")
+        x[7, 0] = float("-inf")
+    return x.to(dtype)
+
+
+def _same(a, b):
+    """Bitwise, except that a NaN equals any NaN: the sign and payload a NaN keeps through
+    a product differ between eager x86 code and Inductor's (torch promises neither)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    a, b = a.reshape(-1), b.reshape(-1)
+    nan_a, nan_b = torch.isnan(a.to(torch.float32)), torch.isnan(b.to(torch.float32))
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    bits_a, bits_b = a.view(ints[a.element_size()]), b.view(ints[b.element_size()])
+    return torch.equal(nan_a, nan_b) and torch.equal(bits_a[~nan_a], bits_b[~nan_b])
+
+
+def _eager(monkeypatch, function, *args, **kwargs):
+    with monkeypatch.context() as patch:
+        patch.setattr(compiled_cast, "compiles", lambda x: False)
+        return function(*args, **kwargs)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
+@pytest.mark.parametrize("scaling", list(SCALINGS))
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_compiled_quantize_is_the_eager_one_bitwise(fp8, scaling, special, monkeypatch):
+    granularity, dim, power_of_2 = SCALINGS[scaling]
+    x = _suite((64, 96), torch.bfloat16, special)
+    compiled = quantize(x, fp8, granularity, dim, power_of_2)
+    eager = _eager(monkeypatch, quantize, x, fp8, granularity, dim, power_of_2)
+    assert _same(compiled.data, eager.data)
+    assert _same(compiled.scale, eager.scale)
+    if not special:
+        assert compiled.data.to(torch.float32).abs().max() > 0  # a real cast, not zeros
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
+def test_compiled_float32_cast_with_a_given_scale_saturates_as_eager(special, monkeypatch):
+    """The delayed-scaling path: a scale from history, so values past the range saturate."""
+    x = _suite((48, 80), torch.float32, special, seed=1)
+    scale = torch.tensor(2.0**10)  # most of the suite lands past e4m3's 448
+    compiled = cast_saturated(x, scale, E4M3)
+    eager = _eager(monkeypatch, cast_saturated, x, scale, E4M3)
+    assert _same(compiled, eager)
+    assert (compiled.to(torch.float32).abs() == 448).any()  # saturated, not NaN
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_compiled_emulated_gemm_is_the_eager_one_bitwise(granularity, out_dtype, monkeypatch):
+    """The emulated GEMM's compiled pieces (FP8 values to float32, the scaled result
+    rounded to the output dtype) around the same matmul: the eager bits."""
+    x = _suite((64, 96), torch.float32, special=False, seed=2)
+    a = quantize(x, E4M3, granularity, power_of_2=granularity == "rowwise")
+    b = quantize(x[:48], E5M2, granularity, power_of_2=granularity == "rowwise").t()
+    compiled = scaled_mm(a, b, out_dtype, emulate=True)
+    eager = _eager(monkeypatch, scaled_mm, a, b, out_dtype, emulate=True)
+    assert compiled.dtype is out_dtype
+    assert _same(compiled, eager)
+    assert compiled.abs().max() > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
+def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(recipe, monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    x = torch.randn(48, 64)
+    results = []
+    for compiled in (True, False):
+        ours = copy.deepcopy(model)
+        convert_to_fp8(ours, FP8_CONFIGS[recipe], module_filter=lambda m, n: True)
+        with monkeypatch.context() as patch:
+            if not compiled:
+                patch.setattr(compiled_cast, "compiles", lambda x: False)
+            with torch.autocast("cpu", torch.bfloat16):
+                out = ours(x)
+            out.float().pow(2).mean().backward()
+        results.append([out, *(p.grad for p in ours.parameters())])
+    for a, b in zip(*results, strict=True):
+        assert _same(a, b)

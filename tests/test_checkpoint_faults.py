@@ -280,6 +280,7 @@ except OSError as error:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(sys.platform == "win32", reason="RLIMIT_FSIZE is POSIX")
 def test_file_size_limit_raises_efbig_and_keeps_the_old_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "run.pt"

@@ -72,6 +72,7 @@ def test_systemexit_from_doctor_factory_exits_2(capsys, tmp_path):
 # --- diverged runs and bytes/param ------------------------------------------------
 
 
+@pytest.mark.slow
 def test_nan_from_step_one_is_flagged_with_exit_3(capsys, tmp_path):
     out = tmp_path / "out"
     args = [*TINY, "--model", f"{FACTORIES}:nan_loss", "--recipes", "fp32,bf16", "--steps", "4"]
@@ -90,6 +91,7 @@ def test_nan_from_step_one_is_flagged_with_exit_3(capsys, tmp_path):
     assert "DIVERGED" in page and "fp32 diverged: its loss is inf/NaN from step 1" in page
 
 
+@pytest.mark.slow
 def test_healthy_run_is_not_diverged(capsys, tmp_path):
     args = [*TINY, "--recipes", "fp32", "--steps", "3", "--json", "--out", str(tmp_path)]
     assert main(["compare", *args]) == 0
@@ -97,6 +99,7 @@ def test_healthy_run_is_not_diverged(capsys, tmp_path):
     assert recipe["diverged"] is False and recipe["diverged_at_step"] is None
 
 
+@pytest.mark.slow
 def test_bytes_per_param_counts_optimizer_state_when_first_steps_are_skipped(capsys, tmp_path):
     spec = f"{FACTORIES}:overflows_first"
     args = [*TINY, "--model", spec, "--recipes", "fp32,fp16", "--steps", "14", "--json"]
@@ -131,6 +134,7 @@ def test_symlink_planted_at_the_temporary_name_is_not_followed(tmp_path, monkeyp
     assert (out / ".results.json.guessed.tmp").is_symlink()  # left as it was found
 
 
+@pytest.mark.slow
 def test_write_error_keeps_the_old_pair_and_no_temporaries(capsys, tmp_path, monkeypatch):
     out = tmp_path / "out"
     old_pair(out)

@@ -72,6 +72,7 @@ def test_bad_out_is_one_line_exit_2(capsys, monkeypatch, tmp_path, command, out,
     assert os.listdir(tmp_path) == []  # nothing written, not even into the current folder
 
 
+@pytest.mark.slow
 def test_a_name_too_long_in_a_subprocess_is_one_line_exit_2(tmp_path):
     result = _amped("compare", "--out", "n" * 256, *TINY, cwd=tmp_path)
     assert "is 256 bytes long" in _usage_line(result)
@@ -164,6 +165,7 @@ def _writer(out: str, tag: str, barrier) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_fifty_simultaneous_writer_pairs_end_consistent(tmp_path):
     context = multiprocessing.get_context("fork")
     outcomes = []
@@ -198,6 +200,7 @@ def test_the_launcher_imports_no_torch():
     "delay",
     [0.2, pytest.param(0.6, marks=pytest.mark.slow), pytest.param(1.2, marks=pytest.mark.slow)],
 )
+@pytest.mark.slow
 def test_sigterm_while_torch_is_imported_is_one_line_and_143(tmp_path, delay):
     """The handler is in before the imports (measured window: docs/robustness.md), and
     the signal is held until they finish: one raised inside a third-party import was

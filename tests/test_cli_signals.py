@@ -127,6 +127,7 @@ def test_sigterm_and_sigint_at_random_moments(tmp_path):
     assert outcomes.count("finished") <= 4, outcomes  # most landed mid-run
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_the_report_renders_still_writes_it(capsys, tmp_path, monkeypatch, signum):
     """In process: Ctrl-C or SIGTERM arrives while report.html renders; the pair is

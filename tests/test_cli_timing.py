@@ -213,6 +213,7 @@ def every_recipe(tmp_path_factory) -> dict:
     return json.loads(stdout.getvalue())
 
 
+@pytest.mark.slow
 def test_tables_fit_80_columns_with_one_line_per_recipe(every_recipe):
     console = Console(width=80, record=True, file=io.StringIO(), color_system=None)
     print_summary(every_recipe, (), console)

@@ -87,6 +87,7 @@ def test_every_doc_is_found():
     assert "README.md" in names and "docs/results-schema.md" in names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_python_blocks_run(path, tmp_path):
     run, skipped = _python(path)

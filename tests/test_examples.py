@@ -13,6 +13,7 @@ import torch
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
+@pytest.mark.slow
 def test_tutorial_autocast_example_prints_what_the_tutorial_shows():
     out = subprocess.run(
         [sys.executable, str(EXAMPLES / "tutorial_autocast.py")],

@@ -146,6 +146,7 @@ def test_public_callables_have_docstrings():
             assert obj.__doc__ and obj.__doc__.strip(), f"{name} has no docstring"
 
 
+@pytest.mark.slow
 def test_import_does_not_load_cli_dependencies():
     code = "import sys, amped; print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

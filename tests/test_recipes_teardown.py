@@ -80,6 +80,7 @@ def test_teardown_of_bf16_pure_gives_float32_weights_with_compensation():
     assert not model._forward_pre_hooks
 
 
+@pytest.mark.slow
 def test_importing_amped_imports_no_framework():
     code = (
         "import sys, amped, amped.integrations.common, amped.integrations.driver; "

@@ -39,7 +39,7 @@ from amped.fp8.block_config import BlockConfig
 from amped.fp8.block_format import BLOCK_FORMATS, BlockFormat
 from amped.fp8.block_operand import BlockOperand
 from amped.fp8.e2m1 import unpack_e2m1
-from amped.fp8.fsdp_wire import global_amax
+from amped.fp8.fsdp_wire import first_gathered, global_amax, in_param_dtype
 
 __all__ = ["BlockWireShard", "GatheredBlockWeight", "block_wire_refusal", "gathered_block"]
 
@@ -96,8 +96,7 @@ class BlockWireShard(torch.Tensor):
         (uint8, ``[rows / 16, in / 16]``)."""
         layer: Any = module  # a BlockLinear (not imported: it imports this module)
         fmt: BlockFormat = layer.block_config.format
-        param_dtype = getattr(mp_policy, "param_dtype", None)
-        shard = self if param_dtype in (None, self.dtype) else self.to(param_dtype)
+        shard = in_param_dtype(self, mp_policy)
         tensor_scale = nvfp4_tensor_scale(global_amax(shard, mesh.get_group()))
         cast = quantize_block(shard, fmt, tensor_scale=tensor_scale, tile_2d=True)
         packed = cast.data.view(torch.uint8)
@@ -118,13 +117,7 @@ class BlockWireShard(torch.Tensor):
         packed, tiles = all_gather_outputs
         tensor_scale, fmt = metadata
         if out is not None:
-            if not isinstance(out, GatheredBlockWeight):
-                raise TypeError(
-                    "FSDP2 passed an unsharded weight that is not the GatheredBlockWeight "
-                    "made at its first all-gather; reshard the model and call "
-                    "amped.prepare again. " + f"Received: type(out)={type(out).__name__}"
-                )
-            out.tensor_scale = tensor_scale
+            first_gathered(out, GatheredBlockWeight).tensor_scale = tensor_scale
             return None
         weight = GatheredBlockWeight(packed, tiles, tensor_scale, fmt, param_dtype)
         return weight, (packed, tiles)

@@ -40,7 +40,15 @@ from amped._internal.trees import map_tensors
 from amped.fp8.cast import Fp8Tensor, amax_to_scale, cast_saturated
 from amped.fp8.config import Fp8Config
 
-__all__ = ["GatheredFp8Weight", "WireShard", "gathered_fp8", "global_amax", "wire_refusal"]
+__all__ = [
+    "GatheredFp8Weight",
+    "WireShard",
+    "first_gathered",
+    "gathered_fp8",
+    "global_amax",
+    "in_param_dtype",
+    "wire_refusal",
+]
 
 _WEIGHT = 1  # amped.fp8.delayed.WEIGHT (not imported: delayed imports nothing of ours)
 
@@ -78,6 +86,23 @@ def global_amax(shard: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     return torch.where(both[1] > 0, torch.nan, both[0])
 
 
+def in_param_dtype(shard: torch.Tensor, mp_policy: Any) -> torch.Tensor:
+    """``shard`` as the layer would cast it: in a MixedPrecisionPolicy's ``param_dtype``."""
+    param_dtype = getattr(mp_policy, "param_dtype", None)
+    return shard if param_dtype in (None, shard.dtype) else shard.to(param_dtype)
+
+
+def first_gathered(out: torch.Tensor, kind: type[torch.Tensor]) -> Any:
+    """``out``, the weight a wire made at its first all-gather, which FSDP2 refills."""
+    if not isinstance(out, kind):
+        raise TypeError(
+            f"FSDP2 passed an unsharded weight that is not the {kind.__name__} made at its "
+            "first all-gather; reshard the model and call amped.prepare again. "
+            f"Received: type(out)={type(out).__name__}"
+        )
+    return out
+
+
 class WireShard(torch.Tensor):
     """A sharded Float8Linear weight's local tensor that all-gathers itself in FP8.
 
@@ -102,9 +127,7 @@ class WireShard(torch.Tensor):
         layer: Any = module  # a Float8Linear (not imported: it imports this module)
         config: Fp8Config = layer.fp8_config
         dtype = config.weight.dtype
-        # Under a MixedPrecisionPolicy the layer would have cast the weight in param_dtype.
-        param_dtype = getattr(mp_policy, "param_dtype", None)
-        shard = self if param_dtype in (None, self.dtype) else self.to(param_dtype)
+        shard = in_param_dtype(self, mp_policy)
         amax = global_amax(shard, mesh.get_group())
         if config.delayed is None:
             scale = amax_to_scale(amax, dtype, config.power_of_2)
@@ -129,13 +152,7 @@ class WireShard(torch.Tensor):
         (wire,) = all_gather_outputs
         scale, dtype = metadata
         if out is not None:
-            if not isinstance(out, GatheredFp8Weight):
-                raise TypeError(
-                    "FSDP2 passed an unsharded weight that is not the GatheredFp8Weight "
-                    "made at its first all-gather; reshard the model and call "
-                    "amped.prepare again. " + f"Received: type(out)={type(out).__name__}"
-                )
-            out.fp8_scale = scale
+            first_gathered(out, GatheredFp8Weight).fp8_scale = scale
             return None
         return GatheredFp8Weight(wire.view(dtype), scale, param_dtype), (wire,)
 

@@ -6,16 +6,16 @@ in turn by tests/test_fp8_torchao.py (a NaN's sign and payload excepted: see
 ``_same``). Inputs span 40 binades and hold zeros, float32
 subnormals, values past the FP8 range after scaling, NaN and inf. Each compile takes
 seconds, so these tests are slow; the rest of the suite casts eagerly (conftest.py).
+A whole training step of each FP8 recipe, compiled against eager, is in
+tests/test_fp8_compiled_cast.py beside the block recipes' step.
 """
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
-from amped.fp8 import FP8_CONFIGS, compiled_cast, convert_to_fp8
+from amped.fp8 import compiled_cast
 from amped.fp8.cast import cast_saturated, quantize
 from amped.fp8.gemm import scaled_mm
 
@@ -103,24 +103,3 @@ def test_compiled_emulated_gemm_is_the_eager_one_bitwise(granularity, out_dtype,
     assert compiled.dtype is out_dtype
     assert _same(compiled, eager)
     assert compiled.abs().max() > 0
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "delayed"])
-def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(recipe, monkeypatch):
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
-    x = torch.randn(48, 64)
-    results = []
-    for compiled in (True, False):
-        ours = copy.deepcopy(model)
-        convert_to_fp8(ours, FP8_CONFIGS[recipe], module_filter=lambda m, n: True)
-        with monkeypatch.context() as patch:
-            if not compiled:
-                patch.setattr(compiled_cast, "compiles", lambda x: False)
-            with torch.autocast("cpu", torch.bfloat16):
-                out = ours(x)
-            out.float().pow(2).mean().backward()
-        results.append([out, *(p.grad for p in ours.parameters())])
-    for a, b in zip(*results, strict=True):
-        assert _same(a, b)

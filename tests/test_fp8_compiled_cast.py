@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from amped.autocast_mode import current_path
-from amped.fp8 import BLOCK_CONFIGS, compiled_cast, convert_to_fp8
+from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, compiled_cast, convert_to_fp8
 from amped.fp8.block_cast import quantize_block
 from amped.fp8.block_format import BLOCK_FORMATS
 from amped.fp8.block_operand import block_operand
@@ -144,16 +144,24 @@ def test_hadamard_rotated_cast_compiled_is_the_eager_one_and_the_rotated_cast(sp
         assert not torch.equal(compiled.values, block_operand(x, fmt, dim=0).values)
 
 
+def _convert_every_layer(model: torch.nn.Module, recipe: str) -> None:
+    if recipe in BLOCK_CONFIGS:
+        convert_to_fp8(model, BLOCK_CONFIGS[recipe].replace(bf16_last=0.0))
+    else:
+        convert_to_fp8(model, FP8_CONFIGS[recipe], module_filter=lambda m, n: True)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "tensorwise", "rowwise", "delayed"])
 def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(recipe, monkeypatch):
+    """Block recipes and FP8 recipes (whose casts and emulated GEMM pieces compile too)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
     x = torch.randn(48, 64)  # 48 tokens: padded to the block in the grad-weight GEMM
     results = []
     for compiled in (True, False):
         ours = copy.deepcopy(model)
-        convert_to_fp8(ours, BLOCK_CONFIGS[recipe].replace(bf16_last=0.0))
+        _convert_every_layer(ours, recipe)
         with monkeypatch.context() as patch:
             if not compiled:
                 patch.setattr(compiled_cast, "compiles", lambda x: False)

@@ -149,3 +149,29 @@ def test_a_signal_while_the_report_renders_still_writes_it(capsys, tmp_path, mon
     assert "interrupted: results written" in err and "Traceback" not in err
     assert pair_state(out) == "new"
     assert json.loads((out / "results.json").read_text())["partial"] is False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_two_signals_while_the_summary_prints_report_the_written_pair(
+    capsys, tmp_path, monkeypatch, signum
+):
+    """In process: the pair is written, then two signals arrive while the terminal
+    summary prints (the second raises there). The run says the results were written,
+    not that it failed, and exits 128 + the first signal's number."""
+    from amped.cli import command
+
+    out = tmp_path / "out"
+    old_pair(out)
+
+    def signal_twice(results, paths):
+        os.kill(os.getpid(), signum)  # deferred: only recorded
+        os.kill(os.getpid(), signal.SIGINT)  # the second raises KeyboardInterrupt here
+
+    monkeypatch.setattr(command, "print_summary", signal_twice)
+    code = main(["compare", *TINY, "--recipes", "fp32", "--steps", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 128 + signum, err
+    assert "amped: interrupted: results written" in err, err
+    assert "error" not in err and "Traceback" not in err, err
+    assert pair_state(out) == "new"

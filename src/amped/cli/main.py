@@ -63,7 +63,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _main(arguments)
     finally:
-        out_dir.release_all()
         if threading.current_thread() is not threading.main_thread():
             pass
         elif argv is None and hasattr(signal, "pthread_sigmask"):
@@ -72,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for number, handler in handlers.items():
                 if handler is not None:  # None: installed outside Python, left as it is
                     signal.signal(number, handler)
+        out_dir.release_all()
 
 
 def _main(arguments: list[str]) -> int:

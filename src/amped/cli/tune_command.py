@@ -118,12 +118,17 @@ def _tune(args: argparse.Namespace, command: list[str]) -> int:
             paths = write_report(tuned, context, out)
         except OSError as error:
             raise RunError(f"Could not write the report into {str(out)!r}: {error}") from None
-        signalled = interrupt.requested()
-    if args.json:
-        sys.stdout.write(dumps(tuned))
-        sys.stdout.flush()
-    else:
-        print_tune(tuned, paths)
+        # The report is written: a signal from here on (the first is deferred, a second
+        # raises) can cut the summary short, but it is reported as after the report.
+        try:
+            if args.json:
+                sys.stdout.write(dumps(tuned))
+                sys.stdout.flush()
+            else:
+                print_tune(tuned, paths)
+            signalled = interrupt.requested()
+        except KeyboardInterrupt:
+            signalled = True
     if signalled:
         print("amped: interrupted: the report is written", file=sys.stderr, flush=True)
         return interrupt.exit_code()

@@ -14,7 +14,7 @@ Each region decides its path on entry (``amped.autocast_mode.current_path``):
 * "pyop": a policy naming an ``@amped.autocast_op`` function the models never call:
   path ``KERNELS`` with no kernel registered.
 * "engine": path ``MODE`` (the TorchFunctionMode), forced on the default policy
-  (``engine_always``), so it computes what torch computes: the diagnostic path (the
+  (``forced_path(Path.MODE)``), so it computes what torch computes: the diagnostic path (the
   doctor), and the path of ``"low"`` module rules and of compiled regions.
 
 Everything runs in one process, the sides interleaved (torch, engine, amped, then the
@@ -63,7 +63,7 @@ import amped
 from amped._internal.jsonio import to_json
 from amped.autocast_mode import Path as EnginePath
 from amped.autocast_mode import current_path, dispatch
-from amped.autocast_mode.engine import engine_always, forced_path
+from amped.autocast_mode.engine import forced_path
 from amped.autocast_mode.mode import AutocastMode
 
 SIDES = ("torch", "engine", "module", "fast", "kernels", "pyop", "amped")
@@ -118,7 +118,7 @@ def prepare(side: str) -> None:
 @contextlib.contextmanager
 def amped_engine():
     """amped.autocast with the default policy, through amped's Python engine."""
-    with engine_always(), amped.autocast(DEVICE):
+    with forced_path(EnginePath.MODE), amped.autocast(DEVICE):
         yield
 
 

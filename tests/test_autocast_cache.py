@@ -20,7 +20,7 @@ import torch.nn as nn
 
 import amped
 from amped.autocast_mode import current_path
-from amped.autocast_mode.engine import engine_always, forced_path
+from amped.autocast_mode.engine import forced_path
 from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 
@@ -40,7 +40,7 @@ PATHS = {
         contextlib.nullcontext,
         Path.MODE,
     ),
-    "mode-engine_always": (_TORCH, engine_always, Path.MODE),
+    "mode-forced": (_TORCH, lambda: forced_path(Path.MODE), Path.MODE),
     "mode-amped-casts-only": (
         _TORCH,
         lambda: forced_path(Path.MODE, torch_alongside=False),

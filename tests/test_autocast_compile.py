@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import amped
 from amped.autocast_mode import compiling, current_path
-from amped.autocast_mode.engine import engine_always
+from amped.autocast_mode.engine import forced_path
 from amped.autocast_mode.mode import AutocastMode
 from amped.autocast_mode.state import Path
 from recipes_helpers import batches, mlp
@@ -170,7 +170,7 @@ def test_attention_layers_compile_fullgraph_like_torch_autocast(layer, name, whe
 
 
 def test_eager_backend_with_the_engine_forced_on_torch_rules():
-    with engine_always():
+    with forced_path(Path.MODE):
         expected = forward_backward(None, "outside", backend=None)
         got = forward_backward(None, "outside", backend="eager")
     assert_close(got, expected, BITWISE)
@@ -409,7 +409,7 @@ def step(x):
 
 x = torch.randn(4, 16)
 compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(x)
-with amped.autocast_mode.engine.engine_always():
+with amped.autocast_mode.engine.forced_path(amped.autocast_mode.Path.MODE):
     eager = step(x)
 assert compiled.dtype == eager.dtype == torch.bfloat16, (compiled.dtype, eager.dtype)
 assert torch.equal(compiled, eager)

@@ -19,7 +19,7 @@ import torch.nn as nn
 import amped
 import model_zoo
 from amped.autocast_mode import compiling, current_path
-from amped.autocast_mode.engine import engine_always, forced_path
+from amped.autocast_mode.engine import forced_path
 from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 
@@ -192,7 +192,7 @@ def test_fp32_module_rule_casts_nothing_where_autocast_is_off(forced):
     policy = _TORCH.with_module(Block, "skip").with_module(nn.LayerNorm, "fp32")
 
     def context():
-        return engine_always() if forced else contextlib.nullcontext()
+        return forced_path(Path.MODE) if forced else contextlib.nullcontext()
 
     with context(), amped.autocast("cpu", policy=policy):
         eager, compiled = block(x)

@@ -3,7 +3,7 @@
 ``TORCH``: torch's own op rules (the default preset), with or without ``"fp32"`` /
 ``"skip"`` module rules (module hooks): torch's C++ autocast applies them, no mode goes
 on the torch-function stack. ``KERNELS``: op rules the dispatcher can apply. ``MODE``:
-``"low"`` module rules, :func:`engine_always`, the tests' forced runs. Results are
+``"low"`` module rules, the doctor's :func:`forced_path`, the tests' forced runs. Results are
 bitwise torch's on every path (tests/test_autocast_op_lists.py and
 tests/test_autocast_models.py compare the paths with torch)."""
 
@@ -20,7 +20,7 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 import amped
 from amped.autocast_mode import current_path
-from amped.autocast_mode.engine import engine_always, forced_path
+from amped.autocast_mode.engine import forced_path
 from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 
@@ -75,8 +75,8 @@ def test_strict_equals_torch_on_cuda_so_takes_the_torch_path():
     assert not torch_rules_only(amped.Policy.preset("strict", "cpu"))
 
 
-def test_engine_always_and_the_test_switch_force_the_engine():
-    with engine_always(), amped.autocast("cpu"):
+def test_forced_path_forces_the_engine_with_or_without_torch_alongside():
+    with forced_path(Path.MODE), amped.autocast("cpu"):
         assert engine_on() and current_path("cpu") is Path.MODE
     with amped.autocast("cpu"):
         assert not engine_on() and current_path("cpu") is Path.TORCH
@@ -95,14 +95,14 @@ def test_a_user_mode_does_not_change_the_path():
         assert torch.mm(a, a).dtype is torch.float32
 
 
-def test_engine_always_is_per_thread():
+def test_forced_path_is_per_thread():
     seen = []
 
     def worker():
         with amped.autocast("cpu"):
             seen.append(engine_on())
 
-    with engine_always():
+    with forced_path(Path.MODE):
         thread = threading.Thread(target=worker)
         thread.start()
         thread.join()
@@ -170,7 +170,7 @@ def test_both_paths_match_torch_bitwise_on_a_train_step(dtype):
 
     expected = step(torch.autocast("cpu", dtype=dtype))
     for forced in (False, True):
-        with engine_always() if forced else contextlib.nullcontext():
+        with forced_path(Path.MODE) if forced else contextlib.nullcontext():
             got = step(amped.autocast("cpu", dtype=dtype))
         for g, e in zip(got, expected, strict=True):
             torch.testing.assert_close(g, e, **BITWISE)

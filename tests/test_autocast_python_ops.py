@@ -2,7 +2,7 @@
 
 A policy that names such a function runs on the fast path (or, with module rules, in a
 parked lean mode): the decorated function looks its rule up itself. Each case is
-checked bitwise against the full mode engine (``engine_always()``, which reaches the
+checked bitwise against the full mode engine (``forced_path(Path.MODE)``, which reaches the
 function through the override protocol), outputs and every gradient.
 """
 
@@ -18,7 +18,7 @@ from torch.overrides import TorchFunctionMode
 
 import amped
 from amped.autocast_mode import current_path
-from amped.autocast_mode.engine import engine_always
+from amped.autocast_mode.engine import forced_path
 from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 
@@ -65,7 +65,7 @@ POLICIES = {  # name -> (policy, the path its regions take)
 
 def _step(model, x, policy, dtype, force_engine):
     model.zero_grad()
-    forced = engine_always() if force_engine else contextlib.nullcontext()
+    forced = forced_path(Path.MODE) if force_engine else contextlib.nullcontext()
     with forced, amped.autocast("cpu", dtype, policy=policy):
         path = current_path("cpu")
         loss = model(x)

@@ -3,7 +3,7 @@ what is cast and what is not, errors, and custom autograd Functions.
 
 Every test runs twice: as a user gets it (the default policy's casts left to torch's
 C++ autocast, see amped.autocast_mode.state) and through amped's engine, forced on with
-``engine_always``, so each property holds for the engine itself too."""
+``forced_path(Path.MODE)``, so each property holds for the engine itself too."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.autocast_mode.engine import engine_always
+from amped.autocast_mode.engine import forced_path
+from amped.autocast_mode.state import Path
 from tolerances import BITWISE
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
@@ -26,7 +27,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 def path(request):
     """The region's path: the default, or amped's engine forced on (this thread)."""
     if request.param == "engine":
-        with engine_always():
+        with forced_path(Path.MODE):
             yield request.param
     else:
         yield request.param

@@ -20,8 +20,6 @@ from amped._internal.torch_compat import OpOverload
 from amped.autocast_mode import casting, targets
 from amped.autocast_mode.state import STATE, kept
 from amped.policy import Cast, Policy
-from amped.policy.ops import torch_default_rules
-from amped.policy.policy import LOW_DTYPES
 
 __all__ = ["kernel_rules", "plan", "register", "registered_ops", "release_kernels"]
 
@@ -56,27 +54,20 @@ def kernel_rules(policy: Policy, route_all: bool = False) -> dict[Any, dict[torc
 def _plan(policy: Policy, route_all: bool) -> Tables | None:
     if policy.device_type not in _KEYS:
         return None
-    torch_rules = torch_default_rules(policy.device_type)
     tables: Tables = {}
-    for dtype in LOW_DTYPES:
-        for op, cast in policy.rules_for(dtype).items():
-            if (
-                isinstance(op, str)
-                and "::" not in op
-                and torch_rules.get(op) is cast
-                and not route_all
-            ) or targets.is_python_op(op):
-                continue
-            overloads = _overloads(op)
-            if overloads is None:
-                return None
-            for overload in overloads:
-                arguments = torch_compat.op_schema(overload).arguments
-                if cast is Cast.FP32_SET_OPT_DTYPE and all(a.name != "dtype" for a in arguments):
-                    continue  # the overload has no dtype argument: torch leaves it alone
-                if cast is Cast.FP32_APPEND_DTYPE and overload.name() not in _APPEND_DTYPE:
-                    continue  # likewise: torch's rule names just these overloads
-                tables.setdefault(overload, {})[dtype] = cast
+    for dtype, op, cast, torchs in targets.rules_of(policy):
+        if (torchs and not route_all) or targets.is_python_op(op):
+            continue
+        overloads = _overloads(op)
+        if overloads is None:
+            return None
+        for overload in overloads:
+            arguments = torch_compat.op_schema(overload).arguments
+            if cast is Cast.FP32_SET_OPT_DTYPE and all(a.name != "dtype" for a in arguments):
+                continue  # the overload has no dtype argument: torch leaves it alone
+            if cast is Cast.FP32_APPEND_DTYPE and overload.name() not in _APPEND_DTYPE:
+                continue  # likewise: torch's rule names just these overloads
+            tables.setdefault(overload, {})[dtype] = cast
     return tables
 
 

@@ -23,7 +23,7 @@ from amped.policy.created import add_creation_listener
 from amped.policy.ops import torch_default_rules
 from amped.policy.policy import LOW_DTYPES
 
-__all__ = ["current_path", "engine_always", "enter", "exit", "forced_path"]
+__all__ = ["current_path", "enter", "exit", "forced_path"]
 
 _is_compiling = torch.compiler.is_dynamo_compiling
 _push = torch_compat.push_torch_function_mode
@@ -85,22 +85,16 @@ def current_path(device_type: str = "cpu") -> Path | None:
 
 
 @contextlib.contextmanager
-def engine_always() -> Iterator[None]:
-    """Regions opened inside take ``MODE`` whatever their policy (for the doctor's
-    tracer, which must see every op after amped's casts from a mode below it)."""
-    with forced_path(Path.MODE, torch_alongside=STATE.torch_alongside):
-        yield
-
-
-@contextlib.contextmanager
-def forced_path(path: Path | None, *, torch_alongside: bool = True) -> Iterator[None]:
-    """Private (tests, benchmarks): regions opened inside take ``path`` where the policy
-    allows it (``MODE`` always; ``KERNELS``: every rule, torch's own too, routed through
-    amped's kernels). ``torch_alongside=False`` keeps torch's C++ autocast out of every
-    call the mode handles, so that every cast is amped's own."""
+def forced_path(path: Path | None, *, torch_alongside: bool | None = None) -> Iterator[None]:
+    """Regions opened inside take ``path`` where the policy allows it: ``MODE`` always
+    (the doctor's tracer, which must see every op after amped's casts from a mode below
+    it); ``KERNELS`` (tests, benchmarks) routes every rule, torch's own too, through
+    amped's kernels. ``torch_alongside=False`` (tests) keeps torch's C++ autocast out of
+    every call the mode handles, so that every cast is amped's own; None keeps it as is."""
     st = STATE
     saved = (st.forced, st.torch_alongside)
-    st.forced, st.torch_alongside = path, torch_alongside
+    st.forced = path
+    st.torch_alongside = st.torch_alongside if torch_alongside is None else torch_alongside
     try:
         yield
     finally:
@@ -211,11 +205,7 @@ def _publish(st: EngineState) -> None:
 
 def _unplain(policy: Policy | None) -> bool:
     # A policy other than torch's own rules alone: it needs the mark for Dynamo's guards.
-    if policy is None:
-        return False
-    return kept(
-        policy, "unplain", lambda: not torch_rules_only(policy) or bool(policy.module_rules)
-    )
+    return policy is not None and (bool(policy.module_rules) or not torch_rules_only(policy))
 
 
 def _mark_for_guards(st: EngineState, on: bool) -> None:
@@ -242,13 +232,15 @@ def _push_mode(st: EngineState) -> None:
 
 @torch_compat.assume_constant_result
 def _prepare_while_tracing(traced: Policy | None) -> bool:
-    # Run for real while Dynamo traces (it cannot build the clones, nor register), and
-    # not guarded on: the graph must not depend on whether it ran before. ``traced``:
-    # later regions of this policy take MODE, to pass the graph's guards.
+    # Run for real while Dynamo traces (it cannot build the clones, nor register kernels
+    # or hooks), and not guarded on: the graph must not depend on whether it ran before.
+    # ``traced``: later regions of this policy take MODE, to pass the graph's guards.
     transparent.prepare_clones()
     _listen_for_compiles()
     if traced is not None:
         _TRACED.add(traced)
+        if traced.module_rules:
+            hooks.install_traced()
     return True
 
 

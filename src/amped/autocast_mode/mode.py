@@ -19,10 +19,8 @@ from torch.overrides import TorchFunctionMode
 from amped._internal import torch_compat
 from amped.autocast_mode import casting, compiling, transparent
 from amped.autocast_mode.state import kept
-from amped.autocast_mode.targets import callables_for
+from amped.autocast_mode.targets import callables_for, rules_of
 from amped.policy import Cast, Policy
-from amped.policy.ops import torch_default_rules
-from amped.policy.policy import LOW_DTYPES
 
 __all__ = ["AutocastMode", "call_without_torch_autocast", "merged_rules"]
 
@@ -65,13 +63,10 @@ def _rules_of(policy: Policy) -> dict[Callable[..., Any], PerDevice]:
     # Keyed by the Python callables the mode sees. Where the rule is torch's own, torch's
     # C++ autocast kernel may run after amped's casts (it finds its dtype and does
     # nothing); elsewhere it is excluded, which costs about a microsecond per call.
-    torch_rules = torch_default_rules(policy.device_type)
     rules: dict[Callable[..., Any], PerDevice] = {}
-    for dtype in LOW_DTYPES:
-        for op, cast in policy.rules_for(dtype).items():
-            exclude = not isinstance(op, str) or "::" in op or torch_rules.get(op) is not cast
-            for fn in callables_for(op):
-                rules.setdefault(fn, {}).setdefault(policy.device_type, {})[dtype] = (cast, exclude)
+    for dtype, op, cast, torchs in rules_of(policy):
+        for fn in callables_for(op):
+            rules.setdefault(fn, {}).setdefault(policy.device_type, {})[dtype] = (cast, not torchs)
     return rules
 
 

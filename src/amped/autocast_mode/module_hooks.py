@@ -11,7 +11,6 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
-from amped._internal import torch_compat
 from amped.autocast_mode.state import STATE, kept
 from amped.policy import ModuleRule, Policy
 
@@ -60,11 +59,9 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
             STATE.frames.append((module, None))  # (the next call is not the outermost)
         return None
     enabled = {dev: torch.is_autocast_enabled(dev) for dev in policies}
-    mode = STATE.mode
-    if rule.precision == "low":
-        STATE.frames.append((module, ("low", enabled, mode.low if mode is not None else False)))
-        if mode is not None:
-            mode.set_low(True)
+    if rule.precision == "low":  # (its region runs the mode: engine._choose_path)
+        STATE.frames.append((module, ("low", enabled, STATE.mode.low)))
+        STATE.mode.set_low(True)
         return None
     STATE.frames.append((module, (rule.precision, enabled, None)))
     if rule.precision == "fp32":
@@ -114,10 +111,9 @@ class _GlobalHooks:
 
     def acquire(self) -> None:
         if _is_compiling():
-            # Dynamo cannot enter a lock nor register hooks in a graph; it runs the
-            # installation for real while tracing (the hooks are traced into every
-            # module call after it) and counts.
-            _install_while_tracing()
+            # Dynamo cannot enter a lock nor register hooks in a graph: the engine runs
+            # install_traced for real while tracing (the hooks are traced into every
+            # module call after it); the graph counts.
             self._users += 1
             return
         with self._lock:
@@ -133,6 +129,12 @@ class _GlobalHooks:
                 nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook)),
                 nn_module.register_module_forward_hook(_post_hook, always_call=True),
             ]
+
+    def install_traced(self) -> None:
+        """Install the hooks for a graph being traced: they stay installed."""
+        with self._lock:
+            self.install()
+            self.traced = True
 
     def compile_started(self) -> None:
         """torch.compile is starting: if installed, a graph may trace the hooks."""
@@ -153,11 +155,3 @@ class _GlobalHooks:
 
 
 hooks = _GlobalHooks()
-
-
-@torch_compat.assume_constant_result
-def _install_while_tracing() -> bool:
-    with hooks._lock:
-        hooks.install()
-        hooks.traced = True
-    return True

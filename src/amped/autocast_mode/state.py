@@ -75,7 +75,7 @@ class EngineState(threading.local):
         self.kernels: dict[str, Any] = {}  # device type -> active fast-path kernel rules
         self.ruled: dict[str, Policy] = {}  # device type -> innermost policy with module rules
         self.cache = WeightCache()  # low-precision weight copies, every path
-        self.forced: Path | None = None  # engine_always / the tests' forced path
+        self.forced: Path | None = None  # forced_path: the doctor, tests, benchmarks
         self.torch_alongside = True  # torch's C++ autocast may run inside MODE regions
         self.guard_mark = False  # autocast on for engine.GUARD_DEVICE_TYPE (for Dynamo)
         self.frames: list[tuple[torch.nn.Module, Any]] = []  # module rules' open modules

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import functools
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from amped._internal import torch_compat
+from amped.policy import Cast, Policy
+from amped.policy.ops import torch_default_rules
+from amped.policy.policy import LOW_DTYPES
 
-__all__ = ["PYTHON_OP", "callables_for", "is_python_op", "op_packet"]
+__all__ = ["PYTHON_OP", "callables_for", "is_python_op", "op_packet", "rules_of"]
 
 PYTHON_OP = "_amped_python_op"
 """The attribute :func:`amped.autocast_op` sets on the functions it makes: they apply
@@ -42,6 +45,16 @@ _FORWARDERS = {
     "softmax": ("special_softmax",),
     "log_softmax": ("special_log_softmax",),
 }
+
+
+def rules_of(policy: Policy) -> Iterator[tuple[torch.dtype, object, Cast, bool]]:
+    """(low dtype, op key, cast, whether the rule is torch's own) for every op rule of
+    ``policy``: the mode and the kernels build their tables from these."""
+    torch_rules = torch_default_rules(policy.device_type)
+    for dtype in LOW_DTYPES:
+        for op, cast in policy.rules_for(dtype).items():
+            torchs = isinstance(op, str) and "::" not in op and torch_rules.get(op) is cast
+            yield dtype, op, cast, torchs
 
 
 def op_packet(op: object) -> Any:

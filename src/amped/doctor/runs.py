@@ -12,8 +12,8 @@ import torch
 
 from amped._internal.errors import value_error
 from amped._internal.trees import iter_tensors
-from amped.autocast_mode import autocast
-from amped.autocast_mode.engine import engine_always
+from amped.autocast_mode import Path, autocast
+from amped.autocast_mode.engine import forced_path
 from amped.doctor.trace import OpCall, Tracer, float_tensors
 from amped.policy import Policy
 
@@ -86,7 +86,7 @@ def run_step(
         torch.manual_seed(seed)
         # The tracer, below amped's mode, must see each op after its casts: so the mode
         # applies even torch's own rules, which torch's C++ autocast would apply unseen.
-        with tracer, engine_always(), region:
+        with tracer, forced_path(Path.MODE), region:
             output = call_model(private, inputs)
             loss = _check_loss(loss_fn(output))
         order: list[tuple[int, bool]] = []

@@ -61,16 +61,13 @@ class WeightCache:
         if entry is not None and entry[0] is weight and usable:
             return entry[1]
         casted = weight.to(dtype)
-        if usable and _cacheable(weight):
+        cacheable = weight.dtype is _FLOAT32 and not weight._is_view()
+        if usable and cacheable and not _is_cached_tensor(weight):
             self._entries[key] = (weight, casted)
         return casted
 
     def clear(self) -> None:
         self._entries.clear()
-
-
-def _cacheable(t: torch.Tensor) -> bool:
-    return t.dtype is _FLOAT32 and not t._is_view() and not _is_cached_tensor(t)
 
 
 def _eligible(t: torch.Tensor, device_type: str) -> bool:

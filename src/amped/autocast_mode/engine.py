@@ -78,10 +78,7 @@ def _choose_path(region: Region, st: EngineState) -> Path:
 def current_path(device_type: str = "cpu") -> Path | None:
     """The path of the innermost open amped region for ``device_type`` on this thread
     (None: no region is open for it)."""
-    for region in reversed(STATE.regions):
-        if region.device_type == device_type:
-            return region.path
-    return None
+    return next((r.path for r in reversed(STATE.regions) if r.device_type == device_type), None)
 
 
 @contextlib.contextmanager

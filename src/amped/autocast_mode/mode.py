@@ -104,11 +104,10 @@ class AutocastMode(TorchFunctionMode):
         super().__init__()
         self.refresh({})  # policies, device_types, rules: none active yet
         self.backward_token: Any = None  # compiled backward autocast turned off for it
-        self.low = False  # inside a "low" module rule
+        self.low = False  # inside a "low" module rule: every listed op runs low
         # torch's C++ autocast may run inside calls no policy lists, and after amped's
         # casts where the rule is torch's (off only in the tests' forced runs).
         self.alongside = torch_alongside
-        self.exclude_unlisted = not torch_alongside
         self.cache = cache  # the thread's weight cache (None: no cast is cached)
         # Python functions run transparently just now, and those never to be: the graph
         # of a compiled region calls _enter_autocast/_exit_autocast, which hand
@@ -120,11 +119,6 @@ class AutocastMode(TorchFunctionMode):
         self.policies = policies
         self.device_types = tuple(policies)
         self.rules = merged_rules(policies)
-
-    def set_low(self, low: bool) -> None:
-        """Enter (True) or leave a ``"low"`` module rule: every listed op runs low."""
-        self.low = low
-        self.exclude_unlisted = low or not self.alongside
 
     def __torch_function__(
         self,
@@ -147,7 +141,7 @@ class AutocastMode(TorchFunctionMode):
     ) -> Any:
         """Run a call no policy lists: plainly, or with torch's C++ autocast kept out
         where this region excludes it (``"low"`` rules, no torch alongside)."""
-        if self.exclude_unlisted:
+        if self.low or not self.alongside:
             return call_without_torch_autocast(self.device_types, func, args, kwargs)
         return func(*args, **kwargs)
 

@@ -61,7 +61,7 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     enabled = {dev: torch.is_autocast_enabled(dev) for dev in policies}
     if rule.precision == "low":  # (its region runs the mode: engine._choose_path)
         STATE.frames.append((module, ("low", enabled, STATE.mode.low)))
-        STATE.mode.set_low(True)
+        STATE.mode.low = True
         return None
     STATE.frames.append((module, (rule.precision, enabled, None)))
     if rule.precision == "fp32":
@@ -94,7 +94,7 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> N
     precision, enabled, was_low = saved
     if precision == "low":
         if STATE.mode is not None:
-            STATE.mode.set_low(was_low)
+            STATE.mode.low = was_low
         return
     for dev, was_enabled in enabled.items():
         torch.set_autocast_enabled(dev, was_enabled)

@@ -60,8 +60,7 @@ def _preset(name: str, device_type: str) -> Policy:
 
 @torch_compat.dynamo_disable
 def _build_preset(name: str, device_type: str) -> Policy:
-    found = _PRESETS[(name, device_type)] = Policy.preset(name, device_type)
-    return found
+    return _PRESETS.setdefault((name, device_type), Policy.preset(name, device_type))
 
 
 _PRESETS = {

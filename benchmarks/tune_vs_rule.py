@@ -186,6 +186,10 @@ def compare(
     seed_list = list(seeds)
 
     def verify(arm: str, plan: PrecisionPlan) -> Arm:
+        if verify_steps == steps:  # a plan tune trained already: its runs, not new ones
+            for entry in result.rounds:
+                if entry["layers"] == dict(plan.layers) and entry["completed"]:
+                    return Arm(arm, dict(plan.layers), list(entry["final_losses"]))
         return verify_arm(arm, factory, plan, seed_list, steps, None)
 
     if verify_steps == steps:
@@ -235,6 +239,16 @@ def compare(
         m.name: m.formats[fmt].loss_change_estimate for m in result.measurements
     }
     out["tune_passed"] = result.passed
+    out["tune_source"] = result.source
+    estimate = result.arms.get("estimate")
+    if estimate is not None:
+        out["tune_estimate_plan"] = {
+            "lowered": [n for n, f in estimate.layers.items() if f != "bf16"],
+            "gap": estimate.gap(reference),
+            "passed": estimate.passed(reference, budget),
+        }
+    print(f"tune's plan came from: {result.source}; the estimate's own plan: "
+          f"{out.get('tune_estimate_plan')}")  # fmt: skip
     out["tune_rounds"] = result.rounds
     return out
 

@@ -140,8 +140,14 @@ def test_result_schema_and_saved_plan(tmp_path: Path) -> None:
         "rule_estimate": result.rule.estimate,
     }
     assert data["rounds"][0]["layers"] == data["layers"]
+    # Every layer lowered to fp8-rowwise passed; the all-mxfp8 rule saves as much, so it
+    # is trained as a candidate, and kept only at a smaller gap.
+    assert data["source"] == "estimate" == data["rounds"][0]["source"]
+    assert [r["source"] for r in data["rounds"][1:]] == ["rule: first 0/last 0, mxfp8"]
+    assert data["rule"]["layers"] == dict.fromkeys(["0", "2", "4"], "mxfp8")
     arms = data["verification"]["arms"]
-    assert set(arms) == {"bf16-mixed", "plan", "rule"}
+    assert set(arms) == {"bf16-mixed", "plan", "estimate", "rule"}
+    assert arms["estimate"]["final_losses"] == arms["plan"]["final_losses"]
     assert all(len(arm["final_losses"]) == 2 for arm in arms.values())
     assert data["verification"]["passed"] == data["passed"] == arms["plan"]["passed"]
     assert events[-1][0] == "train" and events[-1][1] == events[-1][2] == 6

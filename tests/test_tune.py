@@ -156,6 +156,31 @@ def test_result_schema_and_saved_plan(tmp_path: Path) -> None:
     assert PrecisionPlan.load(path) == result.plan
 
 
+@pytest.mark.slow
+def test_a_rule_wins_where_the_estimates_plan_failed_and_the_result_says_so() -> None:
+    # MXFP4 on the MLP: the estimate ranks layer "0" cheapest (its one-layer plan is the
+    # only one within the budget), yet it trains to about +7e-4, over the budget; the
+    # rule "first 2/last 0" (layer "4" alone) trains to about +3e-4 and passes. Both
+    # figures are this run's (2 seeds, 4 steps), each at least 20% from the budget.
+    budget = 4e-4
+    result = amped.tune(_mlp_factory, formats=["mxfp4"], steps=4, seeds=2, budget=budget,
+                        rounds=1)  # fmt: skip
+    assert result.source == "rule: first 2/last 0, mxfp4"
+    assert result.plan.layers == {"0": "bf16", "2": "bf16", "4": "mxfp4"}
+    assert result.passed and result.rule is not None and result.rule.layers == result.plan.layers
+    reference, estimate = result.arms["bf16-mixed"], result.arms["estimate"]
+    assert estimate.layers == {"0": "mxfp4", "2": "bf16", "4": "bf16"}
+    assert estimate.gap(reference) > budget and not estimate.passed(reference, budget)
+    data = result.to_dict()
+    assert data["source"] == result.source and data["passed"] is True
+    assert [(r["source"], r["passed"]) for r in data["rounds"]] == [
+        ("estimate", False),
+        ("rule: first 2/last 0, mxfp4", True),
+    ]
+    assert data["verification"]["arms"]["estimate"]["passed"] is False
+    assert data["verification"]["arms"]["plan"] == data["verification"]["arms"]["rule"]
+
+
 def test_plan_from_tune_trains_bitwise_as_its_hand_written_module_filter() -> None:
     result = amped.tune(_mlp_factory, formats=["fp8-rowwise"], steps=2, seeds=2, budget=1e9)
     lowered = result.plan.lowered()

@@ -169,7 +169,7 @@ def test_only_rules_that_could_beat_the_estimates_plan_are_trained() -> None:
     estimate = Candidate("estimate", kept, train(kept))
     asked.clear()
     failed = [_plan("l0", "l1", "l3")]
-    best, done = search_rules(
+    best, _ = search_rules(
         _rules(), estimate, [kept.layers, *failed], failed, 4, train, REFERENCE, 0.005
     )
     assert asked == [{"l0", "l1"}, {"l1", "l2"}, {"l2", "l3"}, {"l1", "l2", "l3"}]

@@ -175,13 +175,18 @@ def tune(
         target: the device whose format speeds weigh the choice
             (:data:`amped.tuning.choose.SPEEDUPS`: ``"blackwell"``, ``"hopper"``).
         measure_batches: batches of the measurement step.
-        rounds: the most plans verified: the first is the largest within the budget by
-            the estimate; each later one moves along the estimate's order of plans, to a
-            larger plan after a pass and a smaller one after a failure (a bisection;
-            docs/tune.md, "How it verifies"); 1 verifies that first plan only.
+        rounds: the most plans verified along the estimate's order, and again the most
+            first/last-N rules verified after them: the first plan is the largest within
+            the budget by the estimate; each later one moves along the estimate's order,
+            to a larger plan after a pass and a smaller one after a failure (a
+            bisection); then the rules that could beat the best plan so far, in the
+            estimate's order (docs/tune.md, "How it verifies"). 1: that first plan and
+            at most one rule.
 
     Returns:
-        A :class:`TuneResult`: ``.plan`` goes to :func:`amped.prepare`, ``.save(path)``
+        A :class:`TuneResult`: ``.plan`` (the verified plan that passed with the most
+        speed-weighted GEMM FLOPs, ties to the smaller gap; ``.source`` says whether the
+        estimate or a rule proposed it) goes to :func:`amped.prepare`, ``.save(path)``
         writes tuned.json.
 
     Raises:

@@ -29,7 +29,15 @@ from amped.recipes.plan import PrecisionPlan
 from amped.tuning.choose import Choice
 from amped.tuning.verify import Arm, verify_arm
 
-__all__ = ["Candidate", "Search", "search_path", "search_rules", "source_of", "train_choice"]
+__all__ = [
+    "Candidate",
+    "Search",
+    "round_entry",
+    "search_path",
+    "search_rules",
+    "source_of",
+    "train_choice",
+]
 
 Train = Callable[[Choice], Arm]
 
@@ -37,7 +45,7 @@ Train = Callable[[Choice], Arm]
 @dataclass(frozen=True)
 class Search:
     """The outcome of the rounds: the chosen plan, its arm, and every round in turn
-    (``{"index", "layers", "estimate", "gap", "passed", "completed"}``)."""
+    (:func:`round_entry`'s, with ``index`` the plan's place on the path)."""
 
     choice: Choice
     arm: Arm
@@ -74,7 +82,8 @@ def source_of(choice: Choice) -> str:
 
 
 def round_entry(candidate: Candidate, reference: Arm, budget: float) -> dict[str, Any]:
-    """One ``rounds`` entry of a trained plan (the module docstring of ``TuneResult``)."""
+    """One ``rounds`` entry of a trained plan: ``source``, ``index`` (None here),
+    ``layers``, ``estimate``, ``gap``, ``final_losses``, ``passed``, ``completed``."""
     choice, arm = candidate.choice, candidate.arm
     return {
         "source": candidate.source,

@@ -17,7 +17,12 @@ For each task, with one format (``--fmt``, default mxfp4) and a loss budget:
    verification as tune's plan (tune's own ``verify_arm``: the same seeds, steps, paired
    bfloat16-mixed arm and final-loss window; passed when its gap is within the budget)
    until one passes; that one "meets the same budget". The tuned plan's gap is tune's own
-   verified arm (or, with ``--measure-only``, its choice trained the same way).
+   verified arm (or, with ``--measure-only``, its choice trained the same way). A rule
+   tune trained as one of its candidates is not trained again: its runs (the same plan,
+   seeds and steps) are read from tune's rounds.
+
+The JSON also records where tune's plan came from (``tune_source``: the estimate or a
+rule) and the estimate's own plan with its gap (``tune_estimate_plan``).
 
 GEMM FLOPs are counted from the layers' shapes (every layer sees the same rows, so a
 layer's share is in * out over the sum), independently of tune's count.

@@ -17,7 +17,12 @@ For each task, with one format (``--fmt``, default mxfp4) and a loss budget:
    verification as tune's plan (tune's own ``verify_arm``: the same seeds, steps, paired
    bfloat16-mixed arm and final-loss window; passed when its gap is within the budget)
    until one passes; that one "meets the same budget". The tuned plan's gap is tune's own
-   verified arm (or, with ``--measure-only``, its choice trained the same way).
+   verified arm (or, with ``--measure-only``, its choice trained the same way). A rule
+   tune trained as one of its candidates is not trained again: its runs (the same plan,
+   seeds and steps) are read from tune's rounds.
+
+The JSON also records where tune's plan came from (``tune_source``: the estimate or a
+rule) and the estimate's own plan with its gap (``tune_estimate_plan``).
 
 GEMM FLOPs are counted from the layers' shapes (every layer sees the same rows, so a
 layer's share is in * out over the sum), independently of tune's count.
@@ -186,6 +191,10 @@ def compare(
     seed_list = list(seeds)
 
     def verify(arm: str, plan: PrecisionPlan) -> Arm:
+        if verify_steps == steps:  # a plan tune trained already: its runs, not new ones
+            for entry in result.rounds:
+                if entry["layers"] == dict(plan.layers) and entry["completed"]:
+                    return Arm(arm, dict(plan.layers), list(entry["final_losses"]))
         return verify_arm(arm, factory, plan, seed_list, steps, None)
 
     if verify_steps == steps:
@@ -235,6 +244,16 @@ def compare(
         m.name: m.formats[fmt].loss_change_estimate for m in result.measurements
     }
     out["tune_passed"] = result.passed
+    out["tune_source"] = result.source
+    estimate = result.arms.get("estimate")
+    if estimate is not None:
+        out["tune_estimate_plan"] = {
+            "lowered": [n for n, f in estimate.layers.items() if f != "bf16"],
+            "gap": estimate.gap(reference),
+            "passed": estimate.passed(reference, budget),
+        }
+    print(f"tune's plan came from: {result.source}; the estimate's own plan: "
+          f"{out.get('tune_estimate_plan')}")  # fmt: skip
     out["tune_rounds"] = result.rounds
     return out
 

@@ -193,7 +193,31 @@ def test_rounds_caps_the_plans_verified(capsys, tmp_path):
     assert code == 0, err
     tuned = _document(tmp_path)
     assert tuned["settings"]["rounds"] == 1
-    assert len(tuned["rounds"]) == 1
+    sources = [r["source"] for r in tuned["rounds"]]
+    assert sources[0] == "estimate" and len(sources) <= 2  # one plan, at most one rule
+    assert all(s.startswith("rule: ") for s in sources[1:])
+
+
+@pytest.mark.slow
+def test_a_rule_that_beats_the_estimates_plan_is_the_plan_and_is_said(capsys, tmp_path):
+    # MXFP4 on the tiny MLP, one round: the estimate's plan lowers layer "0" and passes
+    # (gap about -7e-4); the rule "first 1/last 1" lowers layer "2", as many FLOPs, and
+    # trains to about -3e-3: the same saving at a smaller gap, so the rule is the plan.
+    code, stdout, err = _tune(capsys, tmp_path, *TINY, "--formats", "mxfp4", "--steps", "4",
+                              "--seeds", "2", "--rounds", "1", "--budget", "3e-4")  # fmt: skip
+    assert code == 0, err
+    tuned = _document(tmp_path)
+    assert tuned["source"] == "rule: first 1/last 1, mxfp4"
+    assert tuned["layers"] == {"0": "bf16", "2": "mxfp4", "4": "bf16"}
+    arms = tuned["verification"]["arms"]
+    assert arms["estimate"]["layers"] == {"0": "mxfp4", "2": "bf16", "4": "bf16"}
+    assert arms["plan"]["gap"] < arms["estimate"]["gap"]
+    assert [r["source"] for r in tuned["rounds"]] == ["estimate", tuned["source"]]
+    text = " ".join(stdout.split())
+    assert "The plan is a first/last-N rule (rule: first 1/last 1, mxfp4)" in text
+    assert "the estimate's own plan verified worse, 1/3 layers" in text
+    page = (tmp_path / "tune.html").read_text()
+    assert "verified worse" in page
 
 
 def test_a_budget_no_plan_meets_writes_the_all_bf16_plan_and_exits_3(capsys, tmp_path):
@@ -244,8 +268,11 @@ def test_the_script_tunes_a_factory_file(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr
-    assert "amped tune: verifying: 6/6" in result.stderr  # one line per verification run
+    # One line per verification run: bf16-mixed and the plan (every layer in nvfp4), 2
+    # seeds each; no rule saves more than that plan, so none is trained.
+    assert "amped tune: verifying: 4/4" in result.stderr
     tuned = _document(out)
+    assert tuned["rule"] is None and tuned["source"] == "estimate"
     assert tuned["schema"] == "amped.tune/1"
     model, _, _ = tune_factories.tiny()
     amped.prepare(model, torch.optim.AdamW(model.parameters()), out / "tuned.json")

@@ -131,6 +131,36 @@ def test_the_rounds_are_shown_in_order_with_the_plan_kept_marked():
     assert "Rounds" not in _printed(tune_fixture.no_plan())
 
 
+def test_a_rule_that_won_is_named_with_how_the_estimates_plan_verified():
+    tuned = tune_fixture.rule_won()
+    said = headline(tuned)
+    assert "Verification passed" in said
+    assert "The plan is a first/last-N rule (rule: first 1/last 1, fp8-rowwise)" in said
+    assert "the estimate's own plan verified worse, 4/5 layers" in said
+    assert "at a gap of +0.0503, over the budget" in said
+    rows = round_rows(tuned)
+    assert [(r["source"], r["verdict"], r["chosen"]) for r in rows] == [
+        ("estimate", "FAILED", ""),
+        ("rule: first 1/last 1, fp8-rowwise", "passed", "<- plan"),
+    ]
+    verification = {r["arm"]: r for r in verification_rows(tuned)}
+    assert verification["estimate"]["verdict"] == "over"
+    assert verification["plan"]["gap"] == verification["rule"]["gap"] == "+0.0027"
+    text = _printed(tuned)
+    assert "rule: first 1/last 1" in text and "+0.0497" in text
+    page = render_html(tuned, {})
+    assert "verified worse" in page and "here rule: first 1/last 1, fp8-rowwise" in page
+
+
+def test_an_estimate_plan_says_so_and_no_rule_tried_renders():
+    assert "The plan is the estimate's." in headline(tune_fixture.passed())
+    tuned = tune_fixture.no_rule_tried()
+    assert "rule" not in {r["arm"] for r in verification_rows(tuned)}
+    text = _printed(tuned)
+    assert "rule: none trained (no first/last-N rule could beat the plan)" in text
+    assert "none trained" in render_html(tuned, {})
+
+
 @pytest.mark.parametrize("width", [80, 100, 160])
 def test_the_layer_tables_fit_the_width_keeping_every_format_and_the_end_of_names(width):
     tuned = tune_fixture.six_formats()

@@ -140,14 +140,45 @@ def test_result_schema_and_saved_plan(tmp_path: Path) -> None:
         "rule_estimate": result.rule.estimate,
     }
     assert data["rounds"][0]["layers"] == data["layers"]
+    # Every layer lowered to fp8-rowwise passed; the all-mxfp8 rule saves as much, so it
+    # is trained as a candidate, and kept only at a smaller gap.
+    assert data["source"] == "estimate" == data["rounds"][0]["source"]
+    assert [r["source"] for r in data["rounds"][1:]] == ["rule: first 0/last 0, mxfp8"]
+    assert data["rule"]["layers"] == dict.fromkeys(["0", "2", "4"], "mxfp8")
     arms = data["verification"]["arms"]
-    assert set(arms) == {"bf16-mixed", "plan", "rule"}
+    assert set(arms) == {"bf16-mixed", "plan", "estimate", "rule"}
+    assert arms["estimate"]["final_losses"] == arms["plan"]["final_losses"]
     assert all(len(arm["final_losses"]) == 2 for arm in arms.values())
     assert data["verification"]["passed"] == data["passed"] == arms["plan"]["passed"]
     assert events[-1][0] == "train" and events[-1][1] == events[-1][2] == 6
     assert any(e[0] == "measure" for e in events)
     path = result.save(tmp_path / "tuned.json")
     assert PrecisionPlan.load(path) == result.plan
+
+
+@pytest.mark.slow
+def test_a_rule_wins_where_the_estimates_plan_failed_and_the_result_says_so() -> None:
+    # MXFP4 on the MLP: the estimate ranks layer "0" cheapest (its one-layer plan is the
+    # only one within the budget), yet it trains to about +7e-4, over the budget; the
+    # rule "first 2/last 0" (layer "4" alone) trains to about +3e-4 and passes. Both
+    # figures are this run's (2 seeds, 4 steps), each at least 20% from the budget.
+    budget = 4e-4
+    result = amped.tune(_mlp_factory, formats=["mxfp4"], steps=4, seeds=2, budget=budget,
+                        rounds=1)  # fmt: skip
+    assert result.source == "rule: first 2/last 0, mxfp4"
+    assert result.plan.layers == {"0": "bf16", "2": "bf16", "4": "mxfp4"}
+    assert result.passed and result.rule is not None and result.rule.layers == result.plan.layers
+    reference, estimate = result.arms["bf16-mixed"], result.arms["estimate"]
+    assert estimate.layers == {"0": "mxfp4", "2": "bf16", "4": "bf16"}
+    assert estimate.gap(reference) > budget and not estimate.passed(reference, budget)
+    data = result.to_dict()
+    assert data["source"] == result.source and data["passed"] is True
+    assert [(r["source"], r["passed"]) for r in data["rounds"]] == [
+        ("estimate", False),
+        ("rule: first 2/last 0, mxfp4", True),
+    ]
+    assert data["verification"]["arms"]["estimate"]["passed"] is False
+    assert data["verification"]["arms"]["plan"] == data["verification"]["arms"]["rule"]
 
 
 def test_plan_from_tune_trains_bitwise_as_its_hand_written_module_filter() -> None:

@@ -1,7 +1,9 @@
 """Hand-written tuned.json documents for the report and table tests, shaped as
 docs/tune.md's schema (``amped.tune/1``) says: a tiny GPT's layers in model order, two
 candidate formats, one layer kept in bf16 for its estimate, and a verification that
-passed. :func:`failed`, :func:`incomplete` and :func:`no_plan` derive the other outcomes.
+passed. :func:`failed`, :func:`incomplete` and :func:`no_plan` derive the other outcomes;
+:func:`rule_won` a plan that came from a first/last-N rule, :func:`no_rule_tried` one no
+rule could beat.
 
 They stand for what ``amped.tune`` returns only in the renderer's tests; the command's
 own tests run the real tuner.
@@ -33,8 +35,9 @@ LARGER = {**PLAN, LAYERS[3]: "nvfp4", "head": "nvfp4"}  # a round that failed
 
 
 def _round(index: int, layers: dict[str, str], estimate: float, gap: float) -> dict[str, Any]:
-    return {"index": index, "layers": dict(layers), "estimate": estimate, "gap": gap,
-            "passed": gap <= BUDGET, "completed": True}  # fmt: skip
+    return {"source": "estimate", "index": index, "layers": dict(layers),
+            "estimate": estimate, "gap": gap, "passed": gap <= BUDGET,
+            "completed": True}  # fmt: skip
 
 
 def _arm(layers: dict[str, str], losses: list[float], complete: bool = True) -> dict[str, Any]:
@@ -73,6 +76,7 @@ def passed() -> dict[str, Any]:
     arms = {
         "bf16-mixed": _arm(dict.fromkeys(LAYERS, "bf16"), BASE_LOSSES),
         "plan": _arm(PLAN, [2.418, 2.409, 2.425]),
+        "estimate": _arm(PLAN, [2.418, 2.409, 2.425]),
         "rule": _arm(RULE, [2.431, 2.426, 2.440]),
     }
     return {
@@ -80,6 +84,7 @@ def passed() -> dict[str, Any]:
         "base": "bf16-mixed",
         "layers": dict(PLAN),
         "passed": True,
+        "source": "estimate",
         "reason": None,
         "settings": {
             "formats": ["fp8-rowwise", "nvfp4"],
@@ -135,6 +140,32 @@ def incomplete() -> dict[str, Any]:
     document["verification"]["arms"]["rule"] = _arm(RULE, [], complete=False)
     document["passed"] = document["verification"]["passed"] = False
     document["rounds"] = [_round(5, PLAN, 0.0072, 0.006) | {"passed": False, "completed": False}]
+    return document
+
+
+def rule_won() -> dict[str, Any]:
+    """The estimate's plan failed (+0.0503); the rule "first 1/last 1" passed (+0.0027)
+    and is the plan."""
+    document = failed()
+    rule_arm = _arm(RULE, [2.414, 2.408, 2.424])
+    arms = document["verification"]["arms"]
+    arms["estimate"] = arms["plan"]
+    arms["plan"] = arms["rule"] = rule_arm
+    source = "rule: first 1/last 1, fp8-rowwise"
+    document |= {"layers": dict(RULE), "passed": True, "source": source}
+    document["budget"]["plan_estimate"] = document["budget"]["rule_estimate"]
+    document["verification"]["passed"] = True
+    rule_round = _round(0, RULE, 0.0406, rule_arm["gap"]) | {"source": source, "index": None}
+    document["rounds"].append(rule_round)
+    return document
+
+
+def no_rule_tried() -> dict[str, Any]:
+    """Every layer lowered passed: no rule could save more, so none was trained."""
+    document = passed()
+    del document["verification"]["arms"]["rule"]
+    document["rule"] = None
+    document["budget"]["rule_estimate"] = None
     return document
 
 

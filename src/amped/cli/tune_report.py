@@ -103,7 +103,11 @@ def _rounds(tuned: dict[str, Any]) -> str:
         "(each the most GEMM FLOPs for its estimated loss change): the first is the last "
         "within the budget by the estimate; after a pass the next is halfway to the "
         "largest plan not yet failed, after a failure halfway back to the largest passed. "
-        "The plan kept is the largest that passed.</p>"
+        "Then the first/last-N rules are candidates too, in the estimate's order: a rule "
+        "is trained only when it could beat the best plan so far (as many GEMM FLOPs or "
+        "more) and contains no plan that failed. The plan kept is the one that passed "
+        "with the most GEMM FLOPs (speed-weighted), ties to the smaller gap, whichever "
+        f"source it came from: here {_e(tuned.get('source', 'estimate'))}.</p>"
     )
     return "<h3>Rounds</h3>" + intro + _html_table(rows, css)
 

@@ -22,6 +22,7 @@ __all__ = [
     "lowered_share",
     "outcome",
     "rule_text",
+    "source_text",
     "verification_rows",
 ]
 
@@ -127,13 +128,32 @@ def headline(tuned: dict[str, Any]) -> str:
     verdict = "passed" if state == "passed" else "FAILED"
     return (
         f"{text} Verification {verdict}: the plan's mean final loss is {plan['gap']:+.4g} "
-        "from bf16-mixed's over the seeds."
+        f"from bf16-mixed's over the seeds. {source_text(tuned)}"
+    )
+
+
+def source_text(tuned: dict[str, Any]) -> str:
+    """Where the plan came from; when a rule won, how the estimate's own plan verified."""
+    source = tuned.get("source", "estimate")  # tuned.json written before rule candidates
+    if source == "estimate":
+        return "The plan is the estimate's."
+    estimate = tuned["verification"]["arms"]["estimate"]
+    verdict = "within" if estimate["passed"] else "over"
+    layers = estimate["layers"]
+    low = sum(1 for f in layers.values() if f != "bf16")
+    return (
+        f"The plan is a first/last-N rule ({source}), trained as a candidate: the "
+        f"estimate's own plan verified worse, {low}/{len(layers)} layers "
+        f"({lowered_share(tuned, layers):.0%} of the GEMM FLOPs) at a gap of "
+        f"{_number(estimate['gap'], '+.4f')}, {verdict} the budget."
     )
 
 
 def rule_text(tuned: dict[str, Any]) -> str:
-    """The best first/last-N rule, in words."""
+    """The rule arm's first/last-N rule, in words."""
     rule = tuned["rule"]
+    if rule is None:
+        return "rule: none trained (no first/last-N rule could beat the plan)"
     if rule["format"] is None:
         return "rule: every layer in bf16"
     return (
@@ -183,9 +203,10 @@ def verification_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
-    """One row per verification round, in the order trained: ``round``, ``lowered``
-    (layers and FLOPs), ``estimate`` (summed), ``gap`` to bf16-mixed and ``verdict``
-    (``passed``, ``FAILED`` or ``incomplete``); ``chosen`` marks the plan kept."""
+    """One row per verification round, in the order trained: ``round``, ``source``
+    (``estimate`` or the rule), ``lowered`` (layers and FLOPs), ``estimate`` (summed),
+    ``gap`` to bf16-mixed and ``verdict`` (``passed``, ``FAILED`` or ``incomplete``);
+    ``chosen`` marks the plan kept."""
     rows = []
     for number, entry in enumerate(tuned["rounds"], start=1):
         layers = entry["layers"]
@@ -193,6 +214,7 @@ def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
         verdict = "passed" if entry["passed"] else "FAILED"
         rows.append({
             "round": str(number),
+            "source": entry.get("source", "estimate"),
             "lowered": f"{low}/{len(layers)} ({lowered_share(tuned, layers):.0%})",
             "estimate": format_estimate(entry["estimate"]),
             "gap": _number(entry["gap"], "+.4f"),

@@ -98,11 +98,11 @@ def verification_table(tuned: dict[str, Any]) -> Table:
 
 
 def rounds_table(tuned: dict[str, Any]) -> Table:
-    """The verification rounds along the estimate's order of plans, in the order
-    trained; failed rounds red, the plan kept marked."""
+    """The verification rounds along the estimate's order of plans, then the rule
+    candidates, in the order trained; failed rounds red, the plan kept marked."""
     rows = tune_summary.round_rows(tuned)
-    table = _table("Rounds: up after a pass, down after a failure")
-    for key in ("round", "lowered", "estimate", "gap", "verdict", "chosen"):
+    table = _table("Rounds: the estimate's plans, then the rules that could beat the best")
+    for key in ("round", "source", "lowered", "estimate", "gap", "verdict", "chosen"):
         table.add_column(key, justify="left" if key in ("verdict", "chosen") else "right",
                          no_wrap=True)  # fmt: skip
     for row in rows:

@@ -17,7 +17,15 @@ from dataclasses import dataclass
 from amped._internal.errors import value_error
 from amped.tuning.measure import LayerMeasurement
 
-__all__ = ["SPEEDUPS", "Choice", "best_rule", "plan_path", "speedups", "within"]
+__all__ = [
+    "SPEEDUPS",
+    "Choice",
+    "best_rule",
+    "plan_path",
+    "rule_plans",
+    "speedups",
+    "within",
+]
 
 SPEEDUPS: dict[str, dict[str, float]] = {
     # NVIDIA B200 datasheet, dense tensor-core throughput: BF16 2.25, FP8/MXFP8 4.5,
@@ -144,6 +152,36 @@ def _summed(
             estimate += m.formats[fmt].loss_change_estimate
             saving += m.flops * (1.0 - 1.0 / speed[fmt])
     return Choice(layers, estimate, saving, **rule)  # type: ignore[arg-type]
+
+
+def rule_plans(measured: list[LayerMeasurement], target: str) -> list[Choice]:
+    """Every distinct "first N and last M layers in bf16, the rest in one format" rule
+    that lowers at least one layer (layers the format cannot run stay bf16), in the
+    estimate's order: the smallest summed estimate first (ties: the larger saving, then
+    the formats' order, smaller N, smaller M). Two rules lowering the same layers are one
+    (the first in that order). These are the verification's rule candidates
+    (:func:`amped.tuning.search.search_rules`)."""
+    speed = speedups(target)
+    count = len(measured)
+    formats = list(dict.fromkeys(f for m in measured for f in m.formats))
+    allowed = [{f for f, _, _ in _options(m, speed)} for m in measured]
+    rules: list[Choice] = []
+    for fmt in formats:
+        for first in range(count + 1):
+            for last in range(count - first + 1):
+                layers = {m.name: "bf16" for m in measured}
+                for index in range(first, count - last):
+                    if fmt in allowed[index]:
+                        layers[measured[index].name] = fmt
+                if any(f != "bf16" for f in layers.values()):
+                    rules.append(
+                        _summed(measured, layers, speed, first=first, last=last, format=fmt)
+                    )
+    rules.sort(key=lambda rule: (rule.estimate, -rule.saving))  # stable: format, N, M
+    distinct: dict[tuple[tuple[str, str], ...], Choice] = {}
+    for rule in rules:
+        distinct.setdefault(tuple(rule.layers.items()), rule)
+    return list(distinct.values())
 
 
 def best_rule(measured: list[LayerMeasurement], budget: float, target: str) -> Choice:

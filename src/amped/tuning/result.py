@@ -32,14 +32,21 @@ class TuneResult:
         budget: the loss budget the plan's summed estimate stays within.
         budget_source: ``"given"``, or how the default was measured.
         choice: the plan's summed estimate and GEMM time saving.
-        rule: the best first/last-N rule within the same budget.
-        arms: the verification's arms by name (``"plan"``, ``"bf16-mixed"``, ``"rule"``).
+        rule: the first/last-N rule of the ``"rule"`` arm: the best rule that passed its
+            verification, else the first one trained; None when no rule could beat the
+            estimate's plan (so none was trained) or no plan fits the budget.
+        arms: the verification's arms by name: ``"bf16-mixed"``, ``"plan"`` (the plan
+            kept), ``"estimate"`` (the estimate's own plan after its rounds, the same
+            runs as ``"plan"`` when it was kept) and ``"rule"`` (when a rule trained).
         passes: the measurement's forward+backward passes (see docs/tune.md).
         reason: why the plan lowers no layer, when it does not (else None).
         settings: formats, target, steps, seeds and the other arguments, as given.
         rounds: each verified plan in turn: its index on the estimate's path of
             plans, layers, summed estimate, verified gap, verdict and whether its runs
-            completed (:mod:`amped.tuning.search`); empty when no plan fits the budget.
+            completed (:mod:`amped.tuning.search`), then each rule candidate trained;
+            every entry says its ``source``; empty when no plan fits the budget.
+        source: where the plan came from: ``"estimate"`` or
+            ``"rule: first N/last M, <format>"``.
     """
 
     plan: PrecisionPlan
@@ -47,12 +54,13 @@ class TuneResult:
     budget: float
     budget_source: str
     choice: Choice
-    rule: Choice
+    rule: Choice | None
     arms: dict[str, Arm]
     passes: dict[str, Any]
     reason: str | None
     settings: dict[str, Any]
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    source: str = "estimate"
 
     @property
     def passed(self) -> bool:
@@ -68,27 +76,21 @@ class TuneResult:
             "base": self.plan.base,
             "layers": dict(self.plan.layers),
             "passed": self.passed,
+            "source": self.source,
             "reason": self.reason,
             "settings": copy.deepcopy(self.settings),
             "budget": {
                 "value": self.budget,
                 "source": self.budget_source,
                 "plan_estimate": self.choice.estimate,
-                "rule_estimate": self.rule.estimate,
+                "rule_estimate": None if self.rule is None else self.rule.estimate,
             },
             "choice": {
                 "saving_flops": self.choice.saving,
                 "lowered_flops": _lowered_flops(self.measurements, self.plan.layers),
                 "total_flops": sum(m.flops for m in self.measurements),
             },
-            "rule": {
-                "first": self.rule.first,
-                "last": self.rule.last,
-                "format": self.rule.format,
-                "layers": dict(self.rule.layers),
-                "saving_flops": self.rule.saving,
-                "lowered_flops": _lowered_flops(self.measurements, self.rule.layers),
-            },
+            "rule": None if self.rule is None else _rule(self.measurements, self.rule),
             "measurements": {m.name: m.to_dict() for m in self.measurements},
             "verification": {
                 "seeds": self.settings["seed_list"],
@@ -113,3 +115,14 @@ class TuneResult:
 
 def _lowered_flops(measured: list[LayerMeasurement], layers: Mapping[str, str]) -> int:
     return sum(m.flops for m in measured if layers.get(m.name, "bf16") != "bf16")
+
+
+def _rule(measured: list[LayerMeasurement], rule: Choice) -> dict[str, Any]:
+    return {
+        "first": rule.first,
+        "last": rule.last,
+        "format": rule.format,
+        "layers": dict(rule.layers),
+        "saving_flops": rule.saving,
+        "lowered_flops": _lowered_flops(measured, rule.layers),
+    }

@@ -8,10 +8,19 @@ plan that passes becomes the lower end (nothing smaller need be tried), one that
 upper end (nothing larger), and the next round trains the plan halfway between them, until
 they meet or ``rounds`` plans were trained. The result is the largest plan that passed;
 when none did, the last (smallest) one tried, reported as failed.
+
+Then the first/last-N rules (:func:`amped.tuning.choose.rule_plans`) are candidates too
+(:func:`search_rules`): in the estimate's order, a rule is trained only when it could beat
+the best plan verified so far (as many or more GEMM FLOPs, speed-weighted), lowers other
+layers than every plan trained, and does not contain a plan that failed (the bisection's
+assumption: lowering more does not pass where less failed); at most ``rounds`` rules. The
+tuner keeps the verified plan that passed with the most saving, ties to the smaller gap,
+whichever source it came from.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +29,15 @@ from amped.recipes.plan import PrecisionPlan
 from amped.tuning.choose import Choice
 from amped.tuning.verify import Arm, verify_arm
 
-__all__ = ["Search", "search_path", "train_choice"]
+__all__ = [
+    "Candidate",
+    "Search",
+    "round_entry",
+    "search_path",
+    "search_rules",
+    "source_of",
+    "train_choice",
+]
 
 Train = Callable[[Choice], Arm]
 
@@ -28,11 +45,99 @@ Train = Callable[[Choice], Arm]
 @dataclass(frozen=True)
 class Search:
     """The outcome of the rounds: the chosen plan, its arm, and every round in turn
-    (``{"index", "layers", "estimate", "gap", "passed", "completed"}``)."""
+    (:func:`round_entry`'s, with ``index`` the plan's place on the path)."""
 
     choice: Choice
     arm: Arm
     rounds: list[dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A trained plan: where it came from (:func:`source_of`), its choice and its arm."""
+
+    source: str
+    choice: Choice
+    arm: Arm
+
+    def beats(self, other: Candidate | None, reference: Arm) -> bool:
+        """More saving than ``other`` (None: nothing), or as much at a smaller gap."""
+        if other is None:
+            return True
+        if _same_saving(self.choice, other.choice):
+            return self.arm.gap(reference) < other.arm.gap(reference)
+        return self.choice.saving > other.choice.saving
+
+
+def _same_saving(a: Choice, b: Choice) -> bool:
+    # Equal FLOPs summed in another order may differ in the last bits.
+    return math.isclose(a.saving, b.saving, rel_tol=1e-9, abs_tol=0.0)
+
+
+def source_of(choice: Choice) -> str:
+    """``"rule: first N/last M, <format>"`` for a rule, ``"estimate"`` for a path plan."""
+    if choice.format is None or choice.first is None:
+        return "estimate"
+    return f"rule: first {choice.first}/last {choice.last}, {choice.format}"
+
+
+def round_entry(candidate: Candidate, reference: Arm, budget: float) -> dict[str, Any]:
+    """One ``rounds`` entry of a trained plan: ``source``, ``index`` (None here),
+    ``layers``, ``estimate``, ``gap``, ``final_losses``, ``passed``, ``completed``."""
+    choice, arm = candidate.choice, candidate.arm
+    return {
+        "source": candidate.source,
+        "index": None,
+        "layers": dict(choice.layers),
+        "estimate": choice.estimate,
+        "gap": arm.gap(reference),
+        "final_losses": list(arm.final_losses),
+        "passed": arm.passed(reference, budget),
+        "completed": arm.completed,
+    }
+
+
+def _contains(layers: dict[str, str], failed: dict[str, str]) -> bool:
+    return all(layers.get(n) == f for n, f in failed.items() if f != "bf16")
+
+
+def search_rules(
+    rules: list[Choice],
+    best: Candidate | None,
+    trained: list[dict[str, str]],
+    failed: list[dict[str, str]],
+    tries: int,
+    train: Train,
+    reference: Arm,
+    budget: float,
+) -> tuple[Candidate | None, list[Candidate]]:
+    """Train rule candidates (the module docstring) in ``rules``' order, at most
+    ``tries``, starting from ``best`` (the best passing plan so far, or None), the
+    layers of every plan ``trained`` and those that ``failed``. Returns the best passing
+    plan after them and every rule trained, in order; stops at a run cut short."""
+    trained, failed = list(trained), list(failed)
+    done: list[Candidate] = []
+    while len(done) < tries:
+        rule = next(
+            (r for r in rules
+             if r.layers not in trained
+             and (best is None or r.saving > best.choice.saving
+                  or _same_saving(r, best.choice))
+             and not any(_contains(r.layers, f) for f in failed)),
+            None,
+        )  # fmt: skip
+        if rule is None:
+            break  # no rule left that could beat the best
+        candidate = Candidate(source_of(rule), rule, train(rule))
+        done.append(candidate)
+        trained.append(rule.layers)
+        if not candidate.arm.completed:
+            break  # max_time ran out
+        if not candidate.arm.passed(reference, budget):
+            failed.append(rule.layers)
+        elif candidate.beats(best, reference):
+            best = candidate
+    return best, done
 
 
 def search_path(
@@ -48,11 +153,8 @@ def search_path(
         arm = train(path[index])
         arms[index], tried = arm, index
         passed = arm.passed(reference, budget)
-        history.append(
-            {"index": index, "layers": dict(path[index].layers),
-             "estimate": path[index].estimate, "gap": arm.gap(reference),
-             "passed": passed, "completed": arm.completed}
-        )  # fmt: skip
+        entry = round_entry(Candidate("estimate", path[index], arm), reference, budget)
+        history.append(entry | {"index": index})
         if not arm.completed:
             break  # max_time ran out: no verdict to move on
         if passed:

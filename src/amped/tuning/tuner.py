@@ -12,10 +12,17 @@ from typing import Any
 from amped._internal.errors import type_error, value_error
 from amped.fp8.conv1d import linear_dims
 from amped.recipes.plan import PLAN_FORMATS, PrecisionPlan
-from amped.tuning.choose import SPEEDUPS, Choice, best_rule, plan_path, speedups, within
+from amped.tuning.choose import SPEEDUPS, Choice, plan_path, rule_plans, speedups, within
 from amped.tuning.measure import LayerMeasurement, eligible_layers, measure
 from amped.tuning.result import TuneResult
-from amped.tuning.search import search_path, train_choice
+from amped.tuning.search import (
+    Candidate,
+    Search,
+    round_entry,
+    search_path,
+    search_rules,
+    train_choice,
+)
 from amped.tuning.task import build_task
 from amped.tuning.verify import Arm, verify_arm
 
@@ -93,6 +100,49 @@ def _reason(choice: Choice, measured: list[LayerMeasurement], budget: float) -> 
     )
 
 
+def _renamed(arm: Arm, name: str) -> Arm:
+    return Arm(name, dict(arm.layers), list(arm.final_losses), arm.completed)
+
+
+def _with_rules(
+    found: Search,
+    measured: list[LayerMeasurement],
+    target: str,
+    rounds: int,
+    train: Callable[[Choice, str], Arm],
+    reference: Arm,
+    budget: float,
+) -> tuple[Candidate, list[Candidate]]:
+    """The rule candidates after the estimate's rounds (:func:`search_rules`): the plan
+    kept (the best that passed, else the estimate's failed plan) and the rules trained.
+    None are tried after a round cut short by ``max_time``."""
+    estimate = Candidate("estimate", found.choice, found.arm)
+    if not all(r["completed"] for r in found.rounds):
+        return estimate, []
+    passed = estimate.arm.passed(reference, budget)
+    best, rules = search_rules(
+        rule_plans(measured, target),
+        estimate if passed else None,
+        [r["layers"] for r in found.rounds],
+        [r["layers"] for r in found.rounds if not r["passed"]],
+        rounds,
+        lambda choice: train(choice, "rule"),
+        reference,
+        budget,
+    )
+    return (estimate if best is None else best), rules
+
+
+def _best_rule_tried(rules: list[Candidate], reference: Arm, budget: float) -> Candidate | None:
+    """The rule arm of the report: the best rule that passed, else the first tried
+    (None when no rule was trained)."""
+    best = None
+    for rule in rules:
+        if rule.arm.passed(reference, budget) and rule.beats(best, reference):
+            best = rule
+    return best if best is not None else next(iter(rules), None)
+
+
 def tune(
     factory: Callable[..., Any],
     *,
@@ -125,13 +175,18 @@ def tune(
         target: the device whose format speeds weigh the choice
             (:data:`amped.tuning.choose.SPEEDUPS`: ``"blackwell"``, ``"hopper"``).
         measure_batches: batches of the measurement step.
-        rounds: the most plans verified: the first is the largest within the budget by
-            the estimate; each later one moves along the estimate's order of plans, to a
-            larger plan after a pass and a smaller one after a failure (a bisection;
-            docs/tune.md, "How it verifies"); 1 verifies that first plan only.
+        rounds: the most plans verified along the estimate's order, and again the most
+            first/last-N rules verified after them: the first plan is the largest within
+            the budget by the estimate; each later one moves along the estimate's order,
+            to a larger plan after a pass and a smaller one after a failure (a
+            bisection); then the rules that could beat the best plan so far, in the
+            estimate's order (docs/tune.md, "How it verifies"). 1: that first plan and
+            at most one rule.
 
     Returns:
-        A :class:`TuneResult`: ``.plan`` goes to :func:`amped.prepare`, ``.save(path)``
+        A :class:`TuneResult`: ``.plan`` (the verified plan that passed with the most
+        speed-weighted GEMM FLOPs, ties to the smaller gap; ``.source`` says whether the
+        estimate or a rule proposed it) goes to :func:`amped.prepare`, ``.save(path)``
         writes tuned.json.
 
     Raises:
@@ -196,13 +251,27 @@ def tune(
         total += seeds
         return train_choice(choice, name, trained, factory, seed_list, steps, deadline, tick)
 
+    rule_arms: list[Candidate] = []
     if first == 0:  # nothing fits the budget: the all-bf16 plan, with the reason
-        choice, plan_arm, rounds_run = path[0], train(path[0]), []
+        found = Search(path[0], train(path[0]), [])
+        chosen = Candidate("estimate", found.choice, found.arm)
     else:
         found = search_path(path, first, rounds, train, reference, budget_value)
-        choice, plan_arm, rounds_run = found.choice, found.arm, found.rounds
-    rule = best_rule(measured, budget_value, target)
-    arms = {"bf16-mixed": reference, "plan": plan_arm, "rule": train(rule, "rule")}
+        chosen, rule_arms = _with_rules(
+            found, measured, target, rounds, train, reference, budget_value
+        )
+    choice, rounds_run = (
+        chosen.choice,
+        found.rounds + [round_entry(c, reference, budget_value) for c in rule_arms],
+    )
+    rule = _best_rule_tried(rule_arms, reference, budget_value)
+    arms = {
+        "bf16-mixed": reference,
+        "plan": _renamed(chosen.arm, "plan"),
+        "estimate": _renamed(found.arm, "estimate"),
+    }
+    if rule is not None:
+        arms["rule"] = _renamed(rule.arm, "rule")
     settings = {
         "formats": chosen_formats,
         "target": target,
@@ -228,10 +297,11 @@ def tune(
         budget_value,
         source,
         choice,
-        rule,
+        None if rule is None else rule.choice,
         arms,
         passes,
         reason,
         settings,
         rounds_run,
+        chosen.source,
     )

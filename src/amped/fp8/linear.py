@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error
-from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
+from amped.fp8.cast import Fp8Tensor, amax_of, quantize
 from amped.fp8.config import CastRule, Fp8Config
 from amped.fp8.conv1d import (
     is_conv1d,
@@ -37,7 +37,7 @@ from amped.fp8.delayed import (
     reduce_max,
 )
 from amped.fp8.fsdp_wire import gathered_fp8
-from amped.fp8.gemm import has_scaled_mm, scaled_mm
+from amped.fp8.gemm import gemm_dtype, has_scaled_mm, scaled_mm
 from amped.fp8.health import Operand, record_gemm
 
 __all__ = ["Float8Linear"]
@@ -50,10 +50,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: Float8Linear) -> Any:
         cfg = layer.fp8_config
         x2 = x.reshape(-1, x.shape[-1])
-        xq = layer.fp8_cast(x2, cfg.input, INPUT, dim=-1)
+        xq = layer.fp8_cast(x2, cfg.input, INPUT, dim=-1, out_dtype=x.dtype)
         wq = gathered_fp8(weight)  # FSDP2 all-gathered it cast already (amped.fp8.fsdp_wire)
         if wq is None:
-            wq = layer.fp8_cast(weight, cfg.weight, WEIGHT, dim=-1)
+            wq = layer.fp8_cast(weight, cfg.weight, WEIGHT, dim=-1, out_dtype=x.dtype)
         out = scaled_mm(
             xq, wq.t(), x.dtype, emulate=layer.fp8_emulate, use_fast_accum=cfg.fast_accum_output
         )
@@ -78,11 +78,11 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_gi = Fp8Tensor(saved[0], saved[1]) if ctx.reuse_w else None
         w_high = None if ctx.reuse_w else saved[0]
         go = grad.reshape(-1, grad.shape[-1])
-        goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1)
+        goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1, out_dtype=grad.dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             if w_gi is None:  # rowwise over the output dim: one scale per input feature
-                w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0)
+                w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0, out_dtype=grad.dtype)
             grad_x = scaled_mm(goq, w_gi, grad.dtype, emulate=layer.fp8_emulate)
             operands: dict[str, Operand] = {"grad_output": (go, goq), "weight": (w_high, w_gi)}
             record_gemm(layer, "grad_input", "grad_input", grad_x, operands)
@@ -94,9 +94,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 go_gw = goq
                 if cfg.grad_output.granularity == "rowwise":  # one scale per output feature
-                    go_gw = layer.fp8_cast(go, cfg.grad_output, None, dim=0)
+                    go_gw = layer.fp8_cast(go, cfg.grad_output, None, dim=0, out_dtype=grad.dtype)
                 if not ctx.reuse_x:  # one scale per input feature
-                    x_q = layer.fp8_cast(x2, cfg.input, None, dim=0)
+                    x_q = layer.fp8_cast(x2, cfg.input, None, dim=0, out_dtype=grad.dtype)
                 grad_w = scaled_mm(go_gw.t(), x_q, grad.dtype, emulate=layer.fp8_emulate)
                 x_high = None if ctx.reuse_x else x2
                 operands = {"grad_output": (go, go_gw), "input": (x_high, x_q)}
@@ -180,13 +180,19 @@ class Float8Linear(torch.nn.Linear):
         """The :class:`~amped.fp8.config.DelayedScaling` rule, or None for dynamic scaling."""
         return self.fp8_config.delayed
 
-    def fp8_cast(self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int) -> Fp8Tensor:
-        """Quantize ``x`` by ``rule``: dynamically, or with the delayed scale of ``role``
-        (:meth:`fp8_delayed_scale`)."""
+    def fp8_cast(
+        self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int, out_dtype: torch.dtype
+    ) -> Fp8Tensor:
+        """Quantize ``x`` by ``rule`` for a GEMM with an ``out_dtype`` result:
+        dynamically, or with the delayed scale of ``role`` (:meth:`fp8_delayed_scale`).
+        An emulating layer's cast also writes the GEMM's operand, the FP8 values in
+        :func:`~amped.fp8.gemm.gemm_dtype` (``.values``)."""
+        values_dtype = gemm_dtype(out_dtype) if self.fp8_emulate else None
+        power_of_2 = self.fp8_config.power_of_2
         if self.fp8_config.delayed is None or role is None:
-            return quantize(x, rule.dtype, rule.granularity, dim, self.fp8_config.power_of_2)
+            return quantize(x, rule.dtype, rule.granularity, dim, power_of_2, None, values_dtype)
         scale = self.fp8_delayed_scale(amax_of(x).to(torch.float32), role)
-        return Fp8Tensor(cast_saturated(x, scale, rule.dtype), scale)
+        return quantize(x, rule.dtype, scale=scale, values_dtype=values_dtype)
 
     @torch.no_grad()
     def fp8_delayed_scale(

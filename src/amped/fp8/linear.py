@@ -4,8 +4,9 @@ Forward casts input and weight, backward casts grad_output, each by its
 :class:`~amped.fp8.config.CastRule`, and each GEMM goes through
 :func:`~amped.fp8.gemm.scaled_mm`. What backward needs is saved quantized where the
 forward cast can be reused (tensorwise input and weight: the FP8 bytes and a scale,
-a quarter of a float32 copy); rowwise rules scale the backward operands along
-another dim, so those save the high-precision tensor and cast it again.
+a quarter of a float32 copy; an emulating layer also keeps the bfloat16 operand its
+cast wrote, so its backward converts nothing); rowwise rules scale the backward
+operands along another dim, so those save the high-precision tensor and cast it again.
 
 Bias is added after the GEMM in the output dtype. Under an autocast region the
 input is first cast to the region's dtype (bfloat16 for the FP8 recipes); the layer
@@ -60,9 +61,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         record_gemm(layer, "forward", "output", out, {"input": (x2, xq), "weight": (weight, wq)})
         ctx.reuse_x = cfg.input.granularity == "tensorwise" and not cfg.grad_weight_hp
         ctx.reuse_w = cfg.weight.granularity == "tensorwise" and cfg.w_gi == cfg.weight
-        x_saved = (xq.data, xq.scale) if ctx.reuse_x else (x2,)
-        w_saved = (wq.data, wq.scale) if ctx.reuse_w else (weight,)
+        x_saved = _parts(xq) if ctx.reuse_x else (x2,)
+        w_saved = _parts(wq) if ctx.reuse_w else (weight,)
         ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.x_parts = len(x_saved)
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -71,11 +73,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
         layer: Float8Linear = ctx.layer
         cfg = layer.fp8_config
         saved = list(ctx.saved_tensors)
+        x_saved, saved = saved[: ctx.x_parts], saved[ctx.x_parts :]
         if ctx.reuse_x:
-            x_q, saved = Fp8Tensor(saved[0], saved[1]), saved[2:]
+            x_q = Fp8Tensor(*x_saved)
         else:
-            x2, saved = saved[0], saved[1:]
-        w_gi = Fp8Tensor(saved[0], saved[1]) if ctx.reuse_w else None
+            x2 = x_saved[0]
+        w_gi = Fp8Tensor(*saved) if ctx.reuse_w else None
         w_high = None if ctx.reuse_w else saved[0]
         go = grad.reshape(-1, grad.shape[-1])
         goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1, out_dtype=grad.dtype)
@@ -103,6 +106,12 @@ class _Fp8LinearFunction(torch.autograd.Function):
             record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands)
             grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None
+
+
+def _parts(q: Fp8Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``q`` to save for backward: bytes and scale, and the GEMM operand
+    where the cast wrote one (an emulating layer: no conversion pass in backward)."""
+    return (q.data, q.scale) if q.values is None else (q.data, q.scale, q.values)
 
 
 class Float8Linear(torch.nn.Linear):

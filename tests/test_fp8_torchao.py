@@ -103,7 +103,8 @@ def test_frozen_input_and_weight_skip_their_gemms_and_keep_the_rest_bitwise():
 @pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
 def test_cast_is_torchaos_bitwise(dtype, granularity, values_dtype):
     """The cast an emulated layer makes (bytes and bfloat16 values in one pass) keeps the
-    FP8 bytes and scale of torchao's ``hp_tensor_to_float8_dynamic`` bit for bit."""
+    FP8 bytes and scale of torchao's ``hp_tensor_to_float8_dynamic`` bit for bit; its
+    values are those bytes, divided by the scale where that is a power of two."""
     from torchao.float8.config import ScalingGranularity
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import LinearMMConfig
@@ -125,5 +126,7 @@ def test_cast_is_torchaos_bitwise(dtype, granularity, values_dtype):
     ours = quantize(x, dtype, granularity, power_of_2=rowwise, values_dtype=values_dtype)
     assert torch.equal(ours.data.view(torch.uint8), theirs._data.view(torch.uint8))
     assert torch.equal(ours.scale, theirs._scale.reshape(ours.scale.shape))
-    if values_dtype is not None:
-        assert torch.equal(ours.values, theirs._data.to(values_dtype))
+    if values_dtype is not None:  # rowwise: power-of-two scales, the values dequantized
+        values = theirs._data.to(torch.float64) / (theirs._scale.double() if rowwise else 1)
+        assert ours.dequantized is rowwise
+        assert torch.equal(ours.values, values.to(values_dtype))

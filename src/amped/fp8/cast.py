@@ -64,19 +64,21 @@ class Fp8Tensor(NamedTuple):
 
     ``scale`` is a float32 scalar (tensorwise) or has ``data``'s shape with the reduced
     dim of size 1 (rowwise). ``values``, when the cast was asked for them
-    (``values_dtype``), is ``data`` converted exactly to bfloat16 or float32: the operand
-    an emulated GEMM multiplies; None otherwise.
+    (``values_dtype``), is the operand an emulated GEMM multiplies, in bfloat16 or
+    float32: ``data`` converted exactly, or, where ``dequantized`` (a power-of-two
+    scale the cast computed), ``data / scale``, also exact; None otherwise.
     """
 
     data: torch.Tensor
     scale: torch.Tensor
     values: torch.Tensor | None = None
+    dequantized: bool = False
 
     def t(self) -> Fp8Tensor:
         """The transpose of a 2-D quantized tensor (data, scale and values together)."""
         scale = self.scale.t() if self.scale.dim() == 2 else self.scale
         values = None if self.values is None else self.values.t()
-        return Fp8Tensor(self.data.t(), scale, values)
+        return Fp8Tensor(self.data.t(), scale, values, self.dequantized)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data / scale`` in ``dtype`` (computed in float32)."""
@@ -146,22 +148,25 @@ def cast_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     largest finite one gives NaN on older torch, and e5m2 would give inf.
     """
     check_fp8_dtype(dtype)
-    return compiled_cast.run(_cast_kernel, (dtype, None), x, scale)[0]
+    return compiled_cast.run(_cast_kernel, (dtype, None, False), x, scale)[0]
 
 
 def _cast_kernel(
-    spec: tuple[torch.dtype, torch.dtype | None], x: torch.Tensor, scale: torch.Tensor
+    spec: tuple[torch.dtype, torch.dtype | None, bool], x: torch.Tensor, scale: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The FP8 bytes, and with a ``values_dtype`` (the spec's second dtype) the same
-    values converted to it: one loop. The conversion goes through float32 (exact both
-    ways): Inductor's CPU code for a direct float8 -> bfloat16 conversion is scalar,
-    2-3 times slower than float8 -> float32 -> bfloat16."""
-    dtype, values_dtype = spec
+    """The FP8 bytes, and with a ``values_dtype`` (the spec's second entry) the same
+    values in it, divided by the scale where the third entry says so: one loop. The
+    conversion goes through float32 (exact both ways): Inductor's CPU code for a direct
+    float8 -> bfloat16 conversion is scalar, 2-3 times slower."""
+    dtype, values_dtype, dequantize = spec
     fp8_max = torch.finfo(dtype).max
     data = (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(dtype)
     if values_dtype is None:
         return data, None
-    return data, data.to(torch.float32).to(values_dtype)
+    values = data.to(torch.float32)
+    if dequantize:
+        values = values / scale
+    return data, values.to(values_dtype)
 
 
 def check_values_dtype(values_dtype: torch.dtype | None) -> None:
@@ -189,7 +194,10 @@ def quantize(
 
     For rowwise scaling, ``dim`` is the dim reduced over (``-1``: one scale per row).
     ``values_dtype`` (bfloat16 or float32): also return the FP8 values converted to it
-    (``.values``, the operand of an emulated GEMM), written by the same pass.
+    (``.values``, the operand of an emulated GEMM), written by the same pass; with
+    ``power_of_2`` and no ``scale`` given, divided by their power-of-two scale
+    (``.dequantized``): exact, short of float32's subnormal range, and the GEMM then has
+    no scales left to apply.
 
     Example:
         >>> import torch
@@ -199,10 +207,11 @@ def quantize(
     """
     check_fp8_dtype(dtype)
     check_values_dtype(values_dtype)
+    dequantize = values_dtype is not None and power_of_2 and scale is None
     if scale is None:
         scale = amax_to_scale(amax_of(x, granularity, dim), dtype, power_of_2)
-    data, values = compiled_cast.run(_cast_kernel, (dtype, values_dtype), x, scale)
-    return Fp8Tensor(data, scale, values)
+    data, values = compiled_cast.run(_cast_kernel, (dtype, values_dtype, dequantize), x, scale)
+    return Fp8Tensor(data, scale, values, dequantize)
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:

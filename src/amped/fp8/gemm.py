@@ -122,7 +122,8 @@ def scaled_mm(
     if emulate:
         dtype = gemm_dtype(out_dtype)
         out = operand_values(a, dtype) @ operand_values(b, dtype)
-        out = compiled_cast.run(_scale_result, result_dtype, out, inv_a, inv_b)
+        left = [inv for inv, x in ((inv_a, a), (inv_b, b)) if not _dequantized(x, dtype)]
+        out = compiled_cast.run(_scale_result, result_dtype, out, *left)
     else:
         if (
             a.data.device.type == "cpu"
@@ -157,13 +158,22 @@ def operand_values(x: Fp8Tensor, dtype: torch.dtype) -> torch.Tensor:
     return compiled_cast.run(_convert, dtype, x.data)
 
 
+def _dequantized(x: Fp8Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`operand_values` gives ``x``'s values divided by its scale already."""
+    return x.dequantized and x.values is not None and x.values.dtype is dtype
+
+
 def _convert(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
     """Through float32, exact: Inductor's direct float8 -> bfloat16 code is scalar."""
     return x.to(torch.float32).to(dtype)
 
 
-def _scale_result(
-    dtype: torch.dtype, out: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor
-) -> torch.Tensor:
-    """``out * inv_a * inv_b`` in float32 (two roundings) rounded to ``dtype``: one pass."""
-    return (out.to(torch.float32) * inv_a * inv_b).to(dtype)
+def _scale_result(dtype: torch.dtype, out: torch.Tensor, *inverses: torch.Tensor) -> torch.Tensor:
+    """``out`` times the inverse scales left to apply (none, one or two; one float32
+    rounding each), rounded to ``dtype``: one pass."""
+    if not inverses:
+        return out.to(dtype)
+    scaled = out.to(torch.float32)
+    for inverse in inverses:
+        scaled = scaled * inverse
+    return scaled.to(dtype)

@@ -65,6 +65,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         w_saved = _parts(wq) if ctx.reuse_w else (weight,)
         ctx.save_for_backward(*x_saved, *w_saved)
         ctx.x_parts = len(x_saved)
+        ctx.dequantized = (xq.dequantized, wq.dequantized)
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -75,10 +76,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         x_saved, saved = saved[: ctx.x_parts], saved[ctx.x_parts :]
         if ctx.reuse_x:
-            x_q = Fp8Tensor(*x_saved)
+            x_q = _restored(x_saved, ctx.dequantized[0])
         else:
             x2 = x_saved[0]
-        w_gi = Fp8Tensor(*saved) if ctx.reuse_w else None
+        w_gi = _restored(saved, ctx.dequantized[1]) if ctx.reuse_w else None
         w_high = None if ctx.reuse_w else saved[0]
         go = grad.reshape(-1, grad.shape[-1])
         goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1, out_dtype=grad.dtype)
@@ -112,6 +113,13 @@ def _parts(q: Fp8Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors of ``q`` to save for backward: bytes and scale, and the GEMM operand
     where the cast wrote one (an emulating layer: no conversion pass in backward)."""
     return (q.data, q.scale) if q.values is None else (q.data, q.scale, q.values)
+
+
+def _restored(parts: list[torch.Tensor], dequantized: bool) -> Fp8Tensor:
+    """The :class:`Fp8Tensor` that :func:`_parts` saved."""
+    if len(parts) == 2:
+        return Fp8Tensor(parts[0], parts[1])
+    return Fp8Tensor(parts[0], parts[1], parts[2], dequantized)
 
 
 class Float8Linear(torch.nn.Linear):

@@ -130,7 +130,10 @@ def scaled_mm(
         dtype = gemm_dtype(out_dtype)
         out = operand_values(a, dtype) @ operand_values(b, dtype)
         left = [inv for inv, x in ((inv_a, a), (inv_b, b)) if not _dequantized(x, dtype)]
-        out = compiled_cast.run(_scale_result, result_dtype, out, *left)
+        if left:
+            out = compiled_cast.run(_scale_result, result_dtype, out, *left)
+        else:  # both folded into the operands: the GEMM's result is the result
+            out = out.to(result_dtype)
     else:
         if (
             a.data.device.type == "cpu"
@@ -176,10 +179,8 @@ def _convert(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_result(dtype: torch.dtype, out: torch.Tensor, *inverses: torch.Tensor) -> torch.Tensor:
-    """``out`` times the inverse scales left to apply (none, one or two; one float32
-    rounding each), rounded to ``dtype``: one pass."""
-    if not inverses:
-        return out.to(dtype)
+    """``out`` times the inverse scales left to apply (one or two; one float32 rounding
+    each), rounded to ``dtype``: one pass."""
     scaled = out.to(torch.float32)
     for inverse in inverses:
         scaled = scaled * inverse

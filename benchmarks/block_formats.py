@@ -127,8 +127,10 @@ def run_cpu(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         print(f"{torch.get_num_threads()} thread(s): bf16-mixed {ms:.1f} ms/step")
         for name in [v for v in variants if v != "bf16-mixed"]:
             figure = ratio(times, name, "bf16-mixed")
+            ratios = [a / b for a, b in zip(times[name], times["bf16-mixed"], strict=True)]
             print(
                 f"  {name:<26} {figure:6.2f}x bf16-mixed   {'ok' if figure <= 1.5 else 'over 1.5x'}"
+                f"   (repeats {min(ratios):.2f}-{max(ratios):.2f}x)"
             )
             figures.setdefault(name, {})[f"threads={torch.get_num_threads()}"] = figure
     print(f"load after: {os.getloadavg()}")

@@ -29,10 +29,10 @@ import torch
 from amped._internal import torch_compat
 from amped.fp8.block_cast import BlockTensor
 from amped.fp8.block_operand import BlockOperand
+from amped.fp8.gemm import gemm_dtype
 
 __all__ = [
     "block_mm",
-    "gemm_dtype",
     "has_block_scaled_mm",
     "operand_mm",
     "swizzle_scales",
@@ -108,7 +108,7 @@ def operand_mm(
     """``a @ b.T`` of two block operands (``[M, K]`` and ``[N, K]``, blocked along K, any
     layout) in ``out_dtype``: :func:`block_mm` (the same bits), the emulation from the
     block values :func:`~amped.fp8.block_operand.block_operand` made in
-    :func:`gemm_dtype`, the hardware GEMM from their casts."""
+    :func:`~amped.fp8.gemm.gemm_dtype`, the hardware GEMM from their casts."""
     if emulate:
         if a.values is None or b.values is None:
             raise ValueError("An emulated block GEMM needs the operands' block values")
@@ -120,8 +120,3 @@ def operand_mm(
     if a.tensor_scale is not None and b.tensor_scale is not None:
         out = out.to(torch.float32) * (a.tensor_scale * b.tensor_scale)
     return out.to(out_dtype)
-
-
-def gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
-    """The dtype an emulated block GEMM with an ``out_dtype`` result multiplies in."""
-    return torch.float32 if out_dtype is torch.float32 else torch.bfloat16

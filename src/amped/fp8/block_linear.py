@@ -30,12 +30,7 @@ import torch
 from amped._internal.errors import type_error
 from amped.fp8.block_cast import check_block_multiple
 from amped.fp8.block_config import BlockConfig
-from amped.fp8.block_gemm import (
-    gemm_dtype,
-    has_block_scaled_mm,
-    operand_mm,
-    require_block_scaled_mm,
-)
+from amped.fp8.block_gemm import has_block_scaled_mm, operand_mm, require_block_scaled_mm
 from amped.fp8.block_operand import BlockOperand, block_operand
 from amped.fp8.conv1d import (
     is_conv1d,
@@ -45,6 +40,7 @@ from amped.fp8.conv1d import (
     low_precision_class,
 )
 from amped.fp8.fsdp_block_wire import gathered_block
+from amped.fp8.gemm import gemm_dtype
 from amped.fp8.hadamard import HADAMARD_SIZE, hadamard_rows, hadamard_signs
 from amped.fp8.health import record_gemm
 

@@ -22,6 +22,10 @@ two and four eager ones; eager for tensors under its ``MIN_ELEMENTS``), the same
 functions giving the same bits eagerly (tests/test_fp8_compiled_cast.py): a maximum
 is exact in any order, and the cast is one float32 product, a clamp and one rounding.
 The scale itself, one number per tensor or row, is computed eagerly.
+
+For an emulated GEMM (:mod:`amped.fp8.gemm`) the cast pass also writes the FP8 values
+as the GEMM's operand (``values_dtype``: bfloat16 or float32, both exact for every
+e4m3 and e5m2 value), in the same loop, so no second pass converts the bytes.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ __all__ = [
     "cast_saturated",
     "check_fp8_dtype",
     "check_granularity",
+    "check_values_dtype",
     "quantize",
     "sqnr",
 ]
@@ -58,15 +63,22 @@ class Fp8Tensor(NamedTuple):
     """FP8 ``data`` with the ``scale`` it was multiplied by (``x ~= data / scale``).
 
     ``scale`` is a float32 scalar (tensorwise) or has ``data``'s shape with the reduced
-    dim of size 1 (rowwise).
+    dim of size 1 (rowwise). ``values``, when the cast was asked for them
+    (``values_dtype``), is the operand an emulated GEMM multiplies, in bfloat16 or
+    float32: ``data`` converted exactly, or, where ``dequantized`` (a power-of-two
+    scale the cast computed), ``data / scale``, also exact; None otherwise.
     """
 
     data: torch.Tensor
     scale: torch.Tensor
+    values: torch.Tensor | None = None
+    dequantized: bool = False
 
     def t(self) -> Fp8Tensor:
-        """The transpose of a 2-D quantized tensor (data and scale transposed together)."""
-        return Fp8Tensor(self.data.t(), self.scale.t() if self.scale.dim() == 2 else self.scale)
+        """The transpose of a 2-D quantized tensor (data, scale and values together)."""
+        scale = self.scale.t() if self.scale.dim() == 2 else self.scale
+        values = None if self.values is None else self.values.t()
+        return Fp8Tensor(self.data.t(), scale, values, self.dequantized)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data / scale`` in ``dtype`` (computed in float32)."""
@@ -136,12 +148,36 @@ def cast_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     largest finite one gives NaN on older torch, and e5m2 would give inf.
     """
     check_fp8_dtype(dtype)
-    return compiled_cast.run(_cast_kernel, dtype, x, scale)
+    return compiled_cast.run(_cast_kernel, (dtype, None, False), x, scale)[0]
 
 
-def _cast_kernel(dtype: torch.dtype, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _cast_kernel(
+    spec: tuple[torch.dtype, torch.dtype | None, bool], x: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The FP8 bytes, and with a ``values_dtype`` (the spec's second entry) the same
+    values in it, divided by the scale where the third entry says so: one loop. The
+    conversion goes through float32 (exact both ways): Inductor's CPU code for a direct
+    float8 -> bfloat16 conversion is scalar, 2-3 times slower."""
+    dtype, values_dtype, dequantize = spec
     fp8_max = torch.finfo(dtype).max
-    return (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(dtype)
+    data = (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(dtype)
+    if values_dtype is None:
+        return data, None
+    values = data.to(torch.float32)
+    if dequantize:
+        values = values / scale
+    return data, values.to(values_dtype)
+
+
+def check_values_dtype(values_dtype: torch.dtype | None) -> None:
+    """Refuse a GEMM operand dtype other than bfloat16 and float32 (the exact ones)."""
+    if values_dtype not in (None, torch.bfloat16, torch.float32):
+        raise value_error(
+            "FP8 values are written exactly as torch.bfloat16 or torch.float32 (or None: "
+            "no values)",
+            "values_dtype",
+            values_dtype,
+        )
 
 
 @torch.no_grad()
@@ -152,10 +188,16 @@ def quantize(
     dim: int = -1,
     power_of_2: bool = False,
     scale: torch.Tensor | None = None,
+    values_dtype: torch.dtype | None = None,
 ) -> Fp8Tensor:
     """Quantize ``x`` to ``dtype`` with a scale from its own amax, or the ``scale`` given.
 
     For rowwise scaling, ``dim`` is the dim reduced over (``-1``: one scale per row).
+    ``values_dtype`` (bfloat16 or float32): also return the FP8 values converted to it
+    (``.values``, the operand of an emulated GEMM), written by the same pass; with
+    ``power_of_2`` and no ``scale`` given, divided by their power-of-two scale
+    (``.dequantized``): exact, short of float32's subnormal range, and the GEMM then has
+    no scales left to apply.
 
     Example:
         >>> import torch
@@ -163,9 +205,13 @@ def quantize(
         >>> q.scale, q.dequantize()
         (tensor(128.), tensor([ 0.5000, -3.0000]))
     """
+    check_fp8_dtype(dtype)
+    check_values_dtype(values_dtype)
+    dequantize = values_dtype is not None and power_of_2 and scale is None
     if scale is None:
         scale = amax_to_scale(amax_of(x, granularity, dim), dtype, power_of_2)
-    return Fp8Tensor(cast_saturated(x, scale, dtype), scale)
+    data, values = compiled_cast.run(_cast_kernel, (dtype, values_dtype, dequantize), x, scale)
+    return Fp8Tensor(data, scale, values, dequantize)
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:

@@ -10,18 +10,41 @@ computed in bfloat16 and then converted, on every path, so that emulation and
 hardware round the same way.
 
 The emulation (every CPU) multiplies the FP8 *values* and applies the scales to the
-float32 result: ``(float32(a.data) @ float32(b.data)) * inv_a * inv_b``, rounded to
-``out_dtype`` once. The matmul runs in oneDNN's bfloat16 math mode
-(``torch.backends.mkldnn.matmul.fp32_precision = "bf16"``, set around that call only):
-oneDNN converts its float32 inputs to bfloat16, which is exact for FP8 values (e4m3
-and e5m2 have at most 3 mantissa bits), multiplies them exactly and accumulates in
-float32, at about twice the cost of a bfloat16 GEMM and under half that of a float32
-one on an AMX CPU (docs/history/fp8-speed.md). A CPU without bfloat16 units runs the
-same call as an ordinary float32 matmul: the same exact products. So every product is
-exact and the result differs from an FP8 kernel's (torch's CPU ``_scaled_mm``, which
-torchao calls, or a GPU's) only in the order its float32 sums are taken and in where
-the scales are applied; tests/test_fp8_torchao.py holds it to 40 dB of SQNR against
-torchao and to the float32-accumulation bound of the exact float64 product.
+result, as the block GEMMs do (:mod:`amped.fp8.block_gemm`)::
+
+    out = round_to_out((values_a @ values_b) * inv_a * inv_b)
+
+The values of e4m3 and e5m2 (at most 4 significant bits) are exact in bfloat16 and
+float32, so every product in the GEMM is exact. The GEMM's dtype follows the output
+(:func:`gemm_dtype`):
+
+- **bfloat16 or float16 output** (every FP8 recipe: their bases are bfloat16): a
+  bfloat16 ``mm`` of bfloat16 values. oneDNN accumulates it in float32 (AMX and
+  AVX512-BF16 on CPUs: 21 against 128 ms for a float32 GEMM of 2048 x 512 @ 512 x 2048
+  on one thread, docs/history/fp8-speed.md) and rounds the sum once to bfloat16; the
+  scales then multiply that in float32 and the result is rounded to the output dtype,
+  a second rounding. So against an FP8 kernel (torch's CPU ``_scaled_mm``, which
+  torchao calls, or a GPU's), which scales the float32 sum and rounds once, the
+  emulation differs by float32 summation order and by that extra bfloat16 rounding
+  (at most one bfloat16 ulp more; 51 dB against torchao's tensorwise layer).
+- **float32 output**: a float32 ``mm`` of float32 values, the float32 sum scaled in
+  float32: exact products, float32 sums, no bfloat16 rounding (rowwise pairs still
+  round to bfloat16, as torch's rowwise kernels write only bfloat16).
+
+Where an operand's scale is a power of two that its cast computed (every rowwise rule,
+and tensorwise with ``power_of_2``), the cast writes its values already divided by the
+scale (:attr:`~amped.fp8.cast.Fp8Tensor.dequantized`; exact), so that scale is not
+applied after the GEMM. A power-of-two factor commutes with every rounding short of
+float32's subnormal range, so this gives the bits of scaling after; with both scales
+folded the GEMM's one rounding is the only one (the rowwise layers match torchao's
+bitwise).
+
+The values come from the cast (:func:`~amped.fp8.cast.quantize` with
+``values_dtype``, written by the cast's own pass) or, for an operand cast without them
+(a weight FSDP2 all-gathered as FP8 bytes, a caller's own :class:`Fp8Tensor`), from
+one compiled conversion. tests/test_fp8_torchao.py holds the emulation to 40 dB of SQNR against
+torchao, tests/test_fp8_cast.py to the bound of float32 accumulation plus these
+roundings around the exact float64 product.
 """
 
 from __future__ import annotations
@@ -34,7 +57,7 @@ from amped._internal import torch_compat
 from amped.fp8 import compiled_cast
 from amped.fp8.cast import Fp8Tensor
 
-__all__ = ["has_scaled_mm", "pad_inner", "scaled_mm"]
+__all__ = ["gemm_dtype", "has_scaled_mm", "operand_values", "pad_inner", "scaled_mm"]
 
 
 @functools.cache
@@ -94,17 +117,23 @@ def scaled_mm(
         a: ``[M, K]`` FP8 operand, tensorwise (scalar scale) or rowwise (``[M, 1]``).
         b: ``[K, N]`` FP8 operand, tensorwise or column-wise (``[1, N]``).
         out_dtype: float32, bfloat16 or float16.
-        emulate: multiply the FP8 values exactly with float32 sums and scale the result
-            (see the module) instead of calling ``_scaled_mm``.
+        emulate: multiply the FP8 values (exact products, float32 sums) in
+            :func:`gemm_dtype` and scale the result (see the module) instead of calling
+            ``_scaled_mm``.
         use_fast_accum: let the kernel accumulate in reduced precision (Hopper's
             fast-accumulation mode; ignored on CPU and by the emulation).
     """
     inv_a, inv_b = _pair_scales(a, b)
     rowwise = inv_a.dim() == 2
-    gemm_dtype = torch.bfloat16 if rowwise else out_dtype
+    result_dtype = torch.bfloat16 if rowwise else out_dtype
     if emulate:
-        out = _values_mm(a.data, b.data)
-        out = compiled_cast.run(_scale_result, gemm_dtype, out, inv_a, inv_b)
+        dtype = gemm_dtype(out_dtype)
+        out = operand_values(a, dtype) @ operand_values(b, dtype)
+        left = [inv for inv, x in ((inv_a, a), (inv_b, b)) if not _dequantized(x, dtype)]
+        if left:
+            out = compiled_cast.run(_scale_result, result_dtype, out, *left)
+        else:  # both folded into the operands: the GEMM's result is the result
+            out = out.to(result_dtype)
     else:
         if (
             a.data.device.type == "cpu"
@@ -120,40 +149,39 @@ def scaled_mm(
             a, b = pad_inner(a, b)
         a_data = a.data if a.data.is_contiguous() else a.data.contiguous()
         b_data = b.data if b.data.t().is_contiguous() else b.data.t().contiguous().t()
-        out = torch_compat.scaled_mm(a_data, b_data, inv_a, inv_b, gemm_dtype, use_fast_accum)
+        out = torch_compat.scaled_mm(a_data, b_data, inv_a, inv_b, result_dtype, use_fast_accum)
     return out if out.dtype is out_dtype else out.to(out_dtype)
 
 
-def _values_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of two FP8 tensors' values: exact products, float32 sums, float32 result.
-
-    On a CPU the float32 matmul runs in oneDNN's bfloat16 math mode, set for this call
-    only (a global flag of torch's: another thread's float32 matmul running at this
-    very moment would also get it); the bfloat16 conversion is exact for FP8 values.
-    Inside a ``torch.compile`` trace (where the flag cannot be set) and off CPU it is a
-    plain float32 matmul: the same exact products, summed by another kernel.
-    """
-    a32 = compiled_cast.run(_to_float32, None, a)
-    b32 = compiled_cast.run(_to_float32, None, b)
-    if a.device.type != "cpu" or torch.compiler.is_compiling():
-        return a32 @ b32
-    matmul = torch.backends.mkldnn.matmul  # type: ignore[attr-defined]  # set at import
-    previous = matmul.fp32_precision
-    matmul.fp32_precision = "bf16"
-    try:
-        return a32 @ b32
-    finally:
-        matmul.fp32_precision = previous
+def gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an emulated FP8 or block GEMM with an ``out_dtype`` result multiplies
+    in: float32 for a float32 result, else bfloat16 (see the module)."""
+    return torch.float32 if out_dtype is torch.float32 else torch.bfloat16
 
 
-def _to_float32(spec: None, x: torch.Tensor) -> torch.Tensor:
-    """FP8 values in float32 (exact). Compiled on a CPU (amped.fp8.compiled_cast): torch's
-    eager FP8 conversion is scalar code, some 15 ns an element."""
-    return x.to(torch.float32)
+def operand_values(x: Fp8Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x``'s FP8 values in ``dtype`` (exact): those its cast wrote, or converted now
+    (compiled on a CPU: torch's eager FP8 conversion is scalar code, some 15 ns an
+    element)."""
+    if x.values is not None and x.values.dtype is dtype:
+        return x.values
+    return compiled_cast.run(_convert, dtype, x.data)
 
 
-def _scale_result(
-    dtype: torch.dtype, out: torch.Tensor, inv_a: torch.Tensor, inv_b: torch.Tensor
-) -> torch.Tensor:
-    """``out * inv_a * inv_b`` (two float32 roundings) rounded to ``dtype``: one pass."""
-    return (out * inv_a * inv_b).to(dtype)
+def _dequantized(x: Fp8Tensor, dtype: torch.dtype) -> bool:
+    """Whether :func:`operand_values` gives ``x``'s values divided by its scale already."""
+    return x.dequantized and x.values is not None and x.values.dtype is dtype
+
+
+def _convert(dtype: torch.dtype, x: torch.Tensor) -> torch.Tensor:
+    """Through float32, exact: Inductor's direct float8 -> bfloat16 code is scalar."""
+    return x.to(torch.float32).to(dtype)
+
+
+def _scale_result(dtype: torch.dtype, out: torch.Tensor, *inverses: torch.Tensor) -> torch.Tensor:
+    """``out`` times the inverse scales left to apply (one or two; one float32 rounding
+    each), rounded to ``dtype``: one pass."""
+    scaled = out.to(torch.float32)
+    for inverse in inverses:
+        scaled = scaled * inverse
+    return scaled.to(dtype)

@@ -4,8 +4,9 @@ Forward casts input and weight, backward casts grad_output, each by its
 :class:`~amped.fp8.config.CastRule`, and each GEMM goes through
 :func:`~amped.fp8.gemm.scaled_mm`. What backward needs is saved quantized where the
 forward cast can be reused (tensorwise input and weight: the FP8 bytes and a scale,
-a quarter of a float32 copy); rowwise rules scale the backward operands along
-another dim, so those save the high-precision tensor and cast it again.
+a quarter of a float32 copy; an emulating layer also keeps the bfloat16 operand its
+cast wrote, so its backward converts nothing); rowwise rules scale the backward
+operands along another dim, so those save the high-precision tensor and cast it again.
 
 Bias is added after the GEMM in the output dtype. Under an autocast region the
 input is first cast to the region's dtype (bfloat16 for the FP8 recipes); the layer
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error
-from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
+from amped.fp8.cast import Fp8Tensor, amax_of, quantize
 from amped.fp8.config import CastRule, Fp8Config
 from amped.fp8.conv1d import (
     is_conv1d,
@@ -37,7 +38,7 @@ from amped.fp8.delayed import (
     reduce_max,
 )
 from amped.fp8.fsdp_wire import gathered_fp8
-from amped.fp8.gemm import has_scaled_mm, scaled_mm
+from amped.fp8.gemm import gemm_dtype, has_scaled_mm, scaled_mm
 from amped.fp8.health import Operand, record_gemm
 
 __all__ = ["Float8Linear"]
@@ -50,19 +51,21 @@ class _Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: Float8Linear) -> Any:
         cfg = layer.fp8_config
         x2 = x.reshape(-1, x.shape[-1])
-        xq = layer.fp8_cast(x2, cfg.input, INPUT, dim=-1)
+        xq = layer.fp8_cast(x2, cfg.input, INPUT, dim=-1, out_dtype=x.dtype)
         wq = gathered_fp8(weight)  # FSDP2 all-gathered it cast already (amped.fp8.fsdp_wire)
         if wq is None:
-            wq = layer.fp8_cast(weight, cfg.weight, WEIGHT, dim=-1)
+            wq = layer.fp8_cast(weight, cfg.weight, WEIGHT, dim=-1, out_dtype=x.dtype)
         out = scaled_mm(
             xq, wq.t(), x.dtype, emulate=layer.fp8_emulate, use_fast_accum=cfg.fast_accum_output
         )
         record_gemm(layer, "forward", "output", out, {"input": (x2, xq), "weight": (weight, wq)})
         ctx.reuse_x = cfg.input.granularity == "tensorwise" and not cfg.grad_weight_hp
         ctx.reuse_w = cfg.weight.granularity == "tensorwise" and cfg.w_gi == cfg.weight
-        x_saved = (xq.data, xq.scale) if ctx.reuse_x else (x2,)
-        w_saved = (wq.data, wq.scale) if ctx.reuse_w else (weight,)
+        x_saved = _parts(xq) if ctx.reuse_x else (x2,)
+        w_saved = _parts(wq) if ctx.reuse_w else (weight,)
         ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.x_parts = len(x_saved)
+        ctx.dequantized = (xq.dequantized, wq.dequantized)
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -71,18 +74,19 @@ class _Fp8LinearFunction(torch.autograd.Function):
         layer: Float8Linear = ctx.layer
         cfg = layer.fp8_config
         saved = list(ctx.saved_tensors)
+        x_saved, saved = saved[: ctx.x_parts], saved[ctx.x_parts :]
         if ctx.reuse_x:
-            x_q, saved = Fp8Tensor(saved[0], saved[1]), saved[2:]
+            x_q = _restored(x_saved, ctx.dequantized[0])
         else:
-            x2, saved = saved[0], saved[1:]
-        w_gi = Fp8Tensor(saved[0], saved[1]) if ctx.reuse_w else None
+            x2 = x_saved[0]
+        w_gi = _restored(saved, ctx.dequantized[1]) if ctx.reuse_w else None
         w_high = None if ctx.reuse_w else saved[0]
         go = grad.reshape(-1, grad.shape[-1])
-        goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1)
+        goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1, out_dtype=grad.dtype)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             if w_gi is None:  # rowwise over the output dim: one scale per input feature
-                w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0)
+                w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0, out_dtype=grad.dtype)
             grad_x = scaled_mm(goq, w_gi, grad.dtype, emulate=layer.fp8_emulate)
             operands: dict[str, Operand] = {"grad_output": (go, goq), "weight": (w_high, w_gi)}
             record_gemm(layer, "grad_input", "grad_input", grad_x, operands)
@@ -94,15 +98,28 @@ class _Fp8LinearFunction(torch.autograd.Function):
             else:
                 go_gw = goq
                 if cfg.grad_output.granularity == "rowwise":  # one scale per output feature
-                    go_gw = layer.fp8_cast(go, cfg.grad_output, None, dim=0)
+                    go_gw = layer.fp8_cast(go, cfg.grad_output, None, dim=0, out_dtype=grad.dtype)
                 if not ctx.reuse_x:  # one scale per input feature
-                    x_q = layer.fp8_cast(x2, cfg.input, None, dim=0)
+                    x_q = layer.fp8_cast(x2, cfg.input, None, dim=0, out_dtype=grad.dtype)
                 grad_w = scaled_mm(go_gw.t(), x_q, grad.dtype, emulate=layer.fp8_emulate)
                 x_high = None if ctx.reuse_x else x2
                 operands = {"grad_output": (go, go_gw), "input": (x_high, x_q)}
             record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands)
             grad_w = grad_w.to(ctx.w_dtype)
         return grad_x, grad_w, None
+
+
+def _parts(q: Fp8Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors of ``q`` to save for backward: bytes and scale, and the GEMM operand
+    where the cast wrote one (an emulating layer: no conversion pass in backward)."""
+    return (q.data, q.scale) if q.values is None else (q.data, q.scale, q.values)
+
+
+def _restored(parts: list[torch.Tensor], dequantized: bool) -> Fp8Tensor:
+    """The :class:`Fp8Tensor` that :func:`_parts` saved."""
+    if len(parts) == 2:
+        return Fp8Tensor(parts[0], parts[1])
+    return Fp8Tensor(parts[0], parts[1], parts[2], dequantized)
 
 
 class Float8Linear(torch.nn.Linear):
@@ -180,13 +197,19 @@ class Float8Linear(torch.nn.Linear):
         """The :class:`~amped.fp8.config.DelayedScaling` rule, or None for dynamic scaling."""
         return self.fp8_config.delayed
 
-    def fp8_cast(self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int) -> Fp8Tensor:
-        """Quantize ``x`` by ``rule``: dynamically, or with the delayed scale of ``role``
-        (:meth:`fp8_delayed_scale`)."""
+    def fp8_cast(
+        self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int, out_dtype: torch.dtype
+    ) -> Fp8Tensor:
+        """Quantize ``x`` by ``rule`` for a GEMM with an ``out_dtype`` result:
+        dynamically, or with the delayed scale of ``role`` (:meth:`fp8_delayed_scale`).
+        An emulating layer's cast also writes the GEMM's operand, the FP8 values in
+        :func:`~amped.fp8.gemm.gemm_dtype` (``.values``)."""
+        values_dtype = gemm_dtype(out_dtype) if self.fp8_emulate else None
+        power_of_2 = self.fp8_config.power_of_2
         if self.fp8_config.delayed is None or role is None:
-            return quantize(x, rule.dtype, rule.granularity, dim, self.fp8_config.power_of_2)
+            return quantize(x, rule.dtype, rule.granularity, dim, power_of_2, None, values_dtype)
         scale = self.fp8_delayed_scale(amax_of(x).to(torch.float32), role)
-        return Fp8Tensor(cast_saturated(x, scale, rule.dtype), scale)
+        return quantize(x, rule.dtype, scale=scale, values_dtype=values_dtype)
 
     @torch.no_grad()
     def fp8_delayed_scale(

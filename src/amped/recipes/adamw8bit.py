@@ -42,7 +42,7 @@ from amped._internal.torch_compat import python_mode_active
 from amped.recipes import fused as fused_kernels
 from amped.recipes import quantized_state as q8
 from amped.recipes import sharded_state
-from amped.recipes.adamw8bit_fused import adamw8bit_
+from amped.recipes.adamw8bit_fused import adamw8bit_, adamw_float_moments_
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
 from amped.recipes.rounding import kahan_add_, rounded_with_noise_
@@ -212,7 +212,8 @@ class CompensatedAdamW8bit(SeededOptimizer):
             return False
         if param.dtype is not torch.bfloat16 or group["compensation"] != "stochastic":
             return False
-        if not q8.quantizes(param.numel()) or type(param) not in (torch.Tensor, nn.Parameter):
+        # One element: torch.compile(dynamic=True) would specialize and compile again.
+        if param.numel() < 2 or type(param) not in (torch.Tensor, nn.Parameter):
             return False
         assert param.grad is not None
         if not (param.is_contiguous() and param.grad.is_contiguous()):
@@ -241,17 +242,21 @@ class CompensatedAdamW8bit(SeededOptimizer):
         ]
         device = param.device
         assert param.grad is not None
+        values = torch.tensor(scalars, dtype=torch.float32, device=device)
+        if not q8.quantizes(param.numel()):  # float32 moments
+            avg, avg_sq = state["exp_avg"], state["exp_avg_sq"]
+            if not (avg.is_contiguous() and avg_sq.is_contiguous()):
+                return False
+            flat_args = (param.grad.view(-1), param.detach().view(-1), avg.view(-1))
+            args = (*flat_args, avg_sq.view(-1), values, self._start(param))
+            return adamw_float_moments_(bool(self.fused), args)
         flat = (
             param.grad.view(-1),
             param.detach().view(-1),
             state["exp_avg_codes"].view(-1),
             state["exp_avg_sq_codes"].view(-1),
         )
-        tables = (
-            q8.thresholds(True, device),
-            q8.thresholds(False, device),
-            torch.tensor(scalars, dtype=torch.float32, device=device),
-        )
+        tables = (q8.thresholds(True, device), q8.thresholds(False, device), values)
         start = self._start(param)
         for first, end in _pieces(param.numel()):
             # (blocks, BLOCK) views: the kernel's loops then share one extent (see

@@ -248,8 +248,8 @@ class CompensatedAdamW8bit(SeededOptimizer):
             if not (avg.is_contiguous() and avg_sq.is_contiguous()):
                 return False
             flat_args = (param.grad.view(-1), param.detach().view(-1), avg.view(-1))
-            args = (*flat_args, avg_sq.view(-1), values, self._start(param))
-            return adamw_float_moments_(bool(self.fused), args)
+            small = (*flat_args, avg_sq.view(-1), values, self._start(param))
+            return adamw_float_moments_(bool(self.fused), small)
         flat = (
             param.grad.view(-1),
             param.detach().view(-1),

@@ -111,9 +111,10 @@ class CompensatedAdamW8bit(SeededOptimizer):
             stochastically; no buffer) or ``"kahan"`` (a compensation buffer per
             weight, 2 more bytes a parameter).
         seed: seeds the stochastic rounding's random stream.
-        fused: ``None`` (default): step each bfloat16 tensor with quantized moments by
-            one compiled kernel (:mod:`amped.recipes.adamw8bit_fused`) under stochastic
-            rounding, where torch.compile can build it, else eagerly, with one warning;
+        fused: ``None`` (default): step each bfloat16 tensor of two or more elements
+            by one compiled kernel (:mod:`amped.recipes.adamw8bit_fused`; one for
+            quantized moments, one for float32 moments) under stochastic rounding,
+            where torch.compile can build it, else eagerly, with one warning;
             ``True``: an error instead where it cannot; ``False``: always eager.
 
     Example:

@@ -38,11 +38,11 @@ import torch
 from torch import nn
 
 from amped._internal.errors import value_error
-from amped._internal.torch_compat import foreach_copy_, python_mode_active
+from amped._internal.torch_compat import python_mode_active
 from amped.recipes import fused as fused_kernels
 from amped.recipes import quantized_state as q8
 from amped.recipes import sharded_state
-from amped.recipes.adamw8bit_fused import adamw8bit_, adamw_float_moments_
+from amped.recipes.adamw8bit_fused import adamw8bit_
 from amped.recipes.noise import draw_keys, hashed_noise_
 from amped.recipes.registry import Compensation
 from amped.recipes.rounding import kahan_add_, rounded_with_noise_
@@ -111,10 +111,9 @@ class CompensatedAdamW8bit(SeededOptimizer):
             stochastically; no buffer) or ``"kahan"`` (a compensation buffer per
             weight, 2 more bytes a parameter).
         seed: seeds the stochastic rounding's random stream.
-        fused: ``None`` (default): step each bfloat16 tensor of two or more elements
-            by one compiled kernel (:mod:`amped.recipes.adamw8bit_fused`; one for
-            quantized moments, one for float32 moments) under stochastic rounding,
-            where torch.compile can build it, else eagerly, with one warning;
+        fused: ``None`` (default): step each bfloat16 tensor with quantized moments by
+            one compiled kernel (:mod:`amped.recipes.adamw8bit_fused`) under stochastic
+            rounding, where torch.compile can build it, else eagerly, with one warning;
             ``True``: an error instead where it cannot; ``False``: always eager.
 
     Example:
@@ -147,8 +146,6 @@ class CompensatedAdamW8bit(SeededOptimizer):
         super().__init__(params, defaults, seed, fused)
         self._key: torch.Tensor | None = None  # this step's noise key, drawn on first use
         self._offsets: dict[torch.Tensor, int] = {}
-        # Element numbers of small tensors stepped together, by (offset, numel) of each.
-        self._numbers: dict[tuple[tuple[int, int], ...], torch.Tensor] = {}
 
     # -- the step ---------------------------------------------------------------------
 
@@ -161,24 +158,8 @@ class CompensatedAdamW8bit(SeededOptimizer):
         stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         for param in stepped:  # refuse before anything is written
             self._refuse(param, self._group(param))
-        # Small tensors that the fused step takes go in one kernel call per group and
-        # step count (the call, not the arithmetic, is most of their cost).
-        small: dict[tuple[int, int], list[torch.Tensor]] = {}
         for param in stepped:
-            group = self._group(param)
-            state = self.state[param]
-            if q8.quantizes(param.numel()) or not self._fusable(param, group):
-                self.step_parameter(param)
-                continue
-            if "step" not in state:
-                self._init_state(param, group, state)
-            state["step"] += 1
-            small.setdefault((id(group), state["step"]), []).append(param)
-        for params in small.values():
-            if not self._step_small(params):
-                for param in params:  # the eager step, which counts the step itself
-                    self.state[param]["step"] -= 1
-                    self.step_parameter(param)
+            self.step_parameter(param)
         self.end_step()
         return loss
 
@@ -231,8 +212,7 @@ class CompensatedAdamW8bit(SeededOptimizer):
             return False
         if param.dtype is not torch.bfloat16 or group["compensation"] != "stochastic":
             return False
-        # One element: torch.compile(dynamic=True) would specialize and compile again.
-        if param.numel() < 2 or type(param) not in (torch.Tensor, nn.Parameter):
+        if not q8.quantizes(param.numel()) or type(param) not in (torch.Tensor, nn.Parameter):
             return False
         assert param.grad is not None
         if not (param.is_contiguous() and param.grad.is_contiguous()):
@@ -245,9 +225,7 @@ class CompensatedAdamW8bit(SeededOptimizer):
             )
         return reason is None
 
-    @staticmethod
-    def _values(group: dict, count: int, device: torch.device) -> torch.Tensor:
-        """The fused kernels' float32 ``values`` (see ``adamw8bit_fused._adamw8bit``)."""
+    def _step_fused(self, param: torch.Tensor, group: dict, state: dict, count: int) -> bool:
         lr, wd = group["lr"], group["weight_decay"]
         beta1, beta2 = group["betas"]
         decoupled = group["decoupled_weight_decay"]
@@ -261,53 +239,19 @@ class CompensatedAdamW8bit(SeededOptimizer):
             -lr / (1 - beta1**count),
             -lr * wd if decoupled else 0.0,
         ]
-        return torch.tensor(scalars, dtype=torch.float32, device=device)
-
-    def _step_small(self, params: list[torch.Tensor]) -> bool:
-        """One fused step of small tensors (float32 moments) of one group and step count,
-        laid end to end; False where the kernel cannot run (nothing written)."""
-        states = [self.state[p] for p in params]
-        for state in states:
-            if not (state["exp_avg"].is_contiguous() and state["exp_avg_sq"].is_contiguous()):
-                return False
-        device = params[0].device
-        values = self._values(self._group(params[0]), states[0]["step"], device)
-        self._start(params[0])  # draws this step's key if no parameter has yet
-        assert self._key is not None
-        key = self._key.to(device)
-        place = tuple((self._offsets[p], p.numel()) for p in params)
-        numbers = self._numbers.get(place)
-        if numbers is None:  # each element's number, as the int32 with its bits
-            numbers = torch.cat(
-                [torch.arange(p.numel(), dtype=torch.int64) + self._offsets[p] for p in params]
-            )
-            numbers = ((numbers + (1 << 31)) % (1 << 32) - (1 << 31)).to(torch.int32)
-            numbers = self._numbers[place] = numbers.to(device)
-        grads = [p.grad.view(-1) for p in params]  # type: ignore[union-attr]
-        weights = [p.detach().view(-1) for p in params]
-        moments = [[s[key_].view(-1) for s in states] for key_ in ("exp_avg", "exp_avg_sq")]
-        rows = [torch.cat(part) for part in (grads, weights, *moments)]
-        args = (*rows, values, numbers, key)
-        if not adamw_float_moments_(bool(self.fused), args):
-            return False
-        sizes = [p.numel() for p in params]
-        for targets, row in zip((weights, *moments), rows[1:], strict=True):
-            foreach_copy_(targets, list(row.split(sizes)))
-        return True
-
-    def _step_fused(self, param: torch.Tensor, group: dict, state: dict, count: int) -> bool:
-        if not q8.quantizes(param.numel()):  # float32 moments
-            return self._step_small([param])
         device = param.device
         assert param.grad is not None
-        values = self._values(group, count, device)
         flat = (
             param.grad.view(-1),
             param.detach().view(-1),
             state["exp_avg_codes"].view(-1),
             state["exp_avg_sq_codes"].view(-1),
         )
-        tables = (q8.thresholds(True, device), q8.thresholds(False, device), values)
+        tables = (
+            q8.thresholds(True, device),
+            q8.thresholds(False, device),
+            torch.tensor(scalars, dtype=torch.float32, device=device),
+        )
         start = self._start(param)
         for first, end in _pieces(param.numel()):
             # (blocks, BLOCK) views: the kernel's loops then share one extent (see
@@ -465,5 +409,4 @@ class CompensatedAdamW8bit(SeededOptimizer):
         state = super().__getstate__()
         state["_key"] = None
         state["_offsets"] = {}
-        state["_numbers"] = {}
         return state

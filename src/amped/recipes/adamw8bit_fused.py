@@ -21,13 +21,8 @@ loop has the same extent and the kernel is about a fifth faster
 (:func:`amped.recipes.quantized_state.decode`, equal to the map on every code), not
 by a lookup in the map, which Inductor compiles to a scalar loop per vector.
 
-Covered: bfloat16 parameters under stochastic rounding, those whose moments are
-quantized by :func:`_adamw8bit`, one call per tensor (or piece), and the small ones
-(float32 moments, at least two elements) by :func:`_adamw_float_moments`, laid end to
-end, one call per parameter group and step count (stepped one at a time, as
-optimizer-in-backward does, one call each): on the encoder's 32 norms and biases the
-eager step took 10.6 ms, one call per tensor 4.3 ms, one call for all about 1.1 ms. The rest (one
-element, Kahan, float32 and float16 parameters, FSDP2 shards) steps eagerly.
+Covered: bfloat16 parameters whose moments are quantized, under stochastic rounding.
+The rest (small tensors, Kahan, float32 and float16 parameters) steps eagerly.
 
 Numerics: the eager step's float32 ops in its order, with its random bits, and the
 same bits come out (``tests/test_recipes_8bit_fused.py`` checks weights, codes and
@@ -41,10 +36,10 @@ from __future__ import annotations
 import torch
 
 from amped.recipes import fused
-from amped.recipes.fused import _canonical, _hashed, _noise, _plus, _stochastic
+from amped.recipes.fused import _canonical, _noise, _stochastic
 from amped.recipes.quantized_state import decode, encode
 
-__all__ = ["adamw8bit_", "adamw_float_moments_"]
+__all__ = ["adamw8bit_"]
 
 _MIN_SCALE = 1e-12
 
@@ -97,42 +92,6 @@ def _adamw8bit(
     value = _canonical(w + update)
     noise = _noise(value.numel(), start, value.device).view(value.shape)
     weight.copy_(_stochastic(value, torch.bfloat16, noise))
-
-
-def _adamw_float_moments(
-    grad: torch.Tensor,
-    weight: torch.Tensor,
-    avg: torch.Tensor,
-    avg_sq: torch.Tensor,
-    values: torch.Tensor,
-    numbers: torch.Tensor,
-    key: torch.Tensor,
-) -> None:
-    """The step of tensors too small to quantize, whose moments ``avg`` and ``avg_sq``
-    are float32, all flat (one tensor or several laid end to end): the eager step's ops
-    and roundings, as in :func:`_adamw8bit` without the codes. ``numbers``: each
-    element's number in the optimizer's noise (int32), to which the step's ``key`` is
-    added. The decay terms are skipped where their factor is 0, as the eager
-    step skips them (``0 * inf`` would be NaN), and maximizing negates the gradient."""
-    g = grad.float()
-    g = torch.where(values[0] < 0, -g, g)  # neg_(): also flips a NaN's sign, as eager
-    w = weight.float()
-    g = _plus(g, w, values[1])  # grad + wd * weight under Adam's L2 form
-    new_avg = avg + values[2] * (g - avg)
-    new_avg_sq = avg_sq + values[3] * (g * g - avg_sq)
-    avg.copy_(new_avg)
-    avg_sq.copy_(new_avg_sq)
-    denom = new_avg_sq.sqrt() / values[4] + values[5]
-    update = _plus(new_avg / denom * values[6], w, values[7])  # AdamW's decay
-    value = _canonical(w + update)
-    weight.copy_(_stochastic(value, torch.bfloat16, _hashed(numbers + key)))
-
-
-def adamw_float_moments_(strict: bool, args: tuple[torch.Tensor, ...]) -> bool:
-    """Run :func:`_adamw_float_moments` compiled on ``args`` (see it); False where it
-    cannot be compiled (``strict``: raise instead)."""
-    who = "amped's CompensatedAdamW8bit"
-    return fused.run(_adamw_float_moments, args[0].device.type, strict, args, (), who=who)
 
 
 def adamw8bit_(strict: bool, args: tuple[torch.Tensor, ...]) -> bool:

@@ -133,11 +133,7 @@ def run(
 
 def _noise(numel: int, start: torch.Tensor, device: torch.device) -> torch.Tensor:
     """:func:`amped.recipes.noise.hashed_noise_` of element numbers ``0..numel``."""
-    return _hashed(torch.arange(numel, dtype=torch.int32, device=device) + start)
-
-
-def _hashed(x: torch.Tensor) -> torch.Tensor:
-    """The 16 random bits of each int32 element number in ``x`` (lowbias32's top half)."""
+    x = torch.arange(numel, dtype=torch.int32, device=device) + start
     x = (x ^ ((x >> 16) & 0xFFFF)) * _M1
     x = (x ^ ((x >> 15) & 0x1FFFF)) * _M2
     return (x >> 16) & 0xFFFF

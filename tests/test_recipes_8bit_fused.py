@@ -10,16 +10,22 @@ from amped.recipes import adamw8bit
 from amped.recipes.adamw8bit import CompensatedAdamW8bit
 
 
-def _run(fused: bool, steps: int, decoupled: bool):
+def _run(fused: bool, steps: int, decoupled: bool, maximize: bool = False):
     g = torch.Generator().manual_seed(0)
     params = [
         nn.Parameter((torch.randn(64, 256, generator=g) * 0.05).bfloat16()),
         nn.Parameter((torch.randn(8192, generator=g) * 0.05).bfloat16()),
         nn.Parameter((torch.randn(300, 1024, generator=g) * 0.05).bfloat16()),  # 2 pieces
         nn.Parameter((torch.randn(100, generator=g) * 0.05).bfloat16()),  # eager: small
+        nn.Parameter((torch.randn(3, 7, generator=g) * 0.05).bfloat16()),  # eager: small
     ]
     opt = CompensatedAdamW8bit(
-        params, lr=1e-3, weight_decay=0.1, decoupled_weight_decay=decoupled, fused=fused
+        params,
+        lr=1e-3,
+        weight_decay=0.1,
+        decoupled_weight_decay=decoupled,
+        maximize=maximize,
+        fused=fused,
     )
     grads = torch.Generator().manual_seed(1)
     for _ in range(steps):
@@ -30,15 +36,19 @@ def _run(fused: bool, steps: int, decoupled: bool):
 
 
 @pytest.mark.slow  # compiles the kernel (20-40 s on a loaded 2-core machine)
-@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam-l2"])
-def test_fused_step_is_the_eager_step_bitwise(decoupled: bool) -> None:
+@pytest.mark.parametrize(
+    ("decoupled", "maximize"),
+    [(True, False), (False, False), (True, True)],
+    ids=["adamw", "adam-l2", "adamw-maximize"],
+)
+def test_fused_step_is_the_eager_step_bitwise(decoupled: bool, maximize: bool) -> None:
     # Both steps round every float32 operation on its own (lerp as m + w * (g - m), a
     # correctly rounded sqrt), read the same map entries (decode computed in the kernel,
     # looked up eagerly), find codes by the same encode and draw the same random bits:
     # after five steps the weights, codes and scales are the same bits. A 300 x 1024
-    # tensor steps in two pieces.
-    fused, opt_f = _run(True, 5, decoupled)
-    eager, opt_e = _run(False, 5, decoupled)
+    # tensor steps in two pieces; the small tensors step eagerly in both.
+    fused, opt_f = _run(True, 5, decoupled, maximize)
+    eager, opt_e = _run(False, 5, decoupled, maximize)
     for p, q in zip(fused, eager, strict=True):
         assert torch.equal(p.view(torch.int16), q.view(torch.int16))
         state_f, state_e = opt_f.state[p], opt_e.state[q]

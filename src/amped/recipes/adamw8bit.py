@@ -254,7 +254,9 @@ class CompensatedAdamW8bit(SeededOptimizer):
         )
         start = self._start(param)
         for first, end in _pieces(param.numel()):
-            grad, weight, avg_codes, avg_sq_codes = (t[first:end] for t in flat)
+            # (blocks, BLOCK) views: the kernel's loops then share one extent (see
+            # amped.recipes.adamw8bit_fused).
+            grad, weight, avg_codes, avg_sq_codes = (t[first:end].view(-1, q8.BLOCK) for t in flat)
             blocks = slice(first // q8.BLOCK, end // q8.BLOCK)
             args = (
                 grad,

@@ -3,14 +3,21 @@
 The eager 8-bit step (:mod:`amped.recipes.adamw8bit`) runs about forty torch ops over
 each parameter: dequantize both moments, ``lerp``, quantize (a block maximum, the
 code computed from each value and one threshold lookup), the update and the
-stochastic rounding. Here the same ops are one function of a flat range of whole
-blocks of the parameter (its gradient, weight, codes and scales), compiled with
+stochastic rounding. Here the same ops are one function of a range of whole blocks
+of the parameter (its gradient, weight and codes viewed as ``(blocks, BLOCK)``, and its
+scales), compiled with
 ``torch.compile(dynamic=True)`` through :func:`amped.recipes.fused.run` (the
 compensated optimizers' machinery: one compile per process, a warning and the eager
 step where it cannot compile). It reads the bfloat16 gradient and weight and the
 one-byte codes once and writes the weight, codes and scales once; Inductor keeps some
 float32 intermediates in memory (about 22 bytes an element), so the optimizer calls it
-on pieces of a large tensor. The moments are decoded by arithmetic
+on pieces of a large tensor. The caller passes the ``(blocks, BLOCK)`` views, not flat
+tensors: from a flat tensor of symbolic size ``s`` the kernel's ``view(-1, BLOCK)`` has
+``256 * (s // 256)`` elements, which Inductor cannot prove equal to ``s``, so it split
+the kernel into block loops and flat loops with a modulo in every flat index, and
+realized the map positions to a float32 buffer between them; with 2-D inputs every
+loop has the same extent and the kernel is about a fifth faster
+(docs/history/issue-27-memory.md, fifth pass). The moments are decoded by arithmetic
 (:func:`amped.recipes.quantized_state.decode`, equal to the map on every code), not
 by a lookup in the map, which Inductor compiles to a scalar loop per vector.
 
@@ -30,7 +37,7 @@ import torch
 
 from amped.recipes import fused
 from amped.recipes.fused import _canonical, _noise, _stochastic
-from amped.recipes.quantized_state import BLOCK, decode, encode
+from amped.recipes.quantized_state import decode, encode
 
 __all__ = ["adamw8bit_"]
 
@@ -45,14 +52,14 @@ def _quantize(
     scale: torch.Tensor,
 ) -> None:
     """:func:`amped.recipes.quantized_state.quantize` of ``blocks`` (``(n, BLOCK)``),
-    written into flat ``codes`` and ``scale``: the same ops."""
+    written into ``codes`` (``(n, BLOCK)``) and ``scale`` (``(n,)``): the same ops."""
     block_scale = blocks.abs().amax(-1, keepdim=True).clamp(min=_MIN_SCALE)
-    codes.view(-1, BLOCK).copy_(encode(blocks / block_scale, thresholds, signed))
+    codes.copy_(encode(blocks / block_scale, thresholds, signed))
     scale.copy_(block_scale.view(-1))
 
 
 def _dequantize(codes: torch.Tensor, scale: torch.Tensor, signed: bool) -> torch.Tensor:
-    return decode(codes.view(-1, BLOCK), signed) * scale.view(-1, 1)
+    return decode(codes, signed) * scale.view(-1, 1)
 
 
 def _adamw8bit(
@@ -67,11 +74,12 @@ def _adamw8bit(
     values: torch.Tensor,
     start: torch.Tensor,
 ) -> None:
-    """One parameter's step, on its flat tensors seen as blocks. ``values``: the
+    """One parameter's step (or a piece's): ``grad``, ``weight`` and the codes are
+    ``(n, BLOCK)`` views, the scales ``(n,)``. ``values``: the
     gradient's sign (maximize), Adam's L2 decay, ``1 - beta1``, ``1 - beta2``, ``sqrt(1 -
     beta2**step)``, eps, ``-lr / (1 - beta1**step)``, AdamW's ``-lr * weight_decay``."""
-    g = grad.view(-1, BLOCK).float() * values[0]
-    w = weight.view(-1, BLOCK).float()
+    g = grad.float() * values[0]
+    w = weight.float()
     g = g + values[1] * w  # add(weight, alpha=wd) under Adam's L2 form; 0 otherwise
     avg = _dequantize(avg_codes, avg_scale, True)
     avg_sq = _dequantize(avg_sq_codes, avg_sq_scale, False)
@@ -81,13 +89,13 @@ def _adamw8bit(
     _quantize(avg_sq, unsigned_thresholds, False, avg_sq_codes, avg_sq_scale)
     denom = avg_sq.sqrt() / values[4] + values[5]
     update = avg / denom * values[6] + values[7] * w
-    value = _canonical(w + update).view(-1)
-    noise = _noise(value.shape[0], start, value.device)
+    value = _canonical(w + update)
+    noise = _noise(value.numel(), start, value.device).view(value.shape)
     weight.copy_(_stochastic(value, torch.bfloat16, noise))
 
 
 def adamw8bit_(strict: bool, args: tuple[torch.Tensor, ...]) -> bool:
-    """Run :func:`_adamw8bit` compiled on ``args`` (flat tensors, see it); False where it
+    """Run :func:`_adamw8bit` compiled on ``args`` (see it); False where it
     cannot be compiled (``strict``: raise instead)."""
     device_type = args[0].device.type
     who = "amped's CompensatedAdamW8bit"

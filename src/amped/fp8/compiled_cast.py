@@ -138,7 +138,7 @@ def run(function: Callable[..., Any], spec: Hashable, x: torch.Tensor, *args: An
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
         _broken["cpu"] = reason
         warnings.warn(
-            f"amped could not compile its block cast kernels on cpu ({reason}); the "
+            f"amped could not compile its FP8 and block cast kernels on cpu ({reason}); the "
             "casts run eagerly, which gives the same values more slowly",
             RuntimeWarning,
             stacklevel=3,

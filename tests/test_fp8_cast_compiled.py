@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from amped.fp8 import compiled_cast
-from amped.fp8.cast import cast_saturated, quantize
+from amped.fp8.cast import Fp8Tensor, cast_saturated, quantize
 from amped.fp8.gemm import scaled_mm
+from two_processes import run_in_two_processes
 
 pytestmark = pytest.mark.compiled_casts
 
@@ -62,14 +63,44 @@ def _eager(monkeypatch, function, *args, **kwargs):
         return function(*args, **kwargs)
 
 
+def _compile_scaling(scaling, threads):
+    """In a worker process: ``scaling``'s compiled casts, {(fp8, special): (bits, scale)}, and
+    whether the kernels compiled (a failed compile warns and casts eagerly: then the
+    comparison would prove nothing)."""
+    torch.set_num_threads(threads)  # the kernels are compiled for the test's thread count
+    compiled_cast.MIN_ELEMENTS = 0  # as the compiled_casts marker has it (conftest.py)
+    granularity, dim, power_of_2 = SCALINGS[scaling]
+    casts = {}
+    for fp8 in (E4M3, E5M2):
+        for special in (False, True):
+            x = _suite((64, 96), torch.bfloat16, special)
+            cast = quantize(x, fp8, granularity, dim, power_of_2)
+            casts[fp8, special] = cast.data.view(torch.uint8), cast.scale  # FP8 bits pickle
+    return casts, compiled_cast.compiles(x)
+
+
+@pytest.fixture(scope="module")
+def compiled_casts():
+    """Each scaling's compiled casts, {scaling: (casts, compiled)}, in two worker
+    processes (tests/two_processes.py): each kernel is a cold compile of seconds, one at
+    a time in a process. The same function, shapes, dtypes and thread count as here."""
+    threads = torch.get_num_threads()
+    return run_in_two_processes(_compile_scaling, {s: (s, threads) for s in SCALINGS})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
 @pytest.mark.parametrize("scaling", list(SCALINGS))
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
-def test_compiled_quantize_is_the_eager_one_bitwise(fp8, scaling, special, monkeypatch):
+def test_compiled_quantize_is_the_eager_one_bitwise(
+    fp8, scaling, special, compiled_casts, monkeypatch
+):
     granularity, dim, power_of_2 = SCALINGS[scaling]
     x = _suite((64, 96), torch.bfloat16, special)
-    compiled = quantize(x, fp8, granularity, dim, power_of_2)
+    casts, compiled_ok = compiled_casts[scaling]
+    assert compiled_ok
+    bits, scale = casts[fp8, special]
+    compiled = Fp8Tensor(bits.view(fp8), scale)
     eager = _eager(monkeypatch, quantize, x, fp8, granularity, dim, power_of_2)
     assert _same(compiled.data, eager.data)
     assert _same(compiled.scale, eager.scale)
@@ -81,7 +112,8 @@ def test_compiled_quantize_is_the_eager_one_bitwise(fp8, scaling, special, monke
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
 def test_compiled_float32_cast_with_a_given_scale_saturates_as_eager(special, monkeypatch):
     """The delayed-scaling path: a scale from history, so values past the range saturate."""
-    x = _suite((48, 80), torch.float32, special, seed=1)
+    # The GEMM test's operand shape: one e4m3 float32 cast kernel serves both.
+    x = _suite((64, 96), torch.float32, special, seed=1)
     scale = torch.tensor(2.0**10)  # most of the suite lands past e4m3's 448
     compiled = cast_saturated(x, scale, E4M3)
     eager = _eager(monkeypatch, cast_saturated, x, scale, E4M3)

@@ -10,8 +10,6 @@ so those tests are slow; the rest of the suite runs the casts eagerly (conftest.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
@@ -22,9 +20,11 @@ from amped.fp8.block_format import BLOCK_FORMATS
 from amped.fp8.block_operand import block_operand
 from amped.fp8.e2m1 import E2M1_VALUES
 from amped.fp8.hadamard import hadamard_rows, hadamard_signs
+from two_processes import run_in_two_processes
 
 pytestmark = pytest.mark.compiled_casts
 
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CASES = {  # name: (format, blocked dim, 16x16 tiles)
     "mxfp8": ("mxfp8", -1, False),
     "mxfp8-dim0": ("mxfp8", 0, False),
@@ -65,16 +65,48 @@ def _same(a, b):
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+def _compile_case(case, dtype, threads):
+    """In a worker process: ``case``'s operand of the finite and of the NaN/inf suite,
+    compiled (one kernel serves both), and whether the kernel compiled (a failed
+    compile warns and casts eagerly: then the comparison would prove nothing)."""
+    torch.set_num_threads(threads)  # the kernel is compiled for the test's thread count
+    compiled_cast.MIN_ELEMENTS = 0  # as the compiled_casts marker has it (conftest.py)
+    name, dim, tiles = CASES[case]
+    operands = {}
+    for special in (False, True):
+        x = _suite((64, 96), dtype, special=special)
+        kwargs = dict(dim=dim, tile_2d=tiles, dtype=dtype, keep_cast=True)
+        operands[special] = block_operand(x, BLOCK_FORMATS[name], **kwargs)
+    return operands, compiled_cast.compiles(x)
+
+
+@pytest.fixture(scope="module")
+def compiled_operands():
+    """Every case's compiled operands, {(case, dtype): ({special: operand}, compiled)}.
+
+    Each kernel is a cold compile of seconds, one at a time in a process: two worker
+    processes share them (tests/two_processes.py), the same function, shapes, dtypes
+    and thread count as here.
+    """
+    threads = torch.get_num_threads()
+    cases = {(case, dtype): (case, dtype, threads) for case in CASES for dtype in DTYPES.values()}
+    return run_in_two_processes(_compile_case, cases)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 @pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_compiled_operand_is_the_eager_one_bitwise(case, special, dtype, monkeypatch):
+def test_compiled_operand_is_the_eager_one_bitwise(
+    case, special, dtype, compiled_operands, monkeypatch
+):
     name, dim, tiles = CASES[case]
     fmt = BLOCK_FORMATS[name]
     x = _suite((64, 96), dtype, special=special)
     kwargs = dict(dim=dim, tile_2d=tiles, dtype=dtype, keep_cast=True)
-    compiled = block_operand(x, fmt, **kwargs)
+    operands, compiled_ok = compiled_operands[case, dtype]
+    assert compiled_ok
+    compiled = operands[special]
     eager = _eager(monkeypatch, x, fmt, **kwargs)
     assert _same(compiled.values, eager.values)
     assert _same(compiled.cast.elements, eager.cast.elements)
@@ -87,13 +119,15 @@ def test_compiled_operand_is_the_eager_one_bitwise(case, special, dtype, monkeyp
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
-def test_compiled_operand_is_the_cast_torchao_matches_read_back(case):
+def test_compiled_operand_is_the_cast_torchao_matches_read_back(case, compiled_operands):
     """The values are ``quantize_block(x).block_values()`` (of ``x.t()`` for dim 0), and
     the cast kept is quantize_block's (of the transposed operand for dim 0)."""
     name, dim, tiles = CASES[case]
     fmt = BLOCK_FORMATS[name]
-    x = _suite((64, 96), torch.bfloat16, seed=3, special=False)  # NaN bits: test above
-    operand = block_operand(x, fmt, dim=dim, tile_2d=tiles, keep_cast=True)
+    x = _suite((64, 96), torch.bfloat16, special=False)  # NaN bits: test above
+    operands, compiled_ok = compiled_operands[case, torch.bfloat16]
+    assert compiled_ok
+    operand = operands[False]
     source = x.t() if dim == 0 else x
     reference = quantize_block(source.contiguous(), fmt, tile_2d=tiles)
     operand = operand.t() if dim == 0 else operand  # what the layers use
@@ -151,25 +185,52 @@ def _convert_every_layer(model: torch.nn.Module, recipe: str) -> None:
         convert_to_fp8(model, FP8_CONFIGS[recipe], module_filter=lambda m, n: True)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "tensorwise", "rowwise", "delayed"])
-def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(recipe, monkeypatch):
-    """Block recipes and FP8 recipes (whose casts and emulated GEMM pieces compile too)."""
+def _training_step(recipe: str) -> list[torch.Tensor]:
+    """One step of a 2-layer MLP, every layer converted: the output and the gradients.
+
+    Both layers are 64 wide, so that the second layer's casts reuse the first's kernels
+    (each distinct shape is a cold compile of seconds): what the test proves, that the
+    layers feed the kernels what the eager casts get, holds at any width; the kernels
+    at other shapes (odd, 3-D, one block, wide) are held to eager above."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
     x = torch.randn(48, 64)  # 48 tokens: padded to the block in the grad-weight GEMM
-    results = []
-    for compiled in (True, False):
-        ours = copy.deepcopy(model)
-        _convert_every_layer(ours, recipe)
-        with monkeypatch.context() as patch:
-            if not compiled:
-                patch.setattr(compiled_cast, "compiles", lambda x: False)
-            with torch.autocast("cpu", torch.bfloat16):
-                out = ours(x)
-            out.float().pow(2).mean().backward()
-        results.append([out, *(p.grad for p in ours.parameters())])
-    for a, b in zip(*results, strict=True):
+    _convert_every_layer(model, recipe)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = model(x)
+    out.float().pow(2).mean().backward()
+    return [out.detach(), *(p.grad for p in model.parameters())]  # (detached: picklable)
+
+
+def _compiled_step(recipe: str, threads: int) -> tuple[list[torch.Tensor], bool]:
+    """In a worker process: the step with the casts compiled, and whether they compiled."""
+    torch.set_num_threads(threads)  # the kernels are compiled for the test's thread count
+    compiled_cast.MIN_ELEMENTS = 0  # as the compiled_casts marker has it (conftest.py)
+    return _training_step(recipe), compiled_cast.compiles(torch.zeros(()))
+
+
+STEP_RECIPES = ["mxfp8", "nvfp4", "tensorwise", "rowwise", "delayed"]
+
+
+@pytest.fixture(scope="module")
+def compiled_steps():
+    """Each recipe's compiled step, {recipe: (tensors, compiled)}, in two worker
+    processes (tests/two_processes.py): some ten kernels a recipe, each a cold compile."""
+    threads = torch.get_num_threads()
+    return run_in_two_processes(_compiled_step, {r: (r, threads) for r in STEP_RECIPES})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", STEP_RECIPES)
+def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(
+    recipe, compiled_steps, monkeypatch
+):
+    """Block recipes and FP8 recipes (whose casts and emulated GEMM pieces compile too)."""
+    compiled, compiled_ok = compiled_steps[recipe]
+    assert compiled_ok
+    monkeypatch.setattr(compiled_cast, "compiles", lambda x: False)
+    eager = _training_step(recipe)
+    for a, b in zip(compiled, eager, strict=True):
         assert _same(a, b)
 
 

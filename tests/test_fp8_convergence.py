@@ -26,6 +26,7 @@ CONVERGED_REL = 0.03
 def test_fp8_recipes_converge_like_bf16_mixed(tmp_path, capsys):
     argv = ["compare", "--recipes", ",".join(["bf16-mixed", *FP8]), "--steps", "100"]
     argv += ["--max-time", "0", "--threads", "1", "--no-progress", "--out", str(tmp_path)]
+    argv += ["--peak-memory", "in-process"]  # no probe process per recipe: losses only here
     assert main(argv) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     runs = {r["name"]: r for r in results["recipes"]}

@@ -1,5 +1,5 @@
 """The choice (amped.tuning.choose): the estimate's path of plans against brute force,
-the first/last-N rule against its definition, and the budget edge cases."""
+the first/last-N rules against their definition, and the budget edge cases."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from amped.tuning.choose import SPEEDUPS, best_rule, plan_path, within
+from amped.tuning.choose import SPEEDUPS, plan_path, rule_plans, within
 from amped.tuning.measure import FormatMeasurement, LayerMeasurement
 
 FORMATS = ("fp8-rowwise", "mxfp8", "nvfp4")
@@ -108,19 +108,12 @@ def test_hopper_never_chooses_a_format_without_a_speedup() -> None:
     assert plan_path(layers, "blackwell")[-1].layers == {"a": "nvfp4"}
 
 
-def test_rule_is_the_best_first_last_n_rule_within_budget() -> None:
+def test_rule_plans_are_every_first_last_n_rule_once_in_the_estimates_order() -> None:
     rng = random.Random(3)
     layers = _layers(rng, 6)
-    budget = 1.5
-    rule = best_rule(layers, budget, "blackwell")
-    assert rule.estimate <= budget
-    assert rule.first is not None and rule.last is not None
-    kept = [m.name for m in layers[: rule.first]] + [
-        m.name for m in layers[len(layers) - rule.last :]
-    ]
-    assert all(rule.layers[name] == "bf16" for name in kept)
-    assert {f for f in rule.layers.values()} <= {"bf16", rule.format}
-    # Its definition, enumerated: no rule within budget saves more.
+    rules = rule_plans(layers, "blackwell")
+    # Its definition, enumerated: each distinct lowered set of some rule, exactly once.
+    expected = set()
     for fmt in FORMATS:
         for first in range(len(layers) + 1):
             for last in range(len(layers) - first + 1):
@@ -128,9 +121,17 @@ def test_rule_is_the_best_first_last_n_rule_within_budget() -> None:
                 for m in layers[first : len(layers) - last]:
                     if fmt in m.formats:
                         plan[m.name] = fmt
-                if _cost(layers, plan) <= budget:
-                    assert _saving(layers, plan, "blackwell") <= rule.saving + 1e-6
-    # The path's last plan within the budget is optimal at its own estimate, not at the
-    # budget, so a rule may save more (the verification rounds then move up the path).
-    path = plan_path(layers, "blackwell")
-    assert path[within(path, budget)].estimate <= budget
+                if any(f != "bf16" for f in plan.values()):
+                    expected.add(tuple(plan.items()))
+    got = [tuple(rule.layers.items()) for rule in rules]
+    assert len(got) == len(set(got)) and set(got) == expected
+    for rule in rules:
+        assert rule.first is not None and rule.last is not None
+        kept = [m.name for m in layers[: rule.first]] + [
+            m.name for m in layers[len(layers) - rule.last :]
+        ]
+        assert all(rule.layers[name] == "bf16" for name in kept)
+        assert {f for f in rule.layers.values()} <= {"bf16", rule.format}
+        assert rule.estimate == pytest.approx(_cost(layers, rule.layers))
+        assert rule.saving == pytest.approx(_saving(layers, rule.layers, "blackwell"))
+    assert [r.estimate for r in rules] == sorted(r.estimate for r in rules)

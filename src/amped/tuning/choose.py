@@ -20,7 +20,6 @@ from amped.tuning.measure import LayerMeasurement
 __all__ = [
     "SPEEDUPS",
     "Choice",
-    "best_rule",
     "plan_path",
     "rule_plans",
     "speedups",
@@ -182,33 +181,3 @@ def rule_plans(measured: list[LayerMeasurement], target: str) -> list[Choice]:
     for rule in rules:
         distinct.setdefault(tuple(rule.layers.items()), rule)
     return list(distinct.values())
-
-
-def best_rule(measured: list[LayerMeasurement], budget: float, target: str) -> Choice:
-    """The best "first N and last M layers in bf16, the rest in one format" rule within
-    the budget, by the same estimate and saving. Layers the format cannot run stay bf16.
-    Ties: the smaller estimate, then the formats' order, then smaller N, then smaller M."""
-    speed = speedups(target)
-    count = len(measured)
-    formats = list(dict.fromkeys(f for m in measured for f in m.formats))
-    allowed = [{f for f, _, _ in _options(m, speed)} for m in measured]
-    best: Choice | None = None
-    for fmt in formats:
-        for first in range(count + 1):
-            for last in range(count - first + 1):
-                layers = {m.name: "bf16" for m in measured}
-                for index in range(first, count - last):
-                    if fmt in allowed[index]:
-                        layers[measured[index].name] = fmt
-                choice = _summed(measured, layers, speed, first=first, last=last, format=fmt)
-                if choice.estimate > budget:
-                    continue
-                if best is None or (choice.saving, -choice.estimate) > (
-                    best.saving,
-                    -best.estimate,
-                ):
-                    best = choice
-    if best is None:  # no format, or nothing fits: everything in bf16
-        layers = {m.name: "bf16" for m in measured}
-        best = _summed(measured, layers, speed, first=count, last=0, format=None)
-    return best

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -144,18 +145,16 @@ def _compare(args: argparse.Namespace, command: list[str]) -> int:
             paths = write_report(results, out)
         except OSError as error:
             raise RunError(f"Could not write the report into {str(out)!r}: {error}") from None
-        # The report is written: a signal from here on (the first is deferred, a second
-        # raises) can cut the summary short, but it is reported as after the report.
-        try:
-            if args.json:
-                sys.stdout.write(dumps(results))
-                sys.stdout.flush()
-            else:
-                print_summary(results, paths)
-            return _exit_code(comparison, results, args.traceback, interrupt.requested())
-        except KeyboardInterrupt:
-            print("amped: interrupted: results written", file=sys.stderr, flush=True)
-            return interrupt.exit_code()
+        signalled = interrupt.show_written(lambda: _show(args, results, paths))
+        return _exit_code(comparison, results, args.traceback, signalled)
+
+
+def _show(args: argparse.Namespace, results: dict[str, Any], paths: tuple[Path, ...]) -> None:
+    if args.json:
+        sys.stdout.write(dumps(results))
+        sys.stdout.flush()
+    else:
+        print_summary(results, paths)
 
 
 def _exit_code(

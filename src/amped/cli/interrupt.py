@@ -9,12 +9,19 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 from typing import Any
 
-__all__ = ["SIGNALS", "check", "exit_code", "graceful_interrupts", "immediate_interrupts"]
+__all__ = [
+    "SIGNALS",
+    "check",
+    "exit_code",
+    "graceful_interrupts",
+    "immediate_interrupts",
+    "show_written",
+]
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -48,6 +55,18 @@ def check() -> None:
 def requested() -> bool:
     """Whether a signal arrived inside :func:`graceful_interrupts` (without raising)."""
     return _requested.is_set()
+
+
+def show_written(show: Callable[[], None]) -> bool:
+    """Run ``show`` (the terminal summary of a report already written, inside
+    :func:`graceful_interrupts`) and return whether a signal arrived: deferred, or the
+    second one raising while it printed. Either way the report is on disk, so the
+    caller says "interrupted", not that the run failed."""
+    try:
+        show()
+    except KeyboardInterrupt:
+        return True
+    return requested()
 
 
 def exit_code(default: int = 130) -> int:

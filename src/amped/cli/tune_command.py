@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -118,21 +119,19 @@ def _tune(args: argparse.Namespace, command: list[str]) -> int:
             paths = write_report(tuned, context, out)
         except OSError as error:
             raise RunError(f"Could not write the report into {str(out)!r}: {error}") from None
-        # The report is written: a signal from here on (the first is deferred, a second
-        # raises) can cut the summary short, but it is reported as after the report.
-        try:
-            if args.json:
-                sys.stdout.write(dumps(tuned))
-                sys.stdout.flush()
-            else:
-                print_tune(tuned, paths)
-            signalled = interrupt.requested()
-        except KeyboardInterrupt:
-            signalled = True
+        signalled = interrupt.show_written(lambda: _show(args, tuned, paths))
     if signalled:
         print("amped: interrupted: the report is written", file=sys.stderr, flush=True)
         return interrupt.exit_code()
     return exit_code(tuned)
+
+
+def _show(args: argparse.Namespace, tuned: dict[str, Any], paths: tuple[Path, ...]) -> None:
+    if args.json:
+        sys.stdout.write(dumps(tuned))
+        sys.stdout.flush()
+    else:
+        print_tune(tuned, paths)
 
 
 def _run(

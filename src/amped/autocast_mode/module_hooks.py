@@ -39,14 +39,22 @@ def _named(policies: dict[str, Policy]) -> bool:
 
 
 def _rule_for(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule | None:
-    if _named(policies):
-        if not STATE.frames:  # the outermost module call: name its submodules
-            STATE.names = {id(m): name for name, m in module.named_modules()}
+    if len(policies) == 1 and not _is_compiling():  # (traced: no cache, Dynamo guards its size)
+        (policy,) = policies.values()
+        empty = dict[type, ModuleRule | None]
+        by_type = kept(policy, "rule by type", lambda: None if _named(policies) else empty())
+        if by_type is not None:  # rules by type alone: one look-up per class
+            if type(module) not in by_type:
+                by_type[type(module)] = _match(module, policies)
+            return by_type[type(module)]
+    if not _named(policies):
         return _match(module, policies)
-    if _is_compiling() or len(policies) != 1:  # traced: no cache (Dynamo guards its size)
-        return _match(module, policies)
-    ((_, policy),) = policies.items()  # rules by type alone: one look-up per class
-    return kept(policy, ("rule", type(module)), lambda: _match(module, policies))
+    if not STATE.frames:  # the outermost module call: name its submodules
+        STATE.names = {id(m): name for name, m in module.named_modules()}
+    rule = _match(module, policies)
+    if rule is None:
+        STATE.frames.append((module, None))  # (the next call is not the outermost)
+    return rule
 
 
 def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -55,8 +63,6 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
         return None
     rule = _rule_for(module, policies)
     if rule is None:
-        if _named(policies):
-            STATE.frames.append((module, None))  # (the next call is not the outermost)
         return None
     enabled = {dev: torch.is_autocast_enabled(dev) for dev in policies}
     if rule.precision == "low":  # (its region runs the mode: engine._choose_path)

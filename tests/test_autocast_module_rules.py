@@ -224,3 +224,21 @@ def test_after_a_compile_module_rules_reuse_their_graph():
         torch.testing.assert_close(got, eager, **BITWISE)
     assert len(graphs) == 1 and got.dtype == torch.bfloat16
     torch._dynamo.reset()
+
+
+def test_a_name_rule_picks_one_module_of_its_class_region_after_region():
+    # A rule that selects by qualified name runs one Linear among others of its class
+    # (so no answer per class may be kept), on two models in turn under one policy.
+    policy = _TORCH.with_module("1", "fp32")
+    for n in (3, 4):
+        torch.manual_seed(0)
+        model, x = nn.Sequential(*[nn.Linear(8, 8) for _ in range(n)]), torch.randn(2, 8)
+
+        def run(m, x=x):
+            return m(x).float().sum()
+
+        got = _step(model, run, amped.autocast("cpu", policy=policy))
+        unruled = _step(model, run, torch.autocast("cpu"))
+        _custom_fwd(model[1], "fp32")
+        _assert_same(got, _step(model, run, torch.autocast("cpu")))
+        assert not torch.equal(got[0], unruled[0])  # the rule changed the result

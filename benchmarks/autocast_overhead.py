@@ -72,6 +72,7 @@ from amped.autocast_mode.engine import forced_path
 from amped.autocast_mode.mode import AutocastMode
 
 SIDES = ("torch", "engine", "module", "fast", "kernels", "pyop", "amped")
+KERNEL_SIDES = ("fast", "kernels", "pyop")  # the sides whose regions register kernels
 
 
 @amped.autocast_op
@@ -114,7 +115,7 @@ def prepare(side: str) -> None:
     """Register exactly the kernels ``side`` uses (outside the timed part): none for
     torch, engine and amped; cdist's for fast; every rule's for kernels."""
     dispatch.release_kernels()
-    if side in ("fast", "kernels", "pyop"):
+    if side in KERNEL_SIDES:
         with region(side):
             assert current_path(DEVICE) is EnginePath.KERNELS, current_path(DEVICE)
     gc.collect()  # registering allocates: collect now, not inside the timed part
@@ -304,9 +305,9 @@ def paired(measure: Callable[[str], float], sides: tuple[str, ...], repeats: int
 
     A block times torch, the side, the side, torch, back to back (ABBA: a drift linear
     in time cancels), and its ratio is the side's two times over torch's two; the blocks
-    rotate over the sides, ``repeats`` per side. Where the side changes, one untimed
-    step of the new side runs first (registering or releasing kernels clears the
-    dispatcher's caches; in training they stay registered from step to step)."""
+    rotate over the sides, ``repeats`` per side. Where kernels are registered or
+    released (to or from "fast", "kernels", "pyop"), one untimed step runs first: that
+    clears the dispatcher's caches, and in training the kernels stay from step to step."""
     ratios: dict[str, list[float]] = {side: [] for side in sides}
     times: dict[str, list[float]] = {side: [] for side in ("torch", *sides)}
     current = None
@@ -316,7 +317,8 @@ def paired(measure: Callable[[str], float], sides: tuple[str, ...], repeats: int
             for s in ("torch", side, side, "torch"):
                 if s != current:
                     prepare(s)
-                    measure(s)
+                    if {s, current} & set(KERNEL_SIDES):
+                        measure(s)
                     current = s
                 gc.collect()
                 block.append(measure(s))

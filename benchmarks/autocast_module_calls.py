@@ -13,6 +13,9 @@ Python per call. This measures, per call of a module the rule does not match (a
   that do nothing: torch's slow path with amped's two hooks, without their work;
 * "amped": inside ``amped.autocast`` with a module rule matching no module of the models
   (``nn.LSTM`` in float32), amped's hooks idle on every call;
+* "matched": a ``"skip"`` rule that matches the module (autocast off inside it, as
+  ``custom_fwd`` would): what a module the rule selects costs (not multiplied below:
+  how many match depends on the rule);
 
 interleaved, the thread's CPU time, medians over repeats and the interquartile range of
 the paired differences to "none". Then it counts module calls per training step of the
@@ -42,7 +45,8 @@ from torch.nn.modules import module as nn_module
 import amped
 from amped.cli.environment import cpu_name
 
-SIDES = ("none", "pre", "empty", "amped")
+SIDES = ("none", "pre", "empty", "amped", "matched")
+MATCHED = amped.Policy.preset("torch", "cpu").with_module(nn.Identity, "skip")
 
 
 def _nothing(*_: object) -> None:
@@ -62,8 +66,8 @@ def empty_hooks(post: bool) -> Iterator[None]:
 
 
 def region(side: str) -> contextlib.AbstractContextManager:
-    if side == "amped":
-        return amped.autocast("cpu", policy=MODULE_RULE)
+    if side in ("amped", "matched"):
+        return amped.autocast("cpu", policy=MODULE_RULE if side == "amped" else MATCHED)
     if side in ("pre", "empty"):
         stack = contextlib.ExitStack()
         stack.enter_context(torch.autocast("cpu"))
@@ -139,13 +143,13 @@ def main() -> None:
     load = os.getloadavg()
     print(f"torch {torch.__version__}, 1 thread, thread CPU time, {args.repeats} repeats")
     print(f"CPU {cpu_name()}, {os.cpu_count()} cores; load average {load[0]:.2f} {load[1]:.2f}")
-    print("per module call (nn.Identity, unmatched): us, added vs none [IQR of paired]")
+    print("per module call (nn.Identity): us, added vs none [IQR of paired]")
     for side, (median, extra, iqr) in figures.items():
         print(f"  {side:6s} {median:7.3f} us   {extra:+7.3f} us  [{iqr:.3f}]")
-    print("expected step ratio excess = added us x module calls per step / step time")
+    print("expected step ratio, unmatched modules = 1 + added us x module calls per step / step")
     for name in args.models.split(","):
         count, step = module_calls_per_step(name)
-        excess = {side: figures[side][1] * count / (step * 1e6) for side in SIDES[1:]}
+        excess = {side: figures[side][1] * count / (step * 1e6) for side in SIDES[1:-1]}
         print(
             f"  {name:8s} {count:5d} calls/step, step {step * 1e3:7.2f} ms   "
             + "   ".join(f"{side} {1 + e:.4f}" for side, e in excess.items())

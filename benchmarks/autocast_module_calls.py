@@ -1,6 +1,7 @@
 """What a module-rule region costs per module call, and so per training step.
 
-A policy with module rules (the bf16-master / fp16-master recipes) installs global
+A policy with module rules (``Policy.with_module``; the bf16-master / fp16-master recipes
+keep their norms in float32 through hooks on those modules instead) installs global
 module hooks while its region is open (docs/engine.md, "Module rules are module hooks").
 A global hook moves every ``nn.Module.__call__`` off torch's fast path, and the hooks run
 Python per call. This measures, per call of a module the rule does not match (a

@@ -3,7 +3,7 @@
 Each region decides its path on entry (``amped.autocast_mode.current_path``):
 
 * "amped": the default policy, path ``TORCH``: torch's C++ autocast does the casts.
-* "module": a module-rule policy (what the bf16-master / fp16-master recipes use) whose
+* "module": a module-rule policy (``Policy.with_module``) whose
   rule matches no module of these models (``nn.LSTM`` in float32), so it computes what
   torch computes: path ``TORCH`` plus the module rules' global hooks.
 * "fast": a policy that changes one op rule (cdist, which these models never call):

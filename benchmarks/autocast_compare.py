@@ -28,10 +28,12 @@ printed too).
 
 ``--repeats`` counts the samples per side and tree over all rounds: each process takes
 ``ceil(repeats / rounds)`` of them (the overhead script takes at least 5 per-call and
-per-region samples). A process costs about 9 s of CPU per repeat (measured: 135 s at
-15 repeats, 500 calls, load average 13), much of it the garbage collection before each
-sample, so ``--rounds 4 --repeats 15`` (8 processes of 4 repeats) takes about 5 to 6
-minutes.
+per-region samples, and per step one ABBA block per side and repeat). A new-tree process
+took 58 s at 4 repeats (load average 2.5-3; bdcfd6f's, which times one step per side and
+repeat, less), ``--rounds 2 --repeats 10`` 4 min 22 s, so ``--rounds 4 --repeats 15`` (8
+processes of 4 repeats) takes about 7 to 8 minutes. At a load of 3 a step ratio's 95 %
+interval is about +-0.02 to 0.04 with 10 pooled blocks: resolving 0.01 needs an idle
+machine and more blocks (e.g. ``--rounds 8 --repeats 64``).
 """
 
 from __future__ import annotations

@@ -328,6 +328,13 @@ def paired(measure: Callable[[str], float], sides: tuple[str, ...], repeats: int
     return ratios, times
 
 
+FEW_BLOCKS = 10
+FEW_BLOCKS_NOTE = (
+    "a bootstrap interval over fewer than 10 blocks understates the noise; "
+    "do not judge 1.02 from it (use more repeats)"
+)
+
+
 def interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
     """A bootstrap interval of the median of ``values`` (2,000 resamples, seeded)."""
     rng = random.Random(0)
@@ -445,6 +452,8 @@ def main() -> None:
     print("per region (target <= 10):")
     region_cost = per_region(max(5, args.repeats))
     print("train step, eager (target <= 1.02):")
+    if args.repeats < FEW_BLOCKS:
+        print(f"  note: {args.repeats} ABBA blocks per side: {FEW_BLOCKS_NOTE}")
     blocks = {name: train_step(name, args.repeats) for name in args.models.split(",")}
     steps = {
         name: {side: statistics.median(values) for side, values in ratios.items()}

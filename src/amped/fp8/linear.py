@@ -4,8 +4,8 @@ Forward casts input and weight, backward casts grad_output, each by its
 :class:`~amped.fp8.config.CastRule`, and each GEMM goes through
 :func:`~amped.fp8.gemm.scaled_mm`. What backward needs is saved quantized where the
 forward cast can be reused (tensorwise input and weight: the FP8 bytes and a scale,
-a quarter of a float32 copy; an emulating layer also keeps the bfloat16 operand its
-cast wrote, so its backward converts nothing); rowwise rules scale the backward
+a quarter of a float32 copy; an emulating layer keeps the bfloat16 operand its cast
+wrote instead, so its backward converts nothing); rowwise rules scale the backward
 operands along another dim, so those save the high-precision tensor and cast it again.
 
 Bias is added after the GEMM in the output dtype. Under an autocast region the
@@ -66,6 +66,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*x_saved, *w_saved)
         ctx.x_parts = len(x_saved)
         ctx.dequantized = (xq.dequantized, wq.dequantized)
+        ctx.fp8_dtypes = (xq.dtype, wq.dtype)
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -76,10 +77,10 @@ class _Fp8LinearFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         x_saved, saved = saved[: ctx.x_parts], saved[ctx.x_parts :]
         if ctx.reuse_x:
-            x_q = _restored(x_saved, ctx.dequantized[0])
+            x_q = _restored(x_saved, ctx.dequantized[0], ctx.fp8_dtypes[0])
         else:
             x2 = x_saved[0]
-        w_gi = _restored(saved, ctx.dequantized[1]) if ctx.reuse_w else None
+        w_gi = _restored(saved, ctx.dequantized[1], ctx.fp8_dtypes[1]) if ctx.reuse_w else None
         w_high = None if ctx.reuse_w else saved[0]
         go = grad.reshape(-1, grad.shape[-1])
         goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1, out_dtype=grad.dtype)
@@ -110,16 +111,17 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 
 def _parts(q: Fp8Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors of ``q`` to save for backward: bytes and scale, and the GEMM operand
-    where the cast wrote one (an emulating layer: no conversion pass in backward)."""
-    return (q.data, q.scale) if q.values is None else (q.data, q.scale, q.values)
+    """The tensors of ``q`` to save for backward: the bytes and scale, or, where the cast
+    wrote the GEMM's operand instead (an emulating layer), the scale and that operand
+    (backward converts nothing; the bytes are computed from it if read)."""
+    return (q.data, q.scale) if q.values is None else (q.scale, q.values)
 
 
-def _restored(parts: list[torch.Tensor], dequantized: bool) -> Fp8Tensor:
-    """The :class:`Fp8Tensor` that :func:`_parts` saved."""
-    if len(parts) == 2:
+def _restored(parts: list[torch.Tensor], dequantized: bool, dtype: torch.dtype) -> Fp8Tensor:
+    """The :class:`Fp8Tensor` of FP8 ``dtype`` that :func:`_parts` saved."""
+    if parts[0].dtype is dtype:
         return Fp8Tensor(parts[0], parts[1])
-    return Fp8Tensor(parts[0], parts[1], parts[2], dequantized)
+    return Fp8Tensor(None, parts[0], parts[1], dequantized, dtype)
 
 
 class Float8Linear(torch.nn.Linear):

@@ -74,9 +74,10 @@ class Fp8Tensor:
     float32: the FP8 values exactly, or, where ``dequantized`` (a power-of-two scale
     the cast computed), divided by the scale, also exact; None otherwise.
 
-    A cast that wrote ``values`` wrote no bytes: ``data`` is computed from the values on
-    first read (``dtype`` names the FP8 dtype then), the same bits the cast would have
-    written.
+    A cast that wrote ``values`` wrote no bytes (unless an inf or NaN made a
+    power-of-two scale 0 or NaN, where the values cannot give them back): ``data`` is
+    computed from the values on first read (``dtype`` names the FP8 dtype then), the
+    same bits the cast would have written.
     """
 
     __slots__ = ("_data", "dequantized", "dtype", "scale", "values")

@@ -16,6 +16,7 @@ from amped.fp8.cast import (
     cast_saturated,
     fp8_grid,
     quantize,
+    quantize_rows_and_columns,
     sqnr,
 )
 from amped.fp8.gemm import scaled_mm
@@ -123,6 +124,34 @@ def test_fp8_grid_is_the_fp8_conversion_bitwise(dtype):
     nan = torch.isnan(expected)
     assert torch.equal(nan, torch.isnan(got))
     assert torch.equal(got[~nan].view(torch.int32), expected[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("values_dtype", [None, *VALUES_DTYPES], ids=["bytes", "bf16", "fp32"])
+@pytest.mark.parametrize("power_of_2", [True, False], ids=["pow2", "exact-scale"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_rows_and_columns_at_once_are_the_two_rowwise_casts(dtype, power_of_2, values_dtype):
+    """Both orientations of a rowwise cast in one call: the bytes, scales and values of
+    casting along each dim alone, bitwise, an inf and a NaN row included (whose scales
+    are 0 and NaN, so the bytes come from the input, not the values)."""
+    torch.manual_seed(0)
+    x = torch.randn(40, 72, dtype=torch.bfloat16) * torch.exp2(torch.randint(-9, 9, (40, 1)))
+    x[3, 5], x[7, 0], x[9, :4] = float("inf"), float("nan"), -0.0
+    both = quantize_rows_and_columns(x, dtype, power_of_2, values_dtype)
+    for q, dim in zip(both, (-1, 0), strict=True):
+        alone = quantize(x, dtype, "rowwise", dim, power_of_2, None, values_dtype)
+        assert _same_bits(q.data, alone.data) and _same_bits(q.scale, alone.scale)
+        assert q.dequantized == alone.dequantized
+        if values_dtype is not None:
+            assert _same_bits(q.values, alone.values)
+
+
+def _same_bits(a, b):
+    """Bitwise, a NaN equal to any NaN."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    nan = torch.isnan(a.to(torch.float32))
+    bits_a, bits_b = a.view(ints[a.element_size()]), b.view(ints[b.element_size()])
+    same_nans = torch.equal(nan, torch.isnan(b.to(torch.float32)))
+    return same_nans and torch.equal(bits_a[~nan], bits_b[~nan])
 
 
 def test_an_operand_cast_computes_its_bytes_when_read():

@@ -55,6 +55,7 @@ __all__ = [
     "check_values_dtype",
     "fp8_grid",
     "quantize",
+    "quantize_rows_and_columns",
     "sqnr",
 ]
 
@@ -304,11 +305,66 @@ def quantize(
     inverse = (scale.reciprocal(),) if dequantize else ()
     spec = (dtype, values_dtype, dequantize)
     values = compiled_cast.run(_values_kernel, spec, x, scale, *inverse)
+    return _operand(x, dtype, scale, values, dequantize)
+
+
+def _operand(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    scale: torch.Tensor,
+    values: torch.Tensor,
+    dequantized: bool,
+) -> Fp8Tensor:
+    """The :class:`Fp8Tensor` of a cast of ``x`` that wrote ``values``; its bytes too where
+    an inf or NaN made a power-of-two scale 0 or NaN (``values / scale`` is then 0 / 0:
+    the values cannot give the bytes back)."""
     data = None
-    if dequantize and not bool((scale > 0).all()):
-        # An inf or NaN made a scale 0 or NaN: values / scale lost the bytes (0 / 0).
+    if dequantized and not bool((scale > 0).all()):
         data = compiled_cast.run(_bytes_kernel, dtype, x, scale)
-    return Fp8Tensor(data, scale, values, dequantize, dtype)
+    return Fp8Tensor(data, scale, values, dequantized, dtype)
+
+
+@torch.no_grad()
+def quantize_rows_and_columns(
+    x: torch.Tensor, dtype: torch.dtype, power_of_2: bool, values_dtype: torch.dtype | None
+) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """``quantize(x, dtype, "rowwise", dim, power_of_2, values_dtype=values_dtype)`` for
+    ``dim=-1`` and ``dim=0`` of a 2-D ``x``: the same bits, in two passes over ``x``
+    instead of four where the casts write GEMM operands (both amaxes in one kernel, both
+    operands in another). A rowwise grad_output is cast both ways in one backward."""
+    check_fp8_dtype(dtype)
+    check_values_dtype(values_dtype)
+    if values_dtype is None or x.dim() != 2:
+        rows = quantize(x, dtype, "rowwise", -1, power_of_2, None, values_dtype)
+        return rows, quantize(x, dtype, "rowwise", 0, power_of_2, None, values_dtype)
+    row_amax, column_amax = compiled_cast.run(_amaxes_kernel, None, x)
+    row_scale = amax_to_scale(row_amax, dtype, power_of_2)
+    column_scale = amax_to_scale(column_amax, dtype, power_of_2)
+    scales = (row_scale, row_scale.reciprocal(), column_scale, column_scale.reciprocal())
+    spec = (dtype, values_dtype, power_of_2)
+    row_values, column_values = compiled_cast.run(_both_values_kernel, spec, x, *scales)
+    rows = _operand(x, dtype, row_scale, row_values, power_of_2)
+    return rows, _operand(x, dtype, column_scale, column_values, power_of_2)
+
+
+def _amaxes_kernel(spec: None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    magnitude = x.abs()
+    return magnitude.amax(dim=-1, keepdim=True), magnitude.amax(dim=0, keepdim=True)
+
+
+def _both_values_kernel(
+    spec: tuple[torch.dtype, torch.dtype, bool],
+    x: torch.Tensor,
+    row_scale: torch.Tensor,
+    row_inverse: torch.Tensor,
+    column_scale: torch.Tensor,
+    column_inverse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_values_kernel` with the row scales and with the column scales, one loop."""
+    dequantize = spec[2]
+    rows = _values_kernel(spec, x, row_scale, *((row_inverse,) if dequantize else ()))
+    columns = _values_kernel(spec, x, column_scale, *((column_inverse,) if dequantize else ()))
+    return rows, columns
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:

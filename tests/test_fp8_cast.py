@@ -9,7 +9,16 @@ import pytest
 import torch
 
 from amped._internal.torch_compat import cpu_scaled_mm_takes_rowwise
-from amped.fp8.cast import Fp8Tensor, amax_of, amax_to_scale, cast_saturated, quantize, sqnr
+from amped.fp8.cast import (
+    Fp8Tensor,
+    amax_of,
+    amax_to_scale,
+    cast_saturated,
+    fp8_grid,
+    quantize,
+    quantize_rows_and_columns,
+    sqnr,
+)
 from amped.fp8.gemm import scaled_mm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -85,6 +94,78 @@ def test_cast_writes_the_gemm_operand_beside_the_same_fp8_bytes(dtype, granulari
     pow2 = quantize(x, dtype, granularity, dim=0, power_of_2=True, values_dtype=values_dtype)
     assert pow2.dequantized and pow2.values is not None
     assert torch.equal(pow2.values, pow2.dequantize(torch.float64).to(values_dtype))
+
+
+def _every_rounding_case(dtype):
+    """float32 values covering each rounding case of ``dtype``: every mantissa whose low 12
+    bits are zero (every tie and its neighbours, for 2 or 3 kept mantissa bits) and 2048
+    random ones, in every binade from float32's subnormals to past ``dtype``'s largest
+    value (clamped to it, as the casts clamp), both signs, signed zeros and NaN."""
+    g = torch.Generator().manual_seed(0)
+    ties = torch.arange(0, 1 << 23, 1 << 12, dtype=torch.int32)
+    others = torch.randint(0, 1 << 23, (2048,), generator=g, dtype=torch.int32)
+    ones = ((torch.cat([ties, others]) | (127 << 23)).view(torch.float32)).to(torch.float64)
+    top = int(math.log2(torch.finfo(dtype).max)) + 2
+    binades = torch.exp2(torch.arange(-149, top, dtype=torch.float64))
+    v = (ones[None, :] * binades[:, None]).reshape(-1)
+    v = torch.cat([v, -v, torch.tensor([0.0, -0.0, math.nan], dtype=torch.float64)])
+    fp8_max = torch.finfo(dtype).max
+    return v.to(torch.float32).clamp(-fp8_max, fp8_max)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_fp8_grid_is_the_fp8_conversion_bitwise(dtype):
+    """The float32 rounding the casts' GEMM operands are written with gives the values of
+    torch's conversion to ``dtype`` and back, bit for bit (ties to even, subnormals,
+    signed zeros; NaN stays NaN)."""
+    v = _every_rounding_case(dtype)
+    expected = v.to(dtype).to(torch.float32)
+    got = fp8_grid(v, dtype)
+    nan = torch.isnan(expected)
+    assert torch.equal(nan, torch.isnan(got))
+    assert torch.equal(got[~nan].view(torch.int32), expected[~nan].view(torch.int32))
+
+
+@pytest.mark.parametrize("values_dtype", [None, *VALUES_DTYPES], ids=["bytes", "bf16", "fp32"])
+@pytest.mark.parametrize("power_of_2", [True, False], ids=["pow2", "exact-scale"])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_rows_and_columns_at_once_are_the_two_rowwise_casts(dtype, power_of_2, values_dtype):
+    """Both orientations of a rowwise cast in one call: the bytes, scales and values of
+    casting along each dim alone, bitwise, an inf and a NaN row included (whose scales
+    are 0 and NaN, so the bytes come from the input, not the values)."""
+    torch.manual_seed(0)
+    x = torch.randn(40, 72, dtype=torch.bfloat16) * torch.exp2(torch.randint(-9, 9, (40, 1)))
+    x[3, 5], x[7, 0], x[9, :4] = float("inf"), float("nan"), -0.0
+    both = quantize_rows_and_columns(x, dtype, power_of_2, values_dtype)
+    for q, dim in zip(both, (-1, 0), strict=True):
+        alone = quantize(x, dtype, "rowwise", dim, power_of_2, None, values_dtype)
+        assert _same_bits(q.data, alone.data) and _same_bits(q.scale, alone.scale)
+        assert q.dequantized == alone.dequantized
+        if values_dtype is not None:
+            assert _same_bits(q.values, alone.values)
+
+
+def _same_bits(a, b):
+    """Bitwise, a NaN equal to any NaN."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
+    nan = torch.isnan(a.to(torch.float32))
+    bits_a, bits_b = a.view(ints[a.element_size()]), b.view(ints[b.element_size()])
+    same_nans = torch.equal(nan, torch.isnan(b.to(torch.float32)))
+    return same_nans and torch.equal(bits_a[~nan], bits_b[~nan])
+
+
+def test_an_operand_cast_computes_its_bytes_when_read():
+    """A cast that wrote the GEMM operand gives the bytes a plain cast writes, for the
+    tensor and its transpose, and an Fp8Tensor with neither bytes nor values is refused."""
+    x = torch.randn(48, 32, dtype=torch.bfloat16) * 100
+    for dtype in (E4M3, E5M2):
+        plain = quantize(x, dtype, "rowwise", power_of_2=True)
+        q = quantize(x, dtype, "rowwise", power_of_2=True, values_dtype=torch.bfloat16)
+        assert q.dtype is dtype and q.shape == x.shape
+        assert torch.equal(q.t().data.view(torch.uint8), plain.data.t().view(torch.uint8))
+        assert torch.equal(q.data.view(torch.uint8), plain.data.view(torch.uint8))
+    with pytest.raises(ValueError, match="values and FP8 dtype"):
+        Fp8Tensor(None, torch.tensor(1.0))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])

@@ -23,6 +23,7 @@ from two_processes import run_in_two_processes
 pytestmark = pytest.mark.compiled_casts
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+VALUES_DTYPES = (torch.bfloat16, torch.float32)
 SCALINGS = {  # name: (granularity, dim, power_of_2)
     "tensorwise": ("tensorwise", -1, False),
     "tensorwise-pow2": ("tensorwise", -1, True),
@@ -32,13 +33,14 @@ SCALINGS = {  # name: (granularity, dim, power_of_2)
 
 
 def _suite(shape, dtype, special, seed=0):
-    """Gaussian rows spanning 40 binades; a zero row, a subnormal one, and (``special``)
-    a NaN and an inf."""
+    """Gaussian rows spanning 40 binades; a zero row, a subnormal one, negative zeros, and
+    (``special``) a NaN and an inf."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(shape, generator=g)
     x *= torch.exp2(torch.randint(-20, 20, (shape[0], 1), generator=g).float())
     x[0] = 0.0
     x[1] *= 1e-39  # float32 subnormals (bfloat16 ones too)
+    x[2, :3] = -0.0
     if special:
         x[5, 3] = float("nan")
         x[7, 0] = float("-inf")
@@ -76,6 +78,9 @@ def _compile_scaling(scaling, threads):
             x = _suite((64, 96), torch.bfloat16, special)
             cast = quantize(x, fp8, granularity, dim, power_of_2)
             casts[fp8, special] = cast.data.view(torch.uint8), cast.scale  # FP8 bits pickle
+            for values_dtype in VALUES_DTYPES:
+                operand = quantize(x, fp8, granularity, dim, power_of_2, None, values_dtype)
+                casts[fp8, special, values_dtype] = operand.values
     return casts, compiled_cast.compiles(x)
 
 
@@ -106,6 +111,13 @@ def test_compiled_quantize_is_the_eager_one_bitwise(
     assert _same(compiled.scale, eager.scale)
     if not special:
         assert compiled.data.to(torch.float32).abs().max() > 0  # a real cast, not zeros
+    for values_dtype in VALUES_DTYPES:  # the GEMM operand, written without the bytes
+        values = casts[fp8, special, values_dtype]
+        operand = _eager(
+            monkeypatch, quantize, x, fp8, granularity, dim, power_of_2, None, values_dtype
+        )
+        assert _same(values, operand.values)
+        assert _same(operand.data, eager.data)
 
 
 @pytest.mark.slow

@@ -23,14 +23,19 @@ functions giving the same bits eagerly (tests/test_fp8_compiled_cast.py): a maxi
 is exact in any order, and the cast is one float32 product, a clamp and one rounding.
 The scale itself, one number per tensor or row, is computed eagerly.
 
-For an emulated GEMM (:mod:`amped.fp8.gemm`) the cast pass also writes the FP8 values
-as the GEMM's operand (``values_dtype``: bfloat16 or float32, both exact for every
-e4m3 and e5m2 value), in the same loop, so no second pass converts the bytes.
+For an emulated GEMM (:mod:`amped.fp8.gemm`) the cast writes the FP8 values as the
+GEMM's operand instead of the bytes (``values_dtype``: bfloat16 or float32, both exact
+for every e4m3 and e5m2 value), rounding to the FP8 grid with float32 arithmetic
+(:func:`fp8_grid`) rather than converting to FP8 and back: Inductor's CPU code converts
+float32 to and from FP8 with long integer sequences (e5m2 one element at a time), which
+made a cast several times a copy's cost. The bytes of such a cast are computed from
+its values when first read (:attr:`Fp8Tensor.data`; exact), which an emulated training
+step never does.
 """
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import torch
 
@@ -48,7 +53,9 @@ __all__ = [
     "check_fp8_dtype",
     "check_granularity",
     "check_values_dtype",
+    "fp8_grid",
     "quantize",
+    "quantize_rows_and_columns",
     "sqnr",
 ]
 
@@ -59,30 +66,78 @@ EPS = 1e-12
 Granularity = Literal["tensorwise", "rowwise"]
 
 
-class Fp8Tensor(NamedTuple):
+class Fp8Tensor:
     """FP8 ``data`` with the ``scale`` it was multiplied by (``x ~= data / scale``).
 
     ``scale`` is a float32 scalar (tensorwise) or has ``data``'s shape with the reduced
     dim of size 1 (rowwise). ``values``, when the cast was asked for them
     (``values_dtype``), is the operand an emulated GEMM multiplies, in bfloat16 or
-    float32: ``data`` converted exactly, or, where ``dequantized`` (a power-of-two
-    scale the cast computed), ``data / scale``, also exact; None otherwise.
+    float32: the FP8 values exactly, or, where ``dequantized`` (a power-of-two scale
+    the cast computed), divided by the scale, also exact; None otherwise.
+
+    A cast that wrote ``values`` wrote no bytes (unless an inf or NaN made a
+    power-of-two scale 0 or NaN, where the values cannot give them back): ``data`` is
+    computed from the values on first read (``dtype`` names the FP8 dtype then), the
+    same bits the cast would have written.
     """
 
-    data: torch.Tensor
-    scale: torch.Tensor
-    values: torch.Tensor | None = None
-    dequantized: bool = False
+    __slots__ = ("_data", "dequantized", "dtype", "scale", "values")
+
+    def __init__(
+        self,
+        data: torch.Tensor | None,
+        scale: torch.Tensor,
+        values: torch.Tensor | None = None,
+        dequantized: bool = False,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        if data is None and (values is None or dtype is None):
+            raise value_error(
+                "an Fp8Tensor holds its FP8 data, or its values and FP8 dtype to compute "
+                "the data from",
+                "data",
+                data,
+            )
+        self._data = data
+        self.scale = scale
+        self.values = values
+        self.dequantized = dequantized
+        self.dtype: torch.dtype = data.dtype if data is not None else dtype  # type: ignore[assignment]
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The FP8 bytes (computed from ``values`` on first read where the cast wrote none)."""
+        if self._data is None:
+            assert self.values is not None  # __init__ holds one of the two
+            spec = (self.dtype, self.dequantized)
+            self._data = compiled_cast.run(_bytes_of_values, spec, self.values, self.scale)
+        return self._data
+
+    @property
+    def shape(self) -> torch.Size:
+        """The shape of ``data`` (read without computing it)."""
+        return self._data.shape if self._data is not None else self.values.shape  # type: ignore[union-attr]
 
     def t(self) -> Fp8Tensor:
         """The transpose of a 2-D quantized tensor (data, scale and values together)."""
         scale = self.scale.t() if self.scale.dim() == 2 else self.scale
         values = None if self.values is None else self.values.t()
-        return Fp8Tensor(self.data.t(), scale, values, self.dequantized)
+        data = None if self._data is None else self._data.t()
+        return Fp8Tensor(data, scale, values, self.dequantized, self.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data / scale`` in ``dtype`` (computed in float32)."""
         return (self.data.to(torch.float32) / self.scale).to(dtype)
+
+
+def _bytes_of_values(
+    spec: tuple[torch.dtype, bool], values: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """The FP8 bytes of a cast's ``values``: exact, as each value is an FP8 value (times a
+    power-of-two inverse scale, undone here, where dequantized)."""
+    dtype, dequantized = spec
+    exact = values.to(torch.float32)
+    return (exact * scale if dequantized else exact).to(dtype)
 
 
 def check_fp8_dtype(dtype: torch.dtype) -> None:
@@ -148,25 +203,60 @@ def cast_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     largest finite one gives NaN on older torch, and e5m2 would give inf.
     """
     check_fp8_dtype(dtype)
-    return compiled_cast.run(_cast_kernel, (dtype, None, False), x, scale)[0]
+    return compiled_cast.run(_bytes_kernel, dtype, x, scale)
 
 
-def _cast_kernel(
-    spec: tuple[torch.dtype, torch.dtype | None, bool], x: torch.Tensor, scale: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The FP8 bytes, and with a ``values_dtype`` (the spec's second entry) the same
-    values in it, divided by the scale where the third entry says so: one loop. The
-    conversion goes through float32 (exact both ways): Inductor's CPU code for a direct
-    float8 -> bfloat16 conversion is scalar, 2-3 times slower."""
-    dtype, values_dtype, dequantize = spec
+def _saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     fp8_max = torch.finfo(dtype).max
-    data = (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max).to(dtype)
-    if values_dtype is None:
-        return data, None
-    values = data.to(torch.float32)
-    if dequantize:
-        values = values / scale
-    return data, values.to(values_dtype)
+    return (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max)
+
+
+def _bytes_kernel(dtype: torch.dtype, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The FP8 bytes of ``x * scale``, saturated: one loop."""
+    return _saturated(x, scale, dtype).to(dtype)
+
+
+def _values_kernel(
+    spec: tuple[torch.dtype, torch.dtype, bool],
+    x: torch.Tensor,
+    scale: torch.Tensor,
+    *inverse: torch.Tensor,
+) -> torch.Tensor:
+    """The FP8 values of ``x * scale``, saturated, in ``values_dtype`` (the spec's second
+    entry), times ``1 / scale`` where given (the third entry): one loop, the same values
+    as converting the bytes of :func:`_bytes_kernel`. The inverse of a power-of-two
+    scale is exact, so multiplying by it is dividing by the scale; a product is three
+    times faster than a division per element in Inductor's loop."""
+    dtype, values_dtype, _ = spec
+    values = fp8_grid(_saturated(x, scale, dtype), dtype)
+    if inverse:
+        values = values * inverse[0]
+    return values.to(values_dtype)
+
+
+def fp8_grid(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``v.to(dtype).to(torch.float32)`` for float32 ``v`` within ``dtype``'s finite
+    range, computed with float32 arithmetic only (bit for bit the same, NaN, signed
+    zeros and subnormals included; tests/test_fp8_cast.py checks every rounding case).
+
+    Normal range: Veltkamp's splitting, ``g = v * (2**s + 1); v_hi = g + (v - g)``, is
+    ``v`` rounded to nearest, ties to even, on ``24 - s`` significant bits (exact float32
+    operations, no overflow below 2**100); ``s = 23 - mantissa bits``. Below the smallest
+    normal FP8 value the grid is fixed, multiples of ``q`` = the smallest subnormal:
+    ``(|v| + q * 2**23) - q * 2**23`` rounds ``|v|`` to it (the sum's float32 ulp is
+    ``q``). Both need the compiler to keep each operation as written: Inductor compiles
+    without reassociation or contraction (``-fno-unsafe-math-optimizations``,
+    ``-ffp-contract=off``), and tests/test_fp8_cast_compiled.py holds compiled to eager.
+    """
+    mantissa_bits, min_exponent = (3, -6) if dtype is torch.float8_e4m3fn else (2, -14)
+    magnitude = v.abs()
+    split = magnitude * float(2 ** (23 - mantissa_bits) + 1)
+    normal = split + (magnitude - split)
+    shift = 2.0 ** (min_exponent - mantissa_bits + 23)
+    subnormal = (magnitude + shift) - shift
+    rounded = torch.where(magnitude < 2.0**min_exponent, subnormal, normal)
+    rounded = torch.where(v < 0, -rounded, rounded)
+    return torch.where(v == 0, v, rounded)  # -0 stays -0
 
 
 def check_values_dtype(values_dtype: torch.dtype | None) -> None:
@@ -193,10 +283,10 @@ def quantize(
     """Quantize ``x`` to ``dtype`` with a scale from its own amax, or the ``scale`` given.
 
     For rowwise scaling, ``dim`` is the dim reduced over (``-1``: one scale per row).
-    ``values_dtype`` (bfloat16 or float32): also return the FP8 values converted to it
-    (``.values``, the operand of an emulated GEMM), written by the same pass; with
-    ``power_of_2`` and no ``scale`` given, divided by their power-of-two scale
-    (``.dequantized``): exact, short of float32's subnormal range, and the GEMM then has
+    ``values_dtype`` (bfloat16 or float32): write the FP8 values in it instead of the
+    bytes (``.values``, the operand of an emulated GEMM; ``.data`` is computed from them
+    when read); with ``power_of_2`` and no ``scale`` given, divided by their power-of-two
+    scale (``.dequantized``): exact (a scale is at most ``2**59``), and the GEMM then has
     no scales left to apply.
 
     Example:
@@ -210,8 +300,71 @@ def quantize(
     dequantize = values_dtype is not None and power_of_2 and scale is None
     if scale is None:
         scale = amax_to_scale(amax_of(x, granularity, dim), dtype, power_of_2)
-    data, values = compiled_cast.run(_cast_kernel, (dtype, values_dtype, dequantize), x, scale)
-    return Fp8Tensor(data, scale, values, dequantize)
+    if values_dtype is None:
+        return Fp8Tensor(compiled_cast.run(_bytes_kernel, dtype, x, scale), scale)
+    inverse = (scale.reciprocal(),) if dequantize else ()
+    spec = (dtype, values_dtype, dequantize)
+    values = compiled_cast.run(_values_kernel, spec, x, scale, *inverse)
+    return _operand(x, dtype, scale, values, dequantize)
+
+
+def _operand(
+    x: torch.Tensor,
+    dtype: torch.dtype,
+    scale: torch.Tensor,
+    values: torch.Tensor,
+    dequantized: bool,
+) -> Fp8Tensor:
+    """The :class:`Fp8Tensor` of a cast of ``x`` that wrote ``values``; its bytes too where
+    an inf or NaN made a power-of-two scale 0 or NaN (``values / scale`` is then 0 / 0:
+    the values cannot give the bytes back)."""
+    data = None
+    if dequantized and not bool((scale > 0).all()):
+        data = compiled_cast.run(_bytes_kernel, dtype, x, scale)
+    return Fp8Tensor(data, scale, values, dequantized, dtype)
+
+
+@torch.no_grad()
+def quantize_rows_and_columns(
+    x: torch.Tensor, dtype: torch.dtype, power_of_2: bool, values_dtype: torch.dtype | None
+) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """``quantize(x, dtype, "rowwise", dim, power_of_2, values_dtype=values_dtype)`` for
+    ``dim=-1`` and ``dim=0`` of a 2-D ``x``: the same bits, in two passes over ``x``
+    instead of four where the casts write GEMM operands (both amaxes in one kernel, both
+    operands in another). A rowwise grad_output is cast both ways in one backward."""
+    check_fp8_dtype(dtype)
+    check_values_dtype(values_dtype)
+    if values_dtype is None or x.dim() != 2:
+        rows = quantize(x, dtype, "rowwise", -1, power_of_2, None, values_dtype)
+        return rows, quantize(x, dtype, "rowwise", 0, power_of_2, None, values_dtype)
+    row_amax, column_amax = compiled_cast.run(_amaxes_kernel, None, x)
+    row_scale = amax_to_scale(row_amax, dtype, power_of_2)
+    column_scale = amax_to_scale(column_amax, dtype, power_of_2)
+    scales = (row_scale, row_scale.reciprocal(), column_scale, column_scale.reciprocal())
+    spec = (dtype, values_dtype, power_of_2)
+    row_values, column_values = compiled_cast.run(_both_values_kernel, spec, x, *scales)
+    rows = _operand(x, dtype, row_scale, row_values, power_of_2)
+    return rows, _operand(x, dtype, column_scale, column_values, power_of_2)
+
+
+def _amaxes_kernel(spec: None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    magnitude = x.abs()
+    return magnitude.amax(dim=-1, keepdim=True), magnitude.amax(dim=0, keepdim=True)
+
+
+def _both_values_kernel(
+    spec: tuple[torch.dtype, torch.dtype, bool],
+    x: torch.Tensor,
+    row_scale: torch.Tensor,
+    row_inverse: torch.Tensor,
+    column_scale: torch.Tensor,
+    column_inverse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_values_kernel` with the row scales and with the column scales, one loop."""
+    dequantize = spec[2]
+    rows = _values_kernel(spec, x, row_scale, *((row_inverse,) if dequantize else ()))
+    columns = _values_kernel(spec, x, column_scale, *((column_inverse,) if dequantize else ()))
+    return rows, columns
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:

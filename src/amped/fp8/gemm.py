@@ -78,9 +78,9 @@ def _pair_scales(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor
     inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal()
     a_rows, b_cols = inv_a.dim() == 2, inv_b.dim() == 2
     if a_rows and not b_cols:
-        inv_b = inv_b.reshape(1, 1).expand(1, b.data.shape[1]).contiguous()
+        inv_b = inv_b.reshape(1, 1).expand(1, b.shape[1]).contiguous()
     elif b_cols and not a_rows:
-        inv_a = inv_a.reshape(1, 1).expand(a.data.shape[0], 1).contiguous()
+        inv_a = inv_a.reshape(1, 1).expand(a.shape[0], 1).contiguous()
     return inv_a, inv_b
 
 

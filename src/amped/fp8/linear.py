@@ -4,8 +4,8 @@ Forward casts input and weight, backward casts grad_output, each by its
 :class:`~amped.fp8.config.CastRule`, and each GEMM goes through
 :func:`~amped.fp8.gemm.scaled_mm`. What backward needs is saved quantized where the
 forward cast can be reused (tensorwise input and weight: the FP8 bytes and a scale,
-a quarter of a float32 copy; an emulating layer also keeps the bfloat16 operand its
-cast wrote, so its backward converts nothing); rowwise rules scale the backward
+a quarter of a float32 copy; an emulating layer keeps the bfloat16 operand its cast
+wrote instead, so its backward converts nothing); rowwise rules scale the backward
 operands along another dim, so those save the high-precision tensor and cast it again.
 
 Bias is added after the GEMM in the output dtype. Under an autocast region the
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error
-from amped.fp8.cast import Fp8Tensor, amax_of, quantize
+from amped.fp8.cast import Fp8Tensor, amax_of, quantize, quantize_rows_and_columns
 from amped.fp8.config import CastRule, Fp8Config
 from amped.fp8.conv1d import (
     is_conv1d,
@@ -66,6 +66,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*x_saved, *w_saved)
         ctx.x_parts = len(x_saved)
         ctx.dequantized = (xq.dequantized, wq.dequantized)
+        ctx.fp8_dtypes = (xq.dtype, wq.dtype)
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -76,17 +77,18 @@ class _Fp8LinearFunction(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         x_saved, saved = saved[: ctx.x_parts], saved[ctx.x_parts :]
         if ctx.reuse_x:
-            x_q = _restored(x_saved, ctx.dequantized[0])
+            x_q = _restored(x_saved, ctx.dequantized[0], ctx.fp8_dtypes[0])
         else:
             x2 = x_saved[0]
-        w_gi = _restored(saved, ctx.dequantized[1]) if ctx.reuse_w else None
+        w_gi = _restored(saved, ctx.dequantized[1], ctx.fp8_dtypes[1]) if ctx.reuse_w else None
         w_high = None if ctx.reuse_w else saved[0]
         go = grad.reshape(-1, grad.shape[-1])
-        goq = layer.fp8_cast(go, cfg.grad_output, GRAD_OUTPUT, dim=-1, out_dtype=grad.dtype)
+        goq, go_gw = _grad_output_casts(ctx, layer, go)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             if w_gi is None:  # rowwise over the output dim: one scale per input feature
                 w_gi = layer.fp8_cast(saved[0], cfg.w_gi, None, dim=0, out_dtype=grad.dtype)
+            assert goq is not None  # cast whenever grad_input is needed
             grad_x = scaled_mm(goq, w_gi, grad.dtype, emulate=layer.fp8_emulate)
             operands: dict[str, Operand] = {"grad_output": (go, goq), "weight": (w_high, w_gi)}
             record_gemm(layer, "grad_input", "grad_input", grad_x, operands)
@@ -96,11 +98,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 grad_w = go.t() @ x2.to(go.dtype)
                 operands = {"grad_output": (go, None), "input": (x2, None)}
             else:
-                go_gw = goq
-                if cfg.grad_output.granularity == "rowwise":  # one scale per output feature
-                    go_gw = layer.fp8_cast(go, cfg.grad_output, None, dim=0, out_dtype=grad.dtype)
                 if not ctx.reuse_x:  # one scale per input feature
                     x_q = layer.fp8_cast(x2, cfg.input, None, dim=0, out_dtype=grad.dtype)
+                assert go_gw is not None  # cast whenever an FP8 grad_weight is needed
                 grad_w = scaled_mm(go_gw.t(), x_q, grad.dtype, emulate=layer.fp8_emulate)
                 x_high = None if ctx.reuse_x else x2
                 operands = {"grad_output": (go, go_gw), "input": (x_high, x_q)}
@@ -109,17 +109,38 @@ class _Fp8LinearFunction(torch.autograd.Function):
         return grad_x, grad_w, None
 
 
+def _grad_output_casts(
+    ctx: Any, layer: Float8Linear, go: torch.Tensor
+) -> tuple[Fp8Tensor | None, Fp8Tensor | None]:
+    """grad_output cast for the grad-input GEMM and for the grad-weight GEMM (None where
+    that GEMM does not run in FP8). Tensorwise: one cast for both. Rowwise: one scale per
+    token for grad-input, one per output feature for grad-weight; both at once when both
+    GEMMs run (two passes over grad_output instead of four), only the one needed else."""
+    rule, dtype = layer.fp8_config.grad_output, go.dtype
+    needs_gi = ctx.needs_input_grad[0]
+    needs_gw = ctx.needs_input_grad[1] and not layer.fp8_config.grad_weight_hp
+    if rule.granularity == "tensorwise":
+        goq = layer.fp8_cast(go, rule, GRAD_OUTPUT, dim=-1, out_dtype=dtype)
+        return goq, goq
+    if needs_gi and needs_gw:
+        return layer.fp8_cast_rows_and_columns(go, rule, out_dtype=dtype)
+    rows = layer.fp8_cast(go, rule, None, dim=-1, out_dtype=dtype) if needs_gi else None
+    columns = layer.fp8_cast(go, rule, None, dim=0, out_dtype=dtype) if needs_gw else None
+    return rows, columns
+
+
 def _parts(q: Fp8Tensor) -> tuple[torch.Tensor, ...]:
-    """The tensors of ``q`` to save for backward: bytes and scale, and the GEMM operand
-    where the cast wrote one (an emulating layer: no conversion pass in backward)."""
-    return (q.data, q.scale) if q.values is None else (q.data, q.scale, q.values)
+    """The tensors of ``q`` to save for backward: the bytes and scale, or, where the cast
+    wrote the GEMM's operand instead (an emulating layer), the scale and that operand
+    (backward converts nothing; the bytes are computed from it if read)."""
+    return (q.data, q.scale) if q.values is None else (q.scale, q.values)
 
 
-def _restored(parts: list[torch.Tensor], dequantized: bool) -> Fp8Tensor:
-    """The :class:`Fp8Tensor` that :func:`_parts` saved."""
-    if len(parts) == 2:
+def _restored(parts: list[torch.Tensor], dequantized: bool, dtype: torch.dtype) -> Fp8Tensor:
+    """The :class:`Fp8Tensor` of FP8 ``dtype`` that :func:`_parts` saved."""
+    if parts[0].dtype is dtype:
         return Fp8Tensor(parts[0], parts[1])
-    return Fp8Tensor(parts[0], parts[1], parts[2], dequantized)
+    return Fp8Tensor(None, parts[0], parts[1], dequantized, dtype)
 
 
 class Float8Linear(torch.nn.Linear):
@@ -210,6 +231,15 @@ class Float8Linear(torch.nn.Linear):
             return quantize(x, rule.dtype, rule.granularity, dim, power_of_2, None, values_dtype)
         scale = self.fp8_delayed_scale(amax_of(x).to(torch.float32), role)
         return quantize(x, rule.dtype, scale=scale, values_dtype=values_dtype)
+
+    def fp8_cast_rows_and_columns(
+        self, x: torch.Tensor, rule: CastRule, out_dtype: torch.dtype
+    ) -> tuple[Fp8Tensor, Fp8Tensor]:
+        """:meth:`fp8_cast` of a rowwise ``rule`` along ``dim=-1`` and ``dim=0`` at once
+        (:func:`~amped.fp8.cast.quantize_rows_and_columns`; dynamic scaling only)."""
+        values_dtype = gemm_dtype(out_dtype) if self.fp8_emulate else None
+        power_of_2 = self.fp8_config.power_of_2
+        return quantize_rows_and_columns(x, rule.dtype, power_of_2, values_dtype)
 
     @torch.no_grad()
     def fp8_delayed_scale(

@@ -82,19 +82,29 @@ def _binade(v: torch.Tensor) -> torch.Tensor:
 
 def round_nearest(v: torch.Tensor, element: Element) -> torch.Tensor:
     """``v`` (bfloat16 or float32) saturated and rounded to nearest-even ``element``
-    values, a new tensor. NaN stays NaN.
+    values, a new tensor. NaN stays NaN (of either sign).
 
-    The constant takes ``v``'s sign, so the sum rounds the magnitude; the result takes
-    it back from the constant (``x - x`` is +0, and a negative value that rounds to
-    zero is -0, as a cast gives). Each step is one rounding of exact operands, so a
-    compiler has nothing to contract or reorder: compiled and eager give the same bits
-    (:mod:`amped.fp8.compiled_cast` runs the block casts compiled, in float32).
+    The magnitude is rounded (``|v| + c`` ties to even, as the sign does not matter
+    there) and the sign put back by :func:`_with_sign_of`. Each step is one rounding of
+    exact operands, so a compiler has nothing to contract or reorder: compiled and
+    eager give the same bits (:mod:`amped.fp8.compiled_cast` runs the block casts
+    compiled, in float32).
     """
     mantissa = _PRECISION[v.dtype] - 1
-    v = v.clamp(-element.max, element.max)
+    magnitude = v.abs().clamp(max=element.max)
     ratio = 1.5 * 2.0 ** (mantissa - element.mbits)
-    magic = (_binade(v) * ratio).clamp(min=ratio * 2.0**element.emin).copysign(v)
-    return ((v + magic) - magic).copysign(magic)
+    magic = (_binade(magnitude) * ratio).clamp(min=ratio * 2.0**element.emin)
+    return _with_sign_of(v, (magnitude + magic) - magic)
+
+
+def _with_sign_of(v: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """``magnitude`` (>= 0, the rounded ``|v|``) with ``v``'s sign, as a cast gives it: a
+    negative value that rounds to zero is -0, and a zero keeps its sign.
+
+    Comparisons and a negation, not ``copysign``: Inductor's CPU code calls SLEEF's
+    copysign out of line for every vector, which cost about a tenth of a cast.
+    """
+    return torch.where(v < 0, -magnitude, torch.where(v == 0, v, magnitude))
 
 
 def round_nearest_(v: torch.Tensor, element: Element) -> torch.Tensor:
@@ -105,11 +115,11 @@ def round_nearest_(v: torch.Tensor, element: Element) -> torch.Tensor:
 def round_stochastic(v: torch.Tensor, element: Element, draw: torch.Tensor) -> torch.Tensor:
     """``v`` (float32) saturated and rounded stochastically to ``element`` values with
     ``draw`` (uniform in [0, 1), ``v``'s shape), a new tensor."""
-    v = v.clamp(-element.max, element.max)
-    quantum = _binade(v) * 2.0**-element.mbits
-    quantum = quantum.clamp(min=2.0 ** (element.emin - element.mbits)).copysign(v)
-    steps = torch.floor(v / quantum + draw)  # v / q = |v| / |q| >= 0, exact
-    return steps * quantum  # back to v's sign (a zero keeps it too: 0 * -q = -0)
+    magnitude = v.abs().clamp(max=element.max)
+    quantum = _binade(magnitude) * 2.0**-element.mbits
+    quantum = quantum.clamp(min=2.0 ** (element.emin - element.mbits))
+    steps = torch.floor(magnitude / quantum + draw)  # |v| / q is exact: q a power of two
+    return _with_sign_of(v, steps * quantum)
 
 
 _MASK32 = 0xFFFFFFFF

@@ -151,9 +151,11 @@ def hashed_uniform(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     multiply two to four times faster than int64, and gives the bits of the same hash
     in int64 arithmetic masked to 32 bits (tests/test_block_properties.py)."""
     index = torch.arange(shape.numel(), dtype=torch.int64, device=key.device).view(shape)
-    low, high = index.to(torch.int32), (index >> 32).to(torch.int32)  # wrap: mod 2**32
-    words = key.to(torch.int32)
-    h = _mix32(_mix32(low ^ words[0]) ^ high ^ words[1])
+    words = key.to(torch.int32)  # wraps: the same 32 bits
+    h = _mix32(index.to(torch.int32) ^ words[0])  # i mod 2**32
+    if shape.numel() > 1 << 32:  # else i >> 32 is 0 (the shape is static per kernel)
+        h = h ^ (index >> 32).to(torch.int32)
+    h = _mix32(h ^ words[1])
     return ((h >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24
 
 

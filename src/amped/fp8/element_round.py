@@ -21,8 +21,9 @@ several bfloat16 multiplies). So values are rounded in the compute dtype itself
   eager bits (a ``torch.rand`` inside a compiled graph draws other numbers than
   eagerly, and an eager draw costs a pass of its own).
 
-``2 ** floor(log2 |v|)`` comes from three multiplies and a subtraction (:func:`_binade`),
-so the rounding compiles to straight vector code. Both are checked against torch's
+``2 ** floor(log2 |v|)`` comes from three multiplies and a subtraction (:func:`_binade`)
+and the sign is put back by comparisons, so the rounding compiles to straight vector
+code with no out-of-line calls. Both are checked against torch's
 casts and torchao's E2M1 rounding in tests/test_block_cast.py.
 """
 

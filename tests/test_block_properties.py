@@ -153,3 +153,30 @@ def test_the_hashed_draws_are_uniform_and_independent():
     assert abs(torch.corrcoef(torch.stack([u, other]))[0, 1].item()) < bound
     g = torch.Generator().manual_seed(0)
     assert not torch.equal(rounding_key(g, u.device), rounding_key(g, u.device))
+
+
+def _lowbias32(h):
+    """The documented hash in int64 arithmetic, each product masked to 32 bits."""
+    mask = 0xFFFFFFFF
+    h = h ^ (h >> 16)
+    h = (h * 0x7FEB352D) & mask
+    h = h ^ (h >> 15)
+    h = (h * 0x5BD1E995) & mask
+    return h ^ (h >> 16)
+
+
+@pytest.mark.parametrize(
+    "key",
+    [(0, 0), (0xFFFFFFFF, 0xFFFFFFFF), (123456789, 4000000000), (1 << 31, (1 << 31) - 1)],
+    ids=["zeros", "all-ones", "mixed", "sign-bit"],
+)
+def test_hashed_uniform_is_the_documented_32_bit_hash_bitwise(key):
+    """The int32 (wrapping) hash gives the bits of the documented formula computed in
+    int64 with 32-bit masks, keys with the top bit set included."""
+    shape = torch.Size([300, 1001])
+    index = torch.arange(shape.numel(), dtype=torch.int64).view(shape)
+    h = _lowbias32((index & 0xFFFFFFFF) ^ key[0])
+    h = _lowbias32(h ^ (index >> 32) ^ key[1])
+    expected = (h >> 8).to(torch.float32) * 2.0**-24
+    got = hashed_uniform(torch.tensor(key, dtype=torch.int64), shape)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))

@@ -202,7 +202,7 @@ def quantize_block(
         given_tensor_scale=tensor_scale is not None, stochastic=generator is not None
     )
     key = None if generator is None else rounding_key(generator, x.device)
-    _, elements, scale_bits, tensor_scale = block_kernel(spec, x, tensor_scale, key)
+    _, elements, scale_bits, tensor_scale, _ = block_kernel(spec, x, tensor_scale, key)
     assert elements is not None  # the spec asks for them
     return BlockTensor(elements, scale_bits, tensor_scale, format)
 

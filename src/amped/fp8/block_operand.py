@@ -114,7 +114,7 @@ def block_operand(
     spec = block_spec(format, scale_mode, dim, tile_2d, elements_dtype, dtype)
     spec = spec._replace(stochastic=generator is not None, hadamard=hadamard_signs is not None)
     key = None if generator is None else rounding_key(generator, x.device)
-    values, elements, scale_bits, tensor_scale = compiled_cast.run(
+    values, elements, scale_bits, tensor_scale, _ = compiled_cast.run(
         block_kernel, spec, x, None, key, hadamard_signs
     )
     cast = None

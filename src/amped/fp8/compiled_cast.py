@@ -7,7 +7,10 @@ separate memory-bound loop. :func:`run` calls the same Python function compiled 
 function is the cast's only definition: run compiled or eagerly it computes the same
 values, bit for bit (tests/test_fp8_compiled_cast.py), because it is written so that a
 compiler has nothing to reassociate or contract: float32 arithmetic throughout, each
-step one rounding of exact operands, random draws made eagerly and passed in.
+step one rounding of exact operands, random draws an integer hash of a key passed in
+(:func:`amped.fp8.element_round.hashed_uniform`). Other one-pass functions run here
+too: NVFP4's scaled GEMM results (:mod:`amped.fp8.block_gemm`) and the FP8 recipes'
+casts (:mod:`amped.fp8.gemm`).
 
 **Shapes.** Each kernel is compiled for one static shape (and stride), input dtype,
 cast setting and thread count: static kernels run about five times faster than

@@ -21,8 +21,9 @@ several bfloat16 multiplies). So values are rounded in the compute dtype itself
   eager bits (a ``torch.rand`` inside a compiled graph draws other numbers than
   eagerly, and an eager draw costs a pass of its own).
 
-``2 ** floor(log2 |v|)`` comes from three multiplies and a subtraction (:func:`_binade`),
-so the rounding compiles to straight vector code. Both are checked against torch's
+``2 ** floor(log2 |v|)`` comes from three multiplies and a subtraction (:func:`_binade`)
+and the sign is put back by comparisons, so the rounding compiles to straight vector
+code with no out-of-line calls. Both are checked against torch's
 casts and torchao's E2M1 rounding in tests/test_block_cast.py.
 """
 
@@ -82,19 +83,29 @@ def _binade(v: torch.Tensor) -> torch.Tensor:
 
 def round_nearest(v: torch.Tensor, element: Element) -> torch.Tensor:
     """``v`` (bfloat16 or float32) saturated and rounded to nearest-even ``element``
-    values, a new tensor. NaN stays NaN.
+    values, a new tensor. NaN stays NaN (of either sign).
 
-    The constant takes ``v``'s sign, so the sum rounds the magnitude; the result takes
-    it back from the constant (``x - x`` is +0, and a negative value that rounds to
-    zero is -0, as a cast gives). Each step is one rounding of exact operands, so a
-    compiler has nothing to contract or reorder: compiled and eager give the same bits
-    (:mod:`amped.fp8.compiled_cast` runs the block casts compiled, in float32).
+    The magnitude is rounded (``|v| + c`` ties to even, as the sign does not matter
+    there) and the sign put back by :func:`_with_sign_of`. Each step is one rounding of
+    exact operands, so a compiler has nothing to contract or reorder: compiled and
+    eager give the same bits (:mod:`amped.fp8.compiled_cast` runs the block casts
+    compiled, in float32).
     """
     mantissa = _PRECISION[v.dtype] - 1
-    v = v.clamp(-element.max, element.max)
+    magnitude = v.abs().clamp(max=element.max)
     ratio = 1.5 * 2.0 ** (mantissa - element.mbits)
-    magic = (_binade(v) * ratio).clamp(min=ratio * 2.0**element.emin).copysign(v)
-    return ((v + magic) - magic).copysign(magic)
+    magic = (_binade(magnitude) * ratio).clamp(min=ratio * 2.0**element.emin)
+    return _with_sign_of(v, (magnitude + magic) - magic)
+
+
+def _with_sign_of(v: torch.Tensor, magnitude: torch.Tensor) -> torch.Tensor:
+    """``magnitude`` (>= 0, the rounded ``|v|``) with ``v``'s sign, as a cast gives it: a
+    negative value that rounds to zero is -0, and a zero keeps its sign.
+
+    Comparisons and a negation, not ``copysign``: Inductor's CPU code calls SLEEF's
+    copysign out of line for every vector, which cost about a tenth of a cast.
+    """
+    return torch.where(v < 0, -magnitude, torch.where(v == 0, v, magnitude))
 
 
 def round_nearest_(v: torch.Tensor, element: Element) -> torch.Tensor:
@@ -105,25 +116,23 @@ def round_nearest_(v: torch.Tensor, element: Element) -> torch.Tensor:
 def round_stochastic(v: torch.Tensor, element: Element, draw: torch.Tensor) -> torch.Tensor:
     """``v`` (float32) saturated and rounded stochastically to ``element`` values with
     ``draw`` (uniform in [0, 1), ``v``'s shape), a new tensor."""
-    v = v.clamp(-element.max, element.max)
-    quantum = _binade(v) * 2.0**-element.mbits
-    quantum = quantum.clamp(min=2.0 ** (element.emin - element.mbits)).copysign(v)
-    steps = torch.floor(v / quantum + draw)  # v / q = |v| / |q| >= 0, exact
-    return steps * quantum  # back to v's sign (a zero keeps it too: 0 * -q = -0)
-
-
-_MASK32 = 0xFFFFFFFF
+    magnitude = v.abs().clamp(max=element.max)
+    quantum = _binade(magnitude) * 2.0**-element.mbits
+    quantum = quantum.clamp(min=2.0 ** (element.emin - element.mbits))
+    steps = torch.floor(magnitude / quantum + draw)  # |v| / q is exact: q a power of two
+    return _with_sign_of(v, steps * quantum)
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (shift-xor-multiply rounds, after Wellons' "lowbias32")
-    of int64 values in [0, 2**32). The multipliers are below 2**31, so no product
-    leaves int64's range; shifts of non-negative values are logical."""
-    h = h ^ (h >> 16)
-    h = (h * 0x7FEB352D) & _MASK32
-    h = h ^ (h >> 15)
-    h = (h * 0x5BD1E995) & _MASK32
-    return h ^ (h >> 16)
+    """A 32-bit integer hash (shift-xor-multiply rounds, after Wellons' "lowbias32") of
+    int32 values, in int32 arithmetic modulo 2**32: products wrap (the low 32 bits of
+    the product, as unsigned arithmetic gives them), and each right shift is masked to
+    the bits a logical shift keeps."""
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = h * 0x7FEB352D
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * 0x5BD1E995
+    return h ^ ((h >> 16) & 0xFFFF)
 
 
 def rounding_key(generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -137,11 +146,18 @@ def rounding_key(generator: torch.Generator | None, device: torch.device) -> tor
 def hashed_uniform(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Uniform float32 numbers in [0, 1), ``shape``, 24 random bits each: element ``i``
     (row-major) gets ``hash(hash(i mod 2**32 ^ key[0]) ^ (i >> 32) ^ key[1])``'s top 24
-    bits. Pure integer arithmetic: the same bits eager and compiled, on every device."""
+    bits. Pure integer arithmetic: the same bits eager and compiled, on every device.
+
+    The hash runs on 32-bit integers (int32, wrapping), which a CPU's vector units
+    multiply two to four times faster than int64, and gives the bits of the same hash
+    in int64 arithmetic masked to 32 bits (tests/test_block_properties.py)."""
     index = torch.arange(shape.numel(), dtype=torch.int64, device=key.device).view(shape)
-    h = _mix32((index & _MASK32) ^ key[0])
-    h = _mix32(h ^ (index >> 32) ^ key[1])
-    return (h >> 8).to(torch.float32) * 2.0**-24
+    words = key.to(torch.int32)  # wraps: the same 32 bits
+    h = _mix32(index.to(torch.int32) ^ words[0])  # i mod 2**32
+    if shape.numel() > 1 << 32:  # else i >> 32 is 0 (the shape is static per kernel)
+        h = h ^ (index >> 32).to(torch.int32)
+    h = _mix32(h ^ words[1])
+    return ((h >> 8) & 0xFFFFFF).to(torch.float32) * 2.0**-24
 
 
 def round_stochastic_(

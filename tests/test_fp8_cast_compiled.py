@@ -147,3 +147,32 @@ def test_compiled_emulated_gemm_is_the_eager_one_bitwise(granularity, out_dtype,
     assert compiled.dtype is out_dtype
     assert _same(compiled, eager)
     assert compiled.abs().max() > 0
+
+
+def _casts_in_this_process():
+    """In a worker process: e4m3 and e5m2 tensorwise GEMM operands, compiled and eager."""
+    compiled_cast.MIN_ELEMENTS = 0
+    x = _suite((40, 104), torch.float32, special=False, seed=3) * 100
+    out = {}
+    for fp8 in (E4M3, E5M2):
+        compiled = quantize(x, fp8, "tensorwise", -1, False, None, torch.float32).values
+        compiles, compiled_cast.compiles = compiled_cast.compiles, lambda x: False
+        eager = quantize(x, fp8, "tensorwise", -1, False, None, torch.float32).values
+        compiled_cast.compiles = compiles
+        out[fp8] = compiled, eager
+    return out
+
+
+@pytest.mark.slow
+def test_unsafe_math_flags_of_the_environment_do_not_reach_the_cast_kernels(monkeypatch):
+    """``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG`` (and the FMA contraction flag) set
+    Inductor's C++ flags for a whole process; either lets the C++ compiler fold the casts'
+    rounding arithmetic (amped.fp8.cast.fp8_grid) into other bits, so the cast kernels are
+    compiled with both off whatever the environment says (a worker process that inherits
+    the variable)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG", "fast")
+    casts = run_in_two_processes(_casts_in_this_process, {"unsafe": ()})["unsafe"]
+    for compiled, eager in casts.values():
+        assert _same(compiled, eager)
+        assert compiled.abs().max() > 0

@@ -6,7 +6,8 @@ separate memory-bound loop. :func:`run` calls the same Python function compiled 
 ``torch.compile`` (Inductor's C++), which fuses them into one or two loops. The
 function is the cast's only definition: run compiled or eagerly it computes the same
 values, bit for bit (tests/test_fp8_compiled_cast.py), because it is written so that a
-compiler has nothing to reassociate or contract: float32 arithmetic throughout, each
+compiler has nothing to reassociate or contract, and compiled with reassociation and
+FMA contraction off (:data:`EXACT_FLOATING_POINT`): float32 arithmetic throughout, each
 step one rounding of exact operands, random draws an integer hash of a key passed in
 (:func:`amped.fp8.element_round.hashed_uniform`). Other one-pass functions run here
 too: NVFP4's scaled GEMM results (:mod:`amped.fp8.block_gemm`) and the FP8 recipes'
@@ -50,10 +51,20 @@ import torch
 
 from amped._internal import torch_compat
 
-__all__ = ["MIN_ELEMENTS", "STATIC_SHAPES", "compiles", "run"]
+__all__ = ["EXACT_FLOATING_POINT", "MIN_ELEMENTS", "STATIC_SHAPES", "compiles", "run"]
 
 STATIC_SHAPES = 16
 """Shapes compiled statically per kernel setting; more share one dynamic-size kernel."""
+
+EXACT_FLOATING_POINT = {
+    "cpp.enable_unsafe_math_opt_flag": False,
+    "cpp.enable_floating_point_contract_flag": "off",
+}
+"""Inductor options every kernel is compiled with, whatever the process's environment
+says (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG`` and
+``..._FLOATING_POINT_CONTRACT_FLAG``): the casts' rounding arithmetic (e.g.
+:func:`amped.fp8.cast.fp8_grid`) is exact only if no operation is reassociated or
+fused into an FMA, and either flag gives other bits (tests/test_fp8_compiled_cast.py)."""
 
 MIN_ELEMENTS = 1 << 18
 """Tensors with fewer elements (a 512 x 512 operand) cast eagerly: a kernel takes
@@ -96,7 +107,7 @@ def _kernel(function: Callable[..., Any], spec: Hashable, x: torch.Tensor) -> Ca
     name = f"{function.__name__}_{len(_compiled)}"
     code = function.__code__.replace(co_name=name)
     variant = types.FunctionType(code, function.__globals__, name, function.__defaults__)
-    compiled = torch.compile(variant, dynamic=dynamic, fullgraph=True)
+    compiled = torch.compile(variant, dynamic=dynamic, fullgraph=True, options=EXACT_FLOATING_POINT)
     _compiled[key] = compiled
     return compiled
 

@@ -56,7 +56,7 @@ __all__ = ["EXACT_FLOATING_POINT", "MIN_ELEMENTS", "STATIC_SHAPES", "compiles", 
 STATIC_SHAPES = 16
 """Shapes compiled statically per kernel setting; more share one dynamic-size kernel."""
 
-EXACT_FLOATING_POINT = {
+EXACT_FLOATING_POINT: dict[str, str | int | bool | Callable[..., Any]] = {
     "cpp.enable_unsafe_math_opt_flag": False,
     "cpp.enable_floating_point_contract_flag": "off",
 }

@@ -17,7 +17,7 @@ import warnings
 import pytest
 import torch
 
-from amped.fp8 import BLOCK_CONFIGS
+from amped.fp8 import BLOCK_CONFIGS, compiled_cast
 from amped.fp8.block_cast import quantize_block
 from amped.fp8.block_format import BLOCK_FORMATS
 from amped.fp8.block_gemm import block_mm
@@ -80,6 +80,32 @@ def test_mxfp8_matches_torchao_emulated_bitwise(mode, dtype, tokens):
     theirs = _grads(lambda a, w: _torchao_mxfp8(a, w, mode), x, leaf, grad)
     for key in ours:
         assert ours[key].dtype == theirs[key].dtype, key
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+@pytest.mark.parametrize(
+    ("tokens", "out_features", "in_features"),
+    [(4096, 512, 512), (4096, 256, 512)],
+    ids=["4096tok-512x512", "4096tok-256x512"],
+)
+def test_mxfp8_matches_torchao_bitwise_where_the_gemm_layout_sets_the_summation_order(
+    tokens, out_features, in_features, monkeypatch
+):
+    """At these shapes oneDNN's bfloat16 GEMM sums in an order that depends on its
+    operands' memory layout: the layer is bitwise torchao's because it hands ``mm`` the
+    layouts torchao does (dim-0 operands stored as their transpose, amped.fp8.block_operand).
+    Casts eager (the compiled ones are the same bits, tests/test_fp8_compiled_cast.py),
+    so that no kernel compiles here."""
+    monkeypatch.setattr(compiled_cast, "compiles", lambda x: False)
+    torch.manual_seed(0)
+    weight = (torch.randn(out_features, in_features) * 0.05).to(torch.bfloat16)
+    x = (torch.randn(tokens, in_features) * 3).to(torch.bfloat16)
+    grad = (torch.randn(tokens, out_features) * 1e-3).to(torch.bfloat16)
+    layer = _block_linear(weight, BLOCK_CONFIGS["mxfp8"])
+    ours = _grads(lambda a, w: layer(a), x, layer.weight, grad)
+    leaf = weight.clone().requires_grad_()
+    theirs = _grads(lambda a, w: _torchao_mxfp8(a, w, "rceil"), x, leaf, grad)
+    for key in ours:
         assert torch.equal(ours[key], theirs[key]), key
 
 

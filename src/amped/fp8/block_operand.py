@@ -10,23 +10,9 @@ second pass that multiplies them back. The values are the same bits as
 ``quantize_block(x).block_values(dtype)`` (tests/test_fp8_compiled_cast.py).
 
 Blocks run along the last dim (``dim=-1``) or the first dim of a 2-D tensor
-(``dim=0``): the operand of ``x.t()``, read from ``x`` as it lies, so the transposed
-operands of the backward GEMMs need no ``.contiguous()`` copy of their input;
-:meth:`BlockOperand.t` gives the transposed view.
-
-**Layout of the values.** A ``dim=0`` cast writes its values in the memory order of
-``x.t()`` (strides ``(1, rows)``: its :meth:`~BlockOperand.t` is contiguous), the
-cast kernel storing them transposed. That is the layout in which torchao's MXFP8
-training hands its blocked-along-dim-0 operands to ``torch.mm`` (it casts
-``x.t().contiguous()``), and the one oneDNN's bfloat16 GEMM is fast with: the
-grad-weight GEMM ``grad_output.T @ input`` with its left operand a transposed view of a
-row-major ``[tokens, N]`` tensor takes twice the time of the same GEMM with that operand
-row-major (10 against 5 ms for 2048 tokens and 512 x 2048 on one AMX thread; see
-docs/history/fp8-speed.md). The layout also decides oneDNN's float32 summation order
-for some shapes, so matching torchao's layouts keeps the MXFP8 layer bitwise equal to
-torchao's at every shape, not only where the orders happen to agree
-(tests/test_block_linear.py). The transposed store costs the cast about 0.6 ns an
-element (2.8 ms for a 2048 x 2048 operand at one thread), less than the GEMM gains.
+(``dim=0``): the operand of ``x.t()``, laid out as ``x``, so the transposed operands of
+the backward GEMMs need no ``.contiguous()`` copy; :meth:`BlockOperand.t` gives the
+transposed view.
 """
 
 from __future__ import annotations
@@ -39,7 +25,7 @@ from amped._internal.errors import value_error
 from amped.fp8 import compiled_cast
 from amped.fp8.block_cast import BlockTensor, block_spec, check_block_input
 from amped.fp8.block_format import BlockFormat, ScaleMode
-from amped.fp8.block_kernel import BlockKernelOutput, BlockSpec, block_kernel
+from amped.fp8.block_kernel import block_kernel
 from amped.fp8.element_round import rounding_key
 from amped.fp8.hadamard import HADAMARD_SIZE
 
@@ -89,8 +75,7 @@ def block_operand(
     Args:
         x: float32, bfloat16 or float16; 2-D for ``dim=0`` and ``tile_2d``.
         format, scale_mode: as :func:`~amped.fp8.block_cast.quantize_block`.
-        dim: the blocked dim: -1 (the last) or 0 (the first, of a 2-D ``x``; the
-            values are then laid out as ``x.t()``, see the module).
+        dim: the blocked dim: -1 (the last) or 0 (the first, of a 2-D ``x``).
         tile_2d: NVFP4: one scale per 16x16 tile (then ``dim`` makes no difference).
         dtype: the values' dtype, bfloat16 or float32; None for none (then
             ``keep_cast`` must be set).
@@ -129,9 +114,8 @@ def block_operand(
     spec = block_spec(format, scale_mode, dim, tile_2d, elements_dtype, dtype)
     spec = spec._replace(stochastic=generator is not None, hadamard=hadamard_signs is not None)
     key = None if generator is None else rounding_key(generator, x.device)
-    kernel = _transposed_block_kernel if dim == 0 and dtype is not None else block_kernel
     values, elements, scale_bits, tensor_scale, _ = compiled_cast.run(
-        kernel, spec, x, None, key, hadamard_signs
+        block_kernel, spec, x, None, key, hadamard_signs
     )
     cast = None
     if elements is not None:
@@ -140,18 +124,3 @@ def block_operand(
             scale_bits = scale_bits[::size].repeat_interleave(size, dim=1)
         cast = BlockTensor(elements, scale_bits, tensor_scale, format)
     return BlockOperand(values, tensor_scale, cast)
-
-
-def _transposed_block_kernel(
-    spec: BlockSpec,
-    x: torch.Tensor,
-    tensor_scale: torch.Tensor | None,
-    key: torch.Tensor | None,
-    signs: torch.Tensor | None = None,
-) -> BlockKernelOutput:
-    """:func:`~amped.fp8.block_kernel.block_kernel` with the values written in the
-    memory order of ``x.t()`` (the same values; compiled, one kernel that stores them
-    transposed): the layout of a ``dim=0`` operand (see the module)."""
-    out = block_kernel(spec, x, tensor_scale, key, signs)
-    assert out.values is not None  # called when values are asked for
-    return out._replace(values=out.values.t().contiguous().t())

@@ -244,9 +244,10 @@ def fp8_grid(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     operations, no overflow below 2**100); ``s = 23 - mantissa bits``. Below the smallest
     normal FP8 value the grid is fixed, multiples of ``q`` = the smallest subnormal:
     ``(|v| + q * 2**23) - q * 2**23`` rounds ``|v|`` to it (the sum's float32 ulp is
-    ``q``). Both need the compiler to keep each operation as written: Inductor compiles
-    without reassociation or contraction (``-fno-unsafe-math-optimizations``,
-    ``-ffp-contract=off``), and tests/test_fp8_cast_compiled.py holds compiled to eager.
+    ``q``). Both need the compiler to keep each operation as written: the cast kernels
+    are compiled with reassociation and FMA contraction off whatever the environment
+    says (:data:`amped.fp8.compiled_cast.EXACT_FLOATING_POINT`), and
+    tests/test_fp8_cast_compiled.py holds compiled to eager.
     """
     mantissa_bits, min_exponent = (3, -6) if dtype is torch.float8_e4m3fn else (2, -14)
     magnitude = v.abs()

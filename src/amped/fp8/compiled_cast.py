@@ -64,7 +64,7 @@ EXACT_FLOATING_POINT: dict[str, str | int | bool | Callable[..., Any]] = {
 says (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG`` and
 ``..._FLOATING_POINT_CONTRACT_FLAG``): the casts' rounding arithmetic (e.g.
 :func:`amped.fp8.cast.fp8_grid`) is exact only if no operation is reassociated or
-fused into an FMA, and either flag gives other bits (tests/test_fp8_compiled_cast.py)."""
+fused into an FMA, and either flag gives other bits (tests/test_fp8_cast_compiled.py)."""
 
 MIN_ELEMENTS = 1 << 18
 """Tensors with fewer elements (a 512 x 512 operand) cast eagerly: a kernel takes

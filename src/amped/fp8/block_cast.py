@@ -203,7 +203,7 @@ def quantize_block(
     )
     key = None if generator is None else rounding_key(generator, x.device)
     _, elements, scale_bits, tensor_scale, _ = block_kernel(spec, x, tensor_scale, key)
-    assert elements is not None  # the spec asks for them
+    assert elements is not None and scale_bits is not None  # the spec asks for them
     return BlockTensor(elements, scale_bits, tensor_scale, format)
 
 

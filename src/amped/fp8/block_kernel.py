@@ -132,12 +132,32 @@ def _scale_layout(scale: torch.Tensor, spec: BlockSpec, shape: torch.Size) -> to
     return scale.squeeze(1 if spec.blocked_dim == 0 else -1)
 
 
+def _block_amax(
+    blocks: torch.Tensor, axes: tuple[int, ...], spec: BlockSpec, fold: bool
+) -> torch.Tensor:
+    """Each block's largest magnitude (NaN where the block holds one), size 1 on ``axes``.
+
+    With ``fold`` (set for 16-bit inputs), blocks along the last dim are folded in
+    halves first (an elementwise maximum of two contiguous half-blocks): Inductor's CPU
+    code reduces each block across the lanes of its vectors, and a half-block is one
+    vector fewer to reduce (about a fifth less time for the amax of a 2048 x 2048
+    bfloat16 tensor; for float32 input the fold measured 4% slower, so it is not
+    used there). ``max`` is exact in any order: the same amax either way.
+    """
+    magnitude = blocks.abs()
+    if not fold or spec.blocked_dim == 0 or spec.tile_2d:
+        return magnitude.amax(dim=axes, keepdim=True)
+    half = spec.block_size // 2
+    folded = torch.maximum(magnitude[..., :half], magnitude[..., half:])
+    return folded.amax(dim=-1, keepdim=True)
+
+
 class BlockKernelOutput(NamedTuple):
     """What :func:`block_kernel` returns (see there)."""
 
     values: torch.Tensor | None
     elements: torch.Tensor | None
-    scale_bits: torch.Tensor
+    scale_bits: torch.Tensor | None  # with the elements only
     tensor_scale: torch.Tensor | None
     block_factors: tuple[torch.Tensor, torch.Tensor]
 
@@ -153,7 +173,8 @@ def block_kernel(
     ``spec``.
 
     ``values`` and ``elements`` have ``x``'s shape and layout (None where ``spec`` does
-    not ask for them); ``scale_bits`` (uint8) one per block (:func:`_scale_layout`);
+    not ask for them); ``scale_bits`` (uint8) one per block (:func:`_scale_layout`),
+    where the elements are returned (else None);
     ``tensor_scale`` NVFP4's (given, or computed), else None. ``key``: the key of
     stochastic rounding's draws (:func:`~amped.fp8.element_round.hashed_uniform`), or
     None (to nearest). ``signs``: the Hadamard signs (float32, 16) where
@@ -170,7 +191,7 @@ def block_kernel(
         assert signs is not None and spec.blocked_dim == 0
         xf = hadamard_rows(xf, signs)
     blocks, axes = _blocked(xf, spec)
-    amax = blocks.abs().amax(dim=axes, keepdim=True)
+    amax = _block_amax(blocks, axes, spec, fold=x.dtype is not torch.float32)
     if spec.is_mx:
         exponent = mx_exponent(amax, spec.element, spec.elem_emax, spec.scale_mode)
         multiplier = _mx_reciprocal(exponent, spec.scale_mode)
@@ -193,9 +214,12 @@ def block_kernel(
         rounded = round_nearest(scaled, spec.element)
     values = kept = None
     if spec.values_dtype is not None:  # exact: at most 6 significant bits (block_values)
-        # one NaN canonicalisation: a NaN element gives a NaN product either way
-        values = _one_nan(rounded * scale_value).to(spec.values_dtype).reshape(x.shape)
+        values = rounded * scale_value
+        if spec.values_dtype is not torch.bfloat16:  # one NaN canonicalisation (below)
+            values = _one_nan(values)
+        values = values.to(spec.values_dtype).reshape(x.shape)
     if spec.elements_dtype is not None:
         kept = _one_nan(rounded).to(spec.elements_dtype).reshape(x.shape)
-    scale_bits = _scale_layout(scale_bits, spec, x.shape)
-    return BlockKernelOutput(values, kept, scale_bits, tensor_scale, (multiplier, scale_value))
+    # the scales' bits go with the elements (a cast of values only never reads them)
+    kept_bits = None if kept is None else _scale_layout(scale_bits, spec, x.shape)
+    return BlockKernelOutput(values, kept, kept_bits, tensor_scale, (multiplier, scale_value))

@@ -119,6 +119,7 @@ def block_operand(
     )
     cast = None
     if elements is not None:
+        assert scale_bits is not None  # returned with the elements
         if tile_2d and dim == 0:  # a tile's scale, per block of rows: [M // 16, N]
             size = format.block_size
             scale_bits = scale_bits[::size].repeat_interleave(size, dim=1)

@@ -63,22 +63,24 @@ ELEMENTS = {
 _PRECISION = {torch.float32: 24, torch.bfloat16: 8}
 
 
-def _binade(v: torch.Tensor) -> torch.Tensor:
-    """``2 ** floor(log2 |v|)`` (Rump's "unit in the first place"), a new tensor.
+def _binade(magnitude: torch.Tensor) -> torch.Tensor:
+    """``2 ** floor(log2 m)`` of a magnitude ``m >= 0`` (Rump's "unit in the first
+    place"), a new tensor.
 
-    In floating-point arithmetic alone: ``q = (2 ** (p - 1) + 1) * v`` and
-    ``|(1 - 2 ** -p) * q - q|`` (Rump, Ogita, Oishi 2008, algorithm 3.5), ``p`` the
-    dtype's significant bits; exact for normal ``|v|`` below about ``2 ** (127 - p)``
-    (through the rounding, tests/test_block_cast.py checks every bfloat16 and float32
-    binades -30..16). Not the exponent bits of an integer view: Inductor's CPU code
-    moves each element through memory for such a bit cast, which made the compiled
-    cast three times slower. Zero gives zero, NaN NaN; values below the element's
-    normal range may come out off by a binade, which the callers' clamp to the
-    subnormal spacing hides.
+    In floating-point arithmetic alone: ``q = (2 ** (p - 1) + 1) * m`` and
+    ``q - (1 - 2 ** -p) * q`` (Rump, Ogita, Oishi 2008, algorithm 3.5, which takes
+    ``|(1 - 2 ** -p) * q - q|``: the same number for ``m >= 0``, as a rounded
+    subtraction is antisymmetric, without the ``abs``), ``p`` the dtype's significant
+    bits; exact for normal ``m`` below about ``2 ** (127 - p)`` (through the rounding,
+    tests/test_block_cast.py checks every bfloat16 and float32 binades -30..16). Not the
+    exponent bits of an integer view: Inductor's CPU code moves each element through
+    memory for such a bit cast, which made the compiled cast three times slower. Zero
+    gives zero, NaN NaN; values below the element's normal range may come out off by a
+    binade, which the callers' clamp to the subnormal spacing hides.
     """
-    p = _PRECISION[v.dtype]
-    q = v * (2.0 ** (p - 1) + 1)
-    return ((1 - 2.0**-p) * q - q).abs()
+    p = _PRECISION[magnitude.dtype]
+    q = magnitude * (2.0 ** (p - 1) + 1)
+    return q - (1 - 2.0**-p) * q
 
 
 def round_nearest(v: torch.Tensor, element: Element) -> torch.Tensor:

@@ -215,7 +215,10 @@ def block_kernel(
     values = kept = None
     if spec.values_dtype is not None:  # exact: at most 6 significant bits (block_values)
         values = rounded * scale_value
-        if spec.values_dtype is not torch.bfloat16:  # one NaN canonicalisation (below)
+        # float32 values get one NaN canonicalisation; a conversion to bfloat16 gives
+        # every NaN the same bits by itself, whatever its sign and payload (torch's
+        # vector code 0xFFFF, its scalar code 0x7FC0), so there it would be wasted work
+        if spec.values_dtype is not torch.bfloat16:
             values = _one_nan(values)
         values = values.to(spec.values_dtype).reshape(x.shape)
     if spec.elements_dtype is not None:

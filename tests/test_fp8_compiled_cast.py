@@ -68,7 +68,11 @@ def _same(a, b):
 def _compile_case(case, dtype, threads):
     """In a worker process: ``case``'s operand of the finite and of the NaN/inf suite,
     compiled (one kernel serves both), and whether the kernel compiled (a failed
-    compile warns and casts eagerly: then the comparison would prove nothing)."""
+    compile warns and casts eagerly: then the comparison would prove nothing).
+
+    MX cases also make the values-only operand (``("values", special)``), the kernel an
+    emulated layer runs without the health monitor: a graph of its own, without the
+    elements and scale bits."""
     torch.set_num_threads(threads)  # the kernel is compiled for the test's thread count
     compiled_cast.MIN_ELEMENTS = 0  # as the compiled_casts marker has it (conftest.py)
     name, dim, tiles = CASES[case]
@@ -77,6 +81,9 @@ def _compile_case(case, dtype, threads):
         x = _suite((64, 96), dtype, special=special)
         kwargs = dict(dim=dim, tile_2d=tiles, dtype=dtype, keep_cast=True)
         operands[special] = block_operand(x, BLOCK_FORMATS[name], **kwargs)
+        if BLOCK_FORMATS[name].is_mx:
+            kwargs["keep_cast"] = False
+            operands["values", special] = block_operand(x, BLOCK_FORMATS[name], **kwargs)
     return operands, compiled_cast.compiles(x)
 
 
@@ -115,6 +122,30 @@ def test_compiled_operand_is_the_eager_one_bitwise(
         assert compiled.tensor_scale is None
     else:
         assert _same(compiled.tensor_scale, eager.tensor_scale)
+
+
+MX_CASES = [case for case, (name, _, _) in CASES.items() if BLOCK_FORMATS[name].is_mx]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+@pytest.mark.parametrize("special", [False, True], ids=["finite", "nan-inf"])
+@pytest.mark.parametrize("case", MX_CASES)
+def test_compiled_values_only_operand_is_the_eager_one_bitwise(
+    case, special, dtype, compiled_operands, monkeypatch
+):
+    """The values-only kernel (no elements, no scale bits) gives the values of the
+    eager cast, NaN blocks included (a bfloat16 conversion gives every NaN one bit
+    pattern, so these values skip the NaN canonicalisation float32 values get)."""
+    name, dim, tiles = CASES[case]
+    x = _suite((64, 96), dtype, special=special)
+    operands, compiled_ok = compiled_operands[case, dtype]
+    assert compiled_ok
+    compiled = operands["values", special]
+    eager = _eager(monkeypatch, x, BLOCK_FORMATS[name], dim=dim, tile_2d=tiles, dtype=dtype)
+    assert compiled.cast is None and eager.cast is None
+    assert _same(compiled.values, eager.values)
+    assert _same(compiled.values, operands[special].values)  # as with the cast kept
 
 
 @pytest.mark.slow

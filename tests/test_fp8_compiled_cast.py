@@ -135,8 +135,9 @@ def test_compiled_values_only_operand_is_the_eager_one_bitwise(
     case, special, dtype, compiled_operands, monkeypatch
 ):
     """The values-only kernel (no elements, no scale bits) gives the values of the
-    eager cast, NaN blocks included (a bfloat16 conversion gives every NaN one bit
-    pattern, so these values skip the NaN canonicalisation float32 values get)."""
+    eager cast, NaN blocks included (bfloat16 values skip the NaN canonicalisation
+    float32 values get: torch's conversion gives a NaN the same bits whatever its sign
+    and payload)."""
     name, dim, tiles = CASES[case]
     x = _suite((64, 96), dtype, special=special)
     operands, compiled_ok = compiled_operands[case, dtype]

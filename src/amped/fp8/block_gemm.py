@@ -136,15 +136,3 @@ def _emulated(
         return torch.addmm(empty, a, b.t(), beta=0, alpha=float(scale)).to(out_dtype)
     product = a.to(torch.float32) @ b.to(torch.float32).t()  # exact operands
     return (product * scale).to(out_dtype)
-
-
-def _native(a: BlockTensor, b: BlockTensor, out_dtype: torch.dtype) -> torch.Tensor:
-    require_block_scaled_mm(a.elements.device)
-    scale_a = swizzle_scales(a.scale.view(torch.uint8)).view(a.scale.dtype)
-    scale_b = swizzle_scales(b.scale.view(torch.uint8)).view(b.scale.dtype)
-    out = torch_compat.scaled_mm(
-        a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b, torch.bfloat16, False
-    )
-    if a.tensor_scale is None or b.tensor_scale is None:
-        return out.to(out_dtype)
-    return (out.to(torch.float32) * (a.tensor_scale * b.tensor_scale)).to(out_dtype)

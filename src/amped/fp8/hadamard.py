@@ -13,7 +13,7 @@ GEMM, whose inner dim is the tokens: ``grad_weight = grad_output.T @ input``.
 
 The layers rotate inside their cast kernel (:mod:`.block_kernel`) with
 :func:`hadamard_rows`: ``R.T @ x = H @ (signs * x) / 4`` as a butterfly of four stages of
-float32 additions and subtractions (no matrix product, no float32 copy of the operand).
+float32 additions and subtractions on a block's 16 rows (no matrix product).
 Every step is one rounding of exact operands (a sign flip and the final ``/ 4`` are
 exact), so eager and compiled code give the same bits; the matrix form
 :func:`rotate_rows` sums in another order and can differ from it in the last bit.

@@ -13,7 +13,7 @@ GEMM, whose inner dim is the tokens: ``grad_weight = grad_output.T @ input``.
 
 The layers rotate inside their cast kernel (:mod:`.block_kernel`) with
 :func:`hadamard_rows`: ``R.T @ x = H @ (signs * x) / 4`` as a butterfly of four stages of
-float32 additions and subtractions on a block's 16 rows (no matrix product).
+float32 additions and subtractions (no matrix product, no float32 copy of the operand).
 Every step is one rounding of exact operands (a sign flip and the final ``/ 4`` are
 exact), so eager and compiled code give the same bits; the matrix form
 :func:`rotate_rows` sums in another order and can differ from it in the last bit.
@@ -64,22 +64,21 @@ def hadamard_rows(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     rows a multiple of 16; ``signs`` 16 values +-1 in ``x``'s dtype.
 
     ``H`` is the Kronecker product of four ``[[1, 1], [1, -1]]``: each stage takes the
-    pairs of rows whose index differs in one bit (the highest first) and makes ``a + b``
-    and ``a - b`` (written ``a + (-1) * b``: the product by -1 is exact, so a fused
-    multiply-add rounds as the subtraction does). Each of a block's 16 rows is a tensor
-    of its own (``[blocks, cols]``), so a compiled cast computes the whole butterfly of a
-    16-row column in one loop iteration, sharing the stages between the rows, instead of
-    recomputing each row's 16-input tree.
+    pairs of rows whose index differs in one bit and makes ``a + b`` and ``a - b``
+    (written as ``a + (+-1) * b``, a broadcast with no concatenation, which a compiler
+    fuses into one loop; the product by +-1 is exact, so a fused multiply-add rounds as
+    the addition does).
     """
     n = HADAMARD_SIZE
-    blocks = x.unflatten(0, (-1, n))
-    rows = [blocks[:, r] * signs[r] for r in range(n)]
-    for bit in (8, 4, 2, 1):
-        for r in range(n):
-            if not r & bit:
-                a, b = rows[r], rows[r | bit]
-                rows[r], rows[r | bit] = a + b, a + (-1.0) * b
-    return (torch.stack(rows, 1) * (1 / n**0.5)).reshape(x.shape)
+    y = x.unflatten(0, (-1, n)) * signs.view(n, 1)
+    y = y.unflatten(1, (2, 2, 2, 2))  # [blocks, 2, 2, 2, 2, cols]: the row index's bits
+    plus_minus = torch.tensor([1.0, -1.0], dtype=x.dtype, device=x.device)
+    for axis in range(1, 5):
+        a, b = y.narrow(axis, 0, 1), y.narrow(axis, 1, 1)
+        shape = [1] * y.dim()
+        shape[axis] = 2
+        y = a + plus_minus.view(shape) * b
+    return (y * (1 / n**0.5)).reshape(x.shape)
 
 
 def rotate_rows(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,7 @@ several bfloat16 multiplies). So values are rounded in the compute dtype itself
   multiple, exactly. ``|v|`` is first clamped to the element's largest value, which
   saturates (and keeps ties below it from rounding past it).
 - **stochastic**: ``floor(|v| / q + u) * q`` with ``u`` uniform in [0, 1): up with
-  probability ``frac(|v| / q)`` (``|v| / q`` is exact: ``q`` is a power of two; it is
-  computed as ``|v|`` times ``1 / q``, both from comparisons with the element's binades).
+  probability ``frac(|v| / q)`` (``|v| / q`` is exact: ``q`` is a power of two).
   The draws ``u`` are not ``torch.rand``'s: :func:`hashed_uniform` makes them from a
   counter-based hash of a key (two 32-bit numbers drawn once per cast from the
   caller's generator, :func:`rounding_key`) and each element's row-major index, in
@@ -30,7 +29,6 @@ casts and torchao's E2M1 rounding in tests/test_block_cast.py.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -117,33 +115,12 @@ def round_nearest_(v: torch.Tensor, element: Element) -> torch.Tensor:
 
 def round_stochastic(v: torch.Tensor, element: Element, draw: torch.Tensor) -> torch.Tensor:
     """``v`` (float32) saturated and rounded stochastically to ``element`` values with
-    ``draw`` (uniform in [0, 1), ``v``'s shape), a new tensor.
-
-    The quantum ``q`` and its reciprocal come from comparisons with the element's
-    binades (two for E2M1, whose ``q`` is 0.5, 1 or 2), not from :func:`_binade` and a
-    division: ``|v| * (1 / q)`` is ``|v| / q`` exactly (a power of two, and ``1 / q``
-    below 1 only for ``|v|`` far above the subnormal range), and a vector division costs
-    as much as a dozen other operations.
-    """
+    ``draw`` (uniform in [0, 1), ``v``'s shape), a new tensor."""
     magnitude = v.abs().clamp(max=element.max)
-    quantum, inverse = _quantum(magnitude, element)
-    steps = torch.floor(magnitude * inverse + draw)
+    quantum = _binade(magnitude) * 2.0**-element.mbits
+    quantum = quantum.clamp(min=2.0 ** (element.emin - element.mbits))
+    steps = torch.floor(magnitude / quantum + draw)  # |v| / q is exact: q a power of two
     return _with_sign_of(v, steps * quantum)
-
-
-def _quantum(magnitude: torch.Tensor, element: Element) -> tuple[torch.Tensor, torch.Tensor]:
-    """The element's spacing at each ``magnitude`` (<= its largest value), and its
-    reciprocal: ``2 ** (e - mbits)`` for the binade ``2 ** e <= magnitude`` (``e`` at
-    least ``emin``: below it the subnormal spacing), both exact powers of two."""
-    top = math.frexp(element.max)[1] - 1  # the exponent of the largest binade
-    low = element.emin - element.mbits
-    quantum = torch.full_like(magnitude, 2.0**low)
-    inverse = torch.full_like(magnitude, 2.0**-low)
-    for e in range(element.emin + 1, top + 1):
-        above = magnitude >= 2.0**e
-        quantum = torch.where(above, 2.0 ** (e - element.mbits), quantum)
-        inverse = torch.where(above, 2.0 ** (element.mbits - e), inverse)
-    return quantum, inverse
 
 
 def _mix32(h: torch.Tensor) -> torch.Tensor:

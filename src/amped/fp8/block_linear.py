@@ -20,8 +20,8 @@ grad-weight GEMM's operands are rotated along the tokens first (:mod:`.hadamard`
 their cast kernels.
 
 What backward needs otherwise is saved in high precision (input and weight), as
-torchao's MX training does, and cast again along the other dims. Bias, autocast and Conv1D are
-handled as in :class:`~amped.fp8.Float8Linear`.
+torchao's MX training does, and cast again along the other dims. Bias, autocast and
+Conv1D are handled as in :class:`~amped.fp8.Float8Linear`.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class _BlockLinearFunction(torch.autograd.Function):
         record_gemm(layer, "forward", "output", out, operands, scale_mode=mode)
         # 16x16 tiles are the same read along either dim: backward transposes this
         # operand instead of casting the weight again (holding its values until then)
-        tiles = _saved_tiles(wq) if layer.block_config.weight_2d else (None,) * 4
+        tiles = _saved_tiles(wq) if layer.block_config.weight_2d else ()
         ctx.save_for_backward(x2, weight, *tiles)
         ctx.w_format = layer.block_config.format
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
@@ -111,7 +111,7 @@ class _BlockLinearFunction(torch.autograd.Function):
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             goq = layer.block_operand(go, grad.dtype, generator=generator)
-            if tiles[0] is not None or tiles[2] is not None:  # the forward's 16x16 tiles
+            if tiles:  # the forward's 16x16 tiles
                 wq = _transposed_tiles(tiles, ctx.w_format, gemm_dtype(grad.dtype))
             else:  # weight.T blocked along out_features: cast in weight's layout, no copy
                 wq = layer.block_operand(weight, grad.dtype, dim=0, weight=True).t()

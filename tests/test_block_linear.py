@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import warnings
 
 import pytest
@@ -23,9 +24,11 @@ import torch
 from amped.fp8 import BLOCK_CONFIGS, compiled_cast
 from amped.fp8.block_cast import quantize_block
 from amped.fp8.block_format import BLOCK_FORMATS
-from amped.fp8.block_gemm import block_mm
+from amped.fp8.block_gemm import block_mm, operand_mm
 from amped.fp8.block_linear import BlockLinear
+from amped.fp8.block_operand import block_operand
 from amped.fp8.cast import sqnr
+from amped.fp8.health import record_gemm
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -134,6 +137,31 @@ def test_block_gemm_is_the_exact_product_up_to_summation_and_output_rounding(nam
     assert sqnr(_exact_product(a, b), out) >= SQNR_DIFFERENT_SUMMATION
 
 
+# A bfloat16 result rounded once from the float32 accumulator (NVFP4's tensor scales
+# multiply the accumulator, as the GEMM's alpha) equals the float64 product rounded to
+# bfloat16 except where float32 summation error (256 exact products: a few float32 ulps,
+# 2**-21 relative) moves the sum across a bfloat16 rounding boundary, a band of about
+# 2**-21 / 2**-8 = 2**-13 of the values: 1% of the entries allows that with a wide
+# margin, and each such entry is one bfloat16 ulp off at most. A second rounding (the
+# bfloat16 result times the scale, as before) differs at about a quarter of the entries.
+ONCE_ROUNDED_DIFFERING = 0.01
+
+
+@pytest.mark.parametrize("shape", [(64, 96, 256), (128, 256, 512)], ids=str)
+def test_nvfp4_gemm_rounds_the_scaled_product_to_bfloat16_once(shape):
+    torch.manual_seed(4)
+    m, n, k = shape
+    fmt = BLOCK_FORMATS["nvfp4"]
+    a = quantize_block(torch.randn(m, k) * 10, fmt)
+    b = quantize_block(torch.randn(n, k) * 1e-3, fmt, tile_2d=True)
+    out = block_mm(a, b, torch.bfloat16)
+    once = _exact_product(a, b).to(torch.bfloat16)
+    differing = out != once
+    assert differing.float().mean() <= ONCE_ROUNDED_DIFFERING
+    ulp = torch.finfo(torch.bfloat16).eps * once.float().abs().clamp(min=1e-30)
+    assert ((out.float() - once.float()).abs() <= ulp).all()
+
+
 def test_float32_mx_gemm_is_bitwise_the_float32_product_of_dequantized_operands():
     torch.manual_seed(2)
     fmt = BLOCK_FORMATS["mxfp4"]
@@ -160,6 +188,53 @@ def test_every_gemm_of_a_layer_is_close_to_float64(name):
     assert sqnr(xb.grad, xa.grad) >= bar
     assert sqnr(ref.weight.grad, layer.weight.grad) >= bar
     assert sqnr(ref.bias.grad, layer.bias.grad) > 100  # bias grad is not quantized
+
+
+class _Recorder:
+    """A GEMM observer (amped.fp8.health.GemmObserver) that keeps what it is told."""
+
+    sampling = True
+
+    def __init__(self):
+        self.seen = {}
+
+    def observe(self, layer, role, probes, stats):
+        self.seen[role] = (probes, stats)
+
+
+@pytest.mark.parametrize("observed", [False, True], ids=["plain", "monitored"])
+def test_nvfp4_grad_input_reads_the_forward_weight_tiles_as_a_fresh_cast_would(observed):
+    """With 16x16 weight tiles the backward reuses the forward's weight operand: the
+    grad-input GEMM is bit for bit the one with the weight cast again along out_features,
+    and a health monitor's counts and probes of it are those of that cast."""
+    torch.manual_seed(5)
+    config = dataclasses.replace(BLOCK_CONFIGS["nvfp4"], stochastic_rounding=False)
+    layer = BlockLinear.convert_(torch.nn.Linear(512, 256, bias=False), config)
+    recorder = _Recorder()
+    if observed:
+        layer.fp8_observer = recorder
+    x = torch.randn(1024, 512, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn(1024, 256, dtype=torch.bfloat16)
+    layer(x).backward(grad)
+    fmt, bf16, weight = config.format, torch.bfloat16, layer.weight.detach()
+    goq = block_operand(grad, fmt, dtype=bf16, keep_cast=True)
+    wq = block_operand(weight, fmt, dim=0, tile_2d=True, dtype=bf16, keep_cast=True).t()
+    expected = operand_mm(goq, wq, bf16)
+    assert torch.equal(x.grad, expected)
+    if observed:
+        fresh = _Recorder()
+        layer.fp8_observer = fresh
+        operands = {"grad_output": (grad, goq.cast), "weight": (weight.t(), wq.cast)}
+        record_gemm(layer, "grad_input", "grad_input", expected, operands)
+        (probes, stats), (fresh_probes, fresh_stats) = (
+            recorder.seen["grad_input"],
+            fresh.seen["grad_input"],
+        )
+        assert torch.equal(stats, fresh_stats)
+        assert [name for name, _ in probes] == [name for name, _ in fresh_probes]
+        for (_, probe), (_, fresh_probe) in zip(probes, fresh_probes, strict=True):
+            assert probe.kind == fresh_probe.kind
+            assert all(map(torch.equal, probe.values, fresh_probe.values))
 
 
 def test_dims_off_the_block_are_refused_with_what_to_do():

@@ -15,6 +15,7 @@ from amped.fp8.element_round import (
     ELEMENTS,
     hashed_uniform,
     round_nearest_,
+    round_stochastic,
     round_stochastic_,
     rounding_key,
 )
@@ -83,6 +84,28 @@ def test_stochastic_rounding_through_a_block_cast_is_unbiased():
     assert ((mean - x) / ulp).mean().abs().item() <= UNBIASED_ULPS
     nearest = quantize_block(x, NVFP4).dequantize()
     assert ((nearest - x) / ulp).abs().mean().item() > 10 * UNBIASED_ULPS
+
+
+def test_stochastic_rounding_is_the_documented_formula_bitwise():
+    """``floor(|v| / q + u) * q`` in float32 with the sign put back, ``q`` E2M1's spacing
+    at ``|v|`` saturated to 6 (``max(2 ** (floor(log2 |v|) - 1), 0.5)``): every binade
+    from float32 subnormals to beyond the largest element, zeros of both signs, exact
+    E2M1 values, and draws that make ``|v| / q + u`` round up in float32."""
+    g = torch.Generator().manual_seed(3)
+    mantissa = 1 + torch.rand(4096, generator=g)
+    exponent = torch.randint(-149, 8, (4096,), generator=g).to(torch.float32)
+    v = mantissa * torch.exp2(exponent)
+    v = torch.cat([v, torch.tensor([0.0, 6.0, 5.0, 3.0, 1.5, 0.5, 7.0, 1e30])])
+    v = torch.cat([v, -v])
+    draw = torch.rand(v.shape, generator=g)
+    draw[:64] = 1 - 2.0**-24  # the largest draw: frac + u rounds to the next integer
+    magnitude = v.abs().clamp(max=6.0)
+    binade = torch.exp2(torch.floor(torch.log2(magnitude.double()))).float()
+    quantum = (binade / 2).clamp(min=0.5)
+    expected = torch.floor(magnitude / quantum + draw) * quantum
+    expected = torch.where(v < 0, -expected, torch.where(v == 0, v, expected))  # -0 stays
+    got = round_stochastic(v, E2M1, draw)
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32))
 
 
 def test_stochastic_rounding_is_reproducible_from_its_seed():

@@ -4,15 +4,16 @@
 blocked along K (how every block GEMM kernel takes its operands).
 
 **Emulation.** Each operand becomes its block values, ``elements * block_scale``, in
-the output dtype: exact there (at most 6 significant bits, see
+the GEMM's dtype: exact there (at most 6 significant bits, see
 :meth:`~amped.fp8.block_cast.BlockTensor.block_values`), so every product of two operands is exact
 and a bfloat16 GEMM, which accumulates in float32 (AMX and AVX512-BF16 on CPUs), is the
 fast route under bfloat16 autocast; a float32 output takes a float32 GEMM. NVFP4's
-tensor scales multiply the result afterwards, in float32, as the hardware kernel does.
-So against the float64 product of the dequantized operands the emulation differs only
-by float32 summation order, by the one rounding to the output dtype, and, for NVFP4,
-by a second rounding when the tensor scales multiply a bfloat16 result (at most one
-bfloat16 ulp more: SQNR >= 40 dB, measured in tests/test_block_linear.py).
+two tensor scales multiply the float32 accumulator, as the hardware kernel does: on a
+CPU as the GEMM's ``alpha`` (``addmm``, which costs what ``mm`` costs), elsewhere by a
+float32 GEMM result times the scale; either way the result is rounded to the output
+dtype once. So against the float64 product of the dequantized operands the emulation
+differs only by float32 summation order and that one rounding (tests/test_block_linear.py
+holds bfloat16 results to the float64 product rounded once).
 
 **Native.** On a GPU with block-scaled tensor cores (compute capability 10.x,
 Blackwell), ``torch._scaled_mm`` takes the stored elements and scales in cuBLAS's
@@ -27,7 +28,6 @@ import functools
 import torch
 
 from amped._internal import torch_compat
-from amped.fp8 import compiled_cast
 from amped.fp8.block_cast import BlockTensor
 from amped.fp8.block_operand import BlockOperand
 from amped.fp8.gemm import gemm_dtype
@@ -78,7 +78,9 @@ def _native(a: BlockTensor, b: BlockTensor, out_dtype: torch.dtype) -> torch.Ten
     out = torch_compat.scaled_mm(
         a.data.contiguous(), b.data.contiguous().t(), scale_a, scale_b, torch.bfloat16, False
     )
-    return out.to(torch.float32)
+    if a.tensor_scale is None or b.tensor_scale is None:
+        return out.to(out_dtype)
+    return (out.to(torch.float32) * (a.tensor_scale * b.tensor_scale)).to(out_dtype)
 
 
 def block_mm(
@@ -95,10 +97,9 @@ def block_mm(
     """
     if emulate:
         dtype = gemm_dtype(out_dtype)
-        out = a.block_values(dtype) @ b.block_values(dtype).t()
-    else:
-        out = _native(a, b, out_dtype)
-    return _result(out, a.tensor_scale, b.tensor_scale, out_dtype)
+        values_a, values_b = a.block_values(dtype), b.block_values(dtype)
+        return _emulated(values_a, values_b, a.tensor_scale, b.tensor_scale, out_dtype)
+    return _native(a, b, out_dtype)
 
 
 def operand_mm(
@@ -111,28 +112,27 @@ def operand_mm(
     if emulate:
         if a.values is None or b.values is None:
             raise ValueError("An emulated block GEMM needs the operands' block values")
-        out = a.values @ b.values.t()
-    else:
-        if a.cast is None or b.cast is None:
-            raise ValueError("A native block GEMM needs the operands' elements and scales")
-        out = _native(a.cast, b.cast, out_dtype)
-    return _result(out, a.tensor_scale, b.tensor_scale, out_dtype)
+        return _emulated(a.values, b.values, a.tensor_scale, b.tensor_scale, out_dtype)
+    if a.cast is None or b.cast is None:
+        raise ValueError("A native block GEMM needs the operands' elements and scales")
+    return _native(a.cast, b.cast, out_dtype)
 
 
-def _result(
-    out: torch.Tensor,
+def _emulated(
+    a: torch.Tensor,
+    b: torch.Tensor,
     scale_a: torch.Tensor | None,
     scale_b: torch.Tensor | None,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """The GEMM's result ``out`` in ``out_dtype``, times NVFP4's tensor scales where
-    both operands have one: in float32, one pass (compiled on a CPU, where the eager
-    float32 copy, product and copy back cost a third of an NVFP4 step)."""
+    """``a @ b.T`` of exact block values, times NVFP4's tensor scales where both have
+    one, rounded to ``out_dtype`` once (see the module)."""
     if scale_a is None or scale_b is None:
-        return out.to(out_dtype)
-    return compiled_cast.run(_scaled_result, out_dtype, out, scale_a * scale_b)
-
-
-def _scaled_result(out_dtype: torch.dtype, out: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``out`` times ``scale`` (float32, one rounding), rounded to ``out_dtype``."""
-    return (out.to(torch.float32) * scale).to(out_dtype)
+        return (a @ b.t()).to(out_dtype)
+    scale = scale_a * scale_b  # float32: one rounding, as the hardware kernel's
+    if a.device.type == "cpu":  # float() of a CPU tensor does not sync anything
+        # oneDNN multiplies the float32 accumulator by alpha, then rounds once
+        empty = a.new_empty(())  # beta=0: never read (not even its NaNs)
+        return torch.addmm(empty, a, b.t(), beta=0, alpha=float(scale)).to(out_dtype)
+    product = a.to(torch.float32) @ b.to(torch.float32).t()  # exact operands
+    return (product * scale).to(out_dtype)

@@ -9,16 +9,19 @@ take), so each operand is cast once per GEMM it enters::
 
 The tokens of the grad-weight GEMM are padded with zero rows to a multiple of the block
 (a zero row adds exact zeros to the product, and a block's amax is unchanged by zeros).
-With ``weight_2d`` one 16x16-tile cast of the weight serves both GEMMs it enters. With
+With ``weight_2d`` one 16x16-tile cast of the weight serves both GEMMs it enters: the
+forward's operand is saved for backward, which reads it transposed (so a step holds
+the weight's block values, a bfloat16 copy of it under bfloat16 autocast, from forward
+to backward, as torch autocast's weight cache holds a cast weight). With
 ``stochastic_rounding`` both casts of grad_output round stochastically, drawing from a
 generator seeded by ``(seed, draws)``, two int64 numbers in the buffer ``fp8_rng``
 (so a resumed run draws what the uninterrupted one would). With ``hadamard`` the
 grad-weight GEMM's operands are rotated along the tokens first (:mod:`.hadamard`), inside
 their cast kernels.
 
-What backward needs is saved in high precision (input and weight), as torchao's MX
-training does, and cast again along the other dims. Bias, autocast and Conv1D are
-handled as in :class:`~amped.fp8.Float8Linear`.
+What backward needs otherwise is saved in high precision (input and weight), as
+torchao's MX training does, and cast again along the other dims. Bias, autocast and
+Conv1D are handled as in :class:`~amped.fp8.Float8Linear`.
 """
 
 from __future__ import annotations
@@ -28,9 +31,11 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error
-from amped.fp8.block_cast import check_block_multiple
+from amped.fp8.block_cast import BlockTensor, check_block_multiple
 from amped.fp8.block_config import BlockConfig
+from amped.fp8.block_format import BlockFormat
 from amped.fp8.block_gemm import has_block_scaled_mm, operand_mm, require_block_scaled_mm
+from amped.fp8.block_kernel import TILE
 from amped.fp8.block_operand import BlockOperand, block_operand
 from amped.fp8.conv1d import (
     is_conv1d,
@@ -52,6 +57,31 @@ def _pad_rows(x: torch.Tensor, multiple: int) -> torch.Tensor:
     return x if extra == 0 else torch.cat([x, x.new_zeros(extra, x.shape[1])])
 
 
+def _saved_tiles(wq: BlockOperand) -> tuple[torch.Tensor | None, ...]:
+    """The tensors of a weight's 16x16-tile operand, for ``save_for_backward``: values,
+    tensor scale, and the cast's elements and scale bits (None where absent)."""
+    cast = wq.cast
+    elements, scale_bits = (None, None) if cast is None else (cast.elements, cast.scale_bits)
+    return wq.values, wq.tensor_scale, elements, scale_bits
+
+
+def _transposed_tiles(
+    tiles: list[torch.Tensor | None], fmt: BlockFormat, dtype: torch.dtype
+) -> BlockOperand:
+    """The grad-input GEMM's weight operand (``weight.T``, blocked along out_features)
+    from the forward's 16x16-tile operand (:func:`_saved_tiles`): each tile's values and
+    scale read along the other dim, values in ``dtype`` (exact: at most 6 significant bits)."""
+    values, tensor_scale, elements, scale_bits = tiles
+    if values is not None:
+        values = values.to(dtype)
+    cast = None
+    if elements is not None and scale_bits is not None:
+        # one scale per tile and 16 rows, as block_operand lays out a dim-0 tile cast
+        per_rows = scale_bits[::TILE].repeat_interleave(TILE, dim=1)
+        cast = BlockTensor(elements, per_rows, tensor_scale, fmt)
+    return BlockOperand(values, tensor_scale, cast).t()
+
+
 class _BlockLinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with the output, grad-input and grad-weight GEMMs block-scaled."""
 
@@ -64,21 +94,27 @@ class _BlockLinearFunction(torch.autograd.Function):
         operands = {"input": (x2, xq.cast), "weight": (weight, wq.cast)}
         mode = layer.block_config.scale_mode  # how the MX probes read the scales
         record_gemm(layer, "forward", "output", out, operands, scale_mode=mode)
-        ctx.save_for_backward(x2, weight)
+        # 16x16 tiles are the same read along either dim: backward transposes this
+        # operand instead of casting the weight again (holding its values until then)
+        tiles = _saved_tiles(wq) if layer.block_config.weight_2d else ()
+        ctx.save_for_backward(x2, weight, *tiles)
+        ctx.w_format = layer.block_config.format
         ctx.layer, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = layer, x.shape, x.dtype, weight.dtype
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         layer: BlockLinear = ctx.layer
-        x2, weight = ctx.saved_tensors
+        x2, weight, *tiles = ctx.saved_tensors
         go = grad.reshape(-1, grad.shape[-1])
         generator = layer.rounding_generator()
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             goq = layer.block_operand(go, grad.dtype, generator=generator)
-            # weight.T blocked along out_features: cast in weight's layout, no copy
-            wq = layer.block_operand(weight, grad.dtype, dim=0, weight=True).t()
+            if tiles:  # the forward's 16x16 tiles
+                wq = _transposed_tiles(tiles, ctx.w_format, gemm_dtype(grad.dtype))
+            else:  # weight.T blocked along out_features: cast in weight's layout, no copy
+                wq = layer.block_operand(weight, grad.dtype, dim=0, weight=True).t()
             grad_x = operand_mm(goq, wq, grad.dtype, emulate=layer.fp8_emulate)
             operands = {"grad_output": (go, goq.cast), "weight": (weight.t(), wq.cast)}
             mode = layer.block_config.scale_mode

@@ -10,8 +10,7 @@ compiler has nothing to reassociate or contract, and compiled with reassociation
 FMA contraction off (:data:`EXACT_FLOATING_POINT`): float32 arithmetic throughout, each
 step one rounding of exact operands, random draws an integer hash of a key passed in
 (:func:`amped.fp8.element_round.hashed_uniform`). Other one-pass functions run here
-too: NVFP4's scaled GEMM results (:mod:`amped.fp8.block_gemm`) and the FP8 recipes'
-casts (:mod:`amped.fp8.gemm`).
+too: the FP8 recipes' casts and scaled GEMM results (:mod:`amped.fp8.gemm`).
 
 **Shapes.** Each kernel is compiled for one static shape (and stride), input dtype,
 cast setting and thread count: static kernels run about five times faster than

@@ -162,6 +162,24 @@ def test_nvfp4_gemm_rounds_the_scaled_product_to_bfloat16_once(shape):
     assert ((out.float() - once.float()).abs() <= ulp).all()
 
 
+def test_nvfp4_layer_inside_a_users_compile_has_no_graph_break():
+    """Under torch.compile the tensor scales cannot be addmm's alpha (a Python number
+    out of a computed tensor breaks the graph): the float32 product times the scale,
+    rounded once as on the eager path (the tests above)."""
+    torch.manual_seed(4)
+    # (stochastic rounding and Hadamard off: their torch.Generator breaks a graph by itself)
+    config = dataclasses.replace(BLOCK_CONFIGS["nvfp4"], stochastic_rounding=False, hadamard=False)
+    layer = BlockLinear.convert_(torch.nn.Linear(256, 96), config)
+    x = torch.randn(64, 256, requires_grad=True)
+    eager = layer(x)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    out = compiled(x)  # fullgraph: a graph break raises
+    assert sqnr(eager, out) > 40  # the same casts; the GEMMs sum in another order
+    out.sum().backward()  # backward's two GEMMs too
+    assert x.grad is not None
+
+
 def test_float32_mx_gemm_is_bitwise_the_float32_product_of_dequantized_operands():
     torch.manual_seed(2)
     fmt = BLOCK_FORMATS["mxfp4"]
@@ -208,7 +226,7 @@ def test_nvfp4_grad_input_reads_the_forward_weight_tiles_as_a_fresh_cast_would(o
     grad-input GEMM is bit for bit the one with the weight cast again along out_features,
     and a health monitor's counts and probes of it are those of that cast."""
     torch.manual_seed(5)
-    config = dataclasses.replace(BLOCK_CONFIGS["nvfp4"], stochastic_rounding=False)
+    config = dataclasses.replace(BLOCK_CONFIGS["nvfp4"], stochastic_rounding=False, hadamard=False)
     layer = BlockLinear.convert_(torch.nn.Linear(512, 256, bias=False), config)
     recorder = _Recorder()
     if observed:

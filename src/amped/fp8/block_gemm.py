@@ -9,8 +9,9 @@ the GEMM's dtype: exact there (at most 6 significant bits, see
 and a bfloat16 GEMM, which accumulates in float32 (AMX and AVX512-BF16 on CPUs), is the
 fast route under bfloat16 autocast; a float32 output takes a float32 GEMM. NVFP4's
 two tensor scales multiply the float32 accumulator, as the hardware kernel does: on a
-CPU as the GEMM's ``alpha`` (``addmm``, which costs what ``mm`` costs), elsewhere by a
-float32 GEMM result times the scale; either way the result is rounded to the output
+CPU as the GEMM's ``alpha`` (``addmm``, which costs what ``mm`` costs), elsewhere (and
+inside a user's ``torch.compile``, where ``alpha``'s Python number would break the
+graph) by a float32 GEMM result times the scale; either way the result is rounded to the output
 dtype once. So against the float64 product of the dequantized operands the emulation
 differs only by float32 summation order and that one rounding (tests/test_block_linear.py
 holds bfloat16 results to the float64 product rounded once).
@@ -130,7 +131,9 @@ def _emulated(
     if scale_a is None or scale_b is None:
         return (a @ b.t()).to(out_dtype)
     scale = scale_a * scale_b  # float32: one rounding, as the hardware kernel's
-    if a.device.type == "cpu":  # float() of a CPU tensor does not sync anything
+    # float() of a CPU tensor syncs nothing; inside a user's torch.compile it would
+    # break the graph (Dynamo cannot trace a Python number out of a tensor)
+    if a.device.type == "cpu" and not torch.compiler.is_compiling():
         # oneDNN multiplies the float32 accumulator by alpha, then rounds once
         empty = a.new_empty(())  # beta=0: never read (not even its NaNs)
         return torch.addmm(empty, a, b.t(), beta=0, alpha=float(scale)).to(out_dtype)

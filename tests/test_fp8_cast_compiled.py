@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from amped.fp8 import compiled_cast
-from amped.fp8.cast import Fp8Tensor, cast_saturated, quantize
+from amped.fp8.cast import Fp8Tensor, cast_saturated, quantize, quantize_rows_and_columns
 from amped.fp8.gemm import scaled_mm
 from two_processes import run_in_two_processes
 
@@ -176,3 +176,49 @@ def test_unsafe_math_flags_of_the_environment_do_not_reach_the_cast_kernels(monk
     for compiled, eager in casts.values():
         assert _same(compiled, eager)
         assert compiled.abs().max() > 0
+
+
+def _amaxes(source):
+    """Row amaxes: every positive finite bfloat16 value; or float32 values around
+    ``448 * 2**-k`` for every k that keeps them normal, where ``448 / amax`` is within a
+    few ulps of a power of two (``log2`` rounds to an integer or just below)."""
+    if source is torch.bfloat16:
+        return torch.arange(1, 0x7F80, dtype=torch.int16).view(torch.bfloat16)
+    steps = torch.arange(-16, 17, dtype=torch.float64) * 2.0**-23
+    powers = torch.exp2(torch.arange(-120, 120, dtype=torch.float64))
+    return (448 * powers[:, None] * (1 + steps[None, :])).reshape(-1).to(torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_compiled_cast_computes_the_eager_scales(source, monkeypatch):
+    """The cast kernel computes its own scales (amped.fp8.cast._scale_of: the float64
+    quotient, log2, floor, exp2, compiled). Against the eager scales and values, bitwise,
+    for every bfloat16 amax and for float32 amaxes whose scale lies next to a power of
+    two; one scale per row, and (transposed) per column."""
+    amax = _amaxes(source)
+    x = torch.stack([amax, -amax / 3], dim=1)  # each row's amax is its first entry
+    for operand, dim in ((x, -1), (x.t().contiguous(), 0)):
+        compiled = quantize(operand, E4M3, "rowwise", dim, True, None, torch.bfloat16)
+        eager = _eager(
+            monkeypatch, quantize, operand, E4M3, "rowwise", dim, True, None, torch.bfloat16
+        )
+        assert _same(compiled.scale, eager.scale)
+        assert _same(compiled.values, eager.values)
+    assert compiled_cast.compiles(x)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [5, 16, 70], ids=["5-rows", "16-rows", "70-rows"])
+def test_compiled_column_casts_take_any_row_count(rows, monkeypatch):
+    """Column amaxes run over blocks of 16 rows first (amped.fp8.cast._column_amax):
+    fewer rows than a block, one block, and blocks with rows left over, alone and beside
+    the row cast, give the eager bits."""
+    x = _suite((rows, 96), torch.bfloat16, special=rows > 7)
+    compiled = quantize(x, E5M2, "rowwise", 0, True, None, torch.bfloat16)
+    eager = _eager(monkeypatch, quantize, x, E5M2, "rowwise", 0, True, None, torch.bfloat16)
+    assert _same(compiled.scale, eager.scale) and _same(compiled.values, eager.values)
+    both = quantize_rows_and_columns(x, E4M3, True, torch.float32)
+    eager_both = _eager(monkeypatch, quantize_rows_and_columns, x, E4M3, True, torch.float32)
+    for a, b in zip(both, eager_both, strict=True):
+        assert _same(a.scale, b.scale) and _same(a.values, b.values)

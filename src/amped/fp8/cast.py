@@ -16,12 +16,13 @@ binary floating point, so only the FP8 rounding itself loses information.
 Tensorwise scaling uses one scale per tensor; rowwise one per row (or column) of a
 2-D operand, the scale tensor keeping the reduced dim as size 1.
 
-The two passes over a whole tensor, its amax and the saturating cast, run as compiled
-kernels on a CPU (:func:`amped.fp8.compiled_cast.run`: one fused loop each instead of
-two and four eager ones; eager for tensors under its ``MIN_ELEMENTS``), the same
-functions giving the same bits eagerly (tests/test_fp8_compiled_cast.py): a maximum
-is exact in any order, and the cast is one float32 product, a clamp and one rounding.
-The scale itself, one number per tensor or row, is computed eagerly.
+A cast by the tensor's own amax (:func:`quantize` without a ``scale``) is one compiled
+kernel on a CPU (:func:`amped.fp8.compiled_cast.run`; eager for tensors under its
+``MIN_ELEMENTS``): the amax pass, the scales (one number per tensor or row) and the
+cast pass, one hand-off to the cast worker. The same function gives the same bits
+eagerly (tests/test_fp8_cast_compiled.py): a maximum is exact in any order, the scale
+is the eager one (:func:`_scale_of` says why), and the cast is one float32 product, a
+clamp and one rounding.
 
 For an emulated GEMM (:mod:`amped.fp8.gemm`) the cast writes the FP8 values as the
 GEMM's operand instead of the bytes (``values_dtype``: bfloat16 or float32, both exact
@@ -168,10 +169,35 @@ def amax_of(
 
 
 def _amax_kernel(spec: tuple[Granularity, int], x: torch.Tensor) -> torch.Tensor:
-    granularity, dim = spec
+    return _amax(x, *spec)
+
+
+def _amax(x: torch.Tensor, granularity: Granularity, dim: int) -> torch.Tensor:
+    magnitude = x.abs()
     if granularity == "tensorwise":
-        return x.abs().max()
-    return x.abs().amax(dim=dim, keepdim=True)
+        return magnitude.max()
+    if magnitude.dim() == 2 and dim in (0, -2):
+        return _column_amax(magnitude)
+    return magnitude.amax(dim=dim, keepdim=True)
+
+
+_ROW_BLOCK = 16
+
+
+def _column_amax(magnitude: torch.Tensor) -> torch.Tensor:
+    """``magnitude.amax(dim=0, keepdim=True)`` of a 2-D tensor, over blocks of 16 rows
+    first and then over the blocks' maxima: the same maximum (exact in any order), in a
+    loop Inductor writes row by row. Its loop for the plain form walks each 32-column
+    strip down every row, one cache line per row: twice the time (a 2048 x 2048 bfloat16
+    operand at one thread, 1.3 against 0.6 ms; docs/history/fp8-speed.md)."""
+    rows, columns = magnitude.shape
+    head = rows - rows % _ROW_BLOCK
+    if head == 0:
+        return magnitude.amax(dim=0, keepdim=True)
+    blocks = magnitude[:head].reshape(head // _ROW_BLOCK, _ROW_BLOCK, columns).amax(dim=1)
+    if head < rows:
+        blocks = torch.cat([blocks, magnitude[head:]])
+    return blocks.amax(dim=0, keepdim=True)
 
 
 @torch.no_grad()
@@ -189,6 +215,20 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = Fal
         tensor(224.)
     """
     check_fp8_dtype(dtype)
+    return _scale_of(amax, dtype, power_of_2)
+
+
+def _scale_of(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.Tensor:
+    """:func:`amax_to_scale`, also run inside the cast kernels (:func:`_cast_kernel`).
+
+    Compiled, the same bits: Inductor writes the float64 quotient as a reciprocal times
+    ``fp8_max`` (two float64 roundings, a relative error under 2**-52), but the exact
+    quotient of ``fp8_max`` by a float32 amax is never closer than 2**-49 (relative) to
+    a float32 rounding boundary, so the float32 scale is the same; and ``log2``,
+    ``floor`` and ``exp2`` give the same power of two whether at::vec's vectorized
+    ``log2`` or the scalar ``std::log2`` computes it, for every positive float32
+    (checked over all of them: docs/history/fp8-speed.md).
+    """
     fp8_max = torch.finfo(dtype).max
     scale = (fp8_max / amax.to(torch.float64).clamp(min=EPS)).to(torch.float32)
     if power_of_2:
@@ -217,21 +257,43 @@ def _bytes_kernel(dtype: torch.dtype, x: torch.Tensor, scale: torch.Tensor) -> t
 
 
 def _values_kernel(
-    spec: tuple[torch.dtype, torch.dtype, bool],
+    spec: tuple[torch.dtype, torch.dtype], x: torch.Tensor, scale: torch.Tensor
+) -> torch.Tensor:
+    """:func:`_values` with a scale given (the delayed scaling path): one loop."""
+    return _values(x, scale, *spec)
+
+
+def _values(
     x: torch.Tensor,
     scale: torch.Tensor,
-    *inverse: torch.Tensor,
+    dtype: torch.dtype,
+    values_dtype: torch.dtype,
+    inverse: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The FP8 values of ``x * scale``, saturated, in ``values_dtype`` (the spec's second
-    entry), times ``1 / scale`` where given (the third entry): one loop, the same values
-    as converting the bytes of :func:`_bytes_kernel`. The inverse of a power-of-two
-    scale is exact, so multiplying by it is dividing by the scale; a product is three
-    times faster than a division per element in Inductor's loop."""
-    dtype, values_dtype, _ = spec
+    """The FP8 values of ``x * scale``, saturated, in ``values_dtype``, times ``inverse``
+    (``1 / scale``) where given: the same values as converting the bytes of
+    :func:`_bytes_kernel`. The inverse of a power-of-two scale is exact, so multiplying
+    by it is dividing by the scale; a product is three times faster than a division per
+    element in Inductor's loop."""
     values = fp8_grid(_saturated(x, scale, dtype), dtype)
-    if inverse:
-        values = values * inverse[0]
+    if inverse is not None:
+        values = values * inverse
     return values.to(values_dtype)
+
+
+def _cast_kernel(
+    spec: tuple[torch.dtype, Granularity, int, bool, torch.dtype | None], x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale and the cast of ``x`` by its own amax: the bytes, or (``values_dtype``)
+    the values, divided by a power-of-two scale. Amax, scale and cast in one compiled
+    kernel: one hand-off to the cast worker instead of two, and for one scale per row
+    the row is read again from cache (:func:`_scale_of` holds the scale to eager's bits)."""
+    dtype, granularity, dim, power_of_2, values_dtype = spec
+    scale = _scale_of(_amax(x, granularity, dim), dtype, power_of_2)
+    if values_dtype is None:
+        return scale, _saturated(x, scale, dtype).to(dtype)
+    inverse = scale.reciprocal() if power_of_2 else None
+    return scale, _values(x, scale, dtype, values_dtype, inverse)
 
 
 def fp8_grid(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -298,15 +360,16 @@ def quantize(
     """
     check_fp8_dtype(dtype)
     check_values_dtype(values_dtype)
-    dequantize = values_dtype is not None and power_of_2 and scale is None
     if scale is None:
-        scale = amax_to_scale(amax_of(x, granularity, dim), dtype, power_of_2)
+        spec = (dtype, granularity, dim, power_of_2, values_dtype)
+        scale, cast = compiled_cast.run(_cast_kernel, spec, x)
+        if values_dtype is None:
+            return Fp8Tensor(cast, scale)
+        return _operand(x, dtype, scale, cast, power_of_2)
     if values_dtype is None:
         return Fp8Tensor(compiled_cast.run(_bytes_kernel, dtype, x, scale), scale)
-    inverse = (scale.reciprocal(),) if dequantize else ()
-    spec = (dtype, values_dtype, dequantize)
-    values = compiled_cast.run(_values_kernel, spec, x, scale, *inverse)
-    return _operand(x, dtype, scale, values, dequantize)
+    values = compiled_cast.run(_values_kernel, (dtype, values_dtype), x, scale)
+    return _operand(x, dtype, scale, values, False)
 
 
 def _operand(
@@ -331,41 +394,34 @@ def quantize_rows_and_columns(
 ) -> tuple[Fp8Tensor, Fp8Tensor]:
     """``quantize(x, dtype, "rowwise", dim, power_of_2, values_dtype=values_dtype)`` for
     ``dim=-1`` and ``dim=0`` of a 2-D ``x``: the same bits, in two passes over ``x``
-    instead of four where the casts write GEMM operands (both amaxes in one kernel, both
-    operands in another). A rowwise grad_output is cast both ways in one backward."""
+    instead of four where the casts write GEMM operands (both amaxes, then both operands,
+    in one kernel). A rowwise grad_output is cast both ways in one backward."""
     check_fp8_dtype(dtype)
     check_values_dtype(values_dtype)
     if values_dtype is None or x.dim() != 2:
         rows = quantize(x, dtype, "rowwise", -1, power_of_2, None, values_dtype)
         return rows, quantize(x, dtype, "rowwise", 0, power_of_2, None, values_dtype)
-    row_amax, column_amax = compiled_cast.run(_amaxes_kernel, None, x)
-    row_scale = amax_to_scale(row_amax, dtype, power_of_2)
-    column_scale = amax_to_scale(column_amax, dtype, power_of_2)
-    scales = (row_scale, row_scale.reciprocal(), column_scale, column_scale.reciprocal())
-    spec = (dtype, values_dtype, power_of_2)
-    row_values, column_values = compiled_cast.run(_both_values_kernel, spec, x, *scales)
+    spec = (dtype, power_of_2, values_dtype)
+    row_scale, column_scale, row_values, column_values = compiled_cast.run(
+        _rows_and_columns_kernel, spec, x
+    )
     rows = _operand(x, dtype, row_scale, row_values, power_of_2)
     return rows, _operand(x, dtype, column_scale, column_values, power_of_2)
 
 
-def _amaxes_kernel(spec: None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    magnitude = x.abs()
-    return magnitude.amax(dim=-1, keepdim=True), magnitude.amax(dim=0, keepdim=True)
-
-
-def _both_values_kernel(
-    spec: tuple[torch.dtype, torch.dtype, bool],
-    x: torch.Tensor,
-    row_scale: torch.Tensor,
-    row_inverse: torch.Tensor,
-    column_scale: torch.Tensor,
-    column_inverse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_values_kernel` with the row scales and with the column scales, one loop."""
-    dequantize = spec[2]
-    rows = _values_kernel(spec, x, row_scale, *((row_inverse,) if dequantize else ()))
-    columns = _values_kernel(spec, x, column_scale, *((column_inverse,) if dequantize else ()))
-    return rows, columns
+def _rows_and_columns_kernel(
+    spec: tuple[torch.dtype, bool, torch.dtype], x: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """:func:`_cast_kernel` along the last dim and along dim 0, one kernel: the row and
+    column scales, then the row and column values (the values in one loop)."""
+    dtype, power_of_2, values_dtype = spec
+    row_scale = _scale_of(_amax(x, "rowwise", -1), dtype, power_of_2)
+    column_scale = _scale_of(_amax(x, "rowwise", 0), dtype, power_of_2)
+    row_inverse = row_scale.reciprocal() if power_of_2 else None
+    column_inverse = column_scale.reciprocal() if power_of_2 else None
+    rows = _values(x, row_scale, dtype, values_dtype, row_inverse)
+    columns = _values(x, column_scale, dtype, values_dtype, column_inverse)
+    return row_scale, column_scale, rows, columns
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:

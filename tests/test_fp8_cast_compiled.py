@@ -16,8 +16,15 @@ import pytest
 import torch
 
 from amped.fp8 import compiled_cast
-from amped.fp8.cast import Fp8Tensor, cast_saturated, quantize, quantize_rows_and_columns
+from amped.fp8.cast import (
+    Fp8Tensor,
+    cast_saturated,
+    fp8_grid,
+    quantize,
+    quantize_rows_and_columns,
+)
 from amped.fp8.gemm import scaled_mm
+from test_fp8_cast import _every_rounding_case
 from two_processes import run_in_two_processes
 
 pytestmark = pytest.mark.compiled_casts
@@ -222,3 +229,18 @@ def test_compiled_column_casts_take_any_row_count(rows, monkeypatch):
     eager_both = _eager(monkeypatch, quantize_rows_and_columns, x, E4M3, True, torch.float32)
     for a, b in zip(both, eager_both, strict=True):
         assert _same(a.scale, b.scale) and _same(a.values, b.values)
+
+
+def _grid_kernel(dtype, v):
+    return fp8_grid(v, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_compiled_fp8_grid_is_the_fp8_conversion_bitwise(dtype):
+    """The casts' rounding, compiled as the kernels compile it, on every rounding case of
+    tests/test_fp8_cast.py (ties, neighbours, subnormals, signed zeros, NaN): the bits of
+    torch's conversion to ``dtype`` and back."""
+    v = _every_rounding_case(dtype)
+    assert compiled_cast.compiles(v)
+    assert _same(compiled_cast.run(_grid_kernel, dtype, v), v.to(dtype).to(torch.float32))

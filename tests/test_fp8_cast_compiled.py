@@ -185,34 +185,42 @@ def test_unsafe_math_flags_of_the_environment_do_not_reach_the_cast_kernels(monk
         assert compiled.abs().max() > 0
 
 
-def _amaxes(source):
+def _amaxes(source, fp8_max):
     """Row amaxes: every positive finite bfloat16 value; or float32 values around
-    ``448 * 2**-k`` for every k that keeps them normal, where ``448 / amax`` is within a
-    few ulps of a power of two (``log2`` rounds to an integer or just below)."""
+    ``fp8_max * 2**k`` for every k that keeps them normal, where ``fp8_max / amax`` is
+    within a few ulps of a power of two (``log2`` rounds to an integer or just below)."""
     if source is torch.bfloat16:
         return torch.arange(1, 0x7F80, dtype=torch.int16).view(torch.bfloat16)
     steps = torch.arange(-16, 17, dtype=torch.float64) * 2.0**-23
-    powers = torch.exp2(torch.arange(-120, 120, dtype=torch.float64))
-    return (448 * powers[:, None] * (1 + steps[None, :])).reshape(-1).to(torch.float32)
+    powers = torch.exp2(torch.arange(-120, 110, dtype=torch.float64))
+    return (fp8_max * powers[:, None] * (1 + steps[None, :])).reshape(-1).to(torch.float32)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_compiled_cast_computes_the_eager_scales(source, monkeypatch):
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_compiled_cast_computes_the_eager_scales(fp8, source, monkeypatch):
     """The cast kernel computes its own scales (amped.fp8.cast._scale_of: the float64
     quotient, log2, floor, exp2, compiled). Against the eager scales and values, bitwise,
     for every bfloat16 amax and for float32 amaxes whose scale lies next to a power of
-    two; one scale per row, and (transposed) per column."""
-    amax = _amaxes(source)
+    two; one scale per row, and (transposed) per column. The values (written without
+    the saturating clamp: amped.fp8.cast._values) are also those of the clamped bytes,
+    where ``log2`` rounded a scale up and ``amax * scale`` exceeds the FP8 maximum."""
+    amax = _amaxes(source, torch.finfo(fp8).max)
     x = torch.stack([amax, -amax / 3], dim=1)  # each row's amax is its first entry
     for operand, dim in ((x, -1), (x.t().contiguous(), 0)):
-        compiled = quantize(operand, E4M3, "rowwise", dim, True, None, torch.bfloat16)
+        compiled = quantize(operand, fp8, "rowwise", dim, True, None, torch.bfloat16)
         eager = _eager(
-            monkeypatch, quantize, operand, E4M3, "rowwise", dim, True, None, torch.bfloat16
+            monkeypatch, quantize, operand, fp8, "rowwise", dim, True, None, torch.bfloat16
         )
         assert _same(compiled.scale, eager.scale)
         assert _same(compiled.values, eager.values)
+        clamped = _eager(monkeypatch, quantize, operand, fp8, "rowwise", dim, True)
+        assert _same(compiled.values, clamped.dequantize(torch.bfloat16))
     assert compiled_cast.compiles(x)
+    if source is torch.float32:  # the clamp-free rounding met values past the maximum
+        products = amax.double() * compiled.scale.reshape(-1).double()
+        assert (products > torch.finfo(fp8).max).any()
 
 
 @pytest.mark.slow

@@ -269,13 +269,24 @@ def _values(
     dtype: torch.dtype,
     values_dtype: torch.dtype,
     inverse: torch.Tensor | None = None,
+    own_amax: bool = False,
 ) -> torch.Tensor:
     """The FP8 values of ``x * scale``, saturated, in ``values_dtype``, times ``inverse``
     (``1 / scale``) where given: the same values as converting the bytes of
     :func:`_bytes_kernel`. The inverse of a power-of-two scale is exact, so multiplying
     by it is dividing by the scale; a product is three times faster than a division per
-    element in Inductor's loop."""
-    values = fp8_grid(_saturated(x, scale, dtype), dtype)
+    element in Inductor's loop.
+
+    ``own_amax``: ``scale`` was computed from ``x``'s own amax (:func:`_scale_of`), so no
+    product exceeds the FP8 maximum by more than the scale's rounding: the float32
+    quotient rounds up by at most half an ulp, and ``log2`` rounds up to the next
+    integer only within 2**-18 (relative) below a power of two, while a value rounds
+    past the maximum only from halfway to the next grid value (464 = 448 * 29/28 for
+    e4m3, 61440 = 57344 * 15/14 for e5m2). The rounding then gives the clamp's values, so the
+    clamp (two operations of some twenty per element) is left out; NaN and the
+    0 * inf of an infinite amax stay NaN either way."""
+    product = x.to(torch.float32) * scale
+    values = fp8_grid(product if own_amax else _saturated(x, scale, dtype), dtype)
     if inverse is not None:
         values = values * inverse
     return values.to(values_dtype)
@@ -293,7 +304,7 @@ def _cast_kernel(
     if values_dtype is None:
         return scale, _saturated(x, scale, dtype).to(dtype)
     inverse = scale.reciprocal() if power_of_2 else None
-    return scale, _values(x, scale, dtype, values_dtype, inverse)
+    return scale, _values(x, scale, dtype, values_dtype, inverse, own_amax=True)
 
 
 def fp8_grid(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -422,8 +433,8 @@ def _rows_and_columns_kernel(
     column_scale = _scale_of(_amax(x, "rowwise", 0), dtype, power_of_2)
     row_inverse = row_scale.reciprocal() if power_of_2 else None
     column_inverse = column_scale.reciprocal() if power_of_2 else None
-    rows = _values(x, row_scale, dtype, values_dtype, row_inverse)
-    columns = _values(x, column_scale, dtype, values_dtype, column_inverse)
+    rows = _values(x, row_scale, dtype, values_dtype, row_inverse, own_amax=True)
+    columns = _values(x, column_scale, dtype, values_dtype, column_inverse, own_amax=True)
     return row_scale, column_scale, rows, columns
 
 

@@ -200,11 +200,11 @@ def _amaxes(source, fp8_max):
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_compiled_cast_computes_the_eager_scales(fp8, source, monkeypatch):
-    """The cast kernel computes its own scales (amped.fp8.cast._scale_of: the float64
+    """The cast kernel computes its own scales (amped.fp8.fp8_kernel.scale_of: the float64
     quotient, log2, floor, exp2, compiled). Against the eager scales and values, bitwise,
     for every bfloat16 amax and for float32 amaxes whose scale lies next to a power of
     two; one scale per row, and (transposed) per column. The values (written without
-    the saturating clamp: amped.fp8.cast._values) are also those of the clamped bytes,
+    the saturating clamp: amped.fp8.fp8_kernel.fp8_values) are also those of the clamped bytes,
     where ``log2`` rounded a scale up and ``amax * scale`` exceeds the FP8 maximum."""
     amax = _amaxes(source, torch.finfo(fp8).max)
     x = torch.stack([amax, -amax / 3], dim=1)  # each row's amax is its first entry
@@ -226,7 +226,7 @@ def test_compiled_cast_computes_the_eager_scales(fp8, source, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("rows", [5, 16, 70], ids=["5-rows", "16-rows", "70-rows"])
 def test_compiled_column_casts_take_any_row_count(rows, monkeypatch):
-    """Column amaxes run over blocks of 16 rows first (amped.fp8.cast._column_amax):
+    """Column amaxes run over blocks of 16 rows first (amped.fp8.fp8_kernel.column_amax):
     fewer rows than a block, one block, and blocks with rows left over, alone and beside
     the row cast, give the eager bits."""
     x = _suite((rows, 96), torch.bfloat16, special=rows > 7)

@@ -85,7 +85,8 @@ def column_amax(magnitude: torch.Tensor) -> torch.Tensor:
 
 
 def scale_of(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.Tensor:
-    """:func:`amax_to_scale`, also run inside the cast kernels (:func:`cast_kernel`).
+    """:func:`amped.fp8.cast.amax_to_scale`, also run inside the cast kernels
+    (:func:`cast_kernel`).
 
     Compiled, the same bits: Inductor writes the float64 quotient as a reciprocal times
     ``fp8_max`` (two float64 roundings, a relative error under 2**-52), but the exact
@@ -103,6 +104,7 @@ def scale_of(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.
 
 
 def saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` in float32, clamped to ``dtype``'s finite range."""
     fp8_max = torch.finfo(dtype).max
     return (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max)
 
@@ -138,8 +140,8 @@ def fp8_values(
     quotient rounds up by at most half an ulp, and ``log2`` rounds up to the next
     integer only within 2**-18 (relative) below a power of two, while a value rounds
     past the maximum only from halfway to the next grid value (464 = 448 * 29/28 for
-    e4m3, 61440 = 57344 * 15/14 for e5m2). The rounding then gives the clamp's values, so the
-    clamp (two operations of some twenty per element) is left out; NaN and the
+    e4m3, 61440 = 57344 * 15/14 for e5m2). The rounding then gives the clamp's values,
+    so the clamp (two operations of some twenty per element) is left out; NaN and the
     0 * inf of an infinite amax stay NaN either way."""
     product = x.to(torch.float32) * scale
     values = fp8_grid(product if own_amax else saturated(x, scale, dtype), dtype)
@@ -153,8 +155,9 @@ def cast_kernel(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The scale and the cast of ``x`` by its own amax: the bytes, or (``values_dtype``)
     the values, divided by a power-of-two scale. Amax, scale and cast in one compiled
-    kernel: one hand-off to the cast worker instead of two, and for one scale per row
-    the row is read again from cache (:func:`scale_of` holds the scale to eager's bits)."""
+    kernel (Inductor writes the amax loop, a loop over the scales and the cast loop):
+    one hand-off to the cast worker instead of two, and no eager ops between them
+    (:func:`scale_of` holds the scale to eager's bits)."""
     dtype, granularity, dim, power_of_2, values_dtype = spec
     scale = scale_of(amax(x, granularity, dim), dtype, power_of_2)
     if values_dtype is None:

@@ -16,8 +16,15 @@ import pytest
 import torch
 
 from amped.fp8 import compiled_cast
-from amped.fp8.cast import Fp8Tensor, cast_saturated, quantize
+from amped.fp8.cast import (
+    Fp8Tensor,
+    cast_saturated,
+    fp8_grid,
+    quantize,
+    quantize_rows_and_columns,
+)
 from amped.fp8.gemm import scaled_mm
+from test_fp8_cast import _every_rounding_case
 from two_processes import run_in_two_processes
 
 pytestmark = pytest.mark.compiled_casts
@@ -176,3 +183,72 @@ def test_unsafe_math_flags_of_the_environment_do_not_reach_the_cast_kernels(monk
     for compiled, eager in casts.values():
         assert _same(compiled, eager)
         assert compiled.abs().max() > 0
+
+
+def _amaxes(source, fp8_max):
+    """Row amaxes: every positive finite bfloat16 value; or float32 values around
+    ``fp8_max * 2**k`` for every k that keeps them normal, where ``fp8_max / amax`` is
+    within a few ulps of a power of two (``log2`` rounds to an integer or just below)."""
+    if source is torch.bfloat16:
+        return torch.arange(1, 0x7F80, dtype=torch.int16).view(torch.bfloat16)
+    steps = torch.arange(-16, 17, dtype=torch.float64) * 2.0**-23
+    powers = torch.exp2(torch.arange(-120, 110, dtype=torch.float64))
+    return (fp8_max * powers[:, None] * (1 + steps[None, :])).reshape(-1).to(torch.float32)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("source", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_compiled_cast_computes_the_eager_scales(fp8, source, monkeypatch):
+    """The cast kernel computes its own scales (amped.fp8.fp8_kernel.scale_of: the float64
+    quotient, log2, floor, exp2, compiled). Against the eager scales and values, bitwise,
+    for every bfloat16 amax and for float32 amaxes whose scale lies next to a power of
+    two; one scale per row, and (transposed) per column. The values (written without
+    the saturating clamp: amped.fp8.fp8_kernel.fp8_values) are also those of the clamped bytes,
+    where ``log2`` rounded a scale up and ``amax * scale`` exceeds the FP8 maximum."""
+    amax = _amaxes(source, torch.finfo(fp8).max)
+    x = torch.stack([amax, -amax / 3], dim=1)  # each row's amax is its first entry
+    for operand, dim in ((x, -1), (x.t().contiguous(), 0)):
+        compiled = quantize(operand, fp8, "rowwise", dim, True, None, torch.bfloat16)
+        eager = _eager(
+            monkeypatch, quantize, operand, fp8, "rowwise", dim, True, None, torch.bfloat16
+        )
+        assert _same(compiled.scale, eager.scale)
+        assert _same(compiled.values, eager.values)
+        clamped = _eager(monkeypatch, quantize, operand, fp8, "rowwise", dim, True)
+        assert _same(compiled.values, clamped.dequantize(torch.bfloat16))
+    assert compiled_cast.compiles(x)
+    if source is torch.float32:  # the clamp-free rounding met values past the maximum
+        products = amax.double() * compiled.scale.reshape(-1).double()
+        assert (products > torch.finfo(fp8).max).any()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [5, 16, 70], ids=["5-rows", "16-rows", "70-rows"])
+def test_compiled_column_casts_take_any_row_count(rows, monkeypatch):
+    """Column amaxes run over blocks of 16 rows first (amped.fp8.fp8_kernel.column_amax):
+    fewer rows than a block, one block, and blocks with rows left over, alone and beside
+    the row cast, give the eager bits."""
+    x = _suite((rows, 96), torch.bfloat16, special=rows > 7)
+    compiled = quantize(x, E5M2, "rowwise", 0, True, None, torch.bfloat16)
+    eager = _eager(monkeypatch, quantize, x, E5M2, "rowwise", 0, True, None, torch.bfloat16)
+    assert _same(compiled.scale, eager.scale) and _same(compiled.values, eager.values)
+    both = quantize_rows_and_columns(x, E4M3, True, torch.float32)
+    eager_both = _eager(monkeypatch, quantize_rows_and_columns, x, E4M3, True, torch.float32)
+    for a, b in zip(both, eager_both, strict=True):
+        assert _same(a.scale, b.scale) and _same(a.values, b.values)
+
+
+def _grid_kernel(dtype, v):
+    return fp8_grid(v, dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_compiled_fp8_grid_is_the_fp8_conversion_bitwise(dtype):
+    """The casts' rounding, compiled as the kernels compile it, on every rounding case of
+    tests/test_fp8_cast.py (ties, neighbours, subnormals, signed zeros, NaN): the bits of
+    torch's conversion to ``dtype`` and back."""
+    v = _every_rounding_case(dtype)
+    assert compiled_cast.compiles(v)
+    assert _same(compiled_cast.run(_grid_kernel, dtype, v), v.to(dtype).to(torch.float32))

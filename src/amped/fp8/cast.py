@@ -16,12 +16,13 @@ binary floating point, so only the FP8 rounding itself loses information.
 Tensorwise scaling uses one scale per tensor; rowwise one per row (or column) of a
 2-D operand, the scale tensor keeping the reduced dim as size 1.
 
-The two passes over a whole tensor, its amax and the saturating cast, run as compiled
-kernels on a CPU (:func:`amped.fp8.compiled_cast.run`: one fused loop each instead of
-two and four eager ones; eager for tensors under its ``MIN_ELEMENTS``), the same
-functions giving the same bits eagerly (tests/test_fp8_compiled_cast.py): a maximum
-is exact in any order, and the cast is one float32 product, a clamp and one rounding.
-The scale itself, one number per tensor or row, is computed eagerly.
+A cast by the tensor's own amax (:func:`quantize` without a ``scale``) is one compiled
+kernel on a CPU (:mod:`amped.fp8.fp8_kernel` run by :func:`amped.fp8.compiled_cast.run`;
+eager for tensors under its ``MIN_ELEMENTS``): the amax pass, the scales (one number
+per tensor or row) and the cast pass, one hand-off to the cast worker. The same
+function gives the same bits eagerly (tests/test_fp8_cast_compiled.py): a maximum is
+exact in any order, the scale is the eager one (:func:`amped.fp8.fp8_kernel.scale_of`
+says why), and the cast is one float32 product, a clamp and one rounding.
 
 For an emulated GEMM (:mod:`amped.fp8.gemm`) the cast writes the FP8 values as the
 GEMM's operand instead of the bytes (``values_dtype``: bfloat16 or float32, both exact
@@ -35,12 +36,11 @@ step never does.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
 from amped._internal.errors import value_error
-from amped.fp8 import compiled_cast
+from amped.fp8 import compiled_cast, fp8_kernel
+from amped.fp8.fp8_kernel import EPS, Granularity, fp8_grid
 
 __all__ = [
     "EPS",
@@ -60,10 +60,6 @@ __all__ = [
 ]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-EPS = 1e-12
-"""Smallest amax a scale is computed from: an all-zero tensor gets a finite scale."""
-
-Granularity = Literal["tensorwise", "rowwise"]
 
 
 class Fp8Tensor:
@@ -110,7 +106,8 @@ class Fp8Tensor:
         if self._data is None:
             assert self.values is not None  # __init__ holds one of the two
             spec = (self.dtype, self.dequantized)
-            self._data = compiled_cast.run(_bytes_of_values, spec, self.values, self.scale)
+            values, scale = self.values, self.scale
+            self._data = compiled_cast.run(fp8_kernel.bytes_of_values, spec, values, scale)
         return self._data
 
     @property
@@ -128,16 +125,6 @@ class Fp8Tensor:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data / scale`` in ``dtype`` (computed in float32)."""
         return (self.data.to(torch.float32) / self.scale).to(dtype)
-
-
-def _bytes_of_values(
-    spec: tuple[torch.dtype, bool], values: torch.Tensor, scale: torch.Tensor
-) -> torch.Tensor:
-    """The FP8 bytes of a cast's ``values``: exact, as each value is an FP8 value (times a
-    power-of-two inverse scale, undone here, where dequantized)."""
-    dtype, dequantized = spec
-    exact = values.to(torch.float32)
-    return (exact * scale if dequantized else exact).to(dtype)
 
 
 def check_fp8_dtype(dtype: torch.dtype) -> None:
@@ -164,14 +151,7 @@ def amax_of(
     Computed in ``x``'s own dtype: the maximum of magnitudes is exact in any dtype.
     """
     check_granularity(granularity)
-    return compiled_cast.run(_amax_kernel, (granularity, dim), x)
-
-
-def _amax_kernel(spec: tuple[Granularity, int], x: torch.Tensor) -> torch.Tensor:
-    granularity, dim = spec
-    if granularity == "tensorwise":
-        return x.abs().max()
-    return x.abs().amax(dim=dim, keepdim=True)
+    return compiled_cast.run(fp8_kernel.amax_kernel, (granularity, dim), x)
 
 
 @torch.no_grad()
@@ -189,11 +169,7 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = Fal
         tensor(224.)
     """
     check_fp8_dtype(dtype)
-    fp8_max = torch.finfo(dtype).max
-    scale = (fp8_max / amax.to(torch.float64).clamp(min=EPS)).to(torch.float32)
-    if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
-    return scale
+    return fp8_kernel.scale_of(amax, dtype, power_of_2)
 
 
 def cast_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -203,61 +179,7 @@ def cast_saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     largest finite one gives NaN on older torch, and e5m2 would give inf.
     """
     check_fp8_dtype(dtype)
-    return compiled_cast.run(_bytes_kernel, dtype, x, scale)
-
-
-def _saturated(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    fp8_max = torch.finfo(dtype).max
-    return (x.to(torch.float32) * scale).clamp(min=-fp8_max, max=fp8_max)
-
-
-def _bytes_kernel(dtype: torch.dtype, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """The FP8 bytes of ``x * scale``, saturated: one loop."""
-    return _saturated(x, scale, dtype).to(dtype)
-
-
-def _values_kernel(
-    spec: tuple[torch.dtype, torch.dtype, bool],
-    x: torch.Tensor,
-    scale: torch.Tensor,
-    *inverse: torch.Tensor,
-) -> torch.Tensor:
-    """The FP8 values of ``x * scale``, saturated, in ``values_dtype`` (the spec's second
-    entry), times ``1 / scale`` where given (the third entry): one loop, the same values
-    as converting the bytes of :func:`_bytes_kernel`. The inverse of a power-of-two
-    scale is exact, so multiplying by it is dividing by the scale; a product is three
-    times faster than a division per element in Inductor's loop."""
-    dtype, values_dtype, _ = spec
-    values = fp8_grid(_saturated(x, scale, dtype), dtype)
-    if inverse:
-        values = values * inverse[0]
-    return values.to(values_dtype)
-
-
-def fp8_grid(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``v.to(dtype).to(torch.float32)`` for float32 ``v`` within ``dtype``'s finite
-    range, computed with float32 arithmetic only (bit for bit the same, NaN, signed
-    zeros and subnormals included; tests/test_fp8_cast.py checks every rounding case).
-
-    Normal range: Veltkamp's splitting, ``g = v * (2**s + 1); v_hi = g + (v - g)``, is
-    ``v`` rounded to nearest, ties to even, on ``24 - s`` significant bits (exact float32
-    operations, no overflow below 2**100); ``s = 23 - mantissa bits``. Below the smallest
-    normal FP8 value the grid is fixed, multiples of ``q`` = the smallest subnormal:
-    ``(|v| + q * 2**23) - q * 2**23`` rounds ``|v|`` to it (the sum's float32 ulp is
-    ``q``). Both need the compiler to keep each operation as written: the cast kernels
-    are compiled with reassociation and FMA contraction off whatever the environment
-    says (:data:`amped.fp8.compiled_cast.EXACT_FLOATING_POINT`), and
-    tests/test_fp8_cast_compiled.py holds compiled to eager.
-    """
-    mantissa_bits, min_exponent = (3, -6) if dtype is torch.float8_e4m3fn else (2, -14)
-    magnitude = v.abs()
-    split = magnitude * float(2 ** (23 - mantissa_bits) + 1)
-    normal = split + (magnitude - split)
-    shift = 2.0 ** (min_exponent - mantissa_bits + 23)
-    subnormal = (magnitude + shift) - shift
-    rounded = torch.where(magnitude < 2.0**min_exponent, subnormal, normal)
-    rounded = torch.where(v < 0, -rounded, rounded)
-    return torch.where(v == 0, v, rounded)  # -0 stays -0
+    return compiled_cast.run(fp8_kernel.bytes_kernel, dtype, x, scale)
 
 
 def check_values_dtype(values_dtype: torch.dtype | None) -> None:
@@ -298,15 +220,16 @@ def quantize(
     """
     check_fp8_dtype(dtype)
     check_values_dtype(values_dtype)
-    dequantize = values_dtype is not None and power_of_2 and scale is None
     if scale is None:
-        scale = amax_to_scale(amax_of(x, granularity, dim), dtype, power_of_2)
+        spec = (dtype, granularity, dim, power_of_2, values_dtype)
+        scale, cast = compiled_cast.run(fp8_kernel.cast_kernel, spec, x)
+        if values_dtype is None:
+            return Fp8Tensor(cast, scale)
+        return _operand(x, dtype, scale, cast, power_of_2)
     if values_dtype is None:
-        return Fp8Tensor(compiled_cast.run(_bytes_kernel, dtype, x, scale), scale)
-    inverse = (scale.reciprocal(),) if dequantize else ()
-    spec = (dtype, values_dtype, dequantize)
-    values = compiled_cast.run(_values_kernel, spec, x, scale, *inverse)
-    return _operand(x, dtype, scale, values, dequantize)
+        return Fp8Tensor(compiled_cast.run(fp8_kernel.bytes_kernel, dtype, x, scale), scale)
+    values = compiled_cast.run(fp8_kernel.values_kernel, (dtype, values_dtype), x, scale)
+    return _operand(x, dtype, scale, values, False)
 
 
 def _operand(
@@ -321,7 +244,7 @@ def _operand(
     the values cannot give the bytes back)."""
     data = None
     if dequantized and not bool((scale > 0).all()):
-        data = compiled_cast.run(_bytes_kernel, dtype, x, scale)
+        data = compiled_cast.run(fp8_kernel.bytes_kernel, dtype, x, scale)
     return Fp8Tensor(data, scale, values, dequantized, dtype)
 
 
@@ -331,41 +254,19 @@ def quantize_rows_and_columns(
 ) -> tuple[Fp8Tensor, Fp8Tensor]:
     """``quantize(x, dtype, "rowwise", dim, power_of_2, values_dtype=values_dtype)`` for
     ``dim=-1`` and ``dim=0`` of a 2-D ``x``: the same bits, in two passes over ``x``
-    instead of four where the casts write GEMM operands (both amaxes in one kernel, both
-    operands in another). A rowwise grad_output is cast both ways in one backward."""
+    instead of four where the casts write GEMM operands (both amaxes, then both operands,
+    in one kernel). A rowwise grad_output is cast both ways in one backward."""
     check_fp8_dtype(dtype)
     check_values_dtype(values_dtype)
     if values_dtype is None or x.dim() != 2:
         rows = quantize(x, dtype, "rowwise", -1, power_of_2, None, values_dtype)
         return rows, quantize(x, dtype, "rowwise", 0, power_of_2, None, values_dtype)
-    row_amax, column_amax = compiled_cast.run(_amaxes_kernel, None, x)
-    row_scale = amax_to_scale(row_amax, dtype, power_of_2)
-    column_scale = amax_to_scale(column_amax, dtype, power_of_2)
-    scales = (row_scale, row_scale.reciprocal(), column_scale, column_scale.reciprocal())
-    spec = (dtype, values_dtype, power_of_2)
-    row_values, column_values = compiled_cast.run(_both_values_kernel, spec, x, *scales)
+    spec = (dtype, power_of_2, values_dtype)
+    row_scale, column_scale, row_values, column_values = compiled_cast.run(
+        fp8_kernel.rows_and_columns_kernel, spec, x
+    )
     rows = _operand(x, dtype, row_scale, row_values, power_of_2)
     return rows, _operand(x, dtype, column_scale, column_values, power_of_2)
-
-
-def _amaxes_kernel(spec: None, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    magnitude = x.abs()
-    return magnitude.amax(dim=-1, keepdim=True), magnitude.amax(dim=0, keepdim=True)
-
-
-def _both_values_kernel(
-    spec: tuple[torch.dtype, torch.dtype, bool],
-    x: torch.Tensor,
-    row_scale: torch.Tensor,
-    row_inverse: torch.Tensor,
-    column_scale: torch.Tensor,
-    column_inverse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`_values_kernel` with the row scales and with the column scales, one loop."""
-    dequantize = spec[2]
-    rows = _values_kernel(spec, x, row_scale, *((row_inverse,) if dequantize else ()))
-    columns = _values_kernel(spec, x, column_scale, *((column_inverse,) if dequantize else ()))
-    return rows, columns
 
 
 def sqnr(reference: torch.Tensor, approx: torch.Tensor) -> float:

@@ -317,11 +317,13 @@ def _stats(
             if magnitude is not None:
                 amaxes.append(magnitude.amax())
             continue
-        elements += low.data.numel()
-        dtype_max = torch.finfo(low.data.dtype).max
+        # shape and dtype without the bytes, which a cast that wrote only values (every
+        # emulated step) computes in a pass of their own when read (Fp8Tensor.data)
+        elements += low.shape.numel()
+        dtype_max = torch.finfo(low.dtype).max
         scale = low.scale.float()
         add("scale_clamps", torch.count_nonzero((scale >= dtype_max / EPS) | (scale <= 2.0**-126)))
-        if magnitude is not None and magnitude.shape == low.data.shape:
+        if magnitude is not None and magnitude.shape == low.shape:
             nonzero = _count_nonzero(magnitude)  # NaN included: the cast keeps it
             kept = _count_nonzero_fp8(low.data)
             add("nonzero", nonzero)

@@ -159,9 +159,23 @@ def cast_kernel(
     one hand-off to the cast worker instead of two, and no eager ops between them
     (:func:`scale_of` holds the scale to eager's bits)."""
     dtype, granularity, dim, power_of_2, values_dtype = spec
-    scale = scale_of(amax(x, granularity, dim), dtype, power_of_2)
     if values_dtype is None:
-        return scale, saturated(x, scale, dtype).to(dtype)
+        scale = scale_of(amax(x, granularity, dim), dtype, power_of_2)
+        return scale, bytes_kernel(dtype, x, scale)
+    return _own_amax_values(x, granularity, dim, dtype, power_of_2, values_dtype)
+
+
+def _own_amax_values(
+    x: torch.Tensor,
+    granularity: Granularity,
+    dim: int,
+    dtype: torch.dtype,
+    power_of_2: bool,
+    values_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale of ``x`` by its own amax and its :func:`fp8_values`, divided by the
+    scale where that is a power of two (exact)."""
+    scale = scale_of(amax(x, granularity, dim), dtype, power_of_2)
     inverse = scale.reciprocal() if power_of_2 else None
     return scale, fp8_values(x, scale, dtype, values_dtype, inverse, own_amax=True)
 
@@ -201,10 +215,6 @@ def rows_and_columns_kernel(
     """:func:`cast_kernel` along the last dim and along dim 0, one kernel: the row and
     column scales, then the row and column values (the values in one loop)."""
     dtype, power_of_2, values_dtype = spec
-    row_scale = scale_of(amax(x, "rowwise", -1), dtype, power_of_2)
-    column_scale = scale_of(amax(x, "rowwise", 0), dtype, power_of_2)
-    row_inverse = row_scale.reciprocal() if power_of_2 else None
-    column_inverse = column_scale.reciprocal() if power_of_2 else None
-    rows = fp8_values(x, row_scale, dtype, values_dtype, row_inverse, own_amax=True)
-    columns = fp8_values(x, column_scale, dtype, values_dtype, column_inverse, own_amax=True)
+    row_scale, rows = _own_amax_values(x, "rowwise", -1, dtype, power_of_2, values_dtype)
+    column_scale, columns = _own_amax_values(x, "rowwise", 0, dtype, power_of_2, values_dtype)
     return row_scale, column_scale, rows, columns

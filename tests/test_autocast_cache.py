@@ -3,7 +3,7 @@
 A weight's low-precision cast is served until the outermost region closes: a weight
 changed in place inside the region (an optimizer step, ``copy_`` under ``no_grad``) is
 served stale, as ``torch.autocast`` serves it. A cast made under ``no_grad`` never
-reaches a grad-enabled call (torch's own tests for pytorch issue 158232), and nothing is
+reaches a grad-enabled call (torch's own tests for pytorch/pytorch#158232), and nothing is
 cached under ``inference_mode``. Every scenario runs on every path a region can take
 (the policies below are chosen so each takes one; the model's ops get the same dtype
 under each), and must match ``torch.autocast`` bitwise.

@@ -1,7 +1,7 @@
 """Checkpoints of the FP8 recipes across base recipes: every FP8 recipe x every base.
 
 A checkpoint loads bitwise into a setup of the same recipe over the same base; over
-another base it is refused with a message naming both (before issue 26, an
+another base it is refused with a message naming both (without that check an
 fp8-delayed checkpoint from bf16-pure loaded silently into bf16-mixed and lost its
 compensation, and the reverse failed at the next step with KeyError 'compensation').
 """

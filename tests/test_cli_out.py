@@ -1,7 +1,7 @@
 """``--out`` and ``--seed`` failures are one line with exit code 2, before any training;
 one run at a time writes into a report folder; SIGTERM is handled from the start.
 
-The cases of issue 26: a name over 255 bytes and a parent the user cannot open ended
+The failures these guard against: a name over 255 bytes and a parent the user cannot open ended
 in a traceback with exit 1, ``--seed 2**70`` exited 1, ``--out ""`` wrote into the
 current folder, two writers of one ``--out`` could leave ``results.json`` from one run
 and ``report.html`` from the other, and SIGTERM in the first seconds (while torch was

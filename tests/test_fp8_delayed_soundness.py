@@ -1,7 +1,7 @@
 """fp8-delayed stays sound: a tiny amax cannot make a scale inf, inf/NaN inputs are not
 hidden by the saturating cast, and the settings that break the rule are refused.
 
-Before issue 26: one step with a tiny amax made a layer's scale inf and every later
+The failures these guard against: one step with a tiny amax made a layer's scale inf and every later
 gradient NaN; an inf input was clamped to the FP8 maximum, so the loss stayed finite
 and the step that should be skipped was taken; margin=160 was accepted (scale 0, NaN).
 """

@@ -1,6 +1,6 @@
 """No silent stall: after an overflow burst the scaler recovers, warns once, or raises.
 
-The scenario of issue 26: a float16 model under autocast overflows for 200 steps in a
+The scenario: a float16 model under autocast overflows for 200 steps in a
 row (a NaN loss), the scale falls to the floor (2**-126), and there every float16
 gradient flushes to zero. torch's rule then takes 126 * growth_interval steps to climb
 back; amped's default restores the last clean scale on the first stalled step.

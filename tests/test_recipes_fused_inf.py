@@ -1,4 +1,4 @@
-"""Fused and eager compensated steps agree on weights at +-inf (issue 26).
+"""Fused and eager compensated steps agree on weights at +-inf.
 
 torch's SGD and AdamW keep a weight at +-inf (inf + finite = inf). The fused kernels
 added ``w * 0`` where a decay was off, which is NaN at inf, so a weight at +-inf became

@@ -1,5 +1,5 @@
 """amped.tune on a model with one layer made sensitive on purpose: activation outliers
-that FP8 cannot hold (docs/tune.md; figures in docs/history/issue-25-tune.md)."""
+that FP8 cannot hold (docs/tune.md; why tune verifies by training: docs/decisions/008)."""
 
 from __future__ import annotations
 

@@ -102,8 +102,8 @@ def test_a_diverged_plan_fails_and_the_rounds_step_back() -> None:
     assert found.choice is path[2]
 
 
-# The built-in task of `amped compare` at budget 0.002 in MXFP4 (docs/history/
-# issue-25-tune.md): five layers of equal FLOPs, the estimate per layer as measured, and a
+# The built-in task of `amped compare` at budget 0.002 in MXFP4 (docs/benchmarks.md,
+# docs/decisions/008): five layers of equal FLOPs, the estimate per layer as measured, and a
 # scripted trained gap per plan near what training gave. The estimate calls l2 (1.linear1)
 # costly; training finds it the cheapest.
 NAMES = ["l0", "l1", "l2", "l3", "l4"]

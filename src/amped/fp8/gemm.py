@@ -21,7 +21,7 @@ float32, so every product in the GEMM is exact. The GEMM's dtype follows the out
 - **bfloat16 or float16 output** (every FP8 recipe: their bases are bfloat16): a
   bfloat16 ``mm`` of bfloat16 values. oneDNN accumulates it in float32 (AMX and
   AVX512-BF16 on CPUs: 21 against 128 ms for a float32 GEMM of 2048 x 512 @ 512 x 2048
-  on one thread, docs/history/fp8-speed.md) and rounds the sum once to bfloat16; the
+  on one thread, docs/decisions/003-emulated-gemm.md) and rounds the sum once to bfloat16; the
   scales then multiply that in float32 and the result is rounded to the output dtype,
   a second rounding. So against an FP8 kernel (torch's CPU ``_scaled_mm``, which
   torchao calls, or a GPU's), which scales the float32 sum and rounds once, the

@@ -17,7 +17,7 @@ tensors: from a flat tensor of symbolic size ``s`` the kernel's ``view(-1, BLOCK
 the kernel into block loops and flat loops with a modulo in every flat index, and
 realized the map positions to a float32 buffer between them; with 2-D inputs every
 loop has the same extent and the kernel is about a fifth faster
-(docs/history/issue-27-memory.md, fifth pass). The moments are decoded by arithmetic
+(docs/decisions/007-8bit-state.md). The moments are decoded by arithmetic
 (:func:`amped.recipes.quantized_state.decode`, equal to the map on every code), not
 by a lookup in the map, which Inductor compiles to a scalar loop per vector.
 

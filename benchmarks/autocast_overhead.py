@@ -62,7 +62,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from device_sync import synchronize
+from support.device_sync import synchronize
 
 import amped
 from amped._internal.jsonio import to_json
@@ -489,7 +489,7 @@ def main() -> None:
             "per_call_us": calls,
             "per_region_us": region_cost,
             "train_step_ratio": steps,  # medians of the blocks' ratios
-            "train_step_blocks": blocks,  # every ABBA block's ratio, for autocast_compare
+            "train_step_blocks": blocks,  # every ABBA block's ratio, to compare two trees
         }
         Path(args.json).write_text(
             to_json({"device": DEVICE, **figures, "compiled_ratio": compiled})

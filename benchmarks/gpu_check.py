@@ -14,7 +14,7 @@ writes one JSON file (rewritten after every part, so a killed run leaves what it
 
 A part that fails or runs out of time is recorded (status, exit code, output tail) and
 the next part runs; the run stops starting parts once ``--total`` seconds are spent.
-The ``targets`` section evaluates the issue's targets (gpu_targets.py). Exit status: 0
+The ``targets`` section evaluates the speed targets (support/gpu_targets.py). Exit status: 0
 when every part passed (skips allowed in a dry run), 1 otherwise; missed targets are in
 the JSON, not the exit status.
 
@@ -38,10 +38,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# The helpers are scripts beside this one, and amped runs from this checkout's src/:
-# importable also when this file is imported.
+# The helpers are in support/ beside this script, and amped runs from this checkout's
+# src/: importable also when this file is imported.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
 from gpu_check_parts import (
     DRY_SLACK,
     PARTS,

@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from device_sync import synchronize
+from support.device_sync import synchronize
 
 import amped
 from amped._internal.jsonio import to_json

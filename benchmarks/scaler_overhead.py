@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from device_sync import synchronize
+from support.device_sync import synchronize
 
 import amped
 from amped._internal.jsonio import to_json

@@ -87,7 +87,7 @@ def parts_for(dry_run: bool, site: Path, root: Path) -> list[Part]:
     def part(name: str, kind: str, args: tuple[str, ...], skip: str | None = None) -> Part:
         return Part(name, kind, args, BUDGETS[name] * slack, skip)
 
-    setup = ("benchmarks/gpu_check_setup.py", "--site", str(site))
+    setup = ("benchmarks/support/gpu_check_setup.py", "--site", str(site))
     gpu_tests = (*PYTEST, "-m", "gpu", *gpu_test_files(root), "--deselect", OP_LIST_TEST)
     no_setup = "dry run: uses the running interpreter's packages" if dry_run else None
     parts = [

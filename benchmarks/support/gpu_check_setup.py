@@ -8,7 +8,7 @@ exists (wheels carried to an offline machine), else from PyPI. amped itself is n
 installed: it is pure Python and runs from ``src/``. Exits 1 if a package is still
 missing afterwards.
 
-Usage: python benchmarks/gpu_check_setup.py --site DIR [--json PATH]
+Usage: python benchmarks/support/gpu_check_setup.py --site DIR [--json PATH]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # import name -> distribution name: what the GPU tests and the benchmarks import.
 # expecttest: torch.testing._internal (the op lists) imports it; without it the
 # conformance test skips instead of running.

@@ -1,4 +1,4 @@
-"""Issue 17's speed targets on an H200, evaluated from the GPU check's benchmark figures.
+"""The speed targets on an H200, evaluated from the GPU check's benchmark figures.
 
 Each target reads one figure from one part's JSON: a ratio against torch O1 from
 ``benchmarks/recipes.py`` (the worst model's, since the target must hold on each) or

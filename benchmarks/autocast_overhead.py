@@ -26,7 +26,7 @@ a reader sees whether 1.02 is met or only within noise. Times are the thread's C
 (``time.thread_time``) with torch on one thread: on a shared machine wall time mostly
 measures the neighbours, CPU time the work.
 
-Reported, with the issue's targets:
+Reported, with the engine's targets (docs/decisions/001-engine-paths.md):
 
 * added us per listed op (``F.linear`` on 8x8, weight cached)  target <= 5
   (fast: an op whose rule is torch's; kernels: an op routed through amped's kernel)

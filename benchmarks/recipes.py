@@ -26,7 +26,7 @@ vocabulary), batch 4 x sequence 32, AdamW.
    replaces torch's per-tensor AdamW (about ten passes over memory a tensor) by one
    pass, so bf16-master can go below that bound; the unfused O2 step (casts to and
    from float32 masters in passes of their own) stayed above it.
-   The issue's targets are printed beside the ratios: bf16-master / torch O1 at most
+   The speed targets are printed beside the ratios: bf16-master / torch O1 at most
    0.96 at one thread and at most 1.00 at all threads.
 5. With ``--fp16``: the same for ``fp16-master`` against torch O1 in float16
    (``torch.autocast(dtype=torch.float16)`` with ``torch.amp.GradScaler``), where the
@@ -34,7 +34,7 @@ vocabulary), batch 4 x sequence 32, AdamW.
    than float32 and the comparison says little).
 
 The skipped casts' share, and with it what O2 can gain, grows as the matmuls shrink:
-``--batch`` and ``--seq`` change the input (the issue's figures are at 4 x 32).
+``--batch`` and ``--seq`` change the input (the figures in docs/benchmarks.md are at 4 x 32).
 
 On CUDA (``--device cuda``) the models, data and autocast are on the GPU and each timed
 step ends with ``torch.cuda.synchronize()``. ``--json PATH`` also writes the figures to
@@ -337,7 +337,7 @@ def main() -> None:
 def print_ratios(
     ratios: dict[str, float], casts: float, threads: int, target: str, peer: str = ""
 ) -> None:
-    """Each side's ratio; the issue's target beside ``target``'s; the casts' bound."""
+    """Each side's ratio; the speed target beside ``target``'s; the casts' bound."""
     bound = 0.96 if threads == 1 else 1.00
     for name, ratio in ratios.items():
         note = ""

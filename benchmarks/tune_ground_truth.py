@@ -12,7 +12,7 @@ and once all in bfloat16-mixed. The layer's loss change is the mean over seeds o
 paired difference of the final loss (the mean training loss of the last ``last_k``
 steps); its spread is the sample standard deviation of those differences over seeds.
 
-**Why it is built this way** (docs/history/issue-25.md has the runs):
+**Why it is built this way** (the runs behind it: docs/decisions/008):
 
 - From random init, the first few hundred steps of this GPT-2 cross loss plateaus; where a
   run leaves one shifts by tens of steps when a single layer's rounding changes, so paired

@@ -13,7 +13,7 @@ import amped
 OUTLIER_SCALE = 1e6
 """Four input channels of the sensitive layer are scaled by this (its weight columns by
 the inverse, so the model computes what it would without them). A per-tensor or per-row
-FP8 scale then has to hold 1e6: the other channels, around 1, fall below e4m3's smallest
+FP8 scale then has to hold 1e6: the other channels, near 1, fall below e4m3's smallest
 subnormal (2^-9 of the largest value over 448) and flush to zero. bfloat16 holds both."""
 
 

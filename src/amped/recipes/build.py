@@ -188,7 +188,7 @@ def _check_lowerable(model: torch.nn.Module, recipe: Recipe) -> None:
                 "the float32 shards FSDP2 keeps. For master weights under FSDP2, pass mp_policy="
                 "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=torch.float32) to "
                 "fully_shard (the float32 shards are the masters) and use a '-mixed' "
-                "recipe; see the README's 'Distributed' section",
+                "recipe; see docs/distributed.md",
                 f"type({name})",
                 type(param),
             )

@@ -30,7 +30,7 @@ import torch
 
 import amped
 from amped.cli import default_task
-from amped.fp8 import BLOCK_CONFIGS
+from amped.lowp import BLOCK_CONFIGS
 
 NVFP4 = BLOCK_CONFIGS["nvfp4"]
 PARTS = ("weight_2d", "stochastic_rounding", "hadamard", "bf16_last")

@@ -48,8 +48,8 @@ import torch.nn as nn
 from block_formats import interleaved, ratio  # one timing loop for both benchmarks
 
 from amped._internal.jsonio import to_json
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8
-from amped.fp8.delayed import update_delayed_scaling
+from amped.lowp import FP8_CONFIGS, convert_to_fp8
+from amped.lowp.float8.delayed import update_delayed_scaling
 
 TORCHAO_NAME = {
     "tensorwise": "tensorwise",

@@ -1,6 +1,6 @@
 """Where an emulated FP8 train step's time goes, per part, on ``block_formats.py``'s model.
 
-The casts run compiled on amped's cast worker thread (amped.fp8.compiled_cast), where
+The casts run compiled on amped's cast worker thread (amped.lowp.float8.compiled_cast), where
 ``torch.profiler`` on the main thread sees no ops, only the self time of the layer's
 autograd Functions. So this times every ``compiled_cast.run`` call from the caller
 (the kernel, the hand-off to the worker and back), by kernel and operand shape, over
@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import amped
 from amped.cli.environment import cpu_name
-from amped.fp8 import compiled_cast
+from amped.lowp.float8 import compiled_cast
 
 
 def model_and_step(recipe: str, dim: int, layers: int, tokens: int) -> Any:

@@ -34,8 +34,8 @@ from amped._internal.torch_compat import (
     fsdp_reset_sharded_params,
     set_dtensor_local,
 )
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8
-from amped.recipes.shards import fsdp_modules
+from amped.lowp import FP8_CONFIGS, convert_to_fp8
+from amped.optim.shards import fsdp_modules
 
 WIDTH, LAYERS, BATCH = 1024, 4, 64
 

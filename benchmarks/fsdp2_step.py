@@ -9,7 +9,7 @@ rotating every repeat); the printed ratio is the median over repeats of
 
 - ``plain-eager``: the recipe's optimizer on plain parameters with ``fused=False``;
 - ``sharded``: the same on ``fully_shard``-ed parameters (DTensors: the shard
-  bookkeeping of amped.recipes.shards and sharded_state on top);
+  bookkeeping of amped.optim.shards and sharded_state on top);
 - with ``--fused``, ``plain-fused`` and ``sharded-fused``: the default step (fused
   where it can be: bf16-pure's on shards too, bf16-pure-8bit's on plain parameters
   only), compiled during the warm-up steps.

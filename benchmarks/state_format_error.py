@@ -7,7 +7,7 @@ moment is then stored blockwise (256 elements, one float32 scale per block: the 
 size, 1.016 bytes an element) in one of these formats and read back:
 
 - ``dynamic``: amped's (and torchao's, bitsandbytes') dynamic map, signed for the first
-  moment, unsigned for the second (:mod:`amped.recipes.quantized_state`).
+  moment, unsigned for the second (:mod:`amped.optim.quantized_state`).
 - ``e4m3``, ``e5m2``: torch's ``float8_e4m3fn`` and ``float8_e5m2``, each block scaled
   so that its largest magnitude is the format's largest finite value.
 - ``ue5m3`` (second moment only, never negative): an unsigned 8-bit float with the sign
@@ -33,7 +33,7 @@ import torch
 from memory_convergence import GPT2Logits
 
 from amped.cli import default_task
-from amped.recipes import quantized_state as q8
+from amped.optim import quantized_state as q8
 
 BETAS, EPS, LR = (0.9, 0.99), 1e-8, 3e-3
 

@@ -34,7 +34,7 @@ import torch
 import tune_ground_truth as gt
 import tune_vs_rule as vs
 
-from amped.fp8 import convert_to_fp8
+from amped.lowp import convert_to_fp8
 from amped.recipes.plan import format_config
 from amped.tuning import measure as m
 from amped.tuning.task import build_task

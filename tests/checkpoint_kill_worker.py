@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from amped.scaling import load_checkpoint, save_checkpoint
+from amped.checkpoint import load_checkpoint, save_checkpoint
 
 SIZE = 1 << 18  # float32 elements: 1 MiB, so a kill often lands inside a save
 

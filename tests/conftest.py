@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from amped.autocast_mode import current_path
-from amped.fp8 import compiled_cast
+from amped.lowp.float8 import compiled_cast
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -40,10 +40,10 @@ from amped._internal.torch_compat import (
     fsdp_reset_sharded_params,
     set_dtensor_local,
 )
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
+from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
+from amped.optim.shards import fsdp_modules
 from amped.recipes.fp8_wire import wire_layers
 from amped.recipes.plan import PrecisionPlan
-from amped.recipes.shards import fsdp_modules
 from dist_models import GatherCounter, clock, local_state, train_on, whole
 
 STEPS = 3

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import amped
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8
+from amped.lowp import FP8_CONFIGS, convert_to_fp8
 
 STEPS = 4
 

@@ -34,7 +34,7 @@ BATCH, IN, OUT = 16, 64, 33
 
 
 def net() -> nn.Sequential:
-    """Rows chosen against the 8-bit state's blocks of 256 (amped.recipes.sharded_state):
+    """Rows chosen against the 8-bit state's blocks of 256 (amped.optim.sharded_state):
     0.weight is 68 x 64 (17 blocks; on 2 ranks 34 rows each, so rank 1 starts in the
     middle of block 8: a shared block), 3.weight 256 x 68 (68 blocks; 128 rows each,
     34 blocks), 9.weight 33 x 256 (33 rows: 17 and 16, uneven). 5.weight and 7.weight
@@ -72,7 +72,7 @@ def prepared(recipe: str, sharded: bool, fused: bool | None = False) -> amped.Tr
     model = shard(net()) if sharded else net()
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2), recipe)
     # Both runs take the same step (eager unless asked): the fused step agrees with the
-    # eager one but for rare roundings (amped.recipes.fused says which), and
+    # eager one but for rare roundings (amped.optim.fused says which), and
     # bf16-pure-8bit's fused step is for plain parameters only.
     setup.optimizer.fused = fused
     return setup

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import amped
 import amped.scaling.distributed as scaling_distributed
 from amped._internal.torch_compat import tensor_use_count
-from amped.scaling import load_checkpoint, save_checkpoint
+from amped.checkpoint import load_checkpoint, save_checkpoint
 from amped.scaling.distributed import check_scaler_agreement, gather_objects
 from dist_models import (
     global_batch,

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from amped.scaling import save_checkpoint
+from amped.checkpoint import save_checkpoint
 from dist_scenarios import SCENARIOS, Options
 
 FAILED_EXIT = 3

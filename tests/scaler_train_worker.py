@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import amped
-from amped.scaling import load_checkpoint, save_checkpoint
+from amped.checkpoint import load_checkpoint, save_checkpoint
 from scaler_helpers import batch, poison_grad, poisoned_loss, tiny_model
 
 POISONS = ("grad_inf", "loss_nan", "grad_nan", "loss_inf")

@@ -19,9 +19,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "src" / "amped"
 
 LAYERS = (
     "_internal",
+    "checkpoint",
     "policy",
     "autocast_mode",
     "scaling",
+    "optim",
+    "lowp",
     "fp8",
     "recipes",
     "doctor",

@@ -9,10 +9,10 @@ import warnings
 import pytest
 import torch
 
-from amped.fp8.block_cast import nvfp4_tensor_scale, quantize_block
-from amped.fp8.block_format import BLOCK_FORMATS
-from amped.fp8.e2m1 import E2M1_VALUES, to_e2m1_codes, unpack_e2m1
-from amped.fp8.element_round import ELEMENTS, round_nearest_
+from amped.lowp.mx.block_cast import nvfp4_tensor_scale, quantize_block
+from amped.lowp.mx.block_format import BLOCK_FORMATS
+from amped.lowp.mx.e2m1 import E2M1_VALUES, to_e2m1_codes, unpack_e2m1
+from amped.lowp.mx.element_round import ELEMENTS, round_nearest_
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

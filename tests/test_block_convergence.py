@@ -12,7 +12,7 @@ import torch
 
 import amped
 from amped.cli import default_task
-from amped.fp8 import compiled_cast
+from amped.lowp.float8 import compiled_cast
 from two_processes import run_in_two_processes
 
 STEPS = 100

@@ -10,7 +10,7 @@ import torch.nn as nn
 
 import amped
 from amped.doctor.fp8 import FP4_THRESHOLD_DB
-from amped.fp8.block_linear import BlockLinear
+from amped.lowp.mx.block_linear import BlockLinear
 from test_doctor_fp8 import Outlier, _inputs, _loss
 
 

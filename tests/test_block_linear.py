@@ -21,14 +21,15 @@ import warnings
 import pytest
 import torch
 
-from amped.fp8 import BLOCK_CONFIGS, compiled_cast
-from amped.fp8.block_cast import quantize_block
-from amped.fp8.block_format import BLOCK_FORMATS
-from amped.fp8.block_gemm import block_mm, operand_mm
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.block_operand import block_operand
-from amped.fp8.cast import sqnr
-from amped.fp8.health import record_gemm
+from amped.lowp import BLOCK_CONFIGS
+from amped.lowp.float8 import compiled_cast
+from amped.lowp.float8.cast import sqnr
+from amped.lowp.health import record_gemm
+from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_format import BLOCK_FORMATS
+from amped.lowp.mx.block_gemm import block_mm, operand_mm
+from amped.lowp.mx.block_linear import BlockLinear
+from amped.lowp.mx.block_operand import block_operand
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -209,7 +210,7 @@ def test_every_gemm_of_a_layer_is_close_to_float64(name):
 
 
 class _Recorder:
-    """A GEMM observer (amped.fp8.health.GemmObserver) that keeps what it is told."""
+    """A GEMM observer (amped.lowp.health.GemmObserver) that keeps what it is told."""
 
     sampling = True
 

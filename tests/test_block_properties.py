@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amped.fp8.block_cast import quantize_block
-from amped.fp8.block_format import BLOCK_FORMATS
-from amped.fp8.cast import sqnr
-from amped.fp8.e2m1 import E2M1_VALUES
-from amped.fp8.element_round import (
+from amped.lowp.float8.cast import sqnr
+from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_format import BLOCK_FORMATS
+from amped.lowp.mx.e2m1 import E2M1_VALUES
+from amped.lowp.mx.element_round import (
     ELEMENTS,
     hashed_uniform,
     round_nearest_,
@@ -19,7 +19,7 @@ from amped.fp8.element_round import (
     round_stochastic_,
     rounding_key,
 )
-from amped.fp8.hadamard import (
+from amped.lowp.mx.hadamard import (
     hadamard_matrix,
     hadamard_rows,
     hadamard_signs,

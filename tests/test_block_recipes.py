@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS
-from amped.fp8.block_linear import BlockLinear
+from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS
+from amped.lowp.mx.block_linear import BlockLinear
 from recipes_helpers import roundtrip, train
 
 BLOCK = ["mxfp8", "mxfp4", "nvfp4"]

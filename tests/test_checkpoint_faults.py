@@ -24,9 +24,9 @@ import pytest
 import torch
 
 import amped
-from amped.scaling import CheckpointError, load_checkpoint, save_checkpoint
-from amped.scaling import checkpoint as checkpoint_module
-from amped.scaling.archive import ArchiveError, verify_archive
+from amped.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from amped.checkpoint import save_load as checkpoint_module
+from amped.checkpoint.archive import ArchiveError, verify_archive
 
 TESTS = Path(__file__).parent
 MASKS = (0x01, 0x80, 0xFF)
@@ -267,7 +267,7 @@ def test_full_disk_raises_no_space_and_keeps_the_old_checkpoint(saved, monkeypat
 
 FSIZE_CHILD = """
 import errno, resource, signal, sys, torch
-from amped.scaling import load_checkpoint, save_checkpoint
+from amped.checkpoint import load_checkpoint, save_checkpoint
 path = sys.argv[1]
 save_checkpoint(path, step=1)
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

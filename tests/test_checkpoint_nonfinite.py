@@ -16,9 +16,9 @@ import torch
 from torch import nn
 
 import amped
+from amped.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from amped.checkpoint.finite import first_nonfinite
 from amped.recipes.fp8 import FP8_RECIPE_NAMES
-from amped.scaling import CheckpointError, load_checkpoint, save_checkpoint
-from amped.scaling.finite import first_nonfinite
 from recipes_helpers import batches, optimizer, train
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import amped
-from amped.scaling import load_checkpoint
+from amped.checkpoint import load_checkpoint
 from dist_launch import COLLECTIVE_TIMEOUT_S, Rank, kill_all, launch, wait_all, wait_for_line
 from dist_scenarios import (
     CKPT_EVERY,

@@ -77,7 +77,7 @@ def test_pure_recipes_refuse_shards_not_on_dim_0():
 def test_optimizer_in_backward_refuses_sharded_parameters(sharded):
     setup = amped.prepare(sharded, torch.optim.AdamW(sharded.parameters()), "bf16-pure-8bit")
     with pytest.raises(ValueError, match=r"FSDP2.*setup\.step"):
-        amped.recipes.step_in_backward(setup.optimizer)
+        amped.optim.step_in_backward(setup.optimizer)
 
 
 def test_teardown_gives_the_shards_float32_weights_back(sharded):

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import amped
-from amped.fp8 import Float8Linear
+from amped.lowp import Float8Linear
 
 
 class Outlier(nn.Module):

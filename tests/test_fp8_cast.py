@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from amped._internal.torch_compat import cpu_scaled_mm_takes_rowwise
-from amped.fp8.cast import (
+from amped.lowp.float8.cast import (
     Fp8Tensor,
     amax_of,
     amax_to_scale,
@@ -19,7 +19,7 @@ from amped.fp8.cast import (
     quantize_rows_and_columns,
     sqnr,
 )
-from amped.fp8.gemm import scaled_mm
+from amped.lowp.float8.gemm import scaled_mm
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -274,7 +274,7 @@ def test_operand_layouts_do_not_change_the_result():
 
 
 @pytest.mark.parametrize(
-    "module", ["amped.fp8.cast", "amped.fp8.convert", "amped.doctor.fp8"], ids=lambda m: m
+    "module", ["amped.lowp.float8.cast", "amped.lowp.convert", "amped.doctor.fp8"], ids=lambda m: m
 )
 def test_docstring_examples_run(module):
     import doctest
@@ -287,7 +287,7 @@ def test_docstring_examples_run(module):
 def test_padding_the_inner_dim_leaves_the_product_unchanged():
     """CUDA's _scaled_mm needs the inner dim (the token count in the grad-weight GEMM)
     divisible by 16; padding with zeros must not change a bit."""
-    from amped.fp8.gemm import pad_inner
+    from amped.lowp.float8.gemm import pad_inner
 
     if not cpu_scaled_mm_takes_rowwise():
         pytest.skip(ROWWISE_CPU)

@@ -1,7 +1,8 @@
 """The FP8 casts' compiled kernels against the same functions run eagerly, bitwise.
 
-:func:`amped.fp8.cast.amax_of` and :func:`amped.fp8.cast.cast_saturated` run compiled
-on a CPU (amped.fp8.compiled_cast); their eager run is the reference, held to torchao
+:func:`amped.lowp.float8.cast.amax_of` and :func:`amped.lowp.float8.cast.cast_saturated`
+run compiled on a CPU (amped.lowp.float8.compiled_cast); their eager run is the
+reference, held to torchao
 in turn by tests/test_fp8_torchao.py (a NaN's sign and payload excepted: see
 ``_same``). Inputs span 40 binades and hold zeros, float32
 subnormals, values past the FP8 range after scaling, NaN and inf. Each compile takes
@@ -15,15 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amped.fp8 import compiled_cast
-from amped.fp8.cast import (
+from amped.lowp.float8 import compiled_cast
+from amped.lowp.float8.cast import (
     Fp8Tensor,
     cast_saturated,
     fp8_grid,
     quantize,
     quantize_rows_and_columns,
 )
-from amped.fp8.gemm import scaled_mm
+from amped.lowp.float8.gemm import scaled_mm
 from test_fp8_cast import _every_rounding_case
 from two_processes import run_in_two_processes
 
@@ -174,7 +175,7 @@ def _casts_in_this_process():
 def test_unsafe_math_flags_of_the_environment_do_not_reach_the_cast_kernels(monkeypatch):
     """``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG`` (and the FMA contraction flag) set
     Inductor's C++ flags for a whole process; either lets the C++ compiler fold the casts'
-    rounding arithmetic (amped.fp8.cast.fp8_grid) into other bits, so the cast kernels are
+    rounding arithmetic (amped.lowp.float8.cast.fp8_grid) into other bits, so the cast kernels are
     compiled with both off whatever the environment says (a worker process that inherits
     the variable)."""
     monkeypatch.setenv("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "1")
@@ -200,12 +201,13 @@ def _amaxes(source, fp8_max):
 @pytest.mark.parametrize("source", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("fp8", [E4M3, E5M2], ids=["e4m3", "e5m2"])
 def test_compiled_cast_computes_the_eager_scales(fp8, source, monkeypatch):
-    """The cast kernel computes its own scales (amped.fp8.fp8_kernel.scale_of: the float64
+    """The cast kernel computes its own scales (amped.lowp.float8.fp8_kernel.scale_of: the float64
     quotient, log2, floor, exp2, compiled). Against the eager scales and values, bitwise,
     for every bfloat16 amax and for float32 amaxes whose scale lies next to a power of
     two; one scale per row, and (transposed) per column. The values (written without
-    the saturating clamp: amped.fp8.fp8_kernel.fp8_values) are also those of the clamped bytes,
-    where ``log2`` rounded a scale up and ``amax * scale`` exceeds the FP8 maximum."""
+    the saturating clamp: amped.lowp.float8.fp8_kernel.fp8_values) are also those of the
+    clamped bytes, where ``log2`` rounded a scale up and ``amax * scale`` exceeds the
+    FP8 maximum."""
     amax = _amaxes(source, torch.finfo(fp8).max)
     x = torch.stack([amax, -amax / 3], dim=1)  # each row's amax is its first entry
     for operand, dim in ((x, -1), (x.t().contiguous(), 0)):
@@ -226,7 +228,7 @@ def test_compiled_cast_computes_the_eager_scales(fp8, source, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("rows", [5, 16, 70], ids=["5-rows", "16-rows", "70-rows"])
 def test_compiled_column_casts_take_any_row_count(rows, monkeypatch):
-    """Column amaxes run over blocks of 16 rows first (amped.fp8.fp8_kernel.column_amax):
+    """Column amaxes run over blocks of 16 rows first (amped.lowp.float8.fp8_kernel.column_amax):
     fewer rows than a block, one block, and blocks with rows left over, alone and beside
     the row cast, give the eager bits."""
     x = _suite((rows, 96), torch.bfloat16, special=rows > 7)

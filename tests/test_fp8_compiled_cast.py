@@ -1,8 +1,9 @@
 """The block casts' compiled kernels against the same function run eagerly, bitwise.
 
-:func:`amped.fp8.block_operand.block_operand` runs :func:`amped.fp8.block_kernel.block_kernel`
-compiled (amped.fp8.compiled_cast); the eager call of the same function is the
-reference, and its elements and scales are in turn held to torchao by
+:func:`amped.lowp.mx.block_operand.block_operand` runs
+:func:`amped.lowp.mx.block_kernel.block_kernel` compiled
+(amped.lowp.float8.compiled_cast); the eager call of the same function is the reference,
+and its elements and scales are in turn held to torchao by
 tests/test_block_cast.py. Inputs span 40 binades and hold zeros, ties between
 neighbouring elements, float32 subnormals, NaN and inf. Every compile takes seconds,
 so those tests are slow; the rest of the suite runs the casts eagerly (conftest.py).
@@ -14,12 +15,13 @@ import pytest
 import torch
 
 from amped.autocast_mode import current_path
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, compiled_cast, convert_to_fp8
-from amped.fp8.block_cast import quantize_block
-from amped.fp8.block_format import BLOCK_FORMATS
-from amped.fp8.block_operand import block_operand
-from amped.fp8.e2m1 import E2M1_VALUES
-from amped.fp8.hadamard import hadamard_rows, hadamard_signs
+from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
+from amped.lowp.float8 import compiled_cast
+from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_format import BLOCK_FORMATS
+from amped.lowp.mx.block_operand import block_operand
+from amped.lowp.mx.e2m1 import E2M1_VALUES
+from amped.lowp.mx.hadamard import hadamard_rows, hadamard_signs
 from two_processes import run_in_two_processes
 
 pytestmark = pytest.mark.compiled_casts

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import amped
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, convert_to_fp8
-from amped.fp8.block_linear import BlockLinear
+from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, convert_to_fp8
+from amped.lowp.mx.block_linear import BlockLinear
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402

@@ -10,11 +10,11 @@ import struct
 import pytest
 import torch
 
-from amped.fp8 import Float8Linear, Fp8Config
-from amped.fp8.cast import quantize
-from amped.fp8.config import CastRule, DelayedScaling
-from amped.fp8.delayed import update_delayed_scaling
-from amped.fp8.gemm import scaled_mm
+from amped.lowp import Float8Linear, Fp8Config
+from amped.lowp.float8.cast import quantize
+from amped.lowp.float8.config import CastRule, DelayedScaling
+from amped.lowp.float8.delayed import update_delayed_scaling
+from amped.lowp.float8.gemm import scaled_mm
 
 FP8_MAX = (448.0, 448.0, 57344.0)  # e4m3 input, e4m3 weight, e5m2 grad_output
 

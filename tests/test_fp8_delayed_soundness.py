@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import amped
-from amped.fp8 import Fp8Config, convert_to_fp8
-from amped.fp8.config import DelayedScaling
-from amped.fp8.delayed import next_scale
+from amped.lowp import Fp8Config, convert_to_fp8
+from amped.lowp.float8.config import DelayedScaling
+from amped.lowp.float8.delayed import next_scale
 
 STEPS = 24
 

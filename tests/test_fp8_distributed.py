@@ -181,7 +181,7 @@ def test_with_each_rank_on_its_own_data_the_wire_changes_only_the_bytes(wire_ran
     assert losses[0] != losses[1]  # the ranks did see different data
 
 
-# --- NVFP4 weights on the FSDP2 wire (amped.fp8.fsdp_block_wire) ------------------------
+# --- NVFP4 weights on the FSDP2 wire (amped.lowp.mx.fsdp_block_wire) ------------------------
 
 
 def test_nvfp4_on_the_wire_trains_bitwise_as_one_process(wire_ranks):

@@ -1,4 +1,4 @@
-"""NVFP4 weights on the FSDP2 wire (amped.fp8.fsdp_block_wire), in one process: which
+"""NVFP4 weights on the FSDP2 wire (amped.lowp.mx.fsdp_block_wire), in one process: which
 block layers get the wire, the gathered weight's semantics, and the layer computing
 with it instead of casting again (tests/test_fp8_distributed.py runs 2 ranks)."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
-from amped.fp8 import BLOCK_CONFIGS
-from amped.fp8.block_cast import nvfp4_tensor_scale, quantize_block
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.block_operand import block_operand
-from amped.fp8.fsdp_block_wire import (
+from amped.lowp import BLOCK_CONFIGS
+from amped.lowp.mx.block_cast import nvfp4_tensor_scale, quantize_block
+from amped.lowp.mx.block_linear import BlockLinear
+from amped.lowp.mx.block_operand import block_operand
+from amped.lowp.mx.fsdp_block_wire import (
     GatheredBlockWeight,
     block_wire_refusal,
     gathered_block,

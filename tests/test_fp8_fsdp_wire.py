@@ -1,4 +1,4 @@
-"""FP8 weights on the FSDP2 wire (amped.fp8.fsdp_wire, amped.recipes.fp8_wire), in one
+"""FP8 weights on the FSDP2 wire (amped.lowp.float8.fsdp_wire, amped.recipes.fp8_wire), in one
 process: the gathered weight's semantics, the layer using it instead of casting again,
 the global amax, which recipes get the wire, and an FSDP2 group of one rank
 (tests/test_fp8_distributed.py runs 2 ranks: uneven shards, bytes on the wire, DCP)."""
@@ -12,10 +12,10 @@ import torch
 from torch import nn
 
 import amped
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, convert_to_fp8
-from amped.fp8.cast import quantize
-from amped.fp8.fsdp_wire import GatheredFp8Weight, gathered_fp8, global_amax, wire_refusal
-from amped.fp8.gemm import scaled_mm
+from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, convert_to_fp8
+from amped.lowp.float8.cast import quantize
+from amped.lowp.float8.fsdp_wire import GatheredFp8Weight, gathered_fp8, global_amax, wire_refusal
+from amped.lowp.float8.gemm import scaled_mm
 from amped.recipes.fp8_wire import wire_layers
 from dist_launch import one_rank_group
 

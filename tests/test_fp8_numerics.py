@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import amped
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8
-from amped.fp8.cast import quantize, sqnr
-from amped.fp8.gemm import scaled_mm
+from amped.lowp import FP8_CONFIGS, convert_to_fp8
+from amped.lowp.float8.cast import quantize, sqnr
+from amped.lowp.float8.gemm import scaled_mm
 from fp8_helpers import every_linear, ffn
 
 GATE_DB = 20.0

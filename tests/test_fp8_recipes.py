@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.fp8 import Float8Linear
+from amped.lowp import Float8Linear
 from amped.recipes.registry import OPT_IN_RECIPES, RECIPES, resolve_recipe
 from recipes_helpers import roundtrip, setup_tensors, train
 
@@ -171,8 +171,8 @@ def test_bad_input_is_refused_in_one_line():
 
 
 def test_prepare_adopts_layers_converted_beforehand_with_their_delayed_settings():
-    from amped.fp8 import FP8_CONFIGS, Fp8Config, convert_to_fp8
-    from amped.fp8.config import DelayedScaling
+    from amped.lowp import FP8_CONFIGS, Fp8Config, convert_to_fp8
+    from amped.lowp.float8.config import DelayedScaling
 
     model = Net()
     convert_to_fp8(model, Fp8Config(delayed=DelayedScaling(64, "most_recent", 1)), ["fc2"])

@@ -9,7 +9,7 @@ reciprocal scales; torchao's rowwise grad GEMMs multiply the scales in after a b
 GEMM, ours pass them to the GEMM, which is the same number because rowwise scales are
 powers of two (exact in any binary float).
 
-amped's emulated GEMM (the CPU default: amped.fp8.gemm) computes the same exact
+amped's emulated GEMM (the CPU default: amped.lowp.float8.gemm) computes the same exact
 products of FP8 values but sums them in float32 in another order, and for a bfloat16
 result rounds the sums to bfloat16 (a bfloat16 GEMM) before the scales multiply them
 and the result is rounded again: not bitwise by design, so those cases are held to
@@ -29,8 +29,8 @@ import copy
 import pytest
 import torch
 
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8
-from amped.fp8.cast import sqnr
+from amped.lowp import FP8_CONFIGS, convert_to_fp8
+from amped.lowp.float8.cast import sqnr
 from fp8_helpers import TORCHAO_RECIPE, every_linear, ffn, torchao_convert
 
 SQNR_DIFFERENT_SUMMATION = 40.0  # dB: the bound where algorithms differ by design
@@ -109,7 +109,7 @@ def test_cast_is_torchaos_bitwise(dtype, granularity, values_dtype):
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import LinearMMConfig
 
-    from amped.fp8.cast import quantize
+    from amped.lowp.float8.cast import quantize
 
     torch.manual_seed(0)
     x = torch.randn(256, 1024, dtype=torch.bfloat16) * 5  # 2**18 elements: the compiled cast

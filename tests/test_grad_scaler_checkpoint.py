@@ -16,15 +16,8 @@ import pytest
 import torch
 
 import amped
-from amped.scaling import (
-    Bounded,
-    CheckpointError,
-    DynamicScale,
-    Hysteresis,
-    StaticScale,
-    load_checkpoint,
-    save_checkpoint,
-)
+from amped.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from amped.scaling import Bounded, DynamicScale, Hysteresis, StaticScale
 from scaler_helpers import BackoffOnly
 
 TESTS = Path(__file__).parent

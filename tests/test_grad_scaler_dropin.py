@@ -225,7 +225,7 @@ def test_device_accepts_torch_device() -> None:
     [
         amped.scaling.grad_scaler,
         amped.scaling.strategies,
-        amped.scaling.checkpoint,
+        amped.checkpoint.save_load,
         amped.scaling.records,
     ],
     ids=lambda module: module.__name__.rsplit(".", 1)[-1],

@@ -1,6 +1,6 @@
 """amped.monitor's counters, sampling, audit and its check of non-FP8 setups.
 
-The counters are checked against a hand computation with amped.fp8.cast.quantize (the
+The counters are checked against a hand computation with amped.lowp.float8.cast.quantize (the
 cast the layer runs): underflow = non-zero elements the cast made zero, elements and
 amax of both forward operands, summed over the sampled steps only.
 """
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 import amped
-from amped.fp8.cast import quantize
-from amped.fp8.health import ROLES, STATS, record_gemm
+from amped.lowp.float8.cast import quantize
+from amped.lowp.health import ROLES, STATS, record_gemm
 
 
 def _setup(recipe: str = "fp8-tensorwise", every: int = 2, **kwargs):

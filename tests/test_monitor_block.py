@@ -1,7 +1,7 @@
 """amped.monitor on the block recipes (mxfp8, mxfp4, nvfp4): counters and audit.
 
 The forward counters are checked against a hand computation with
-amped.fp8.block_cast.quantize_block (the cast the layer runs): underflow = non-zero
+amped.lowp.mx.block_cast.quantize_block (the cast the layer runs): underflow = non-zero
 elements the cast made zero; saturated = elements whose magnitude exceeds what their
 block reads back at most (the format's largest element times the block's scale, times
 NVFP4's tensor scale), counted on both forward operands of the sampled steps.
@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import amped
-from amped.fp8 import BLOCK_CONFIGS
-from amped.fp8.block_cast import quantize_block
-from amped.fp8.health import STATS
+from amped.lowp import BLOCK_CONFIGS
+from amped.lowp.health import STATS
+from amped.lowp.mx.block_cast import quantize_block
 
 
 def _setup(recipe: str, every: int = 2, **kwargs):

@@ -26,9 +26,9 @@ import torch
 from torch import nn
 
 import amped
-import amped.fp8.block_linear
-import amped.fp8.linear
-from amped.fp8 import FP8_CONFIGS
+import amped.lowp.float8.linear
+import amped.lowp.mx.block_linear
+from amped.lowp import FP8_CONFIGS
 from amped.recipes import NonFiniteError
 from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 from amped.recipes.monitoring import NonFinite
@@ -81,8 +81,8 @@ def _gemm_order(recipe: str) -> list[tuple[str, str]]:
 def _gemm_site(recipe: str) -> tuple[object, str]:
     """The module and name of the GEMM function the recipe's layers call."""
     if recipe in BLOCK_RECIPE_NAMES:
-        return amped.fp8.block_linear, "operand_mm"
-    return amped.fp8.linear, "scaled_mm"
+        return amped.lowp.mx.block_linear, "operand_mm"
+    return amped.lowp.float8.linear, "scaled_mm"
 
 
 class _Injector:

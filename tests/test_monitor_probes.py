@@ -1,8 +1,8 @@
-"""The per-step probes of amped.fp8.health: what each cast shows of an inf or NaN.
+"""The per-step probes of amped.lowp.health: what each cast shows of an inf or NaN.
 
 An operand's probe is data its cast computed (an FP8 scale, MX scale bits, NVFP4's
-tensor scale), so these tests run the casts the layers run (amped.fp8.cast.quantize,
-the delayed cast's propagate_nonfinite, amped.fp8.block_cast.quantize_block in every
+tensor scale), so these tests run the casts the layers run (amped.lowp.float8.cast.quantize,
+the delayed cast's propagate_nonfinite, amped.lowp.mx.block_cast.quantize_block in every
 format and scale mode) on tensors with one inf, -inf or NaN at a seeded position, and
 on finite tensors with the extremes (each dtype's largest value, 2**127, zeros): the
 probe must flag exactly the first. The one documented exception: under MX ``ceil`` and
@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 import amped
-from amped.fp8.block_cast import quantize_block
-from amped.fp8.block_format import BLOCK_FORMATS, SCALE_MODES
-from amped.fp8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
-from amped.fp8.delayed import propagate_nonfinite
-from amped.fp8.health import Probe, any_nonfinite, probe_nonfinite, range_probe, record_gemm
+from amped.lowp.float8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
+from amped.lowp.float8.delayed import propagate_nonfinite
+from amped.lowp.health import Probe, any_nonfinite, probe_nonfinite, range_probe, record_gemm
+from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_format import BLOCK_FORMATS, SCALE_MODES
 from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 from amped.recipes.monitoring import NonFinite
 

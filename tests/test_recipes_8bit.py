@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.recipes import quantized_state as q8
-from amped.recipes.adamw8bit import CompensatedAdamW8bit
+from amped.optim import quantized_state as q8
+from amped.optim.adamw8bit import CompensatedAdamW8bit
 from recipes_helpers import batches, mlp, train
 
 torchao_optim = pytest.importorskip("torchao.optim")
@@ -228,7 +228,7 @@ def test_recipe_keeps_sgd_momentum_in_bfloat16() -> None:
     model = mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     setup = amped.prepare(model, sgd, "bf16-pure-8bit")
-    assert isinstance(setup.optimizer, amped.recipes.CompensatedSGD)
+    assert isinstance(setup.optimizer, amped.optim.CompensatedSGD)
     assert setup.optimizer.defaults["compensation"] == "stochastic"
 
 

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from amped.recipes import quantized_state as q8
+from amped.optim import quantized_state as q8
 
 torchao_quant = pytest.importorskip("torchao.optim.quant_utils")
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from amped.recipes import adamw8bit
-from amped.recipes.adamw8bit import CompensatedAdamW8bit
+from amped.optim import adamw8bit
+from amped.optim.adamw8bit import CompensatedAdamW8bit
 
 
 def _run(fused: bool, steps: int, decoupled: bool, maximize: bool = False):

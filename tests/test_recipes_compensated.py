@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from amped.recipes import CompensatedAdamW, CompensatedSGD
+from amped.optim import CompensatedAdamW, CompensatedSGD
 from data import make_compensated_checkpoint_v0 as checkpoint_v0
 from tolerances import BITWISE, FP32_REORDERED, SR_SIGMAS
 
@@ -226,7 +226,7 @@ def test_checkpoint_of_the_earlier_version_continues_bitwise(name):
 
 def test_checkpoint_of_the_earlier_version_resumes_its_random_stream():
     """The random state is the generator's, as before: it loads, and resuming twice
-    from it gives the same steps (the bits themselves are new: amped.recipes.noise)."""
+    from it gives the same steps (the bits themselves are new: amped.optim.noise)."""
     saved, params, opt = _resume("adamw-stochastic")
     _, params_again, _ = _resume("adamw-stochastic")
     for param, twin in zip(params, params_again, strict=True):

@@ -1,10 +1,10 @@
 """CompensatedSGD and CompensatedAdamW against a frozen per-tensor reference, bitwise.
 
 The optimizers step their parameters in chunks, through flat float32 work tensors
-(see amped.recipes.compensated). The reference below is the algorithm they replaced
+(see amped.optim.compensated). The reference below is the algorithm they replaced
 (amped 752a332), written plainly: one parameter at a time, its gradient, state and
 weight copied to float32, NaNs kept by isnan + where. Its random bits are those of
-amped.recipes.noise, computed here on their own: each step that rounds stochastically
+amped.optim.noise, computed here on their own: each step that rounds stochastically
 draws one int32 key per write from the generator, and the element numbered ``n``
 (counting the step's bfloat16 elements with a gradient on the device, parameter after
 parameter, group after group, each in row-major order) gets the top 16 bits of
@@ -25,7 +25,7 @@ import math
 import pytest
 import torch
 
-from amped.recipes import CompensatedAdamW, CompensatedSGD, compensated
+from amped.optim import CompensatedAdamW, CompensatedSGD, compensated
 
 STEPS = 3  # the third brings the late gradient: chunks of fresh and stepped state
 # On CUDA too, where there is one: the chunks run torch's elementwise kernels over a

@@ -3,7 +3,7 @@
 The eager step is held bitwise to a frozen per-tensor reference
 (tests/test_recipes_compensated_reference.py); the fused step computes the same
 algorithm in one torch.compile'd kernel, whose float32 roundings differ from eager's
-in the last bit in places (amped.recipes.fused says where), so it is held to the eager
+in the last bit in places (amped.optim.fused says where), so it is held to the eager
 step within the bounds in tests/tolerances.py. Both run side by side from the same
 parameters, gradients and seed, step after step: weights, every state tensor, step
 counts and the random stream.
@@ -24,8 +24,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from amped.recipes import CompensatedAdamW, CompensatedSGD, compensated, fused
-from amped.recipes.chunks import partition
+from amped.optim import CompensatedAdamW, CompensatedSGD, compensated, fused
+from amped.optim.chunks import partition
 from tolerances import (
     BITWISE,
     FUSED_AMPLIFIED,
@@ -345,7 +345,7 @@ def test_old_pickles_without_the_fused_attribute_load():
 
 _NO_COMPILER = """
 import warnings, torch
-from amped.recipes import CompensatedAdamW
+from amped.optim import CompensatedAdamW
 
 def run(fused):
     g = torch.Generator().manual_seed(0)

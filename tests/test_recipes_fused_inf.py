@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from amped.recipes import CompensatedAdamW, CompensatedSGD
+from amped.optim import CompensatedAdamW, CompensatedSGD
 
 STEPS = 3
 CONFIGS = {

@@ -8,8 +8,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.recipes import CompensatedSGD, step_in_backward
-from amped.recipes.adamw8bit import CompensatedAdamW8bit
+from amped.optim import CompensatedSGD, step_in_backward
+from amped.optim.adamw8bit import CompensatedAdamW8bit
 from recipes_helpers import batches
 
 
@@ -143,7 +143,7 @@ def test_memory_report_under_4_1_bytes_per_param() -> None:
 
 
 @pytest.mark.slow  # the examples' 8192-element weights compile the fused 8-bit kernel
-@pytest.mark.parametrize("module", ["amped.recipes.in_backward", "amped.recipes.adamw8bit"])
+@pytest.mark.parametrize("module", ["amped.optim.in_backward", "amped.optim.adamw8bit"])
 def test_docstring_examples_run(module: str) -> None:
     import doctest
     import importlib

@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.recipes import MasterWeightOptimizer
+from amped.optim import MasterWeightOptimizer
 from recipes_helpers import batches, mlp
 from tolerances import BITWISE, MASTER_FUSED_LOSS_REL, MASTER_FUSED_LOW_DIFFERING
 

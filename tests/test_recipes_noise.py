@@ -1,4 +1,4 @@
-"""The optimizers' random bits (amped.recipes.noise): lowbias32 of counters, in int32.
+"""The optimizers' random bits (amped.optim.noise): lowbias32 of counters, in int32.
 
 The hash is checked bitwise against the same function written in int64 with no
 wrapping (tests/test_recipes_compensated_reference.py has it), at odd lengths and
@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amped.recipes.noise import draw_keys, hashed_noise_
+from amped.optim.noise import draw_keys, hashed_noise_
 from test_recipes_compensated_reference import _ref_noise
 from tolerances import SR_SIGMAS
 

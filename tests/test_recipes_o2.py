@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.recipes import MasterWeightOptimizer
+from amped.optim import MasterWeightOptimizer
 from amped.recipes.weights import kept_in_fp32
 from recipes_helpers import batches, mlp, train
 from tolerances import BITWISE, FP32_REORDERED

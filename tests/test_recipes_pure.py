@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import amped
-from amped.recipes import CompensatedAdamW, CompensatedSGD
+from amped.optim import CompensatedAdamW, CompensatedSGD
 from amped.recipes.weights import cast_inputs
 from recipes_helpers import batches, mlp, train
 from tolerances import BITWISE

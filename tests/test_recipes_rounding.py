@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from amped.recipes.rounding import draw_noise_, kahan_add_, rounded_with_noise_, stochastic_round_
+from amped.optim.rounding import draw_noise_, kahan_add_, rounded_with_noise_, stochastic_round_
 from tolerances import BITWISE, SR_SIGMAS
 
 BF16_ULP_AT_1 = 2.0**-7

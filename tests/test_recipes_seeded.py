@@ -1,4 +1,4 @@
-"""What the bf16-pure optimizers share (amped.recipes.seeded): the same argument checks,
+"""What the bf16-pure optimizers share (amped.optim.seeded): the same argument checks,
 and a state dict or pickle that keeps the seed, the random stream and ``fused``."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from amped.recipes import CompensatedAdamW
-from amped.recipes.adamw8bit import CompensatedAdamW8bit
+from amped.optim import CompensatedAdamW
+from amped.optim.adamw8bit import CompensatedAdamW8bit
 
 ADAMWS = pytest.mark.parametrize(
     "kind", [CompensatedAdamW, CompensatedAdamW8bit], ids=["compensated", "8bit"]

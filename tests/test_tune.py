@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import amped
-from amped.fp8 import Float8Linear
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.conv1d import is_linear_like
+from amped.lowp import Float8Linear
+from amped.lowp.conv1d import is_linear_like
+from amped.lowp.mx.block_linear import BlockLinear
 from amped.recipes import PrecisionPlan
 from amped.tuning.measure import eligible_layers, measure
 from amped.tuning.task import build_task

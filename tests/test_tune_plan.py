@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import amped
-from amped.fp8 import Float8Linear
-from amped.fp8.block_linear import BlockLinear
+from amped.lowp import Float8Linear
+from amped.lowp.mx.block_linear import BlockLinear
 from amped.recipes import PrecisionPlan
 
 

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from amped.recipes import CompensatedAdamW, CompensatedSGD
+from amped.optim import CompensatedAdamW, CompensatedSGD
 
 CASES = {
     "adamw-kahan": (CompensatedAdamW, dict(lr=1e-2, betas=(0.9, 0.95)), "kahan"),

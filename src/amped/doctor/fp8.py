@@ -17,12 +17,12 @@ from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
 from amped.doctor.fp8_report import CastStat, Fp8LayerStat, Fp8Report, Fp8Suggestion
 from amped.doctor.runs import call_model, model_output
-from amped.fp8 import convert_to_fp8
-from amped.fp8.block_cast import quantize_block
-from amped.fp8.block_config import BlockConfig
-from amped.fp8.cast import quantize, sqnr
-from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims
-from amped.fp8.convert import LowPrecisionConfig, ModuleFilter, plan_fp8
+from amped.lowp import convert_to_fp8
+from amped.lowp.conv1d import is_conv1d, is_linear_like, linear_dims
+from amped.lowp.convert import LowPrecisionConfig, ModuleFilter, plan_fp8
+from amped.lowp.float8.cast import quantize, sqnr
+from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_config import BlockConfig
 from amped.policy import Policy
 from amped.recipes.fp8 import recipe_config, ruled_modules
 from amped.recipes.registry import resolve_recipe

@@ -1,31 +1,38 @@
-"""FP8 and block-format training: casts, scales, GEMMs and the low-precision linear layers.
+# rewrite: keep-file (this shim names the old paths on purpose)
+"""Deprecated: the FP8 and block formats moved to :mod:`amped.lowp`.
 
-Below the recipes layer; :mod:`amped.recipes.fp8` builds the ``fp8-*`` recipes on it.
-
-- :mod:`.cast`: amax, scale and the saturating cast (:func:`quantize`, :func:`sqnr`);
-- :mod:`.gemm`: :func:`scaled_mm`, ``torch._scaled_mm`` or its exact emulation;
-- :mod:`.config`: :class:`Fp8Config`, the named configs :data:`FP8_CONFIGS`;
-- :mod:`.delayed`: delayed (amax-history) scaling state and its per-step update;
-- :mod:`.linear`: :class:`Float8Linear`; :mod:`.convert`: which layers convert;
-- :mod:`.block_format`, :mod:`.block_cast`, :mod:`.block_gemm`, :mod:`.block_config`,
-  :mod:`.block_linear`: the MX and NVFP4 block formats and their ``BlockLinear``;
-  :mod:`.block_kernel` (a cast's arithmetic), :mod:`.block_operand` (an emulated GEMM's
-  operand, one fused kernel) and :mod:`.compiled_cast` (running casts compiled).
-
-Exported here is what converting a model and checking its numerics needs; the
-building blocks (``scaled_mm``, ``quantize``, ``quantize_block``, ``BlockLinear``, ...)
-are importable from their modules.
+``amped.fp8.<name>`` still works for the names this package exported, for one release,
+and warns with a ``DeprecationWarning`` saying where the name lives now. Its submodules
+(``amped.fp8.cast``, ...) are gone: import from :mod:`amped.lowp.float8` and
+:mod:`amped.lowp.mx`.
 """
 
-from amped.fp8.block_config import BLOCK_CONFIGS
-from amped.fp8.config import FP8_CONFIGS, Fp8Config
-from amped.fp8.convert import convert_to_fp8
-from amped.fp8.linear import Float8Linear
+from __future__ import annotations
 
-__all__ = [
-    "BLOCK_CONFIGS",
-    "FP8_CONFIGS",
-    "Float8Linear",
-    "Fp8Config",
-    "convert_to_fp8",
-]
+import warnings
+from typing import Any
+
+__all__: list[str] = []
+
+_MOVED = {
+    "BLOCK_CONFIGS": "BLOCK_CONFIGS",
+    "FP8_CONFIGS": "FP8_CONFIGS",
+    "Float8Linear": "Float8Linear",
+    "Fp8Config": "Fp8Config",
+    "convert_to_fp8": "convert_to_fp8",
+}
+"""Old name -> its name in :mod:`amped.lowp`."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module 'amped.fp8' has no attribute {name!r}")
+    from amped import lowp
+
+    warnings.warn(
+        f"amped.fp8.{name} is deprecated and will be removed in the next release; "
+        f"use amped.lowp.{_MOVED[name]}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(lowp, _MOVED[name])

@@ -7,7 +7,8 @@ import os
 import torch
 
 from amped._internal.errors import type_error, value_error
-from amped.fp8.convert import LowPrecisionConfig, ModuleFilter
+from amped.lowp.convert import LowPrecisionConfig, ModuleFilter
+from amped.optim.shards import check_placements, is_sharded, reshard
 from amped.policy import Policy
 from amped.recipes.fp8 import Fp8Plan
 from amped.recipes.o2 import build_master_setup
@@ -15,7 +16,6 @@ from amped.recipes.plan import PrecisionPlan, apply_plan, check_plan
 from amped.recipes.pure import build_pure_setup
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
-from amped.recipes.shards import check_placements, is_sharded, reshard
 from amped.recipes.weights import require_float32, ruled_modules
 from amped.scaling import GradScaler
 
@@ -39,7 +39,7 @@ def prepare(
     optimizer as they are. The others change them in place: ``*-master`` lowers the
     weights (except modules the policy keeps in float32; norms by default) and puts
     float32 masters under the optimizer (``setup.optimizer`` is a
-    :class:`~amped.recipes.MasterWeightOptimizer`); ``bf16-pure*`` lowers every weight
+    :class:`~amped.optim.MasterWeightOptimizer`); ``bf16-pure*`` lowers every weight
     and replaces SGD/Adam/AdamW by its compensated twin (``setup.optimizer``). Always
     step ``setup.optimizer``, through :meth:`TrainSetup.step`.
 
@@ -56,9 +56,9 @@ def prepare(
             (``bf16-mixed`` by default, ``bf16-master``, ``bf16-pure``, ``bf16-pure-sr``).
         module_filter: FP8 recipes only: ``filter(linear, name) -> bool`` choosing the
             ``nn.Linear`` layers to convert (default:
-            :func:`amped.fp8.convert.default_module_filter`).
+            :func:`amped.lowp.convert.default_module_filter`).
         fp8_config: FP8 and block recipes only: a variant of the recipe's config to use
-            instead, e.g. ``amped.fp8.BLOCK_CONFIGS["nvfp4"].replace(hadamard=False)``.
+            instead, e.g. ``amped.lowp.BLOCK_CONFIGS["nvfp4"].replace(hadamard=False)``.
 
     Raises:
         ValueError: an unknown recipe, a model on several device types, an optimizer

@@ -3,8 +3,8 @@ for everything else.
 
 ``fp8-tensorwise``, ``fp8-rowwise`` and ``fp8-rowwise-gw-hp`` are torchao's float8
 training recipes; ``fp8-delayed`` is Transformer Engine's delayed scaling (see
-:mod:`amped.fp8`). The block recipes ``mxfp8``, ``mxfp4`` and ``nvfp4`` cast with
-per-block scales (:data:`amped.fp8.BLOCK_CONFIGS`); ``prepare(..., fp8_config=...)``
+:mod:`amped.lowp`). The block recipes ``mxfp8``, ``mxfp4`` and ``nvfp4`` cast with
+per-block scales (:data:`amped.lowp.BLOCK_CONFIGS`); ``prepare(..., fp8_config=...)``
 takes a variant of the recipe's config, e.g. ``BLOCK_CONFIGS["nvfp4"].replace(
 hadamard=False)``. ``prepare`` builds the base recipe's setup first (``bf16-mixed`` by
 default; ``bf16-master``, ``bf16-pure`` or ``bf16-pure-sr`` by choice: weights and
@@ -15,7 +15,7 @@ module that any of the policy's module rules names stays out of FP8 (with its
 children): ``"fp32"`` and ``"skip"`` run it in float32, ``"low"`` in bfloat16, as
 for every other recipe. Layers the module filter rejects stay out too.
 
-Under FSDP2, convert first (:func:`amped.fp8.convert_to_fp8` with the recipe's config),
+Under FSDP2, convert first (:func:`amped.lowp.convert_to_fp8` with the recipe's config),
 then ``fully_shard``, build the optimizer and call ``prepare``: it adopts the layers
 already converted (torchao asks for the same order).
 
@@ -29,10 +29,10 @@ import dataclasses
 import torch
 
 from amped._internal.errors import value_error
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, Fp8Config, convert_to_fp8
-from amped.fp8.block_config import BlockConfig
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.convert import Fp8Layers, LowPrecisionConfig, ModuleFilter, plan_fp8
+from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, Fp8Config, convert_to_fp8
+from amped.lowp.convert import Fp8Layers, LowPrecisionConfig, ModuleFilter, plan_fp8
+from amped.lowp.mx.block_config import BlockConfig
+from amped.lowp.mx.block_linear import BlockLinear
 from amped.policy import Policy
 from amped.recipes.fp8_wire import install_fp8_wire
 from amped.recipes.registry import Recipe, register, resolve_recipe
@@ -107,10 +107,10 @@ def _chosen_config(recipe: Recipe, override: LowPrecisionConfig | None) -> LowPr
         return named
     if isinstance(named, BlockConfig):
         fits = isinstance(override, BlockConfig) and override.format == named.format
-        wanted = f"a BlockConfig in {named.format.name}, e.g. amped.fp8.BLOCK_CONFIGS"
+        wanted = f"a BlockConfig in {named.format.name}, e.g. amped.lowp.BLOCK_CONFIGS"
     else:
         fits = isinstance(override, Fp8Config)
-        wanted = "an amped.fp8.Fp8Config, e.g. from amped.fp8.FP8_CONFIGS"
+        wanted = "an amped.lowp.Fp8Config, e.g. from amped.lowp.FP8_CONFIGS"
     if not fits:
         raise value_error(
             f"Recipe {recipe.name!r} takes as fp8_config {wanted}[{recipe.fp8!r}]"
@@ -179,7 +179,7 @@ def _already_converted(
             own = layer.block_config if isinstance(layer, BlockLinear) else layer.fp8_config
             raise value_error(
                 f"Recipe {recipe.name!r} found layer {name!r} converted to FP8 with other "
-                "rules; convert with the recipe's config (amped.fp8.FP8_CONFIGS or "
+                "rules; convert with the recipe's config (amped.lowp.FP8_CONFIGS or "
                 f"BLOCK_CONFIGS[{recipe.fp8!r}], or the fp8_config passed to prepare)",
                 f"{name} rules",
                 str(own),
@@ -198,7 +198,7 @@ class Fp8Plan:
         recipe: the FP8 recipe.
         base: the recipe that keeps the weights and optimizer state.
         policy: the user's policy, whose module rules keep modules out of FP8.
-        module_filter: the user's filter (None: :func:`amped.fp8.convert.default_module_filter`).
+        module_filter: the user's filter (None: :func:`amped.lowp.convert.default_module_filter`).
         converted: layers the model had converted before ``prepare`` (FSDP2), else None.
         config: the cast rules: the recipe's named config or the user's variant.
     """

@@ -7,7 +7,7 @@ recipe position (the object, or the path of a ``tuned.json``)::
     setup = amped.prepare(model, optimizer, plan)
 
 Every layer the plan names in a low-precision format is converted in place with that
-format's named config (:data:`amped.fp8.FP8_CONFIGS`, :data:`amped.fp8.BLOCK_CONFIGS`),
+format's named config (:data:`amped.lowp.FP8_CONFIGS`, :data:`amped.lowp.BLOCK_CONFIGS`),
 layers of one format in model order, as ``prepare(model, optimizer, format,
 module_filter=...)`` converts them, so a single-format plan trains bitwise the same as
 that call. ``"bf16"`` leaves a layer to the base recipe, as every layer the plan does not
@@ -36,16 +36,16 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped._internal.jsonio import from_json, to_json
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
-from amped.fp8.block_config import BlockConfig
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.conv1d import is_linear_like, linear_dims
-from amped.fp8.convert import Fp8Layers, LowPrecisionConfig
-from amped.fp8.linear import Float8Linear
+from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
+from amped.lowp.conv1d import is_linear_like, linear_dims
+from amped.lowp.convert import Fp8Layers, LowPrecisionConfig
+from amped.lowp.float8.linear import Float8Linear
+from amped.lowp.mx.block_config import BlockConfig
+from amped.lowp.mx.block_linear import BlockLinear
+from amped.optim.shards import fsdp_modules
 from amped.recipes.fp8_wire import install_fp8_wire
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
-from amped.recipes.shards import fsdp_modules
 from amped.recipes.weights import require_float32
 from amped.scaling import GradScaler
 

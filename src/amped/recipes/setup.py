@@ -22,7 +22,7 @@ import torch
 
 from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
-from amped.fp8.convert import Fp8Layers
+from amped.lowp.convert import Fp8Layers
 from amped.policy import Policy
 from amped.recipes.registry import Recipe
 from amped.recipes.weights import Lowering, installed_on, restore_model_

@@ -22,11 +22,11 @@ import torch
 
 from amped.autocast_mode import autocast
 from amped.doctor.runs import call_model
-from amped.fp8 import convert_to_fp8
-from amped.fp8.block_cast import quantize_block
-from amped.fp8.block_config import BlockConfig
-from amped.fp8.cast import quantize
-from amped.fp8.conv1d import is_conv1d, linear_dims
+from amped.lowp import convert_to_fp8
+from amped.lowp.conv1d import is_conv1d, linear_dims
+from amped.lowp.float8.cast import quantize
+from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_config import BlockConfig
 from amped.recipes.plan import format_config, layer_ineligibility
 
 __all__ = ["FormatMeasurement", "LayerMeasurement", "PassCount", "eligible_layers", "measure"]

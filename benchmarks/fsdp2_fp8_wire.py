@@ -34,7 +34,8 @@ from amped._internal.torch_compat import (
     fsdp_reset_sharded_params,
     set_dtensor_local,
 )
-from amped.lowp import FP8_CONFIGS, convert_to_fp8
+from amped.lowp.convert import convert_layers
+from amped.lowp.float8.config import FLOAT8_CONFIGS
 from amped.optim.shards import fsdp_modules
 
 WIDTH, LAYERS, BATCH = 1024, 4, 64
@@ -45,7 +46,7 @@ def build(wire: bool) -> amped.TrainSetup:
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-    convert_to_fp8(model, FP8_CONFIGS["tensorwise"], [str(i) for i in range(LAYERS)])
+    convert_layers(model, FLOAT8_CONFIGS["tensorwise"], [str(i) for i in range(LAYERS)])
     for layer in model:
         fully_shard(layer)
     fully_shard(model)

@@ -34,7 +34,7 @@ import torch
 import tune_ground_truth as gt
 import tune_vs_rule as vs
 
-from amped.lowp import convert_to_fp8
+from amped.lowp.convert import convert_layers
 from amped.recipes.plan import format_config
 from amped.tuning import measure as m
 from amped.tuning.task import build_task
@@ -47,7 +47,7 @@ def _u(grads: torch.Tensor) -> torch.Tensor:
 
 def _format_terms(layer: Any, fmt: str, calls: Any, refs: Any, lr: float) -> dict[str, float]:
     low = copy.deepcopy(torch.nn.Sequential(layer))
-    convert_to_fp8(low, format_config(fmt), ["0"])
+    convert_layers(low, format_config(fmt), ["0"])
     ref_gw, low_gw, coherent, second = [], [], [], []
     for batch, batch_refs in zip(calls, refs, strict=True):
         r_sum: Any = 0

@@ -40,7 +40,9 @@ from amped._internal.torch_compat import (
     fsdp_reset_sharded_params,
     set_dtensor_local,
 )
-from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
+from amped.lowp.convert import convert_layers
+from amped.lowp.float8.config import FLOAT8_CONFIGS
+from amped.lowp.mx.block_config import BLOCK_CONFIGS
 from amped.optim.shards import fsdp_modules
 from amped.recipes.fp8_wire import wire_layers
 from amped.recipes.plan import PrecisionPlan
@@ -76,8 +78,8 @@ def prepared(recipe: str, base: str, sharded: bool) -> amped.TrainSetup:
     model = net()
     if sharded:
         if recipe.startswith("fp8-"):
-            config = FP8_CONFIGS[recipe.removeprefix("fp8-")]
-            convert_to_fp8(model, config, list(LINEARS))
+            config = FLOAT8_CONFIGS[recipe.removeprefix("fp8-")]
+            convert_layers(model, config, list(LINEARS))
         for name in LINEARS:
             fully_shard(model.get_submodule(name))
         fully_shard(model)
@@ -177,7 +179,7 @@ def mixed(wire: bool) -> dict[str, Any]:
     (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``): with the FP8 wire, and, as the
     control, all-gathering bfloat16 and casting the gathered weight in the layer."""
     model = net()
-    convert_to_fp8(model, FP8_CONFIGS["tensorwise"], list(LINEARS))
+    convert_layers(model, FLOAT8_CONFIGS["tensorwise"], list(LINEARS))
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for name in LINEARS:
         fully_shard(model.get_submodule(name), mp_policy=policy)
@@ -239,7 +241,7 @@ def block_prepared(sharded: bool, policy: MixedPrecisionPolicy | None = None) ->
     """nvfp4 on bf16-pure, every layer converted (named: nvfp4 keeps its last 15% in
     bfloat16 otherwise) before ``fully_shard``."""
     model = block_net()
-    convert_to_fp8(model, BLOCK_CONFIGS["nvfp4"], list(BLOCK_LINEARS))
+    convert_layers(model, BLOCK_CONFIGS["nvfp4"], list(BLOCK_LINEARS))
     if sharded:
         kwargs = {} if policy is None else {"mp_policy": policy}
         for name in BLOCK_LINEARS:

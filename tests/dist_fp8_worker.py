@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import amped
-from amped.lowp import FP8_CONFIGS, convert_to_fp8
+from amped.lowp.convert import convert_layers
+from amped.lowp.float8.config import FLOAT8_CONFIGS
 
 STEPS = 4
 
@@ -84,7 +85,7 @@ def fsdp(rank: int) -> dict[str, list]:
     from torch.distributed.fsdp import fully_shard
 
     model = net()
-    convert_to_fp8(model, FP8_CONFIGS["delayed"], ["0", "2"])  # convert, then shard
+    convert_layers(model, FLOAT8_CONFIGS["delayed"], ["0", "2"])  # convert, then shard
     for layer in (model[0], model[2]):
         fully_shard(layer)
     fully_shard(model)

@@ -21,11 +21,11 @@ import warnings
 import pytest
 import torch
 
-from amped.lowp import BLOCK_CONFIGS
 from amped.lowp.float8 import compiled_cast
 from amped.lowp.float8.cast import sqnr
 from amped.lowp.health import record_gemm
 from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_config import BLOCK_CONFIGS
 from amped.lowp.mx.block_format import BLOCK_FORMATS
 from amped.lowp.mx.block_gemm import block_mm, operand_mm
 from amped.lowp.mx.block_linear import BlockLinear

@@ -11,7 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import amped
-from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS
+from amped.lowp.float8.config import FLOAT8_CONFIGS
+from amped.lowp.mx.block_config import BLOCK_CONFIGS
 from amped.lowp.mx.block_linear import BlockLinear
 from recipes_helpers import roundtrip, train
 
@@ -61,7 +62,7 @@ def test_every_block_recipe_trains_on_every_base(recipe, base):
 def test_nvfp4_keeps_its_last_layers_in_bf16_unless_told_not_to():
     assert _prepare("nvfp4").fp8_layers.names() == ["blocks.0", "blocks.1", "blocks.2"]
     full = BLOCK_CONFIGS["nvfp4"].replace(bf16_last=0.0)
-    names = _prepare("nvfp4", fp8_config=full).fp8_layers.names()
+    names = _prepare("nvfp4", config=full).fp8_layers.names()
     assert names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
     assert _prepare("mxfp8").fp8_layers.names() == names
 
@@ -70,7 +71,7 @@ def test_nvfp4_keeps_its_last_layers_in_bf16_unless_told_not_to():
 def test_each_nvfp4_part_switches_off_by_keyword_and_changes_training(part):
     data = _data(2)
     off = BLOCK_CONFIGS["nvfp4"].replace(**{part: False})
-    setup = _prepare("nvfp4", fp8_config=off)
+    setup = _prepare("nvfp4", config=off)
     assert all(getattr(m.block_config, part) is False for m in setup.fp8_layers.layers.values())
     full = _prepare("nvfp4")
     train(setup, data)
@@ -80,7 +81,7 @@ def test_each_nvfp4_part_switches_off_by_keyword_and_changes_training(part):
 
 def test_stochastic_rounding_seed_changes_the_draws_and_is_fixed_by_it():
     data = _data(2)
-    runs = [_prepare("nvfp4", fp8_config=BLOCK_CONFIGS["nvfp4"].replace(seed=s)) for s in (0, 0, 1)]
+    runs = [_prepare("nvfp4", config=BLOCK_CONFIGS["nvfp4"].replace(seed=s)) for s in (0, 0, 1)]
     for setup in runs:
         train(setup, data)
     weights = [r.model.blocks[0].weight for r in runs]
@@ -118,12 +119,12 @@ def test_bad_input_is_refused_in_one_line():
         amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "nvfp4")
     one_line(e)
     with pytest.raises(ValueError, match=r"BlockConfig in nvfp4") as e:
-        _prepare("nvfp4", fp8_config=BLOCK_CONFIGS["mxfp4"])
+        _prepare("nvfp4", config=BLOCK_CONFIGS["mxfp4"])
     one_line(e)
-    with pytest.raises(ValueError, match=r"Fp8Config") as e:
-        _prepare("fp8-rowwise", fp8_config=BLOCK_CONFIGS["mxfp8"])
+    with pytest.raises(ValueError, match=r"Float8Config") as e:
+        _prepare("fp8-rowwise", config=BLOCK_CONFIGS["mxfp8"])
     with pytest.raises(ValueError, match="FP8 and block recipes only"):
-        _prepare("bf16-mixed", fp8_config=FP8_CONFIGS["rowwise"])
+        _prepare("bf16-mixed", config=FLOAT8_CONFIGS["rowwise"])
     with pytest.raises(ValueError, match="Stochastic rounding is for E2M1") as e:
         BLOCK_CONFIGS["mxfp8"].replace(stochastic_rounding=True)
     one_line(e)

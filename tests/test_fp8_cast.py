@@ -10,7 +10,7 @@ import torch
 
 from amped._internal.torch_compat import cpu_scaled_mm_takes_rowwise
 from amped.lowp.float8.cast import (
-    Fp8Tensor,
+    Float8Tensor,
     amax_of,
     amax_to_scale,
     cast_saturated,
@@ -156,7 +156,7 @@ def _same_bits(a, b):
 
 def test_an_operand_cast_computes_its_bytes_when_read():
     """A cast that wrote the GEMM operand gives the bytes a plain cast writes, for the
-    tensor and its transpose, and an Fp8Tensor with neither bytes nor values is refused."""
+    tensor and its transpose, and an Float8Tensor with neither bytes nor values is refused."""
     x = torch.randn(48, 32, dtype=torch.bfloat16) * 100
     for dtype in (E4M3, E5M2):
         plain = quantize(x, dtype, "rowwise", power_of_2=True)
@@ -165,7 +165,7 @@ def test_an_operand_cast_computes_its_bytes_when_read():
         assert torch.equal(q.t().data.view(torch.uint8), plain.data.t().view(torch.uint8))
         assert torch.equal(q.data.view(torch.uint8), plain.data.view(torch.uint8))
     with pytest.raises(ValueError, match="values and FP8 dtype"):
-        Fp8Tensor(None, torch.tensor(1.0))
+        Float8Tensor(None, torch.tensor(1.0))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -184,10 +184,10 @@ def test_dequantized_operands_give_the_scaled_results_bits(a_rows, b_cols, out_d
     assert a.dequantized and b.dequantized
     folded = scaled_mm(a, b, out_dtype, emulate=True)
     unfolded = scaled_mm(
-        Fp8Tensor(a.data, a.scale), Fp8Tensor(b.data, b.scale), out_dtype, emulate=True
+        Float8Tensor(a.data, a.scale), Float8Tensor(b.data, b.scale), out_dtype, emulate=True
     )
     assert torch.equal(folded, unfolded)
-    half = scaled_mm(a, Fp8Tensor(b.data, b.scale), out_dtype, emulate=True)  # one folded
+    half = scaled_mm(a, Float8Tensor(b.data, b.scale), out_dtype, emulate=True)  # one folded
     assert torch.equal(half, unfolded)
 
 
@@ -268,8 +268,8 @@ def test_emulation_is_the_exact_product_within_float32_accumulation(a_rows, b_co
 def test_operand_layouts_do_not_change_the_result():
     a, b = _operands(False, False)
     reference = scaled_mm(a, b, torch.bfloat16)
-    a_colmajor = Fp8Tensor(a.data.t().contiguous().t(), a.scale)
-    b_rowmajor = Fp8Tensor(b.data.contiguous(), b.scale)
+    a_colmajor = Float8Tensor(a.data.t().contiguous().t(), a.scale)
+    b_rowmajor = Float8Tensor(b.data.contiguous(), b.scale)
     assert torch.equal(scaled_mm(a_colmajor, b_rowmajor, torch.bfloat16), reference)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from amped.lowp.float8 import compiled_cast
 from amped.lowp.float8.cast import (
-    Fp8Tensor,
+    Float8Tensor,
     cast_saturated,
     fp8_grid,
     quantize,
@@ -113,7 +113,7 @@ def test_compiled_quantize_is_the_eager_one_bitwise(
     casts, compiled_ok = compiled_casts[scaling]
     assert compiled_ok
     bits, scale = casts[fp8, special]
-    compiled = Fp8Tensor(bits.view(fp8), scale)
+    compiled = Float8Tensor(bits.view(fp8), scale)
     eager = _eager(monkeypatch, quantize, x, fp8, granularity, dim, power_of_2)
     assert _same(compiled.data, eager.data)
     assert _same(compiled.scale, eager.scale)

@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from amped.autocast_mode import current_path
-from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
+from amped.lowp import convert_to_low_precision
 from amped.lowp.float8 import compiled_cast
+from amped.lowp.float8.config import FLOAT8_CONFIGS
 from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_config import BLOCK_CONFIGS
 from amped.lowp.mx.block_format import BLOCK_FORMATS
 from amped.lowp.mx.block_operand import block_operand
 from amped.lowp.mx.e2m1 import E2M1_VALUES
@@ -214,9 +216,9 @@ def test_hadamard_rotated_cast_compiled_is_the_eager_one_and_the_rotated_cast(sp
 
 def _convert_every_layer(model: torch.nn.Module, recipe: str) -> None:
     if recipe in BLOCK_CONFIGS:
-        convert_to_fp8(model, BLOCK_CONFIGS[recipe].replace(bf16_last=0.0))
+        convert_to_low_precision(model, BLOCK_CONFIGS[recipe].replace(bf16_last=0.0))
     else:
-        convert_to_fp8(model, FP8_CONFIGS[recipe], module_filter=lambda m, n: True)
+        convert_to_low_precision(model, FLOAT8_CONFIGS[recipe], module_filter_fn=lambda m, n: True)
 
 
 def _training_step(recipe: str) -> list[torch.Tensor]:

@@ -10,14 +10,17 @@ import pytest
 import torch
 
 import amped
-from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, convert_to_fp8
+from amped.lowp import Float8Linear
+from amped.lowp.convert import convert_layers
+from amped.lowp.float8.config import FLOAT8_CONFIGS
+from amped.lowp.mx.block_config import BLOCK_CONFIGS
 from amped.lowp.mx.block_linear import BlockLinear
 
 transformers = pytest.importorskip("transformers")
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
-CONFIGS = {**{f"fp8-{k}": v for k, v in FP8_CONFIGS.items()}, **BLOCK_CONFIGS}
-RECIPES = [*(f"fp8-{k}" for k in FP8_CONFIGS), *BLOCK_CONFIGS]
+CONFIGS = {**{f"fp8-{k}": v for k, v in FLOAT8_CONFIGS.items()}, **BLOCK_CONFIGS}
+RECIPES = [*(f"fp8-{k}" for k in FLOAT8_CONFIGS), *BLOCK_CONFIGS]
 
 
 def _gpt2(seed=0):
@@ -46,8 +49,8 @@ def test_conv1d_converts_as_the_transposed_linear_bitwise(name):
         linear.weight.copy_(conv.weight.t())
         linear.bias.copy_(conv.bias)
     keys = set(conv.state_dict())
-    convert_to_fp8(conv, CONFIGS[name], [""])
-    convert_to_fp8(linear, CONFIGS[name], [""])
+    convert_layers(conv, CONFIGS[name], [""])
+    convert_layers(linear, CONFIGS[name], [""])
     assert isinstance(conv, Conv1D) and isinstance(conv, Float8Linear | BlockLinear)
     assert {k for k in conv.state_dict() if not k.startswith("fp8_")} == keys
     x, grad = torch.randn(4, 32, 64), torch.randn(4, 32, 128)

@@ -10,7 +10,7 @@ import struct
 import pytest
 import torch
 
-from amped.lowp import Float8Linear, Fp8Config
+from amped.lowp import Float8Config, Float8Linear
 from amped.lowp.float8.cast import quantize
 from amped.lowp.float8.config import CastRule, DelayedScaling
 from amped.lowp.float8.delayed import update_delayed_scaling
@@ -64,7 +64,7 @@ def _amplitudes(steps: int) -> list[tuple[float, float]]:
 def test_scales_follow_the_reference_over_many_steps(history_len, amax_compute, margin):
     rule = DelayedScaling(history_len, amax_compute, margin)  # type: ignore[arg-type]
     torch.manual_seed(0)
-    layer = Float8Linear.convert_(torch.nn.Linear(32, 48, bias=False), Fp8Config(delayed=rule))
+    layer = Float8Linear.convert_(torch.nn.Linear(32, 48, bias=False), Float8Config(delayed=rule))
     ref = Reference(rule)
     for step, (x_amp, g_amp) in enumerate(_amplitudes(14)):
         x = torch.randn(8, 32) * x_amp
@@ -99,7 +99,7 @@ def test_scales_follow_the_reference_over_many_steps(history_len, amax_compute, 
 
 def test_the_grad_output_cast_uses_the_delayed_scale():
     rule = DelayedScaling(2)
-    layer = Float8Linear.convert_(torch.nn.Linear(16, 16, bias=False), Fp8Config(delayed=rule))
+    layer = Float8Linear.convert_(torch.nn.Linear(16, 16, bias=False), Float8Config(delayed=rule))
     x = torch.randn(4, 16)
     layer(x).backward(torch.ones(4, 16))
     update_delayed_scaling([layer])
@@ -117,7 +117,7 @@ def test_the_grad_output_cast_uses_the_delayed_scale():
 
 def test_delayed_needs_tensorwise_rules_and_sane_settings():
     with pytest.raises(ValueError, match="tensorwise"):
-        Fp8Config(input=CastRule(granularity="rowwise"), delayed=DelayedScaling())
+        Float8Config(input=CastRule(granularity="rowwise"), delayed=DelayedScaling())
     with pytest.raises(ValueError, match="history_len"):
         DelayedScaling(0)
     with pytest.raises(ValueError, match="amax_compute"):
@@ -127,7 +127,7 @@ def test_delayed_needs_tensorwise_rules_and_sane_settings():
 
 
 def test_eval_mode_casts_with_the_current_scales_and_records_nothing():
-    layer = Float8Linear.convert_(torch.nn.Linear(16, 16), Fp8Config(delayed=DelayedScaling(2)))
+    layer = Float8Linear.convert_(torch.nn.Linear(16, 16), Float8Config(delayed=DelayedScaling(2)))
     layer(torch.randn(4, 16)).sum().backward()
     update_delayed_scaling([layer])
     history = layer.fp8_amax_history.clone()

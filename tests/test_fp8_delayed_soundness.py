@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 import amped
-from amped.lowp import Fp8Config, convert_to_fp8
+from amped.lowp import Float8Config
+from amped.lowp.convert import convert_layers
 from amped.lowp.float8.config import DelayedScaling
 from amped.lowp.float8.delayed import next_scale
 
@@ -26,7 +27,7 @@ def _setup(history_len: int, amax_compute: str) -> amped.recipes.TrainSetup:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 16))
     rule = DelayedScaling(history_len, amax_compute)  # type: ignore[arg-type]
-    convert_to_fp8(model, Fp8Config(delayed=rule), ["0", "2"])
+    convert_layers(model, Float8Config(delayed=rule), ["0", "2"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return amped.prepare(model, optimizer, recipe="fp8-delayed")
 

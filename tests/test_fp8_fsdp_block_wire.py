@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from amped.lowp import BLOCK_CONFIGS
 from amped.lowp.mx.block_cast import nvfp4_tensor_scale, quantize_block
+from amped.lowp.mx.block_config import BLOCK_CONFIGS
 from amped.lowp.mx.block_linear import BlockLinear
 from amped.lowp.mx.block_operand import block_operand
 from amped.lowp.mx.fsdp_block_wire import (

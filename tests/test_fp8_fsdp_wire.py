@@ -12,10 +12,18 @@ import torch
 from torch import nn
 
 import amped
-from amped.lowp import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, convert_to_fp8
+from amped.lowp import Float8Linear
+from amped.lowp.convert import convert_layers
 from amped.lowp.float8.cast import quantize
-from amped.lowp.float8.fsdp_wire import GatheredFp8Weight, gathered_fp8, global_amax, wire_refusal
+from amped.lowp.float8.config import FLOAT8_CONFIGS
+from amped.lowp.float8.fsdp_wire import (
+    GatheredFloat8Weight,
+    gathered_fp8,
+    global_amax,
+    wire_refusal,
+)
 from amped.lowp.float8.gemm import scaled_mm
+from amped.lowp.mx.block_config import BLOCK_CONFIGS
 from amped.recipes.fp8_wire import wire_layers
 from dist_launch import one_rank_group
 
@@ -27,15 +35,15 @@ E4M3 = torch.float8_e4m3fn
     [("tensorwise", True), ("delayed", True), ("rowwise", False), ("rowwise-gw-hp", False)],
 )
 def test_only_recipes_whose_backward_reuses_the_forward_cast_get_the_wire(scaling, exact):
-    reason = wire_refusal(FP8_CONFIGS[scaling])
+    reason = wire_refusal(FLOAT8_CONFIGS[scaling])
     assert (reason is None) == exact
     if not exact:
         assert "backward" in reason or "grad-input" in reason
 
 
-def _gathered(weight: torch.Tensor, scale: torch.Tensor | None = None) -> GatheredFp8Weight:
+def _gathered(weight: torch.Tensor, scale: torch.Tensor | None = None) -> GatheredFloat8Weight:
     q = quantize(weight, E4M3, scale=scale)
-    return GatheredFp8Weight(q.data, q.scale, weight.dtype)
+    return GatheredFloat8Weight(q.data, q.scale, weight.dtype)
 
 
 def test_the_gathered_weight_is_a_tensor_of_the_parameters_dtype_and_views_stay_fp8():
@@ -54,7 +62,7 @@ def test_the_gathered_weight_is_a_tensor_of_the_parameters_dtype_and_views_stay_
     doubled = gathered * 2
     assert type(doubled) is torch.Tensor and torch.equal(doubled, dequantized * 2)
     assert gathered_fp8(weight) is None
-    assert "GatheredFp8Weight(shape=(6, 4)" in repr(gathered)
+    assert "GatheredFloat8Weight(shape=(6, 4)" in repr(gathered)
 
 
 @pytest.mark.parametrize("scale", ["own", "other"])
@@ -65,11 +73,11 @@ def test_the_layer_uses_the_gathered_cast_instead_of_casting_again(scale):
     torch.manual_seed(0)
     plain = nn.Linear(16, 12, bias=False).to(torch.bfloat16)
     x = torch.randn(5, 16, dtype=torch.bfloat16, requires_grad=True)
-    reference = Float8Linear.convert_(plain, FP8_CONFIGS["tensorwise"])
+    reference = Float8Linear.convert_(plain, FLOAT8_CONFIGS["tensorwise"])
     out = reference(x)
     out.float().sum().backward()
 
-    layer = Float8Linear.convert_(nn.Linear(16, 12, bias=False), FP8_CONFIGS["tensorwise"])
+    layer = Float8Linear.convert_(nn.Linear(16, 12, bias=False), FLOAT8_CONFIGS["tensorwise"])
     own = quantize(plain.weight.detach(), E4M3).scale
     chosen = own if scale == "own" else own * 0.7  # a scale the layer would never pick
     layer.weight = nn.Parameter(_gathered(plain.weight.detach(), chosen))
@@ -104,7 +112,7 @@ def test_fp8_layers_converted_before_prepare_keep_float32_scaling_state_under_bf
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
         if convert_first:
-            convert_to_fp8(model, FP8_CONFIGS["delayed"], ["0", "2"])
+            convert_layers(model, FLOAT8_CONFIGS["delayed"], ["0", "2"])
         setup = _prepare(model, "fp8-delayed", "bf16-pure")
         for step in range(3):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
@@ -156,7 +164,7 @@ def test_prepare_installs_the_wire_on_sharded_fp8_layers_and_teardown_removes_it
     _train(control, 2)
     with one_rank_group():
         model = _model()
-        convert_to_fp8(model, FP8_CONFIGS[recipe.removeprefix("fp8-")], ["0", "2"])
+        convert_layers(model, FLOAT8_CONFIGS[recipe.removeprefix("fp8-")], ["0", "2"])
         fully_shard(model[0])
         fully_shard(model[2])
         fully_shard(model)
@@ -178,8 +186,8 @@ def test_other_recipes_keep_their_dtype_on_the_wire_and_say_why(recipe):
     with one_rank_group():
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8))  # MX: 32s
-        config = FP8_CONFIGS.get(recipe.removeprefix("fp8-")) or BLOCK_CONFIGS[recipe]
-        convert_to_fp8(model, config, ["0"])
+        config = FLOAT8_CONFIGS.get(recipe.removeprefix("fp8-")) or BLOCK_CONFIGS[recipe]
+        convert_layers(model, config, ["0"])
         fully_shard(model[0])
         fully_shard(model)
         with warnings.catch_warnings(record=True) as caught:
@@ -198,9 +206,9 @@ def test_a_conv1d_layer_uses_its_gathered_weight_transposed():
     torch.manual_seed(0)
     plain = conv1d(12, 16).to(torch.bfloat16)  # 16 in, 12 out
     x = torch.randn(5, 16, dtype=torch.bfloat16)
-    reference = Float8Linear.convert_(plain, FP8_CONFIGS["tensorwise"])
+    reference = Float8Linear.convert_(plain, FLOAT8_CONFIGS["tensorwise"])
     expected = reference(x)
-    layer = Float8Linear.convert_(conv1d(12, 16).to(torch.bfloat16), FP8_CONFIGS["tensorwise"])
+    layer = Float8Linear.convert_(conv1d(12, 16).to(torch.bfloat16), FLOAT8_CONFIGS["tensorwise"])
     layer.weight = nn.Parameter(_gathered(plain.weight.detach()))
     layer.bias = nn.Parameter(plain.bias.detach().clone())
     out = layer(x)
@@ -229,7 +237,7 @@ def test_a_shard_fsdp2_replaces_on_taking_it_up_is_reported_not_assumed_wired(mo
     monkeypatch.setattr(fp8_wire, "fsdp_reset_sharded_params", replacing)
     with one_rank_group():
         model = _model()
-        convert_to_fp8(model, FP8_CONFIGS["tensorwise"], ["0", "2"])
+        convert_layers(model, FLOAT8_CONFIGS["tensorwise"], ["0", "2"])
         fully_shard(model[0])
         fully_shard(model)
         with pytest.warns(UserWarning, match=r"FSDP2 replaced its local shard.*layers=\['0'\]"):

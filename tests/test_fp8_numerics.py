@@ -17,8 +17,9 @@ import pytest
 import torch
 
 import amped
-from amped.lowp import FP8_CONFIGS, convert_to_fp8
+from amped.lowp import convert_to_low_precision
 from amped.lowp.float8.cast import quantize, sqnr
+from amped.lowp.float8.config import FLOAT8_CONFIGS
 from amped.lowp.float8.gemm import scaled_mm
 from fp8_helpers import every_linear, ffn
 
@@ -32,11 +33,11 @@ def _step(model, x, grad):
     return out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("scaling", list(FP8_CONFIGS))
+@pytest.mark.parametrize("scaling", list(FLOAT8_CONFIGS))
 def test_ffn_output_and_weight_grads_keep_20db(scaling):
     reference = ffn()
     model = copy.deepcopy(reference)
-    layers = convert_to_fp8(model, FP8_CONFIGS[scaling], module_filter=every_linear)
+    layers = convert_to_low_precision(model, FLOAT8_CONFIGS[scaling], module_filter_fn=every_linear)
     torch.manual_seed(1)
     steps = 3 if scaling == "delayed" else 1  # delayed: cast with last step's scales too
     for _ in range(steps):

@@ -171,18 +171,19 @@ def test_bad_input_is_refused_in_one_line():
 
 
 def test_prepare_adopts_layers_converted_beforehand_with_their_delayed_settings():
-    from amped.lowp import FP8_CONFIGS, Fp8Config, convert_to_fp8
-    from amped.lowp.float8.config import DelayedScaling
+    from amped.lowp import Float8Config
+    from amped.lowp.convert import convert_layers
+    from amped.lowp.float8.config import FLOAT8_CONFIGS, DelayedScaling
 
     model = Net()
-    convert_to_fp8(model, Fp8Config(delayed=DelayedScaling(64, "most_recent", 1)), ["fc2"])
+    convert_layers(model, Float8Config(delayed=DelayedScaling(64, "most_recent", 1)), ["fc2"])
     setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8-delayed")
     assert setup.fp8_layers.names() == ["fc2"]  # adopted, nothing else converted
     train(setup, _data(2))
     assert setup.model.fc2.fp8_amax_history.shape == (3, 64)
     assert int(setup.model.fc2.fp8_updates) == 2
     other = Net()
-    convert_to_fp8(other, FP8_CONFIGS["rowwise"], ["fc2"])
+    convert_layers(other, FLOAT8_CONFIGS["rowwise"], ["fc2"])
     with pytest.raises(ValueError, match="converted to FP8 with other rules"):
         amped.prepare(other, torch.optim.SGD(other.parameters(), lr=0.1), "fp8-delayed")
     with pytest.raises(ValueError, match="converted to FP8 with other rules"):

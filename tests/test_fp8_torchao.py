@@ -29,8 +29,10 @@ import copy
 import pytest
 import torch
 
-from amped.lowp import FP8_CONFIGS, convert_to_fp8
+from amped.lowp import convert_to_low_precision
+from amped.lowp.convert import convert_layers
 from amped.lowp.float8.cast import sqnr
+from amped.lowp.float8.config import FLOAT8_CONFIGS
 from fp8_helpers import TORCHAO_RECIPE, every_linear, ffn, torchao_convert
 
 SQNR_DIFFERENT_SUMMATION = 40.0  # dB: the bound where algorithms differ by design
@@ -62,7 +64,7 @@ def test_linear_matches_torchao(scaling, dtype, emulate):
     model = torch.nn.Sequential(torch.nn.Linear(128, 256))
     theirs = torchao_convert(model, scaling)
     ours = copy.deepcopy(model)
-    convert_to_fp8(ours, FP8_CONFIGS[scaling], ["0"], emulate=emulate)
+    convert_layers(ours, FLOAT8_CONFIGS[scaling], ["0"], emulate=emulate)
     x = torch.randn(2, 16, 128, dtype=dtype) * 3
     grad = torch.randn(2, 16, 256, dtype=dtype) * 1e-3
     _compare(_run(ours, x, grad), _run(theirs, x, grad), bitwise=not emulate)
@@ -73,7 +75,9 @@ def test_llama_ffn_matches_torchao(scaling):
     model = ffn()
     theirs = torchao_convert(model, scaling, lambda m, n: True)
     ours = copy.deepcopy(model)
-    layers = convert_to_fp8(ours, FP8_CONFIGS[scaling], module_filter=every_linear, emulate=False)
+    layers = convert_to_low_precision(
+        ours, FLOAT8_CONFIGS[scaling], module_filter_fn=every_linear, emulate=False
+    )
     assert layers.names() == ["w1", "w3", "w2"]
     x = torch.randn(4, 32, 256, dtype=torch.bfloat16)
     grad = torch.randn(4, 32, 256, dtype=torch.bfloat16)
@@ -87,7 +91,7 @@ def test_frozen_input_and_weight_skip_their_gemms_and_keep_the_rest_bitwise():
     model = torch.nn.Sequential(torch.nn.Linear(64, 64))
     theirs = torchao_convert(model, "tensorwise")
     ours = copy.deepcopy(model)
-    convert_to_fp8(ours, FP8_CONFIGS["tensorwise"], ["0"], emulate=False)
+    convert_layers(ours, FLOAT8_CONFIGS["tensorwise"], ["0"], emulate=False)
     x = torch.randn(8, 64, dtype=torch.bfloat16)  # no grad: grad_input GEMM skipped
     for m in (ours, theirs):
         m(x).float().sum().backward()

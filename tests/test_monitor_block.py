@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 import amped
-from amped.lowp import BLOCK_CONFIGS
 from amped.lowp.health import STATS
 from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_config import BLOCK_CONFIGS
 
 
 def _setup(recipe: str, every: int = 2, **kwargs):

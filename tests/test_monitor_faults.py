@@ -28,7 +28,7 @@ from torch import nn
 import amped
 import amped.lowp.float8.linear
 import amped.lowp.mx.block_linear
-from amped.lowp import FP8_CONFIGS
+from amped.lowp.float8.config import FLOAT8_CONFIGS
 from amped.recipes import NonFiniteError
 from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 from amped.recipes.monitoring import NonFinite
@@ -67,7 +67,7 @@ def _gemm_order(recipe: str) -> list[tuple[str, str]]:
     """
     layers = _converted(recipe)
     fp8_grad_weight = recipe in BLOCK_RECIPE_NAMES or not (
-        FP8_CONFIGS[recipe.removeprefix("fp8-")].grad_weight_hp
+        FLOAT8_CONFIGS[recipe.removeprefix("fp8-")].grad_weight_hp
     )
     order = [(layer, "forward") for layer in layers]
     for layer in reversed(layers):

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 import amped
-from amped.lowp.float8.cast import Fp8Tensor, amax_of, cast_saturated, quantize
+from amped.lowp.float8.cast import Float8Tensor, amax_of, cast_saturated, quantize
 from amped.lowp.float8.delayed import propagate_nonfinite
 from amped.lowp.health import Probe, any_nonfinite, probe_nonfinite, range_probe, record_gemm
 from amped.lowp.mx.block_cast import quantize_block
@@ -56,10 +56,10 @@ def _operand_probe(quantized, scale_mode: str = "rceil") -> Probe:
     return probe
 
 
-def _delayed(x: torch.Tensor) -> Fp8Tensor:
+def _delayed(x: torch.Tensor) -> Float8Tensor:
     """Float8Linear's delayed cast: a scale from past steps, NaN for a non-finite amax."""
     scale = propagate_nonfinite(torch.tensor(64.0), amax_of(x).float())
-    return Fp8Tensor(cast_saturated(x, scale, E4M3), scale)
+    return Float8Tensor(cast_saturated(x, scale, E4M3), scale)
 
 
 # name: (the cast, the MX scale mode record_gemm is told; "rceil" where it does not apply)

@@ -7,20 +7,24 @@ NVFP4 (:mod:`.mx`), with what they share beside them.
 - :mod:`.conv1d`: transformers' ``Conv1D`` treated as a transposed Linear.
 
 Below the recipes layer; :mod:`amped.recipes.fp8` builds the ``fp8-*`` and block
-recipes on it. Exported here is what converting a model and checking its numerics
-needs; the building blocks (``scaled_mm``, ``quantize``, ``quantize_block``, ...) are
-importable from their modules.
+recipes on it. Exported here is what converting a model needs: one conversion,
+:func:`convert_to_low_precision`, for every format, chosen by its config
+(:class:`Float8Config` or :class:`BlockConfig`; the named ones in :data:`CONFIGS`),
+and the two layers it makes. The building blocks (``scaled_mm``, ``quantize``,
+``quantize_block``, ...) are importable from their modules.
 """
 
-from amped.lowp.convert import convert_to_fp8
-from amped.lowp.float8.config import FP8_CONFIGS, Fp8Config
+from amped.lowp.convert import CONFIGS, convert_to_low_precision
+from amped.lowp.float8.config import Float8Config
 from amped.lowp.float8.linear import Float8Linear
-from amped.lowp.mx.block_config import BLOCK_CONFIGS
+from amped.lowp.mx.block_config import BlockConfig
+from amped.lowp.mx.block_linear import BlockLinear
 
 __all__ = [
-    "BLOCK_CONFIGS",
-    "FP8_CONFIGS",
+    "CONFIGS",
+    "BlockConfig",
+    "BlockLinear",
+    "Float8Config",
     "Float8Linear",
-    "Fp8Config",
-    "convert_to_fp8",
+    "convert_to_low_precision",
 ]

@@ -24,26 +24,35 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped.lowp.conv1d import is_linear_like, linear_dims
-from amped.lowp.float8.config import Fp8Config
+from amped.lowp.float8.config import FLOAT8_CONFIGS, Float8Config
 from amped.lowp.float8.delayed import update_delayed_scaling
 from amped.lowp.float8.linear import Float8Linear
-from amped.lowp.mx.block_config import BlockConfig
+from amped.lowp.mx.block_config import BLOCK_CONFIGS, BlockConfig
 from amped.lowp.mx.block_linear import BlockLinear
 
 __all__ = [
-    "Fp8Layers",
+    "CONFIGS",
     "LowPrecisionConfig",
+    "LowPrecisionLayers",
     "ModuleFilter",
-    "convert_to_fp8",
+    "convert_layers",
+    "convert_to_low_precision",
     "default_module_filter",
-    "plan_fp8",
+    "no_layer_error",
+    "plan_low_precision",
 ]
 
 ModuleFilter = Callable[[torch.nn.Module, str], bool]
 """``filter(layer, qualified_name) -> bool``: whether to convert this Linear or Conv1D."""
 
-LowPrecisionConfig = Fp8Config | BlockConfig
-"""An FP8 config (per-tensor or rowwise scales) or a block config (MX, NVFP4)."""
+LowPrecisionConfig = Float8Config | BlockConfig
+"""A Float8 config (per-tensor or rowwise scales) or a block config (MX, NVFP4)."""
+
+CONFIGS: dict[str, LowPrecisionConfig] = {**FLOAT8_CONFIGS, **BLOCK_CONFIGS}
+"""Every named config, one mapping for every format: ``"tensorwise"``, ``"rowwise"``,
+``"rowwise-gw-hp"`` and ``"delayed"`` (Float8, from
+:data:`~amped.lowp.float8.config.FLOAT8_CONFIGS`), ``"mxfp8"``, ``"mxfp4"`` and
+``"nvfp4"`` (block, from :data:`~amped.lowp.mx.block_config.BLOCK_CONFIGS`)."""
 
 
 def _multiple(config: LowPrecisionConfig | None) -> int:
@@ -83,7 +92,7 @@ def default_module_filter(
     return keep
 
 
-def plan_fp8(
+def plan_low_precision(
     model: torch.nn.Module,
     module_filter: ModuleFilter | None = None,
     exclude: set[str] = frozenset(),  # type: ignore[assignment]
@@ -108,13 +117,14 @@ def plan_fp8(
     return names
 
 
-def _nothing_to_convert(
+def no_layer_error(
     model: torch.nn.Module,
     module_filter: ModuleFilter | None,
     exclude: set[str],
     config: LowPrecisionConfig | None,
 ) -> ValueError:
-    """The "no layer to convert" error: every Linear-like module and why it stayed out."""
+    """The "no layer to convert" error: every Linear-like module and why it stayed out
+    (raised when :func:`plan_low_precision` chooses none)."""
     head, multiple = _head(model), _multiple(config)
     seen = []
     for name, m in model.named_modules():
@@ -142,7 +152,7 @@ def _nothing_to_convert(
 
 
 @dataclass
-class Fp8Layers:
+class LowPrecisionLayers:
     """The converted layers of a model, by qualified name, and their per-step update."""
 
     layers: dict[str, Float8Linear | BlockLinear]
@@ -150,58 +160,90 @@ class Fp8Layers:
 
     def update(self) -> None:
         """Advance delayed scaling by one step (no-op for dynamic and block scaling)."""
-        if isinstance(self.config, Fp8Config) and self.config.delayed is not None:
+        if isinstance(self.config, Float8Config) and self.config.delayed is not None:
             update_delayed_scaling(list(self.layers.values()))
 
     def names(self) -> list[str]:
         return list(self.layers)
 
 
-def convert_to_fp8(
+def convert_to_low_precision(
     model: torch.nn.Module,
     config: LowPrecisionConfig,
-    names: list[str] | None = None,
     *,
-    module_filter: ModuleFilter | None = None,
+    module_filter_fn: ModuleFilter | None = None,
     emulate: bool | None = None,
-    exclude: set[str] = frozenset(),  # type: ignore[assignment]
-) -> Fp8Layers:
-    """Convert the chosen layers of ``model`` to :class:`Float8Linear` (an
-    :class:`~amped.lowp.Fp8Config`) or :class:`BlockLinear` (a
-    :class:`~amped.lowp.mx.block_config.BlockConfig`), in place.
+) -> LowPrecisionLayers:
+    """Convert the chosen layers of ``model``, in place, to the low-precision layer of
+    ``config``'s format: :class:`~amped.lowp.Float8Linear` for a
+    :class:`~amped.lowp.Float8Config`, :class:`~amped.lowp.BlockLinear` for a
+    :class:`~amped.lowp.BlockConfig` (MXFP8, MXFP4, NVFP4).
+
+    As torchao's ``convert_to_float8_training``, one selector chooses the layers:
+    ``module_filter_fn(layer, qualified_name) -> bool``, asked of every ``nn.Linear``
+    and transformers ``Conv1D``. Without it, the default rules of
+    :mod:`amped.lowp.convert` apply (dims multiples of 16, or of the block size; at
+    least 64x64 weights; not the output head); a block config's ``bf16_last`` then
+    keeps its last chosen layers out, whichever selector chose them.
 
     Args:
         model: the model (it may itself be an ``nn.Linear``).
-        config: the cast rules (:data:`amped.lowp.FP8_CONFIGS`,
-            :data:`amped.lowp.BLOCK_CONFIGS` have the named ones).
-        names: the layers to convert (default: :func:`plan_fp8` with ``module_filter``).
-        module_filter: used when ``names`` is None.
+        config: the format and its cast rules (:data:`amped.lowp.CONFIGS` has the
+            named ones).
+        module_filter_fn: which layers convert (default:
+            :func:`default_module_filter`).
         emulate: see :meth:`Float8Linear.convert_`.
-        exclude: modules the "no layer" error reports as kept out by a policy rule.
 
     Raises:
+        TypeError: ``config`` is not a Float8Config or a BlockConfig.
         ValueError: no layer to convert (the message lists each layer and why).
 
     Example:
         >>> import torch
-        >>> from amped.lowp import FP8_CONFIGS, convert_to_fp8
+        >>> from amped.lowp import CONFIGS, convert_to_low_precision
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 10))
-        >>> convert_to_fp8(model, FP8_CONFIGS["tensorwise"]).names()
+        >>> convert_to_low_precision(model, CONFIGS["tensorwise"]).names()
         ['0']
     """
-    if not isinstance(config, Fp8Config | BlockConfig):
-        raise type_error("config is an Fp8Config or a BlockConfig", "config", config)
-    if names is None:
-        names = plan_fp8(model, module_filter, exclude, config)
+    _check_config(config)
+    names = plan_low_precision(model, module_filter_fn, config=config)
     if not names:
-        raise _nothing_to_convert(model, module_filter, exclude, config)
+        raise no_layer_error(model, module_filter_fn, set(), config)
+    return convert_layers(model, config, names, emulate=emulate)
+
+
+def _check_config(config: object) -> None:
+    if not isinstance(config, Float8Config | BlockConfig):
+        raise type_error("config is a Float8Config or a BlockConfig", "config", config)
+
+
+def convert_layers(
+    model: torch.nn.Module,
+    config: LowPrecisionConfig,
+    names: list[str],
+    *,
+    emulate: bool | None = None,
+) -> LowPrecisionLayers:
+    """Convert exactly the layers of ``model`` named in ``names`` (qualified names, in
+    that order: a block config's seeds follow it), in place; what
+    :func:`convert_to_low_precision` does once it has chosen them, and what the
+    recipes do with the layers they planned (:func:`plan_low_precision`).
+
+    Raises:
+        TypeError: ``config`` is not a Float8Config or a BlockConfig, or a named module
+            is not an ``nn.Linear`` or ``Conv1D``.
+        ValueError: ``names`` is empty (the message lists each layer and why).
+    """
+    _check_config(config)
+    if not names:
+        raise no_layer_error(model, None, set(), config)
     modules = dict(model.named_modules())
     layers: dict[str, Float8Linear | BlockLinear] = {}
     for index, name in enumerate(names):
         layer = modules[name]
         if not is_linear_like(layer):
             raise type_error(
-                f"convert_to_fp8 converts nn.Linear and Conv1D layers; {name!r} is not one",
+                f"Low precision converts nn.Linear and Conv1D layers; {name!r} is not one",
                 f"type({name})",
                 type(layer),
             )
@@ -209,4 +251,4 @@ def convert_to_fp8(
             layers[name] = BlockLinear.convert_(layer, config, emulate, seed=index)
         else:
             layers[name] = Float8Linear.convert_(layer, config, emulate)
-    return Fp8Layers(layers, config)
+    return LowPrecisionLayers(layers, config)

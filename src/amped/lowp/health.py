@@ -20,7 +20,7 @@ without a sync:
 
 **What a cast shows** (checked in ``tests/test_monitor_probes.py``):
 
-- FP8 (:class:`~amped.lowp.float8.cast.Fp8Tensor`): the scale, bad unless ``0 < scale < inf``.
+- FP8 (:class:`~amped.lowp.float8.cast.Float8Tensor`): the scale, bad unless ``0 < scale < inf``.
   A dynamic scale is ``fp8_max / amax``: 0 for an inf amax, NaN for a NaN one; a
   delayed one is made NaN by :func:`amped.lowp.float8.delayed.propagate_nonfinite`. Rowwise:
   per row, so one bad row shows.
@@ -43,7 +43,7 @@ this layer's casts earlier in the step).
 
 Any layer can report the same way: call ``record_gemm(self, role, output_name, output,
 {operand_name: (high, quantized)})`` after each GEMM, with ``quantized`` an
-:class:`~amped.lowp.float8.cast.Fp8Tensor` (its ``scale`` multiplies, ``data`` is the
+:class:`~amped.lowp.float8.cast.Float8Tensor` (its ``scale`` multiplies, ``data`` is the
 low-precision payload), a :class:`~amped.lowp.mx.block_cast.BlockTensor` (and
 ``scale_mode=`` the MX scale rule it was cast with) or None, and ``high`` the tensor
 before the cast or None.
@@ -64,7 +64,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
-from amped.lowp.float8.cast import EPS, Fp8Tensor
+from amped.lowp.float8.cast import EPS, Float8Tensor
 from amped.lowp.mx.block_cast import BlockTensor, quantize_block
 from amped.lowp.mx.block_format import BlockFormat, ScaleMode
 
@@ -95,7 +95,7 @@ STATS = (
 )
 """The sampled counters of one GEMM, in this order (float32, summed; ``amax``: max)."""
 
-Operand = tuple[torch.Tensor | None, Fp8Tensor | BlockTensor | None]
+Operand = tuple[torch.Tensor | None, Float8Tensor | BlockTensor | None]
 
 ProbeKind = Literal["scale", "exponent", "range"]
 
@@ -192,9 +192,9 @@ def nonfinite_exponent(fmt: BlockFormat, scale_mode: ScaleMode) -> int:
     return int(quantize_block(block, fmt, scale_mode).scale_bits[0])
 
 
-def _cast_probe(low: Fp8Tensor | BlockTensor | None, scale_mode: ScaleMode) -> Probe | None:
+def _cast_probe(low: Float8Tensor | BlockTensor | None, scale_mode: ScaleMode) -> Probe | None:
     """The probe of a quantized operand: data its cast computed (see the module)."""
-    if isinstance(low, Fp8Tensor):
+    if isinstance(low, Float8Tensor):
         return Probe("scale", (low.scale,))
     if isinstance(low, BlockTensor):
         if low.tensor_scale is not None:  # NVFP4
@@ -318,7 +318,7 @@ def _stats(
                 amaxes.append(magnitude.amax())
             continue
         # shape and dtype without the bytes, which a cast that wrote only values (every
-        # emulated step) computes in a pass of their own when read (Fp8Tensor.data)
+        # emulated step) computes in a pass of their own when read (Float8Tensor.data)
         elements += low.shape.numel()
         dtype_max = torch.finfo(low.dtype).max
         scale = low.scale.float()

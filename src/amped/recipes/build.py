@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -31,6 +32,7 @@ def prepare(
     scaler: GradScaler | None = None,
     base: str | Recipe | None = None,
     module_filter: ModuleFilter | None = None,
+    config: LowPrecisionConfig | None = None,
     fp8_config: LowPrecisionConfig | None = None,
 ) -> TrainSetup:
     """Turn ``model`` and ``optimizer`` into a :class:`TrainSetup` for ``recipe``.
@@ -57,8 +59,9 @@ def prepare(
         module_filter: FP8 recipes only: ``filter(linear, name) -> bool`` choosing the
             ``nn.Linear`` layers to convert (default:
             :func:`amped.lowp.convert.default_module_filter`).
-        fp8_config: FP8 and block recipes only: a variant of the recipe's config to use
-            instead, e.g. ``amped.lowp.BLOCK_CONFIGS["nvfp4"].replace(hadamard=False)``.
+        config: FP8 and block recipes only: a variant of the recipe's config to use
+            instead, e.g. ``amped.lowp.CONFIGS["nvfp4"].replace(hadamard=False)``.
+        fp8_config: deprecated spelling of ``config`` (warns; removed next release).
 
     Raises:
         ValueError: an unknown recipe, a model on several device types, an optimizer
@@ -76,19 +79,18 @@ def prepare(
         >>> setup.step()
         True
     """
+    config = _config_argument(config, fp8_config)
     if isinstance(recipe, os.PathLike) or (isinstance(recipe, str) and recipe.endswith(".json")):
         recipe = PrecisionPlan.load(recipe)
     if isinstance(recipe, PrecisionPlan):
-        return _prepare_plan(
-            model, optimizer, recipe, policy, scaler, base, module_filter, fp8_config
-        )
+        return _prepare_plan(model, optimizer, recipe, policy, scaler, base, module_filter, config)
     chosen = resolve_recipe(recipe)
-    fp8_only = {"base": base, "module_filter": module_filter, "fp8_config": fp8_config}
+    fp8_only = {"base": base, "module_filter": module_filter, "config": config}
     given = {name: value for name, value in fp8_only.items() if value is not None}
     if chosen.fp8 is None and given:
         name, value = next(iter(given.items()))
         raise value_error(
-            f"base, module_filter and fp8_config apply to the FP8 and block recipes only; "
+            f"base, module_filter and config apply to the FP8 and block recipes only; "
             f"{chosen.name!r} is not one",
             name,
             value,
@@ -103,8 +105,31 @@ def prepare(
     plain = TrainSetup(chosen, model, optimizer, scaler, device_type, policy)
     if chosen.fp8 is None:
         return _build(plain)
-    fp8 = Fp8Plan.check(plain, base, module_filter, fp8_config)  # before anything changes
+    fp8 = Fp8Plan.check(plain, base, module_filter, config)  # before anything changes
     return fp8.apply(_build(TrainSetup(fp8.base, model, optimizer, scaler, device_type, policy)))
+
+
+def _config_argument(
+    config: LowPrecisionConfig | None, fp8_config: LowPrecisionConfig | None
+) -> LowPrecisionConfig | None:
+    """``config``, or the deprecated ``fp8_config`` in its place (with a warning)."""
+    if fp8_config is None:
+        return config
+    warnings.warn(
+        "prepare's fp8_config argument is deprecated and will be removed in the next "
+        "release; "
+        "pass config=... (a Float8Config or a BlockConfig)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if config is not None:
+        raise type_error(
+            "prepare takes config or its deprecated spelling fp8_config, not both; pass "
+            "config only",
+            "fp8_config",
+            fp8_config,
+        )
+    return fp8_config
 
 
 def _prepare_plan(
@@ -119,7 +144,7 @@ def _prepare_plan(
     if any(value is not None for value in fp8_only):
         raise value_error(
             "A plan carries its own base and per-layer formats; pass base, module_filter "
-            "and fp8_config only with an FP8 or block recipe name",
+            "and config only with an FP8 or block recipe name",
             "plan",
             plan,
         )

@@ -34,7 +34,7 @@ from amped._internal.torch_compat import (
     fsdp_reset_sharded_params,
     set_dtensor_local,
 )
-from amped.lowp.convert import Fp8Layers
+from amped.lowp.convert import LowPrecisionLayers
 from amped.lowp.float8.fsdp_wire import WireShard, wire_refusal
 from amped.lowp.float8.linear import Float8Linear
 from amped.lowp.mx.block_linear import BlockLinear
@@ -77,7 +77,7 @@ def wire_layers(model: torch.nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def install_fp8_wire(model: torch.nn.Module, layers: Fp8Layers) -> dict[str, str]:
+def install_fp8_wire(model: torch.nn.Module, layers: LowPrecisionLayers) -> dict[str, str]:
     """Have FSDP2 all-gather the sharded weights of ``layers`` in FP8 where that is exact
     (see the module). Returns, by layer name, why each other sharded layer keeps its
     dtype on the wire (and warns with it); empty when nothing is sharded."""

@@ -51,8 +51,8 @@ class Recipe:
             adds it back next step; ``"stochastic"`` rounds up or down at random, with
             the probabilities that make the rounding unbiased.
         fp8: for the FP8 and block recipes, the name of the config in
-            :data:`amped.lowp.FP8_CONFIGS` (``"tensorwise"``, ``"rowwise"``,
-            ``"rowwise-gw-hp"``, ``"delayed"``) or :data:`amped.lowp.BLOCK_CONFIGS`
+            :data:`amped.lowp.CONFIGS` (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise-gw-hp"``, ``"delayed"``) or :data:`amped.lowp.CONFIGS`
             (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``); their GEMMs run in that format,
             the rest under bfloat16 autocast, the weights as their base recipe keeps them.
         quantized_state: for ``weights="low"``, keep Adam's moments blockwise quantized

@@ -31,7 +31,7 @@ for every e4m3 and e5m2 value), rounding to the FP8 grid with float32 arithmetic
 (:func:`fp8_grid`) rather than converting to FP8 and back: Inductor's CPU code converts
 float32 to and from FP8 with long integer sequences (e5m2 one element at a time), which
 made a cast several times a copy's cost. The bytes of such a cast are computed from
-its values when first read (:attr:`Fp8Tensor.data`; exact), which an emulated training
+its values when first read (:attr:`Float8Tensor.data`; exact), which an emulated training
 step never does.
 """
 
@@ -46,7 +46,7 @@ from amped.lowp.float8.fp8_kernel import EPS, Granularity, fp8_grid
 __all__ = [
     "EPS",
     "FP8_DTYPES",
-    "Fp8Tensor",
+    "Float8Tensor",
     "Granularity",
     "amax_of",
     "amax_to_scale",
@@ -63,7 +63,7 @@ __all__ = [
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-class Fp8Tensor:
+class Float8Tensor:
     """FP8 ``data`` with the ``scale`` it was multiplied by (``x ~= data / scale``).
 
     ``scale`` is a float32 scalar (tensorwise) or has ``data``'s shape with the reduced
@@ -90,7 +90,7 @@ class Fp8Tensor:
     ) -> None:
         if data is None and (values is None or dtype is None):
             raise value_error(
-                "an Fp8Tensor holds its FP8 data, or its values and FP8 dtype to compute "
+                "an Float8Tensor holds its FP8 data, or its values and FP8 dtype to compute "
                 "the data from",
                 "data",
                 data,
@@ -116,12 +116,12 @@ class Fp8Tensor:
         """The shape of ``data`` (read without computing it)."""
         return self._data.shape if self._data is not None else self.values.shape  # type: ignore[union-attr]
 
-    def t(self) -> Fp8Tensor:
+    def t(self) -> Float8Tensor:
         """The transpose of a 2-D quantized tensor (data, scale and values together)."""
         scale = self.scale.t() if self.scale.dim() == 2 else self.scale
         values = None if self.values is None else self.values.t()
         data = None if self._data is None else self._data.t()
-        return Fp8Tensor(data, scale, values, self.dequantized, self.dtype)
+        return Float8Tensor(data, scale, values, self.dequantized, self.dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``data / scale`` in ``dtype`` (computed in float32)."""
@@ -203,7 +203,7 @@ def quantize(
     power_of_2: bool = False,
     scale: torch.Tensor | None = None,
     values_dtype: torch.dtype | None = None,
-) -> Fp8Tensor:
+) -> Float8Tensor:
     """Quantize ``x`` to ``dtype`` with a scale from its own amax, or the ``scale`` given.
 
     For rowwise scaling, ``dim`` is the dim reduced over (``-1``: one scale per row).
@@ -225,10 +225,10 @@ def quantize(
         spec = (dtype, granularity, dim, power_of_2, values_dtype)
         scale, cast = compiled_cast.run(fp8_kernel.cast_kernel, spec, x)
         if values_dtype is None:
-            return Fp8Tensor(cast, scale)
+            return Float8Tensor(cast, scale)
         return _operand(x, dtype, scale, cast, power_of_2)
     if values_dtype is None:
-        return Fp8Tensor(compiled_cast.run(fp8_kernel.bytes_kernel, dtype, x, scale), scale)
+        return Float8Tensor(compiled_cast.run(fp8_kernel.bytes_kernel, dtype, x, scale), scale)
     values = compiled_cast.run(fp8_kernel.values_kernel, (dtype, values_dtype), x, scale)
     return _operand(x, dtype, scale, values, False)
 
@@ -239,20 +239,20 @@ def _operand(
     scale: torch.Tensor,
     values: torch.Tensor,
     dequantized: bool,
-) -> Fp8Tensor:
-    """The :class:`Fp8Tensor` of a cast of ``x`` that wrote ``values``; its bytes too where
+) -> Float8Tensor:
+    """The :class:`Float8Tensor` of a cast of ``x`` that wrote ``values``; its bytes too where
     an inf or NaN made a power-of-two scale 0 or NaN (``values / scale`` is then 0 / 0:
     the values cannot give the bytes back)."""
     data = None
     if dequantized and not bool((scale > 0).all()):
         data = compiled_cast.run(fp8_kernel.bytes_kernel, dtype, x, scale)
-    return Fp8Tensor(data, scale, values, dequantized, dtype)
+    return Float8Tensor(data, scale, values, dequantized, dtype)
 
 
 @torch.no_grad()
 def quantize_rows_and_columns(
     x: torch.Tensor, dtype: torch.dtype, power_of_2: bool, values_dtype: torch.dtype | None
-) -> tuple[Fp8Tensor, Fp8Tensor]:
+) -> tuple[Float8Tensor, Float8Tensor]:
     """``quantize(x, dtype, "rowwise", dim, power_of_2, values_dtype=values_dtype)`` for
     ``dim=-1`` and ``dim=0`` of a 2-D ``x``: the same bits, in two passes over ``x``
     instead of four where the casts write GEMM operands (both amaxes, then both operands,

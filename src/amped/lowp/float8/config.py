@@ -6,7 +6,7 @@ A linear layer runs three GEMMs, and each operand is cast by its own rule::
     grad_input  = grad_output @ weight          (backward)
     grad_weight = grad_output.T @ input         (backward)
 
-The four named configs (:data:`FP8_CONFIGS`) follow torchao's float8 training recipes
+The four named configs (:data:`FLOAT8_CONFIGS`) follow torchao's float8 training recipes
 (tensorwise, rowwise, rowwise with a high-precision grad-weight GEMM) and Transformer
 Engine's delayed scaling.
 """
@@ -21,7 +21,7 @@ import torch
 from amped._internal.errors import value_error
 from amped.lowp.float8.cast import Granularity, check_fp8_dtype, check_granularity
 
-__all__ = ["FP8_CONFIGS", "CastRule", "DelayedScaling", "Fp8Config"]
+__all__ = ["FLOAT8_CONFIGS", "CastRule", "DelayedScaling", "Float8Config"]
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -106,7 +106,7 @@ class DelayedScaling:
 
 
 @dataclass(frozen=True)
-class Fp8Config:
+class Float8Config:
     """The cast rules of a Float8 linear layer's three GEMMs.
 
     Attributes:
@@ -161,10 +161,10 @@ class Fp8Config:
 
 _ROWWISE = CastRule(E4M3, "rowwise")
 
-FP8_CONFIGS: dict[str, Fp8Config] = {
-    "tensorwise": Fp8Config(),
-    "rowwise": Fp8Config(_ROWWISE, _ROWWISE, _ROWWISE, power_of_2=True),
-    "rowwise-gw-hp": Fp8Config(
+FLOAT8_CONFIGS: dict[str, Float8Config] = {
+    "tensorwise": Float8Config(),
+    "rowwise": Float8Config(_ROWWISE, _ROWWISE, _ROWWISE, power_of_2=True),
+    "rowwise-gw-hp": Float8Config(
         _ROWWISE,
         _ROWWISE,
         _ROWWISE,
@@ -172,6 +172,6 @@ FP8_CONFIGS: dict[str, Fp8Config] = {
         grad_weight_hp=True,
         power_of_2=True,
     ),
-    "delayed": Fp8Config(delayed=DelayedScaling()),
+    "delayed": Float8Config(delayed=DelayedScaling()),
 }
 """The scaling recipes by name: torchao's three dynamic ones and delayed scaling."""

@@ -5,7 +5,7 @@ backward. A local shard that defines ``fsdp_pre_all_gather`` and
 ``fsdp_post_all_gather`` chooses what travels: a :class:`WireShard` (the local tensor of
 a :class:`~amped.lowp.Float8Linear`'s sharded weight) sends its rows cast to FP8, one
 byte per element instead of bfloat16's two, and FSDP2 gives the layer a
-:class:`GatheredFp8Weight`, which the layer uses instead of casting the weight again.
+:class:`GatheredFloat8Weight`, which the layer uses instead of casting the weight again.
 
 **Same bits as one process.** A tensorwise cast is elementwise once the scale is known,
 and the scale depends on the whole weight's amax only: before the all-gather the ranks
@@ -37,11 +37,11 @@ import torch.distributed as dist
 
 from amped._internal.torch_compat import DISABLED_TORCH_FUNCTION, make_wrapper_subclass
 from amped._internal.trees import map_tensors
-from amped.lowp.float8.cast import Fp8Tensor, amax_to_scale, cast_saturated
-from amped.lowp.float8.config import Fp8Config
+from amped.lowp.float8.cast import Float8Tensor, amax_to_scale, cast_saturated
+from amped.lowp.float8.config import Float8Config
 
 __all__ = [
-    "GatheredFp8Weight",
+    "GatheredFloat8Weight",
     "WireShard",
     "first_gathered",
     "gathered_fp8",
@@ -53,7 +53,7 @@ __all__ = [
 _WEIGHT = 1  # amped.lowp.float8.delayed.WEIGHT (not imported: delayed imports nothing of ours)
 
 
-def wire_refusal(config: Fp8Config) -> str | None:
+def wire_refusal(config: Float8Config) -> str | None:
     """Why a layer with ``config`` cannot all-gather FP8 weights exactly, or None if it can.
 
     The wire carries one FP8 cast of the weight, which must serve every GEMM the weight
@@ -125,7 +125,7 @@ class WireShard(torch.Tensor):
         shard size and sent as bytes (uint8: every backend all-gathers it, and FSDP2
         packs the group's other parameters beside it as bytes too)."""
         layer: Any = module  # a Float8Linear (not imported: it imports this module)
-        config: Fp8Config = layer.fp8_config
+        config: Float8Config = layer.fp8_config
         dtype = config.weight.dtype
         shard = in_param_dtype(self, mp_policy)
         amax = global_amax(shard, mesh.get_group())
@@ -146,18 +146,18 @@ class WireShard(torch.Tensor):
         *,
         out: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
-        """The gathered bytes as a :class:`GatheredFp8Weight` (FSDP2 cuts the padding
+        """The gathered bytes as a :class:`GatheredFloat8Weight` (FSDP2 cuts the padding
         rows away); at later all-gathers FSDP2 refills the same memory and passes the
         weight made the first time as ``out``, whose scale is renewed here."""
         (wire,) = all_gather_outputs
         scale, dtype = metadata
         if out is not None:
-            first_gathered(out, GatheredFp8Weight).fp8_scale = scale
+            first_gathered(out, GatheredFloat8Weight).fp8_scale = scale
             return None
-        return GatheredFp8Weight(wire.view(dtype), scale, param_dtype), (wire,)
+        return GatheredFloat8Weight(wire.view(dtype), scale, param_dtype), (wire,)
 
 
-class GatheredFp8Weight(torch.Tensor):
+class GatheredFloat8Weight(torch.Tensor):
     """An all-gathered FP8 weight: ``fp8_data / fp8_scale``, a tensor of the parameter's
     dtype to autograd and FSDP2 (see the module).
 
@@ -178,13 +178,13 @@ class GatheredFp8Weight(torch.Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return (
-            f"GatheredFp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"GatheredFloat8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, "
             f"fp8={self.fp8_data.dtype}, scale={self.fp8_scale})"
         )
 
     def dequantized(self) -> torch.Tensor:
         """``fp8_data / fp8_scale`` in the weight's dtype (a new plain tensor)."""
-        return Fp8Tensor(self.fp8_data, self.fp8_scale).dequantize(self.dtype)
+        return Float8Tensor(self.fp8_data, self.fp8_scale).dequantize(self.dtype)
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -217,8 +217,8 @@ _VIEWS = frozenset(
 )
 
 
-def gathered_fp8(weight: torch.Tensor) -> Fp8Tensor | None:
+def gathered_fp8(weight: torch.Tensor) -> Float8Tensor | None:
     """The FP8 cast FSDP2 all-gathered for ``weight``, or None for any other tensor."""
-    if isinstance(weight, GatheredFp8Weight):
-        return Fp8Tensor(weight.fp8_data, weight.fp8_scale)
+    if isinstance(weight, GatheredFloat8Weight):
+        return Float8Tensor(weight.fp8_data, weight.fp8_scale)
     return None

@@ -33,7 +33,7 @@ float32, so every product in the GEMM is exact. The GEMM's dtype follows the out
 
 Where an operand's scale is a power of two that its cast computed (every rowwise rule,
 and tensorwise with ``power_of_2``), the cast writes its values already divided by the
-scale (:attr:`~amped.lowp.float8.cast.Fp8Tensor.dequantized`; exact), so that scale is not
+scale (:attr:`~amped.lowp.float8.cast.Float8Tensor.dequantized`; exact), so that scale is not
 applied after the GEMM. A power-of-two factor commutes with every rounding short of
 float32's subnormal range, so this gives the bits of scaling after; with both scales
 folded the GEMM's one rounding is the only one (the rowwise layers match torchao's
@@ -41,7 +41,7 @@ bitwise).
 
 The values come from the cast (:func:`~amped.lowp.float8.cast.quantize` with
 ``values_dtype``, written by the cast's own pass) or, for an operand cast without them
-(a weight FSDP2 all-gathered as FP8 bytes, a caller's own :class:`Fp8Tensor`), from
+(a weight FSDP2 all-gathered as FP8 bytes, a caller's own :class:`Float8Tensor`), from
 one compiled conversion. tests/test_fp8_torchao.py holds the emulation to 40 dB of SQNR against
 torchao, tests/test_fp8_cast.py to the bound of float32 accumulation plus these
 roundings around the exact float64 product.
@@ -55,7 +55,7 @@ import torch
 
 from amped._internal import torch_compat
 from amped.lowp.float8 import compiled_cast
-from amped.lowp.float8.cast import Fp8Tensor
+from amped.lowp.float8.cast import Float8Tensor
 
 __all__ = ["gemm_dtype", "has_scaled_mm", "operand_values", "pad_inner", "scaled_mm"]
 
@@ -73,7 +73,7 @@ def has_scaled_mm(device: torch.device) -> bool:
     return False
 
 
-def _pair_scales(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _pair_scales(a: Float8Tensor, b: Float8Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse scales in the shapes ``_scaled_mm`` pairs (both scalars, or both vectors)."""
     inv_a, inv_b = a.scale.reciprocal(), b.scale.reciprocal()
     a_rows, b_cols = inv_a.dim() == 2, inv_b.dim() == 2
@@ -84,7 +84,9 @@ def _pair_scales(a: Fp8Tensor, b: Fp8Tensor) -> tuple[torch.Tensor, torch.Tensor
     return inv_a, inv_b
 
 
-def pad_inner(a: Fp8Tensor, b: Fp8Tensor, multiple: int = 16) -> tuple[Fp8Tensor, Fp8Tensor]:
+def pad_inner(
+    a: Float8Tensor, b: Float8Tensor, multiple: int = 16
+) -> tuple[Float8Tensor, Float8Tensor]:
     """``a`` and ``b`` with zeros appended along the inner dim to a multiple of ``multiple``.
 
     CUDA's ``_scaled_mm`` needs both dims of ``b`` divisible by 16; in the grad-weight
@@ -100,12 +102,12 @@ def pad_inner(a: Fp8Tensor, b: Fp8Tensor, multiple: int = 16) -> tuple[Fp8Tensor
     a_data[:, :k] = a.data
     b_data = b.data.new_zeros(k + extra, b.data.shape[1])
     b_data[:k] = b.data
-    return Fp8Tensor(a_data, a.scale), Fp8Tensor(b_data, b.scale)
+    return Float8Tensor(a_data, a.scale), Float8Tensor(b_data, b.scale)
 
 
 def scaled_mm(
-    a: Fp8Tensor,
-    b: Fp8Tensor,
+    a: Float8Tensor,
+    b: Float8Tensor,
     out_dtype: torch.dtype,
     *,
     emulate: bool = False,
@@ -159,7 +161,7 @@ def gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if out_dtype is torch.float32 else torch.bfloat16
 
 
-def operand_values(x: Fp8Tensor, dtype: torch.dtype) -> torch.Tensor:
+def operand_values(x: Float8Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x``'s FP8 values in ``dtype`` (exact): those its cast wrote, or converted now
     (compiled on a CPU: torch's eager FP8 conversion is scalar code, some 15 ns an
     element)."""
@@ -168,7 +170,7 @@ def operand_values(x: Fp8Tensor, dtype: torch.dtype) -> torch.Tensor:
     return compiled_cast.run(_convert, dtype, x.data)
 
 
-def _dequantized(x: Fp8Tensor, dtype: torch.dtype) -> bool:
+def _dequantized(x: Float8Tensor, dtype: torch.dtype) -> bool:
     """Whether :func:`operand_values` gives ``x``'s values divided by its scale already."""
     return x.dequantized and x.values is not None and x.values.dtype is dtype
 

@@ -27,8 +27,8 @@ from amped.lowp.conv1d import (
     linear_forward,
     low_precision_class,
 )
-from amped.lowp.float8.cast import Fp8Tensor, amax_of, quantize, quantize_rows_and_columns
-from amped.lowp.float8.config import CastRule, Fp8Config
+from amped.lowp.float8.cast import Float8Tensor, amax_of, quantize, quantize_rows_and_columns
+from amped.lowp.float8.config import CastRule, Float8Config
 from amped.lowp.float8.delayed import (
     GRAD_OUTPUT,
     INPUT,
@@ -44,7 +44,7 @@ from amped.lowp.health import Operand, record_gemm
 __all__ = ["Float8Linear"]
 
 
-class _Fp8LinearFunction(torch.autograd.Function):
+class _Float8LinearFunction(torch.autograd.Function):
     """``x @ weight.T`` with the output, grad-input and grad-weight GEMMs in FP8."""
 
     @staticmethod
@@ -113,7 +113,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 def _grad_output_casts(
     ctx: Any, layer: Float8Linear, go: torch.Tensor
-) -> tuple[Fp8Tensor | None, Fp8Tensor | None]:
+) -> tuple[Float8Tensor | None, Float8Tensor | None]:
     """grad_output cast for the grad-input GEMM and for the grad-weight GEMM (None where
     that GEMM does not run in FP8). Tensorwise: one cast for both. Rowwise: one scale per
     token for grad-input, one per output feature for grad-weight; both at once when both
@@ -131,37 +131,37 @@ def _grad_output_casts(
     return rows, columns
 
 
-def _parts(q: Fp8Tensor) -> tuple[torch.Tensor, ...]:
+def _parts(q: Float8Tensor) -> tuple[torch.Tensor, ...]:
     """The tensors of ``q`` to save for backward: the bytes and scale, or, where the cast
     wrote the GEMM's operand instead (an emulating layer), the scale and that operand
     (backward converts nothing; the bytes are computed from it if read)."""
     return (q.data, q.scale) if q.values is None else (q.scale, q.values)
 
 
-def _restored(parts: list[torch.Tensor], dequantized: bool, dtype: torch.dtype) -> Fp8Tensor:
-    """The :class:`Fp8Tensor` of FP8 ``dtype`` that :func:`_parts` saved."""
+def _restored(parts: list[torch.Tensor], dequantized: bool, dtype: torch.dtype) -> Float8Tensor:
+    """The :class:`Float8Tensor` of FP8 ``dtype`` that :func:`_parts` saved."""
     if parts[0].dtype is dtype:
-        return Fp8Tensor(parts[0], parts[1])
-    return Fp8Tensor(None, parts[0], parts[1], dequantized, dtype)
+        return Float8Tensor(parts[0], parts[1])
+    return Float8Tensor(None, parts[0], parts[1], dequantized, dtype)
 
 
 class Float8Linear(torch.nn.Linear):
     """An ``nn.Linear`` that computes in FP8 (see :mod:`amped.lowp.float8.linear`).
 
     Made from an existing ``nn.Linear`` in place by :meth:`convert_` (parameters, hooks
-    and the optimizer's references are kept); :func:`amped.lowp.convert_to_fp8` does that
+    and the optimizer's references are kept); :func:`amped.lowp.convert_to_low_precision` does that
     for a whole model. A transformers ``Conv1D`` converts to a ``Float8Conv1D``, a
     subclass of this class and of Conv1D that uses its weight transposed
     (:mod:`amped.lowp.conv1d`).
 
     Attributes:
-        fp8_config: the :class:`~amped.lowp.Fp8Config` of its casts.
+        fp8_config: the :class:`~amped.lowp.Float8Config` of its casts.
         fp8_emulate: whether GEMMs are emulated (no FP8 GEMM on the device).
     """
 
     weight_transposed = False
     """True for a converted Conv1D, whose weight is stored ``[in, out]``."""
-    fp8_config: Fp8Config
+    fp8_config: Float8Config
     fp8_emulate: bool
     fp8_started: bool
     fp8_amax_history: torch.Tensor
@@ -172,7 +172,7 @@ class Float8Linear(torch.nn.Linear):
 
     @classmethod
     def convert_(
-        cls, linear: torch.nn.Linear, config: Fp8Config, emulate: bool | None = None
+        cls, linear: torch.nn.Linear, config: Float8Config, emulate: bool | None = None
     ) -> Float8Linear:
         """Turn ``linear`` into a Float8Linear in place and return it.
 
@@ -223,7 +223,7 @@ class Float8Linear(torch.nn.Linear):
 
     def fp8_cast(
         self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int, out_dtype: torch.dtype
-    ) -> Fp8Tensor:
+    ) -> Float8Tensor:
         """Quantize ``x`` by ``rule`` for a GEMM with an ``out_dtype`` result:
         dynamically, or with the delayed scale of ``role`` (:meth:`fp8_delayed_scale`).
         An emulating layer's cast also writes the GEMM's operand, the FP8 values in
@@ -237,7 +237,7 @@ class Float8Linear(torch.nn.Linear):
 
     def fp8_cast_rows_and_columns(
         self, x: torch.Tensor, rule: CastRule, out_dtype: torch.dtype
-    ) -> tuple[Fp8Tensor, Fp8Tensor]:
+    ) -> tuple[Float8Tensor, Float8Tensor]:
         """:meth:`fp8_cast` of a rowwise ``rule`` along ``dim=-1`` and ``dim=0`` at once
         (:func:`~amped.lowp.float8.cast.quantize_rows_and_columns`; dynamic scaling only)."""
         values_dtype = gemm_dtype(out_dtype) if self.fp8_emulate else None
@@ -268,7 +268,7 @@ class Float8Linear(torch.nn.Linear):
         return propagate_nonfinite(scale, amax)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return linear_forward(self, _Fp8LinearFunction, input)
+        return linear_forward(self, _Float8LinearFunction, input)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)

@@ -147,7 +147,7 @@ class BlockLinear(torch.nn.Linear):
     """An ``nn.Linear`` that computes in MXFP8, MXFP4 or NVFP4 (:mod:`.block_linear`).
 
     Made in place from an ``nn.Linear`` or a transformers ``Conv1D`` by
-    :meth:`convert_`; :func:`amped.lowp.convert_to_fp8` does that for a whole model.
+    :meth:`convert_`; :func:`amped.lowp.convert_to_low_precision` does that for a whole model.
 
     Attributes:
         block_config: the :class:`~amped.lowp.mx.block_config.BlockConfig`.

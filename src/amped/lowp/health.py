@@ -18,7 +18,7 @@ without a sync:
   (one pass, see there);
 - on the steps it samples (``observer.sampling``), the counts in :data:`STATS`.
 
-**What a cast shows** (checked in ``tests/test_monitor_probes.py``):
+**What a cast shows** (checked in ``tests/lowp/test_monitor_probes.py``):
 
 - FP8 (:class:`~amped.lowp.float8.cast.Float8Tensor`): the scale, bad unless ``0 < scale < inf``.
   A dynamic scale is ``fp8_max / amax``: 0 for an inf amax, NaN for a NaN one; a

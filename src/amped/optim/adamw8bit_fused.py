@@ -25,7 +25,7 @@ Covered: bfloat16 parameters whose moments are quantized, under stochastic round
 The rest (small tensors, Kahan, float32 and float16 parameters) steps eagerly.
 
 Numerics: the eager step's float32 ops in its order, with its random bits, and the
-same bits come out (``tests/test_recipes_8bit_fused.py`` checks weights, codes and
+same bits come out (``tests/optim/test_recipes_8bit_fused.py`` checks weights, codes and
 scales): the eager step rounds every operation on its own as Inductor's C++ does
 (``lerp`` written as ``m + w * (g - m)``, no ``add(alpha=)``, whose eager kernels fuse
 a multiply-add) and takes a correctly rounded square root, as the kernel's is.

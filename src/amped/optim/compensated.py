@@ -20,7 +20,7 @@ tensors; torch's ``_foreach`` ops on the CPU loop over the tensors with the same
 dispatch) and the per-tensor float32 temporaries. Every element meets the same
 float32 ops with the same operands as when each tensor is stepped on its own, so the
 results are bitwise those of the per-tensor algorithm
-(``tests/test_recipes_compensated_reference.py`` holds them to it).
+(``tests/optim/test_recipes_compensated_reference.py`` holds them to it).
 
 Stochastic rounding takes its random bits from :mod:`amped.optim.noise`: one
 ``random_`` call a step on the optimizer's seeded generator draws a key per write, and

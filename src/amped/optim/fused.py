@@ -21,7 +21,7 @@ eager ``sqrt`` is SLEEF's, within 0.5001 ulp, where the kernel's is correctly
 rounded (they differ on about 0.6% of elements). Rounded to bfloat16, a one-ulp
 float32 difference rarely changes the stored value (about one element in 2**16 per
 op), and under Kahan compensation weight plus compensation agrees to about 2**-16 of
-the weight: the bounds ``tests/test_recipes_fused.py`` holds the two steps to. The
+the weight: the bounds ``tests/optim/test_recipes_fused.py`` holds the two steps to. The
 random bits are the same, so stochastic rounding draws alike.
 
 What is fused: the bfloat16 parameters of a step in which, per parameter group, they

@@ -20,7 +20,7 @@ rounded (MKL's vector sqrt, off by one float32 ulp on about 0.7% of elements), t
 kernel's is. One ulp of the denominator moves the update by 2**-24 of itself, so a
 master differs by at most one float32 ulp of its update per step, and its
 low-precision weight only where the master lies that close to a rounding boundary
-(``tests/test_recipes_master_fused.py`` holds the two steps to those bounds). SGD has
+(``tests/optim/test_recipes_master_fused.py`` holds the two steps to those bounds). SGD has
 no such op: it is bitwise.
 """
 

@@ -19,11 +19,11 @@ as bitsandbytes and torchao's ``AdamW8bit`` implement it, with their constants:
   model's elements, and their state stays float32.
 
 The codes and the map are those of torchao 0.18's ``AdamW8bit`` bit for bit
-(``tests/test_recipes_8bit.py`` checks). torchao finds the entry by a binary search in
+(``tests/optim/test_recipes_8bit.py`` checks). torchao finds the entry by a binary search in
 the map (eight table lookups an element); here the code is computed from the value
 (:func:`encode`): an estimate from its decade and its fraction, then one comparison
 with a precomputed threshold, which gives the search's code on every float32
-(``tests/test_recipes_8bit_encode.py`` checks every class of them). The eager and the
+(``tests/optim/test_recipes_8bit_encode.py`` checks every class of them). The eager and the
 fused step (:mod:`amped.optim.adamw8bit_fused`) run the same :func:`encode`. To read a
 code back, the eager step indexes the map; the fused step computes the entry
 (:func:`decode`: a compiled kernel turns each table lookup into a scalar loop), which
@@ -127,7 +127,7 @@ def _bin_edge(fraction: torch.Tensor) -> torch.Tensor:
 def decode(codes: torch.Tensor, signed: bool) -> torch.Tensor:
     """The float32 map entry (:func:`dynamic_map`) of each code (integers 0..255, of any
     dtype), computed, not looked up: equal to the table on all 256 codes of both maps
-    (``tests/test_recipes_8bit_encode.py`` checks).
+    (``tests/optim/test_recipes_8bit_encode.py`` checks).
 
     Counted from the map's zero, the ``r``-th entry (``r`` = 1, 2, ...) lies in the
     decade of ``m`` entries (a power of two: 1..64 signed, 2..128 unsigned) with ``m <=

@@ -21,7 +21,7 @@ kernel on a CPU (:mod:`amped.lowp.float8.fp8_kernel` run by
 :func:`amped.lowp.float8.compiled_cast.run`; eager for tensors under its
 ``MIN_ELEMENTS``): the amax pass, the scales (one number
 per tensor or row) and the cast pass, one hand-off to the cast worker. The same
-function gives the same bits eagerly (tests/test_fp8_cast_compiled.py): a maximum is
+function gives the same bits eagerly (tests/lowp/float8/test_fp8_cast_compiled.py): a maximum is
 exact in any order, the scale is the eager one (:func:`amped.lowp.float8.fp8_kernel.scale_of`
 says why), and the cast is one float32 product, a clamp and one rounding.
 

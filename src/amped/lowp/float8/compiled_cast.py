@@ -5,7 +5,7 @@ the block scale) is some ten elementwise torch ops; run eagerly on a CPU each is
 separate memory-bound loop. :func:`run` calls the same Python function compiled by
 ``torch.compile`` (Inductor's C++), which fuses them into one or two loops. The
 function is the cast's only definition: run compiled or eagerly it computes the same
-values, bit for bit (tests/test_fp8_compiled_cast.py), because it is written so that a
+values, bit for bit (tests/lowp/mx/test_fp8_compiled_cast.py), because it is written so that a
 compiler has nothing to reassociate or contract, and compiled with reassociation and
 FMA contraction off (:data:`EXACT_FLOATING_POINT`): float32 arithmetic throughout, each
 step one rounding of exact operands, random draws an integer hash of a key passed in
@@ -63,7 +63,8 @@ EXACT_FLOATING_POINT: dict[str, str | int | bool | Callable[..., Any]] = {
 says (``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG`` and
 ``..._FLOATING_POINT_CONTRACT_FLAG``): the casts' rounding arithmetic (e.g.
 :func:`amped.lowp.float8.cast.fp8_grid`) is exact only if no operation is reassociated or
-fused into an FMA, and either flag gives other bits (tests/test_fp8_cast_compiled.py)."""
+fused into an FMA, and either flag gives other bits
+(tests/lowp/float8/test_fp8_cast_compiled.py)."""
 
 MIN_ELEMENTS = 1 << 18
 """Tensors with fewer elements (a 512 x 512 operand) cast eagerly: a kernel takes

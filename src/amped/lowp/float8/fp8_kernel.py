@@ -183,7 +183,7 @@ def _own_amax_values(
 def fp8_grid(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``v.to(dtype).to(torch.float32)`` for float32 ``v`` within ``dtype``'s finite
     range, computed with float32 arithmetic only (bit for bit the same, NaN, signed
-    zeros and subnormals included; tests/test_fp8_cast.py checks every rounding case).
+    zeros and subnormals included; tests/lowp/float8/test_fp8_cast.py checks every rounding case).
 
     Normal range: Veltkamp's splitting, ``g = v * (2**s + 1); v_hi = g - (g - v)``, is
     ``v`` rounded to nearest, ties to even, on ``24 - s`` significant bits, either sign
@@ -196,7 +196,7 @@ def fp8_grid(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     compiler to keep each operation as written: the cast kernels are compiled with
     reassociation and FMA contraction off whatever the environment says
     (:data:`amped.lowp.float8.compiled_cast.EXACT_FLOATING_POINT`), and
-    tests/test_fp8_cast_compiled.py holds compiled to eager. (Signed, the rounding is
+    tests/lowp/float8/test_fp8_cast_compiled.py holds compiled to eager. (Signed, the rounding is
     some 11 vector operations per element against 13 on magnitudes with the sign
     restored.)
     """

@@ -42,9 +42,9 @@ bitwise).
 The values come from the cast (:func:`~amped.lowp.float8.cast.quantize` with
 ``values_dtype``, written by the cast's own pass) or, for an operand cast without them
 (a weight FSDP2 all-gathered as FP8 bytes, a caller's own :class:`Float8Tensor`), from
-one compiled conversion. tests/test_fp8_torchao.py holds the emulation to 40 dB of SQNR against
-torchao, tests/test_fp8_cast.py to the bound of float32 accumulation plus these
-roundings around the exact float64 product.
+one compiled conversion. tests/lowp/float8/test_fp8_torchao.py holds the emulation to
+40 dB of SQNR against torchao, tests/lowp/float8/test_fp8_cast.py to the bound of
+float32 accumulation plus these roundings around the exact float64 product.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ elements (saturated and rounded), and optionally the *block values*
 ``elements * block scale`` in bfloat16 or float32, the exact operand of the emulated
 GEMM (:mod:`.block_operand`). :func:`amped.lowp.mx.block_cast.quantize_block` calls it
 eagerly; the layers call it through :func:`amped.lowp.float8.compiled_cast.run`, where it is
-one fused kernel. Both give the same bits (tests/test_fp8_compiled_cast.py): all
+one fused kernel. Both give the same bits (tests/lowp/mx/test_fp8_compiled_cast.py): all
 arithmetic is float32 (scaling by a power of two is exact there, as in bfloat16, and
 the elements, exact in bfloat16, are converted last), each step rounds once, and
 random draws are an integer hash of a key that comes in as an argument.

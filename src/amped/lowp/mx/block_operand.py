@@ -7,7 +7,7 @@ them straight from the high-precision tensor in one pass (amax, scale, saturatio
 rounding and the product with the block scale fused by
 :func:`amped.lowp.float8.compiled_cast.run`), instead of a cast that stores the elements and a
 second pass that multiplies them back. The values are the same bits as
-``quantize_block(x).block_values(dtype)`` (tests/test_fp8_compiled_cast.py).
+``quantize_block(x).block_values(dtype)`` (tests/lowp/mx/test_fp8_compiled_cast.py).
 
 Blocks run along the last dim (``dim=-1``) or the first dim of a 2-D tensor
 (``dim=0``): the operand of ``x.t()``, laid out as ``x``, so the transposed operands of

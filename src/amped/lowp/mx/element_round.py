@@ -24,7 +24,7 @@ several bfloat16 multiplies). So values are rounded in the compute dtype itself
 ``2 ** floor(log2 |v|)`` comes from three multiplies and a subtraction (:func:`_binade`)
 and the sign is put back by comparisons, so the rounding compiles to straight vector
 code with no out-of-line calls. Both are checked against torch's
-casts and torchao's E2M1 rounding in tests/test_block_cast.py.
+casts and torchao's E2M1 rounding in tests/lowp/mx/test_block_cast.py.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def _binade(magnitude: torch.Tensor) -> torch.Tensor:
     ``|(1 - 2 ** -p) * q - q|``: the same number for ``m >= 0``, as a rounded
     subtraction is antisymmetric, without the ``abs``), ``p`` the dtype's significant
     bits; exact for normal ``m`` below about ``2 ** (127 - p)`` (through the rounding,
-    tests/test_block_cast.py checks every bfloat16 and float32 binades -30..16). Not the
+    tests/lowp/mx/test_block_cast.py checks every bfloat16 and float32 binades -30..16). Not the
     exponent bits of an integer view: Inductor's CPU code moves each element through
     memory for such a bit cast, which made the compiled cast three times slower. Zero
     gives zero, NaN NaN; values below the element's normal range may come out off by a
@@ -152,7 +152,7 @@ def hashed_uniform(key: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
     The hash runs on 32-bit integers (int32, wrapping), which a CPU's vector units
     multiply two to four times faster than int64, and gives the bits of the same hash
-    in int64 arithmetic masked to 32 bits (tests/test_block_properties.py)."""
+    in int64 arithmetic masked to 32 bits (tests/lowp/mx/test_block_properties.py)."""
     index = torch.arange(shape.numel(), dtype=torch.int64, device=key.device).view(shape)
     words = key.to(torch.int32)  # wraps: the same 32 bits
     h = _mix32(index.to(torch.int32) ^ words[0])  # i mod 2**32

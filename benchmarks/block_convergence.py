@@ -30,7 +30,7 @@ import torch
 
 import amped
 from amped.cli import default_task
-from amped.fp8 import BLOCK_CONFIGS
+from amped.lowp.mx.block_config import BLOCK_CONFIGS
 
 NVFP4 = BLOCK_CONFIGS["nvfp4"]
 PARTS = ("weight_2d", "stochastic_rounding", "hadamard", "bf16_last")
@@ -69,7 +69,7 @@ def run(task_name: str, variant: str, seed: int, args: argparse.Namespace) -> fl
     recipe, config = VARIANTS[variant]
     model = task.model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.99))
-    setup = amped.prepare(model, optimizer, recipe, fp8_config=config)
+    setup = amped.prepare(model, optimizer, recipe, config=config)
     for x, y in itertools.islice(task.batches, args.steps):
         with setup.autocast():
             loss = task.loss_fn(setup.model(x), y)

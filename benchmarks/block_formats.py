@@ -9,7 +9,7 @@ every repeat; the printed figure is the median over repeats of
 ``time(recipe) / time(bf16-mixed)`` (target <= 1.5 on an AVX512-BF16/AMX CPU), once
 with one thread and once with all of them (``--threads``). Every recipe except
 bf16-mixed runs its GEMMs emulated (no FP8 or block GEMM on a CPU); the block recipes'
-casts run compiled (amped.fp8.compiled_cast: compiled in the warm-up step, not timed),
+casts run compiled (amped.lowp.float8.compiled_cast: compiled in the warm-up step, not timed),
 and ``--eager-casts`` adds each block recipe with its casts run eagerly (the same bits).
 
 **GPU** (sm100-class, compute capability 10.x, only; skipped with a line elsewhere):
@@ -37,7 +37,7 @@ import torch.nn as nn
 
 import amped
 from amped.cli.environment import cpu_name
-from amped.fp8 import compiled_cast
+from amped.lowp.float8 import compiled_cast
 
 RECIPES = ("fp8-tensorwise", "fp8-rowwise", "mxfp8", "mxfp4", "nvfp4")
 
@@ -54,7 +54,7 @@ def stepper(
     model: nn.Module, recipe: str, x: torch.Tensor, compile: bool = False, eager_casts: bool = False
 ) -> Callable[[], None]:
     """One train step of ``recipe``; ``eager_casts``: its block casts run eagerly (the
-    same bits, uncompiled: what the step cost before amped.fp8.compiled_cast)."""
+    same bits, uncompiled: what the step cost before amped.lowp.float8.compiled_cast)."""
     model = copy.deepcopy(model).to(x.device)
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-4), recipe)
     forward = torch.compile(setup.model) if compile else setup.model

@@ -48,8 +48,9 @@ import torch.nn as nn
 from block_formats import interleaved, ratio  # one timing loop for both benchmarks
 
 from amped._internal.jsonio import to_json
-from amped.fp8 import FP8_CONFIGS, convert_to_fp8
-from amped.fp8.delayed import update_delayed_scaling
+from amped.lowp.convert import convert_layers
+from amped.lowp.float8.config import FLOAT8_CONFIGS
+from amped.lowp.float8.delayed import update_delayed_scaling
 
 TORCHAO_NAME = {
     "tensorwise": "tensorwise",
@@ -77,7 +78,7 @@ def torchao_model(model: nn.Module, scaling: str) -> nn.Module:
 def amped_model(model: nn.Module, scaling: str, emulate: bool | None) -> nn.Module:
     ours = copy.deepcopy(model)
     names = [n for n, m in ours.named_modules() if isinstance(m, nn.Linear)]
-    convert_to_fp8(ours, FP8_CONFIGS[scaling], names, emulate=emulate)
+    convert_layers(ours, FLOAT8_CONFIGS[scaling], names, emulate=emulate)
     return ours
 
 

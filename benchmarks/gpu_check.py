@@ -7,7 +7,7 @@ writes one JSON file (rewritten after every part, so a killed run leaves what it
   them into ``<work>/site`` from ``.whl/`` (wheels carried to an offline machine) or PyPI,
   pinned by ``constraints.txt`` (torch left as installed). amped itself runs from
   ``src/`` (pure Python, no install).
-- ``op_lists``: ``tests/test_autocast_op_lists.py::test_cuda_lists_match_torch``.
+- ``op_lists``: ``tests/autocast_mode/test_autocast_op_lists.py::test_cuda_lists_match_torch``.
 - ``gpu_tests``: every other ``-m gpu`` test, in the test files that mark any.
 - ``recipes``, ``fp8``, ``autocast_overhead``, ``scaler_overhead``: ``benchmarks/*.py``
   with ``--device cuda`` (fp8: its GPU part) and ``--json``.

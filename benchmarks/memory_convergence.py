@@ -25,7 +25,7 @@ from torch import nn
 
 import amped
 from amped.cli import default_task
-from amped.recipes import step_in_backward
+from amped.optim import step_in_backward
 
 RECIPES = ("fp32", "bf16-master", "bf16-pure-8bit", "bf16-pure-8bit+in-backward", "naive-bf16")
 

@@ -56,8 +56,8 @@ from collections.abc import Callable
 import torch
 
 from amped.cli.environment import cpu_name
-from amped.recipes import CompensatedAdamW, CompensatedSGD, MasterWeightOptimizer
-from amped.recipes.adamw8bit import CompensatedAdamW8bit
+from amped.optim import CompensatedAdamW, CompensatedSGD, MasterWeightOptimizer
+from amped.optim.adamw8bit import CompensatedAdamW8bit
 
 Shapes = list[tuple[int, ...]]
 

@@ -57,7 +57,7 @@ from torch import nn
 
 import amped
 from amped.cli import default_task
-from amped.fp8.conv1d import linear_dims
+from amped.lowp.conv1d import linear_dims
 from amped.recipes import PrecisionPlan
 from amped.tuning.verify import Arm, verify_arm
 

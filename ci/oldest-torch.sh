@@ -22,9 +22,9 @@ pins=$(grep -E '^(numpy|pytest|pytest-timeout|hypothesis|expecttest)==' constrai
 if [ "${1:-}" = install ]; then exit 0; fi
 "$venv/bin/pip" install -q -c <(echo "$pins") --no-deps -e .
 "$venv/bin/python" -c 'import torch; print("ci: oldest supported torch", torch.__version__)'
-# Files in the suite's own (alphabetical) order. PyPI's build is the CUDA one, so the
+# Files by package, as the suite lays them out. PyPI's build is the CUDA one, so the
 # CUDA op table is also checked against a build with cuDNN (its _cudnn_rnn kernel).
 "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" \
-    tests/test_autocast_*.py tests/test_fp8_cast.py tests/test_fp8_numerics.py \
-    tests/test_grad_scaler_*.py tests/test_policy.py \
-    tests/test_public_api.py tests/test_recipes_*.py
+    tests/autocast_mode/test_autocast_*.py tests/lowp/float8/test_fp8_cast.py \
+    tests/lowp/float8/test_fp8_numerics.py tests/optim/test_recipes_*.py tests/policy/test_policy.py \
+    tests/recipes/test_recipes_*.py tests/scaling/test_grad_scaler_*.py tests/test_public_api.py

@@ -33,7 +33,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import amped
-from amped.scaling import load_checkpoint, save_checkpoint
+from amped.checkpoint import load_checkpoint, save_checkpoint
 from amped.scaling.distributed import check_scaler_agreement
 
 GLOBAL_BATCH = 64

@@ -3,11 +3,18 @@ block casts run eagerly unless a test is marked ``compiled_casts``."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+# The tests live in tests/<package>/, their shared helpers and subprocess workers in
+# tests/helpers/, imported by module name (``from fp8_helpers import ...``).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
+
 from amped.autocast_mode import current_path
-from amped.fp8 import compiled_cast
+from amped.lowp.float8 import compiled_cast
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -35,7 +42,7 @@ def _no_leaked_autocast_state():
 
 @pytest.fixture(autouse=True)
 def _eager_casts(request, monkeypatch):
-    """The casts' compiled kernels give the eager bits (tests/test_fp8_compiled_cast.py)
+    """The casts' compiled kernels give the eager bits (tests/lowp/mx/test_fp8_compiled_cast.py)
     but take seconds to compile per shape: other tests run them eagerly; the tests
     marked ``compiled_casts`` compile whatever their tensors' size."""
     if request.node.get_closest_marker("compiled_casts") is None:

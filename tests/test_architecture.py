@@ -1,14 +1,16 @@
-"""The layering in docs/architecture.md, checked on the source: no module imports a layer
-above its own, no modules import each other in a cycle, and every use of a private torch
-API is in ``amped/_internal/torch_compat.py``.
+"""The package graph in docs/architecture.md, checked on the source: each package imports
+only the packages it declares (``ALLOWED``), no modules import each other in a cycle,
+and every use of a private torch API is in ``amped/_internal/torch_compat.py``.
 
 Imports are read with ``ast``, so lazy imports inside functions and imports under
-``TYPE_CHECKING`` count too: each is a dependency on that layer all the same.
+``TYPE_CHECKING`` count too: each is a dependency on that package all the same.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,59 +18,72 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "amped"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "architecture.md"
 
-LAYERS = (
-    "_internal",
-    "policy",
-    "autocast_mode",
-    "scaling",
-    "fp8",
-    "recipes",
-    "doctor",
-    "tuning",
-    "integrations",
-    "cli",
-)
-"""Lowest first; a module may import its own layer and the ones before it."""
+_LIBRARY_BASE = {"_internal", "policy", "autocast_mode", "checkpoint", "scaling", "optim", "lowp"}
 
-FACE = {"__init__": len(LAYERS) - 2, "__main__": len(LAYERS) - 1}
-"""Top-level modules, as the layer whose imports they may make: ``amped/__init__.py``
-re-exports the library (everything below the CLI), ``amped/__main__.py`` starts the CLI."""
+ALLOWED: dict[str, set[str]] = {
+    "_internal": set(),
+    "policy": {"_internal"},
+    "autocast_mode": {"_internal", "policy"},
+    "checkpoint": {"_internal"},
+    "scaling": {"_internal", "checkpoint"},
+    "optim": {"_internal"},
+    "lowp": {"_internal", "autocast_mode"},
+    "fp8": {"lowp"},
+    "recipes": _LIBRARY_BASE,
+    "tasks": _LIBRARY_BASE | {"recipes"},
+    "doctor": _LIBRARY_BASE | {"recipes", "tasks"},
+    "tuning": _LIBRARY_BASE | {"recipes", "tasks", "doctor"},
+    "comparison": _LIBRARY_BASE | {"recipes", "tasks", "doctor", "tuning"},
+    "integrations": _LIBRARY_BASE | {"recipes", "amped"},
+    "cli": _LIBRARY_BASE
+    | {"fp8", "recipes", "tasks", "doctor", "tuning", "comparison", "integrations", "amped"},
+    "amped": _LIBRARY_BASE | {"recipes", "tasks", "doctor", "tuning", "comparison"},
+    "__main__": {"cli"},
+}
+"""Package -> the amped packages its modules may import (its own always). ``amped`` is
+the root package (``amped/__init__.py``, the public face: ``import amped`` or
+``from amped import <re-exported name>`` reaches it); ``__main__`` starts the CLI.
+``fp8`` is the deprecated alias of ``lowp``; ``scaling`` imports ``checkpoint`` only for
+the checkpoint names it still re-exports, deprecated."""
 
-TORCH_COMPAT = "amped._internal.torch_compat"
-
-# Third-party packages each layer may import: the core depends on torch alone.
-THIRD_PARTY = {
+THIRD_PARTY: dict[str, set[str]] = {
     "integrations": {"torch", "lightning", "pytorch_lightning", "accelerate", "transformers"},
     "cli": {"torch", "rich", "matplotlib"},
 }
+"""Third-party packages each package may import; every other package: torch alone."""
+
+TORCH_COMPAT = "amped._internal.torch_compat"
 
 
 @dataclass(frozen=True)
 class Module:
-    name: str  # dotted, e.g. "amped.scaling.grad_scaler"
+    name: str  # dotted, e.g. "amped.scaling.grad_scaler"; "amped.__init__" for the root
     path: Path
     tree: ast.Module
 
     @property
-    def layer(self) -> int:
+    def top(self) -> str:
+        """The package whose rules apply: ``amped.lowp.mx.block_cast`` -> ``lowp``."""
         part = self.name.split(".")[1]
-        return LAYERS.index(part) if part in LAYERS else FACE[part]
+        return "amped" if part == "__init__" else part
 
     @property
     def package(self) -> str:
         return self.name if self.path.name == "__init__.py" else self.name.rpartition(".")[0]
 
 
-def _modules() -> list[Module]:
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        if name == "amped":
-            name = "amped.__init__"
-        found.append(Module(name, path, ast.parse(path.read_text(), filename=str(path))))
-    return found
+def _module(path: Path, root: Path) -> Module:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+    if name == "amped":
+        name = "amped.__init__"
+    return Module(name, path, ast.parse(path.read_text(), filename=str(path)))
+
+
+def _modules(root: Path = PACKAGE) -> list[Module]:
+    return [_module(path, root) for path in sorted(root.rglob("*.py"))]
 
 
 MODULES = _modules()
@@ -91,42 +106,123 @@ def _imported(module: Module) -> list[tuple[int, str]]:
     return names
 
 
-def _layer_of(dotted: str) -> int | None:
-    """The layer an ``amped...`` import reaches; ``import amped`` alone is the whole face."""
+def _where(module: Module) -> str:
+    """The module's path inside the ``amped`` folder: ``optim/fused.py``."""
+    parts = module.path.parts
+    return "/".join(parts[len(parts) - parts[::-1].index("amped") :])
+
+
+def _package_of(dotted: str, packages: set[str]) -> str | None:
+    """The package an ``amped...`` import reaches: ``amped.lowp.cast`` -> ``lowp``;
+    ``import amped`` or a name the root re-exports (``from amped import autocast``) ->
+    ``amped``; None for anything outside amped."""
     parts = dotted.split(".")
     if parts[0] != "amped":
         return None
-    if len(parts) == 1 or parts[1] not in LAYERS:
-        return FACE["__init__"]  # the root package, or a name it re-exports
-    return LAYERS.index(parts[1])
+    if len(parts) == 1 or parts[1] not in packages:
+        return "amped"
+    return parts[1]
 
 
-def test_every_module_is_in_a_layer():
-    unknown = [m.name for m in MODULES if m.name.split(".")[1] not in (*LAYERS, *FACE)]
-    assert not unknown, f"modules outside every layer (add them to docs/architecture.md): {unknown}"
-
-
-def test_no_layer_imports_one_above_it():
-    upward = []
-    for module in MODULES:
+def forbidden_edges(modules: list[Module]) -> list[str]:
+    """Every import of an amped package its importer does not declare in ``ALLOWED``, and
+    every module in a package ``ALLOWED`` does not know."""
+    packages = {m.top for m in modules} - {"amped"}
+    found = []
+    for module in modules:
+        if module.top not in ALLOWED:
+            found.append(f"{module.path.name}: package {module.top!r} is not in ALLOWED")
+            continue
         for line, dotted in _imported(module):
-            reached = _layer_of(dotted)
-            if reached is not None and reached > module.layer:
-                upward.append(f"{module.path.relative_to(PACKAGE)}:{line} imports {dotted}")
-    assert not upward, "lower layers import upper ones:\n" + "\n".join(upward)
+            reached = _package_of(dotted, packages)
+            if reached is None or reached == module.top or reached in ALLOWED[module.top]:
+                continue
+            found.append(f"{_where(module)}:{line} imports {dotted} ({module.top} -> {reached})")
+    return found
 
 
-def test_the_core_depends_on_torch_alone():
+def test_every_package_is_declared():
+    unknown = sorted({m.top for m in MODULES} - set(ALLOWED))
+    assert not unknown, (
+        f"packages not in ALLOWED (add them, and to docs/architecture.md): {unknown}"
+    )
+
+
+def test_every_import_is_a_declared_edge():
+    found = forbidden_edges(MODULES)
+    assert not found, "imports outside the declared package graph:\n" + "\n".join(found)
+
+
+def test_the_declared_graph_has_no_cycle():
+    graph = {package: set(targets) - {package} for package, targets in ALLOWED.items()}
+    assert _cycles(graph) == []
+
+
+@pytest.fixture(scope="module")
+def source_copy(tmp_path_factory) -> tuple[Path, list[Module]]:
+    """A copy of ``src/amped`` and its modules, which pass the check."""
+    copy = tmp_path_factory.mktemp("src") / "amped"
+    shutil.copytree(PACKAGE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    modules = _modules(copy)
+    assert forbidden_edges(modules) == [] and foreign_imports(modules) == []
+    return copy, modules
+
+
+@pytest.mark.parametrize(
+    ("package", "planted"),
+    [
+        ("optim", "from amped.recipes import prepare"),
+        ("lowp", "import amped.scaling.grad_scaler"),
+        ("checkpoint", "from amped import autocast"),
+        ("tuning", "from ..cli import main"),
+        ("doctor", "import rich"),  # a third-party edge, checked below
+    ],
+)
+def test_a_planted_forbidden_import_fails_the_check(source_copy, package, planted):
+    """A copy of the source with one forbidden import added: the check finds exactly it."""
+    copy, modules = source_copy
+    path = copy / package / "planted.py"
+    path.write_text(f"{planted}\n")
+    modules = [*modules, _module(path, copy)]
+    path.unlink()
+    found = forbidden_edges(modules) + foreign_imports(modules)
+    assert len(found) == 1 and found[0].startswith(f"{package}/planted.py:1 imports")
+
+
+def _docs_table() -> dict[str, set[str]]:
+    """The "may import" column of docs/architecture.md's package table."""
+    table = {}
+    for line in DOCS.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and re.fullmatch(r"`[\w.]+`", cells[0]):
+            allowed = set(re.findall(r"`([\w.]+)`", cells[2]))
+            table[cells[0].strip("`")] = allowed
+    return table
+
+
+def test_docs_architecture_shows_the_same_graph():
+    documented = _docs_table()
+    assert set(documented) == set(ALLOWED)
+    for package, targets in ALLOWED.items():
+        assert documented[package] == targets, f"{package}: docs say {documented[package]}"
+
+
+def foreign_imports(modules: list[Module]) -> list[str]:
+    """Imports of a third-party package the importer's package may not use."""
     stdlib = sys.stdlib_module_names
-    foreign = []
-    for module in MODULES:
-        part = module.name.split(".")[1]
-        allowed = THIRD_PARTY.get(part, {"torch"})
+    found = []
+    for module in modules:
+        allowed = THIRD_PARTY.get(module.top, {"torch"})
         for line, dotted in _imported(module):
             top = dotted.split(".")[0]
             if top not in stdlib and top != "amped" and top not in allowed:
-                foreign.append(f"{module.path.relative_to(PACKAGE)}:{line} imports {dotted}")
-    assert not foreign, "imports outside the layer's dependencies:\n" + "\n".join(foreign)
+                found.append(f"{_where(module)}:{line} imports {dotted}")
+    return found
+
+
+def test_the_core_depends_on_torch_alone():
+    found = foreign_imports(MODULES)
+    assert not found, "imports outside the package's dependencies:\n" + "\n".join(found)
 
 
 NAMES = {m.name.removesuffix(".__init__") for m in MODULES} | {"amped"}
@@ -339,12 +435,13 @@ def test_the_private_api_check_sees_every_spelling(source, expected):
     assert found == expected
 
 
-def test_the_layer_check_sees_relative_and_root_imports():
+def test_the_import_reader_sees_relative_and_root_imports():
     source = "from ..cli import main\nfrom amped import autocast\nfrom . import casting\n"
     module = Module("amped.scaling.example", PACKAGE / "scaling" / "example.py", ast.parse(source))
-    reached = [(dotted, _layer_of(dotted)) for _, dotted in _imported(module)]
+    packages = {m.top for m in MODULES} - {"amped"}
+    reached = [(dotted, _package_of(dotted, packages)) for _, dotted in _imported(module)]
     assert reached == [
-        ("amped.cli.main", LAYERS.index("cli")),
-        ("amped.autocast", FACE["__init__"]),
-        ("amped.scaling.casting", LAYERS.index("scaling")),
+        ("amped.cli.main", "cli"),
+        ("amped.autocast", "amped"),
+        ("amped.scaling.casting", "scaling"),
     ]

@@ -49,27 +49,32 @@ SUBPACKAGE_EXPECTED = {
     },
     "scaling": {
         "Bounded",
-        "CheckpointError",
         "DynamicScale",
         "GradScaler",
         "Hysteresis",
         "ScaleStallError",
         "ScaleStrategy",
         "StaticScale",
-        "load_checkpoint",
-        "save_checkpoint",
     },
-    "fp8": {
-        "BLOCK_CONFIGS",
-        "FP8_CONFIGS",
+    "checkpoint": {"CheckpointError", "load_checkpoint", "save_checkpoint"},
+    "lowp": {
+        "CONFIGS",
+        "BlockConfig",
+        "BlockLinear",
+        "Float8Config",
         "Float8Linear",
-        "Fp8Config",
-        "convert_to_fp8",
+        "convert_to_low_precision",
     },
-    "recipes": {
+    # Deprecated for one release: its old names warn and resolve in amped.lowp.
+    "fp8": set(),
+    "optim": {
         "CompensatedAdamW",
+        "CompensatedAdamW8bit",
         "CompensatedSGD",
         "MasterWeightOptimizer",
+        "step_in_backward",
+    },
+    "recipes": {
         "NonFiniteError",
         "PrecisionPlan",
         "Recipe",
@@ -77,7 +82,6 @@ SUBPACKAGE_EXPECTED = {
         "memory_report",
         "monitor",
         "prepare",
-        "step_in_backward",
     },
     "doctor": {"diagnose", "diagnose_fp8"},
     "tuning": {"TuneResult", "tune"},
@@ -87,9 +91,9 @@ SUBPACKAGE_EXPECTED = {
     "cli": {"save_doctor_html"},
 }
 
-PUBLIC_NAMES_AT_MOST = 43
-"""What a user needs, each documented in docs/api.md: a bound, so that every new public
-name is a deliberate choice."""
+PUBLIC_NAMES_AT_MOST = 45
+"""What a user needs, each documented in docs/api.md: the library's entry points, the
+optimizers, the low-precision configs and layers, and their one conversion."""
 
 
 def _public_names() -> set[str]:

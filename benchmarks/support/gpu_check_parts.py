@@ -15,7 +15,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
-OP_LIST_TEST = "tests/test_autocast_op_lists.py::test_cuda_lists_match_torch"
+OP_LIST_TEST = "tests/autocast_mode/test_autocast_op_lists.py::test_cuda_lists_match_torch"
 PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
 PARTS = (
     "setup",
@@ -75,7 +75,7 @@ def gpu_test_files(root: Path) -> list[str]:
     """The test files that mark a test ``gpu`` (collecting only them keeps the part short)."""
     return sorted(
         str(path.relative_to(root))
-        for path in (root / "tests").glob("test_*.py")
+        for path in (root / "tests").rglob("test_*.py")
         if "mark.gpu" in path.read_text()
     )
 

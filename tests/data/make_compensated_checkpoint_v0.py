@@ -1,4 +1,4 @@
-"""Writes compensated_checkpoint_v0.pt, read by tests/test_recipes_compensated.py.
+"""Writes compensated_checkpoint_v0.pt, read by tests/optim/test_recipes_compensated.py.
 
 Run once with amped ddcec43 on the path (before the hashed random bits):
 ``git archive ddcec43 src | tar -x -C /tmp/old && PYTHONPATH=/tmp/old/src python
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from amped.recipes import CompensatedAdamW, CompensatedSGD
+from amped.optim import CompensatedAdamW, CompensatedSGD
 
 CASES = {
     "adamw-kahan": (CompensatedAdamW, dict(lr=1e-2, betas=(0.9, 0.95)), "kahan"),

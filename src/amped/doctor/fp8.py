@@ -17,12 +17,17 @@ from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
 from amped.doctor.fp8_report import CastStat, Fp8LayerStat, Fp8Report, Fp8Suggestion
 from amped.doctor.runs import call_model, model_output
-from amped.fp8 import convert_to_fp8
-from amped.fp8.block_cast import quantize_block
-from amped.fp8.block_config import BlockConfig
-from amped.fp8.cast import quantize, sqnr
-from amped.fp8.conv1d import is_conv1d, is_linear_like, linear_dims
-from amped.fp8.convert import LowPrecisionConfig, ModuleFilter, plan_fp8
+from amped.lowp.conv1d import is_conv1d, is_linear_like, linear_dims
+from amped.lowp.convert import (
+    LowPrecisionConfig,
+    ModuleFilter,
+    convert_layers,
+    no_layer_error,
+    plan_low_precision,
+)
+from amped.lowp.float8.cast import quantize, sqnr
+from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_config import BlockConfig
 from amped.policy import Policy
 from amped.recipes.fp8 import recipe_config, ruled_modules
 from amped.recipes.registry import resolve_recipe
@@ -150,7 +155,7 @@ def _layer_stat(
     exact = _local_run(linear, x, grad, low=False)
     bf16 = _local_run(linear, x, grad, low=True)
     fp8_layer = copy.deepcopy(torch.nn.Sequential(linear))
-    convert_to_fp8(fp8_layer, config, ["0"])
+    convert_layers(fp8_layer, config, ["0"])
     fp8 = _local_run(fp8_layer[0], x, grad, low=True)
     sqnr_fp8 = {k: sqnr(exact[k], fp8[k]) for k in exact}
     in_features, out_features = linear_dims(linear)
@@ -180,7 +185,7 @@ def _model_sqnr(
         return float("nan")
     trial = copy.deepcopy(model)
     if config is not None and names:
-        convert_to_fp8(trial, config, names)
+        convert_layers(trial, config, names)
     device_type = reference.device.type
     with torch.no_grad(), autocast(device_type, dtype=torch.bfloat16, policy=policy):
         out = model_output(call_model(trial, inputs))
@@ -239,9 +244,9 @@ def diagnose_fp8(
         threshold_db = FP4_THRESHOLD_DB if fp4 else DEFAULT_THRESHOLD_DB
     linears = [n for n, m in model.named_modules() if is_linear_like(m)]
     ruled = ruled_modules(model, policy)
-    names = plan_fp8(model, module_filter, ruled, config)
-    if not names:  # raises its "no layer" error, each layer and why
-        convert_to_fp8(copy.deepcopy(model), config, [], module_filter=module_filter, exclude=ruled)
+    names = plan_low_precision(model, module_filter, ruled, config)
+    if not names:  # no layer to convert: each layer and why it stays out
+        raise no_layer_error(model, module_filter, ruled, config)
     captured, reference = _capture(model, names, inputs, loss_fn)
     modules = dict(model.named_modules())
     layers = [_layer_stat(n, modules[n], config, *captured[n], threshold_db) for n in names]
@@ -277,7 +282,7 @@ def _suggest(
     fixed = policy or Policy.preset("torch", device_type)
     for name in keep:
         fixed = fixed.with_module(name, "low")
-    names = plan_fp8(model, module_filter, ruled_modules(model, fixed), config)
+    names = plan_low_precision(model, module_filter, ruled_modules(model, fixed), config)
     after = _model_sqnr(model, inputs, reference, config, names, fixed)
     verified = not set(keep) & set(names) and not after < before
     return Fp8Suggestion(keep=keep, policy=fixed, model_sqnr=after, verified=verified)

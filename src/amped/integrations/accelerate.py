@@ -42,6 +42,7 @@ from accelerate.utils import convert_outputs_to_fp32
 import amped
 from amped._internal.errors import received, type_error, value_error
 from amped.autocast_mode import autocast
+from amped.checkpoint.save_load import refuse_nonfinite
 from amped.integrations.common import default_scaler, rebind_scheduler, resolve_arguments
 from amped.integrations.health import health_metrics
 from amped.policy import Policy
@@ -49,7 +50,6 @@ from amped.recipes import Recipe, TrainSetup, memory_report, monitor
 from amped.recipes.memory import MemoryReport
 from amped.recipes.monitoring import Monitor
 from amped.scaling import GradScaler
-from amped.scaling.checkpoint import refuse_nonfinite
 
 __all__ = ["Accelerator", "RecipeState"]
 
@@ -64,7 +64,7 @@ class Accelerator(accelerate.Accelerator):
             device or a preset name.
         scaler: an :class:`amped.GradScaler` to use instead of the recipe's default.
         allow_nonfinite: ``save_state`` writes model weights or optimizer state holding
-            an inf or NaN; by default it raises :class:`amped.scaling.CheckpointError`
+            an inf or NaN; by default it raises :class:`amped.checkpoint.CheckpointError`
             naming the first such tensor, before anything is written.
         **kwargs: Accelerate's keyword arguments.
 

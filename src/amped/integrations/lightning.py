@@ -39,6 +39,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision as _LightningFSDP
 from lightning.pytorch.plugins.precision import Precision as _LightningBase
 
 from amped._internal.errors import received, value_error
+from amped.checkpoint.save_load import refuse_nonfinite
 from amped.integrations.common import (
     SkipAwareScheduler,
     check_clipping,
@@ -51,7 +52,6 @@ from amped.recipes import Recipe, TrainSetup
 from amped.recipes.memory import MemoryReport
 from amped.recipes.o2 import MasterSetup
 from amped.scaling import GradScaler
-from amped.scaling.checkpoint import refuse_nonfinite
 
 __all__ = ["FSDPPrecision", "FabricFSDPPrecision", "FabricPrecision", "Precision"]
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
 from amped._internal.errors import type_error, value_error
-from amped.fp8.convert import LowPrecisionConfig, ModuleFilter
+from amped.lowp.convert import LowPrecisionConfig, ModuleFilter
+from amped.optim.shards import check_placements, is_sharded, reshard
 from amped.policy import Policy
 from amped.recipes.fp8 import Fp8Plan
 from amped.recipes.o2 import build_master_setup
@@ -15,7 +17,6 @@ from amped.recipes.plan import PrecisionPlan, apply_plan, check_plan
 from amped.recipes.pure import build_pure_setup
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
-from amped.recipes.shards import check_placements, is_sharded, reshard
 from amped.recipes.weights import require_float32, ruled_modules
 from amped.scaling import GradScaler
 
@@ -31,6 +32,7 @@ def prepare(
     scaler: GradScaler | None = None,
     base: str | Recipe | None = None,
     module_filter: ModuleFilter | None = None,
+    config: LowPrecisionConfig | None = None,
     fp8_config: LowPrecisionConfig | None = None,
 ) -> TrainSetup:
     """Turn ``model`` and ``optimizer`` into a :class:`TrainSetup` for ``recipe``.
@@ -39,7 +41,7 @@ def prepare(
     optimizer as they are. The others change them in place: ``*-master`` lowers the
     weights (except modules the policy keeps in float32; norms by default) and puts
     float32 masters under the optimizer (``setup.optimizer`` is a
-    :class:`~amped.recipes.MasterWeightOptimizer`); ``bf16-pure*`` lowers every weight
+    :class:`~amped.optim.MasterWeightOptimizer`); ``bf16-pure*`` lowers every weight
     and replaces SGD/Adam/AdamW by its compensated twin (``setup.optimizer``). Always
     step ``setup.optimizer``, through :meth:`TrainSetup.step`.
 
@@ -56,9 +58,10 @@ def prepare(
             (``bf16-mixed`` by default, ``bf16-master``, ``bf16-pure``, ``bf16-pure-sr``).
         module_filter: FP8 recipes only: ``filter(linear, name) -> bool`` choosing the
             ``nn.Linear`` layers to convert (default:
-            :func:`amped.fp8.convert.default_module_filter`).
-        fp8_config: FP8 and block recipes only: a variant of the recipe's config to use
-            instead, e.g. ``amped.fp8.BLOCK_CONFIGS["nvfp4"].replace(hadamard=False)``.
+            :func:`amped.lowp.convert.default_module_filter`).
+        config: FP8 and block recipes only: a variant of the recipe's config to use
+            instead, e.g. ``amped.lowp.CONFIGS["nvfp4"].replace(hadamard=False)``.
+        fp8_config: deprecated spelling of ``config`` (warns; removed next release).
 
     Raises:
         ValueError: an unknown recipe, a model on several device types, an optimizer
@@ -76,19 +79,18 @@ def prepare(
         >>> setup.step()
         True
     """
+    config = _config_argument(config, fp8_config)
     if isinstance(recipe, os.PathLike) or (isinstance(recipe, str) and recipe.endswith(".json")):
         recipe = PrecisionPlan.load(recipe)
     if isinstance(recipe, PrecisionPlan):
-        return _prepare_plan(
-            model, optimizer, recipe, policy, scaler, base, module_filter, fp8_config
-        )
+        return _prepare_plan(model, optimizer, recipe, policy, scaler, base, module_filter, config)
     chosen = resolve_recipe(recipe)
-    fp8_only = {"base": base, "module_filter": module_filter, "fp8_config": fp8_config}
+    fp8_only = {"base": base, "module_filter": module_filter, "config": config}
     given = {name: value for name, value in fp8_only.items() if value is not None}
     if chosen.fp8 is None and given:
         name, value = next(iter(given.items()))
         raise value_error(
-            f"base, module_filter and fp8_config apply to the FP8 and block recipes only; "
+            f"base, module_filter and config apply to the FP8 and block recipes only; "
             f"{chosen.name!r} is not one",
             name,
             value,
@@ -103,8 +105,31 @@ def prepare(
     plain = TrainSetup(chosen, model, optimizer, scaler, device_type, policy)
     if chosen.fp8 is None:
         return _build(plain)
-    fp8 = Fp8Plan.check(plain, base, module_filter, fp8_config)  # before anything changes
+    fp8 = Fp8Plan.check(plain, base, module_filter, config)  # before anything changes
     return fp8.apply(_build(TrainSetup(fp8.base, model, optimizer, scaler, device_type, policy)))
+
+
+def _config_argument(
+    config: LowPrecisionConfig | None, fp8_config: LowPrecisionConfig | None
+) -> LowPrecisionConfig | None:
+    """``config``, or the deprecated ``fp8_config`` in its place (with a warning)."""
+    if fp8_config is None:
+        return config
+    warnings.warn(
+        "prepare's fp8_config argument is deprecated and will be removed in the next "
+        "release; "
+        "pass config=... (a Float8Config or a BlockConfig)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if config is not None:
+        raise type_error(
+            "prepare takes config or its deprecated spelling fp8_config, not both; pass "
+            "config only",
+            "fp8_config",
+            fp8_config,
+        )
+    return fp8_config
 
 
 def _prepare_plan(
@@ -119,7 +144,7 @@ def _prepare_plan(
     if any(value is not None for value in fp8_only):
         raise value_error(
             "A plan carries its own base and per-layer formats; pass base, module_filter "
-            "and fp8_config only with an FP8 or block recipe name",
+            "and config only with an FP8 or block recipe name",
             "plan",
             plan,
         )

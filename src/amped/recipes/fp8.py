@@ -3,8 +3,8 @@ for everything else.
 
 ``fp8-tensorwise``, ``fp8-rowwise`` and ``fp8-rowwise-gw-hp`` are torchao's float8
 training recipes; ``fp8-delayed`` is Transformer Engine's delayed scaling (see
-:mod:`amped.fp8`). The block recipes ``mxfp8``, ``mxfp4`` and ``nvfp4`` cast with
-per-block scales (:data:`amped.fp8.BLOCK_CONFIGS`); ``prepare(..., fp8_config=...)``
+:mod:`amped.lowp`). The block recipes ``mxfp8``, ``mxfp4`` and ``nvfp4`` cast with
+per-block scales (:data:`amped.lowp.CONFIGS`); ``prepare(..., config=...)``
 takes a variant of the recipe's config, e.g. ``BLOCK_CONFIGS["nvfp4"].replace(
 hadamard=False)``. ``prepare`` builds the base recipe's setup first (``bf16-mixed`` by
 default; ``bf16-master``, ``bf16-pure`` or ``bf16-pure-sr`` by choice: weights and
@@ -15,7 +15,7 @@ module that any of the policy's module rules names stays out of FP8 (with its
 children): ``"fp32"`` and ``"skip"`` run it in float32, ``"low"`` in bfloat16, as
 for every other recipe. Layers the module filter rejects stay out too.
 
-Under FSDP2, convert first (:func:`amped.fp8.convert_to_fp8` with the recipe's config),
+Under FSDP2, convert first (:func:`amped.lowp.convert_to_low_precision` with the recipe's config),
 then ``fully_shard``, build the optimizer and call ``prepare``: it adopts the layers
 already converted (torchao asks for the same order).
 
@@ -29,10 +29,18 @@ import dataclasses
 import torch
 
 from amped._internal.errors import value_error
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, Float8Linear, Fp8Config, convert_to_fp8
-from amped.fp8.block_config import BlockConfig
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.convert import Fp8Layers, LowPrecisionConfig, ModuleFilter, plan_fp8
+from amped.lowp import Float8Config, Float8Linear
+from amped.lowp.convert import (
+    LowPrecisionConfig,
+    LowPrecisionLayers,
+    ModuleFilter,
+    convert_layers,
+    no_layer_error,
+    plan_low_precision,
+)
+from amped.lowp.float8.config import FLOAT8_CONFIGS
+from amped.lowp.mx.block_config import BLOCK_CONFIGS, BlockConfig
+from amped.lowp.mx.block_linear import BlockLinear
 from amped.policy import Policy
 from amped.recipes.fp8_wire import install_fp8_wire
 from amped.recipes.registry import Recipe, register, resolve_recipe
@@ -60,7 +68,7 @@ FP8_RECIPE_NAMES = tuple(
             autocast=True,
             loss_scaling=False,
             aliases=aliases,
-            summary=f"FP8 Linear GEMMs ({FP8_CONFIGS[scaling]}), bfloat16 autocast elsewhere",
+            summary=f"FP8 Linear GEMMs ({FLOAT8_CONFIGS[scaling]}), bfloat16 autocast elsewhere",
             fp8=scaling,
         ),
         opt_in=True,
@@ -97,7 +105,7 @@ BLOCK_RECIPE_NAMES = tuple(
 def recipe_config(recipe: Recipe) -> LowPrecisionConfig:
     """The named config of an FP8 or block recipe."""
     assert recipe.fp8 is not None
-    return BLOCK_CONFIGS[recipe.fp8] if recipe.fp8 in BLOCK_CONFIGS else FP8_CONFIGS[recipe.fp8]
+    return BLOCK_CONFIGS[recipe.fp8] if recipe.fp8 in BLOCK_CONFIGS else FLOAT8_CONFIGS[recipe.fp8]
 
 
 def _chosen_config(recipe: Recipe, override: LowPrecisionConfig | None) -> LowPrecisionConfig:
@@ -107,15 +115,15 @@ def _chosen_config(recipe: Recipe, override: LowPrecisionConfig | None) -> LowPr
         return named
     if isinstance(named, BlockConfig):
         fits = isinstance(override, BlockConfig) and override.format == named.format
-        wanted = f"a BlockConfig in {named.format.name}, e.g. amped.fp8.BLOCK_CONFIGS"
+        wanted = f"a BlockConfig in {named.format.name}, e.g. amped.lowp.CONFIGS"
     else:
-        fits = isinstance(override, Fp8Config)
-        wanted = "an amped.fp8.Fp8Config, e.g. from amped.fp8.FP8_CONFIGS"
+        fits = isinstance(override, Float8Config)
+        wanted = "an amped.lowp.Float8Config, e.g. from amped.lowp.CONFIGS"
     if not fits:
         raise value_error(
-            f"Recipe {recipe.name!r} takes as fp8_config {wanted}[{recipe.fp8!r}]"
+            f"Recipe {recipe.name!r} takes as config {wanted}[{recipe.fp8!r}]"
             ".replace(...) or dataclasses.replace(...)",
-            "fp8_config",
+            "config",
             override,
         )
     return override
@@ -157,7 +165,7 @@ def _same_rules(config: LowPrecisionConfig, layer: Float8Linear | BlockLinear) -
     if isinstance(layer, BlockLinear):
         return layer.block_config == config
     own = layer.fp8_config
-    if not isinstance(config, Fp8Config) or (own.delayed is None) != (config.delayed is None):
+    if not isinstance(config, Float8Config) or (own.delayed is None) != (config.delayed is None):
         return False
     # Delayed scaling's own settings (history length, amax rule, margin) are free.
     return dataclasses.replace(config, delayed=own.delayed) == own
@@ -165,7 +173,7 @@ def _same_rules(config: LowPrecisionConfig, layer: Float8Linear | BlockLinear) -
 
 def _already_converted(
     recipe: Recipe, model: torch.nn.Module, config: LowPrecisionConfig
-) -> Fp8Layers | None:
+) -> LowPrecisionLayers | None:
     """The model's converted layers, when it was converted before (FSDP2: convert,
     then ``fully_shard``, then build the optimizer and call ``prepare``; or to choose
     delayed scaling's history length, amax rule and margin)."""
@@ -179,12 +187,12 @@ def _already_converted(
             own = layer.block_config if isinstance(layer, BlockLinear) else layer.fp8_config
             raise value_error(
                 f"Recipe {recipe.name!r} found layer {name!r} converted to FP8 with other "
-                "rules; convert with the recipe's config (amped.fp8.FP8_CONFIGS or "
-                f"BLOCK_CONFIGS[{recipe.fp8!r}], or the fp8_config passed to prepare)",
+                "rules; convert with the recipe's config "
+                f"(amped.lowp.CONFIGS[{recipe.fp8!r}], or the config passed to prepare)",
                 f"{name} rules",
                 str(own),
             )
-    return Fp8Layers(layers, config)
+    return LowPrecisionLayers(layers, config)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +206,7 @@ class Fp8Plan:
         recipe: the FP8 recipe.
         base: the recipe that keeps the weights and optimizer state.
         policy: the user's policy, whose module rules keep modules out of FP8.
-        module_filter: the user's filter (None: :func:`amped.fp8.convert.default_module_filter`).
+        module_filter: the user's filter (None: :func:`amped.lowp.convert.default_module_filter`).
         converted: layers the model had converted before ``prepare`` (FSDP2), else None.
         config: the cast rules: the recipe's named config or the user's variant.
     """
@@ -207,7 +215,7 @@ class Fp8Plan:
     base: Recipe
     policy: Policy | None
     module_filter: ModuleFilter | None
-    converted: Fp8Layers | None
+    converted: LowPrecisionLayers | None
     config: LowPrecisionConfig
 
     @classmethod
@@ -216,7 +224,7 @@ class Fp8Plan:
         plain: TrainSetup,
         base: str | Recipe | None,
         module_filter: ModuleFilter | None,
-        fp8_config: LowPrecisionConfig | None = None,
+        config: LowPrecisionConfig | None = None,
     ) -> Fp8Plan:
         """Refuse what ``plain.recipe`` cannot run (base, model, scaler, no layer to convert)."""
         recipe, model = plain.recipe, plain.model
@@ -231,12 +239,12 @@ class Fp8Plan:
                 "scaler.is_enabled()",
                 True,
             )
-        config = _chosen_config(recipe, fp8_config)
+        config = _chosen_config(recipe, config)
         converted = _already_converted(recipe, model, config)
         ruled = ruled_modules(model, plain.policy)
-        if converted is None and not plan_fp8(model, module_filter, ruled, config):
-            # raises: no layer to convert, with each layer and why it stays out
-            convert_to_fp8(model, config, [], module_filter=module_filter, exclude=ruled)
+        if converted is None and not plan_low_precision(model, module_filter, ruled, config):
+            # no layer to convert: each layer and why it stays out
+            raise no_layer_error(model, module_filter, ruled, config)
         return cls(recipe, base_recipe, plain.policy, module_filter, converted, config)
 
     def apply(self, setup: TrainSetup) -> TrainSetup:
@@ -249,8 +257,8 @@ class Fp8Plan:
         if converted is None:
             model = setup.model
             keep = ruled_modules(model, self.policy) | ruled_modules(model, setup.policy)
-            names = plan_fp8(model, self.module_filter, keep, self.config)
-            converted = convert_to_fp8(model, self.config, names)
+            names = plan_low_precision(model, self.module_filter, keep, self.config)
+            converted = convert_layers(model, self.config, names)
         setup.fp8_layers = converted
         install_fp8_wire(setup.model, converted)  # FSDP2: FP8 weights on the wire
         setup.fp8_base = self.base.name

@@ -3,7 +3,7 @@
 Installed by ``prepare``.
 
 For each converted layer whose weight ``fully_shard`` sharded, ``prepare`` makes the
-weight's local shard a :class:`~amped.fp8.fsdp_wire.WireShard` where one FP8 cast of
+weight's local shard a :class:`~amped.lowp.float8.fsdp_wire.WireShard` where one FP8 cast of
 the weight serves every GEMM it enters, bit for bit as in one process
 (``fp8-tensorwise``, ``fp8-delayed``): FSDP2 then all-gathers one byte per weight
 element instead of two (bfloat16 shards) or four (float32 shards). The other recipes
@@ -17,7 +17,7 @@ and the reason (docs/distributed.md):
 - ``mxfp8``, ``mxfp4``: the same for blocks of 32 along the input dim (forward) and the
   output dim (grad-input GEMM).
 
-``nvfp4`` layers all-gather FP4 (:class:`~amped.fp8.fsdp_block_wire.BlockWireShard`):
+``nvfp4`` layers all-gather FP4 (:class:`~amped.lowp.mx.fsdp_block_wire.BlockWireShard`):
 its 16x16 weight tiles serve both GEMMs, exactly where the weight's rows split evenly
 into shards of whole tiles; other shapes keep their dtype, with the warning.
 """
@@ -34,12 +34,12 @@ from amped._internal.torch_compat import (
     fsdp_reset_sharded_params,
     set_dtensor_local,
 )
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.convert import Fp8Layers
-from amped.fp8.fsdp_block_wire import BlockWireShard, block_wire_refusal
-from amped.fp8.fsdp_wire import WireShard, wire_refusal
-from amped.fp8.linear import Float8Linear
-from amped.recipes.shards import fsdp_modules, is_sharded, reshard
+from amped.lowp.convert import LowPrecisionLayers
+from amped.lowp.float8.fsdp_wire import WireShard, wire_refusal
+from amped.lowp.float8.linear import Float8Linear
+from amped.lowp.mx.block_linear import BlockLinear
+from amped.lowp.mx.fsdp_block_wire import BlockWireShard, block_wire_refusal
+from amped.optim.shards import fsdp_modules, is_sharded, reshard
 
 __all__ = ["install_fp8_wire", "wire_layers"]
 
@@ -77,7 +77,7 @@ def wire_layers(model: torch.nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def install_fp8_wire(model: torch.nn.Module, layers: Fp8Layers) -> dict[str, str]:
+def install_fp8_wire(model: torch.nn.Module, layers: LowPrecisionLayers) -> dict[str, str]:
     """Have FSDP2 all-gather the sharded weights of ``layers`` in FP8 where that is exact
     (see the module). Returns, by layer name, why each other sharded layer keeps its
     dtype on the wire (and warns with it); empty when nothing is sharded."""

@@ -5,7 +5,7 @@ Counted from the tensors themselves (``numel * element_size``), never estimated:
 - **parameters**: the model's parameters (tied ones once).
 - **gradients**: one gradient per trainable parameter, in its dtype: what backward
   allocates, counted whether or not it is allocated at the moment of the call. An
-  optimizer that steps in backward (:func:`amped.recipes.step_in_backward`) frees each
+  optimizer that steps in backward (:func:`amped.optim.step_in_backward`) frees each
   gradient in its hook, so none is held: its gradients count 0, and the largest one,
   alive during its hook, is reported apart (``transient_grads``, in the peak).
 - **master copies**: tensors the optimizer steps that are not model parameters
@@ -37,8 +37,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from amped.recipes.in_backward import in_backward
-from amped.recipes.shards import local
+from amped.optim.in_backward import in_backward
+from amped.optim.shards import local
 
 __all__ = ["MemoryReport", "memory_report"]
 

@@ -10,8 +10,8 @@ consults it::
     monitor.first_nonfinite   # NonFinite(step=..., module=..., role=..., tensor=...) or None
 
 Every step, each FP8 layer leaves, per GEMM role (forward, grad_input, grad_weight),
-a probe per operand and output (:mod:`amped.fp8.health`: an operand's is data its
-cast computed anyway, an output's is made by :func:`~amped.fp8.health.range_probe`,
+a probe per operand and output (:mod:`amped.lowp.health`: an operand's is data its
+cast computed anyway, an output's is made by :func:`~amped.lowp.health.range_probe`,
 which on the CPU already knows a finite output and leaves none), and the monitor adds
 one per gradient the optimizer would step on that no GEMM probed. Before the
 optimizer steps it tests them all in a few batched ops and brings one flag to the host
@@ -27,7 +27,7 @@ then:
 - ``"raise"``: :class:`NonFiniteError` at that step, before the optimizer steps.
 
 Every ``every`` steps (the first step included) the layers also count, on the device,
-the :data:`~amped.fp8.health.STATS` of each GEMM; :meth:`Monitor.read` fetches them
+the :data:`~amped.lowp.health.STATS` of each GEMM; :meth:`Monitor.read` fetches them
 in one sync. The *audit* runs on those sampled steps: every layer the plan converted
 must still be the model's module of that name and must have run its FP8 forward; a
 layer replaced after ``prepare`` or a compile that dropped the conversion is reported
@@ -45,7 +45,7 @@ import torch
 
 from amped._internal.errors import value_error
 from amped._internal.source import describe, user_frame
-from amped.fp8.health import ROLES, STATS, Probe, any_nonfinite, probe_nonfinite, range_probe
+from amped.lowp.health import ROLES, STATS, Probe, any_nonfinite, probe_nonfinite, range_probe
 from amped.recipes.setup import TrainSetup
 
 __all__ = ["Monitor", "NonFinite", "NonFiniteError", "monitor"]
@@ -127,7 +127,7 @@ class Monitor:
         self._unprobed = self._unprobed_parameters()
         setup.monitor = self
 
-    # --- what the layers report (amped.fp8.health.record_gemm) ---------------------------
+    # --- what the layers report (amped.lowp.health.record_gemm) ---------------------------
 
     def observe(
         self,
@@ -249,7 +249,7 @@ class Monitor:
     def read(self) -> dict[str, dict[str, dict[str, float]]]:
         """The counters summed over the sampled steps so far, per layer and role (one sync).
 
-        Each role's entry has :data:`~amped.fp8.health.STATS` plus ``underflow_fraction``
+        Each role's entry has :data:`~amped.lowp.health.STATS` plus ``underflow_fraction``
         (of non-zero operand elements) and ``saturation_fraction`` (of operand elements).
         """
         keys = list(self._stats)

@@ -2,7 +2,7 @@
 
 The model keeps low-precision weights and gradients, except in the modules the
 policy runs in float32 (norm layers by default); the optimizer steps float32 master
-copies (:class:`~amped.recipes.master.MasterWeightOptimizer`, fused into one kernel a
+copies (:class:`~amped.optim.master.MasterWeightOptimizer`, fused into one kernel a
 chunk for Adam, AdamW and SGD). The forward pass runs under autocast with the user's
 policy, so ops the policy lists in float32 (losses, softmax on CUDA) still run in
 float32, and weights are never re-cast per step: they already have the low dtype. The
@@ -23,9 +23,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from amped._internal.errors import value_error
+from amped.optim.master import MasterWeightOptimizer, check_wrappable
 from amped.policy import Policy
 from amped.recipes.fp32_modules import run_in_float32
-from amped.recipes.master import MasterWeightOptimizer, check_wrappable
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import kept_in_fp32, lower_model_, with_norms_in_fp32
 

@@ -7,7 +7,7 @@ recipe position (the object, or the path of a ``tuned.json``)::
     setup = amped.prepare(model, optimizer, plan)
 
 Every layer the plan names in a low-precision format is converted in place with that
-format's named config (:data:`amped.fp8.FP8_CONFIGS`, :data:`amped.fp8.BLOCK_CONFIGS`),
+format's named config (:data:`amped.lowp.CONFIGS`, :data:`amped.lowp.CONFIGS`),
 layers of one format in model order, as ``prepare(model, optimizer, format,
 module_filter=...)`` converts them, so a single-format plan trains bitwise the same as
 that call. ``"bf16"`` leaves a layer to the base recipe, as every layer the plan does not
@@ -36,16 +36,16 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped._internal.jsonio import from_json, to_json
-from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
-from amped.fp8.block_config import BlockConfig
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.conv1d import is_linear_like, linear_dims
-from amped.fp8.convert import Fp8Layers, LowPrecisionConfig
-from amped.fp8.linear import Float8Linear
+from amped.lowp.conv1d import is_linear_like, linear_dims
+from amped.lowp.convert import LowPrecisionConfig, LowPrecisionLayers, convert_layers
+from amped.lowp.float8.config import FLOAT8_CONFIGS
+from amped.lowp.float8.linear import Float8Linear
+from amped.lowp.mx.block_config import BLOCK_CONFIGS, BlockConfig
+from amped.lowp.mx.block_linear import BlockLinear
+from amped.optim.shards import fsdp_modules
 from amped.recipes.fp8_wire import install_fp8_wire
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
-from amped.recipes.shards import fsdp_modules
 from amped.recipes.weights import require_float32
 from amped.scaling import GradScaler
 
@@ -75,7 +75,7 @@ def format_config(fmt: str) -> LowPrecisionConfig:
     if fmt in BLOCK_CONFIGS:
         return BLOCK_CONFIGS[fmt]
     if fmt.startswith("fp8-") and fmt in PLAN_FORMATS:
-        return FP8_CONFIGS[fmt.removeprefix("fp8-")]
+        return FLOAT8_CONFIGS[fmt.removeprefix("fp8-")]
     raise value_error(
         f"A plan format is one of {', '.join(PLAN_FORMATS)} ('bf16' leaves the layer to "
         "the base recipe)",
@@ -202,7 +202,7 @@ class PrecisionPlan:
             ) from None
         return cls.from_dict(data)
 
-    def convert(self, model: torch.nn.Module) -> Fp8Layers | None:
+    def convert(self, model: torch.nn.Module) -> LowPrecisionLayers | None:
         """Convert ``model``'s layers to the plan's formats in place, as ``prepare``
         does (under FSDP2: before ``fully_shard``; ``prepare`` keeps them). Returns the
         converted layers (None when the plan lowers none); layers converted before with
@@ -278,7 +278,7 @@ def apply_plan(plan: PrecisionPlan, setup: TrainSetup) -> TrainSetup:
     """Convert the plan's lowered layers of the base recipe's ``setup`` in place.
 
     Layers of one format convert together, in model order (the seeds of stochastic
-    rounding and Hadamard signs follow that order, as ``convert_to_fp8`` gives them).
+    rounding and Hadamard signs follow that order, as ``convert_to_low_precision`` gives them).
     """
     converted = _convert(plan, setup.model)
     if converted is not None:
@@ -289,10 +289,10 @@ def apply_plan(plan: PrecisionPlan, setup: TrainSetup) -> TrainSetup:
     return setup
 
 
-def _convert(plan: PrecisionPlan, model: torch.nn.Module) -> Fp8Layers | None:
+def _convert(plan: PrecisionPlan, model: torch.nn.Module) -> LowPrecisionLayers | None:
     """Convert the plan's lowered layers of ``model`` not converted yet, one format at a
     time in model order (the seeds of stochastic rounding and Hadamard signs follow that
-    order, as ``convert_to_fp8`` gives them); None when the plan lowers no layer."""
+    order, as ``convert_to_low_precision`` gives them); None when the plan lowers no layer."""
     modules = dict(model.named_modules())
     order = list(modules)
     lowered = plan.lowered()
@@ -304,9 +304,9 @@ def _convert(plan: PrecisionPlan, model: torch.nn.Module) -> Fp8Layers | None:
         fresh = [n for n in names if not isinstance(modules[n], Float8Linear | BlockLinear)]
         layers.update({n: modules[n] for n in names if n not in fresh})
         if fresh:
-            layers.update(convert_to_fp8(model, config, fresh).layers)
+            layers.update(convert_layers(model, config, fresh).layers)
         first_config = first_config or config
     if first_config is None:
         return None
     # No plan format has delayed scaling, so update() is a no-op whatever the config.
-    return Fp8Layers({n: layers[n] for n in order if n in layers}, first_config)
+    return LowPrecisionLayers({n: layers[n] for n in order if n in layers}, first_config)

@@ -2,7 +2,7 @@
 
 Every weight, gradient and optimizer state is bfloat16 and no float32 copy exists:
 the user's SGD, Adam or AdamW is replaced by its compensated twin from
-:mod:`amped.recipes.compensated`, with the same parameter groups and
+:mod:`amped.optim.compensated`, with the same parameter groups and
 hyper-parameters. Modules the policy explicitly keeps in float32 keep float32
 weights (updated plainly); by default there are none.
 
@@ -17,11 +17,11 @@ from typing import Any
 import torch
 
 from amped._internal.errors import received, type_error, value_error
-from amped.recipes.adamw8bit import CompensatedAdamW8bit
-from amped.recipes.compensated import CompensatedAdamW, CompensatedSGD
-from amped.recipes.registry import Compensation
+from amped.optim.adamw8bit import CompensatedAdamW8bit
+from amped.optim.compensated import CompensatedAdamW, CompensatedSGD
+from amped.optim.rounding import Compensation
+from amped.optim.shards import reshard
 from amped.recipes.setup import TrainSetup
-from amped.recipes.shards import reshard
 from amped.recipes.weights import lower_model_, set_params_data_
 
 __all__ = ["PureSetup", "build_pure_setup", "compensated_twin"]

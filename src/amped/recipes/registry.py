@@ -13,6 +13,7 @@ from typing import Literal
 import torch
 
 from amped._internal.errors import type_error, value_error
+from amped.optim.rounding import Compensation
 
 __all__ = [
     "OPT_IN_RECIPES",
@@ -25,7 +26,6 @@ __all__ = [
 ]
 
 Weights = Literal["fp32", "low-with-masters", "low"]
-Compensation = Literal["kahan", "stochastic"]
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,12 @@ class Recipe:
             adds it back next step; ``"stochastic"`` rounds up or down at random, with
             the probabilities that make the rounding unbiased.
         fp8: for the FP8 and block recipes, the name of the config in
-            :data:`amped.fp8.FP8_CONFIGS` (``"tensorwise"``, ``"rowwise"``,
-            ``"rowwise-gw-hp"``, ``"delayed"``) or :data:`amped.fp8.BLOCK_CONFIGS`
+            :data:`amped.lowp.CONFIGS` (``"tensorwise"``, ``"rowwise"``,
+            ``"rowwise-gw-hp"``, ``"delayed"``) or :data:`amped.lowp.CONFIGS`
             (``"mxfp8"``, ``"mxfp4"``, ``"nvfp4"``); their GEMMs run in that format,
             the rest under bfloat16 autocast, the weights as their base recipe keeps them.
         quantized_state: for ``weights="low"``, keep Adam's moments blockwise quantized
-            to 8 bits (:class:`~amped.recipes.adamw8bit.CompensatedAdamW8bit`) instead of in
+            to 8 bits (:class:`~amped.optim.adamw8bit.CompensatedAdamW8bit`) instead of in
             the weights' dtype.
     """
 

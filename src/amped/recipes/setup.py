@@ -22,7 +22,7 @@ import torch
 
 from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
-from amped.fp8.convert import Fp8Layers
+from amped.lowp.convert import LowPrecisionLayers
 from amped.policy import Policy
 from amped.recipes.registry import Recipe
 from amped.recipes.weights import Lowering, installed_on, restore_model_
@@ -45,7 +45,7 @@ class TrainSetup:
         fp8_base: for the FP8 recipes, the name of the base recipe (else None).
     """
 
-    fp8_layers: Fp8Layers | None = None
+    fp8_layers: LowPrecisionLayers | None = None
     fp8_base: str | None = None
     monitor: Any = None  # an amped.recipes.monitoring.Monitor (amped.monitor attaches it)
 

@@ -27,10 +27,10 @@ from torch.utils.hooks import RemovableHandle
 from amped._internal.errors import value_error
 from amped._internal.torch_compat import BATCH_NORM_BASE, fsdp_reset_sharded_params
 from amped._internal.trees import map_tensors
-from amped.fp8.block_linear import BlockLinear
-from amped.fp8.linear import Float8Linear
+from amped.lowp.float8.linear import Float8Linear
+from amped.lowp.mx.block_linear import BlockLinear
+from amped.optim.shards import fsdp_modules, is_sharded
 from amped.policy import ModuleRule, Policy
-from amped.recipes.shards import fsdp_modules, is_sharded
 
 __all__ = [
     "Lowering",

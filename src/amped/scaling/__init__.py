@@ -1,12 +1,16 @@
-"""Scaling layer: ``GradScaler``, loss-scale strategies, records and checkpoints.
+"""Scaling layer: ``GradScaler``, loss-scale strategies and their records.
 
 Exported: what a training loop and a strategy of one's own need. Everything else
-(argument checks, the state-dict layout, distributed agreement, the archive reader) is
-importable by module path but not public API. Depends on torch only (never on
-``amped.autocast_mode`` or the layers above).
+(argument checks, the state-dict layout, distributed agreement) is importable by
+module path but not public API. Checkpoint files are :mod:`amped.checkpoint`'s.
+Depends on torch only (never on ``amped.autocast_mode`` or the layers above).
 """
 
-from amped.scaling.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
 from amped.scaling.grad_scaler import GradScaler
 from amped.scaling.stall import ScaleStallError
 from amped.scaling.strategies import (
@@ -19,13 +23,27 @@ from amped.scaling.strategies import (
 
 __all__ = [
     "Bounded",
-    "CheckpointError",
     "DynamicScale",
     "GradScaler",
     "Hysteresis",
     "ScaleStallError",
     "ScaleStrategy",
     "StaticScale",
-    "load_checkpoint",
-    "save_checkpoint",
 ]
+
+_MOVED = ("CheckpointError", "load_checkpoint", "save_checkpoint")
+"""Checkpoint I/O, in :mod:`amped.checkpoint` now; importable from here for one release."""
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MOVED:
+        raise AttributeError(f"module 'amped.scaling' has no attribute {name!r}")
+    from amped import checkpoint
+
+    warnings.warn(
+        f"amped.scaling.{name} is deprecated and will be removed in the next release; "
+        f"use amped.checkpoint.{name}",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(checkpoint, name)

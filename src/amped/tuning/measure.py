@@ -22,11 +22,11 @@ import torch
 
 from amped.autocast_mode import autocast
 from amped.doctor.runs import call_model
-from amped.fp8 import convert_to_fp8
-from amped.fp8.block_cast import quantize_block
-from amped.fp8.block_config import BlockConfig
-from amped.fp8.cast import quantize
-from amped.fp8.conv1d import is_conv1d, linear_dims
+from amped.lowp.conv1d import is_conv1d, linear_dims
+from amped.lowp.convert import convert_layers
+from amped.lowp.float8.cast import quantize
+from amped.lowp.mx.block_cast import quantize_block
+from amped.lowp.mx.block_config import BlockConfig
 from amped.recipes.plan import format_config, layer_ineligibility
 
 __all__ = ["FormatMeasurement", "LayerMeasurement", "PassCount", "eligible_layers", "measure"]
@@ -234,7 +234,7 @@ def _measure_format(
 ) -> FormatMeasurement:
     config = format_config(fmt)
     low = copy.deepcopy(torch.nn.Sequential(layer))
-    convert_to_fp8(low, config, ["0"])
+    convert_layers(low, config, ["0"])
     signal = dict.fromkeys(("output", "grad_input", "grad_weight"), 0.0)
     noise = dict(signal)
     coherent, second_order = [], []

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from amped._internal.errors import type_error, value_error
-from amped.fp8.conv1d import linear_dims
+from amped.lowp.conv1d import linear_dims
 from amped.recipes.plan import PLAN_FORMATS, PrecisionPlan
 from amped.tuning.choose import SPEEDUPS, Choice, plan_path, rule_plans, speedups, within
 from amped.tuning.measure import LayerMeasurement, eligible_layers, measure

@@ -1,0 +1,133 @@
+"""The monitor where users see it: amped compare's notes, the Lightning callback, and
+amped's Accelerate Accelerator (its trackers)."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import torch
+from torch import nn
+
+from amped.cli.main import main
+
+
+def _fp8_net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+
+
+FACTORY = textwrap.dedent(
+    """
+    import torch
+    from torch import nn
+    import torch.nn.functional as F
+
+    def task(batch_size=16, seed=0):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 4))
+        g = torch.Generator().manual_seed(seed)
+        def batches():
+            while True:
+                x = torch.randn(batch_size, 64, generator=g)
+                yield x, (x[:, 0] > 0).long()
+        return model, batches(), F.cross_entropy
+    """
+)
+
+
+def test_compare_notes_the_fp8_recipes_gemm_health(tmp_path, capsys):
+    factory = tmp_path / "fp8_task.py"
+    factory.write_text(FACTORY)
+    args = ["compare", "--model", f"{factory}:task", "--recipes", "fp32,fp8-tensorwise"]
+    args += ["--steps", "3", "--max-time", "0", "--peak-memory", "in-process", "--json"]
+    assert main([*args, "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    notes = {r["name"]: r["notes"] for r in results["recipes"]}
+    health = [n for n in notes["fp8-tensorwise"] if n.startswith("GEMM health")]
+    assert health and "no inf/NaN" in health[0] and "audit: every layer ran FP8" in health[0]
+    assert not any(n.startswith("GEMM health") for n in notes["fp32"])
+
+
+def test_lightning_callback_logs_the_counters(tmp_path):
+    L = pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import CSVLogger
+
+    from amped.integrations.lightning import Precision
+    from amped.integrations.lightning_health import HealthCallback
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _fp8_net()
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(64, 64)), batch_size=16
+    )
+    callback = HealthCallback(every=2)
+    trainer = L.Trainer(
+        max_steps=4,
+        accelerator="cpu",
+        devices=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=1,
+        plugins=[Precision("fp8-tensorwise", device="cpu")],
+        callbacks=[callback],
+    )
+    trainer.fit(Module(), data)
+    logged = trainer.logged_metrics
+    assert "amped/net.0/forward/underflow_fraction" in logged
+    assert float(logged["amped/nonfinite_steps"]) == 0.0
+    assert callback.monitor is not None and callback.monitor.sampled_steps == 2
+
+
+def test_accelerate_tracker_gets_the_counters(tmp_path):
+    pytest.importorskip("accelerate")
+    from accelerate.tracking import GeneralTracker
+    from integration_helpers import reset_accelerate_state
+
+    from amped.integrations.accelerate import Accelerator
+
+    class Recorder(GeneralTracker):
+        name, requires_logging_directory, logged = "recorder", False, []
+
+        def __init__(self):
+            super().__init__()
+
+        @property
+        def tracker(self):
+            return self
+
+        def store_init_configuration(self, values):
+            pass
+
+        def log(self, values, step=None, **kwargs):
+            self.logged.append((step, dict(values)))
+
+    reset_accelerate_state()
+    try:
+        acc = Accelerator(recipe="fp8-tensorwise", cpu=True, log_with=[Recorder()])
+        acc.init_trackers("run")
+        net = _fp8_net()
+        net, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01))
+        health = acc.monitor(every=1)
+        for _ in range(2):
+            acc.backward(net(torch.randn(8, 64)).float().pow(2).mean())
+            opt.step()
+            opt.zero_grad()
+        metrics = acc.log_health(step=2)
+        tracker = acc.get_tracker("recorder", unwrap=True)
+        assert tracker.logged[-1] == (2, metrics)
+        assert "amped/0/grad_weight/amax" in metrics and health.step == 2
+    finally:
+        reset_accelerate_state()

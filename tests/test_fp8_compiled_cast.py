@@ -266,16 +266,52 @@ def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(
         assert _same(a, b)
 
 
-@pytest.mark.slow
-def test_a_compile_inside_an_autocast_region_leaves_its_path(monkeypatch):
-    """The kernels compile on the worker thread: the caller's region keeps its path."""
+def _cast_in_a_region(threads):
+    """In a fresh process: a block cast compiled inside a ``"strict"`` region (the
+    ``KERNELS`` path), its bits and the eager ones, the paths around it, and the threads
+    started meanwhile (Inductor's own helper threads are started first, by two unrelated
+    compiles)."""
+    import threading
+
     import amped
 
+    torch.set_num_threads(threads)
+    compiled_cast.MIN_ELEMENTS = 0
+    for cols in (32, 64):
+        torch.compile(lambda t: (t * 2).sum())(torch.randn(8, cols))
+    started = []
+    start = threading.Thread.start
+
+    def counting(thread):
+        started.append(thread.name)
+        start(thread)
+
+    threading.Thread.start = counting  # (this process's own: it ends with the job)
     x = _suite((32, 160), torch.bfloat16, seed=6)  # a shape no other test compiles
-    with amped.autocast("cpu", torch.bfloat16):
-        before = current_path("cpu")
-        block_operand(x, BLOCK_FORMATS["mxfp8"])
-        assert current_path("cpu") == before
+    policy = amped.Policy.preset("strict", "cpu")
+    with amped.autocast("cpu", policy=policy):
+        paths = [current_path("cpu")]
+        compiled = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
+        again = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
+        paths.append(current_path("cpu"))
+    with amped.autocast("cpu", policy=policy):
+        paths.append(current_path("cpu"))
+    ok = compiled_cast.compiles(x)
+    compiled_cast.MIN_ELEMENTS = 1 << 62  # (every tensor casts eagerly)
+    eager = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
+    bits = [t.reshape(-1).view(torch.uint8) for t in (compiled, again, eager)]
+    return started, [p.name for p in paths], bits, ok
+
+
+@pytest.mark.slow
+def test_a_cast_compiled_inside_a_region_starts_no_thread_and_leaves_its_path():
+    """The kernel compiles and runs on the calling thread, apart from its region."""
+    threads = torch.get_num_threads()
+    job = run_in_two_processes(_cast_in_a_region, {0: (threads,)})[0]
+    started, paths, (compiled, again, eager), ok = job
+    assert ok and started == []
+    assert paths == ["KERNELS"] * 3
+    assert torch.equal(compiled, eager) and torch.equal(again, eager)
 
 
 def test_a_failed_compile_warns_once_and_casts_eagerly_with_the_same_bits(monkeypatch):

@@ -113,6 +113,11 @@ assume_constant_result = torch._dynamo.assume_constant_result
 """Decorator: Dynamo calls the function once while tracing and folds its result."""
 dynamo_callbacks = torch._dynamo.callback_handler
 """Dynamo's compile start/end callbacks (``torch._dynamo.reset()`` clears them)."""
+dynamo_global_state = torch._C._dynamo.guards.GlobalStateGuard
+"""A snapshot of the global state Dynamo guards every graph on (grad mode, each device
+type's autocast state, threads, ...); its ``check()`` says whether it still holds."""
+set_grad_enabled = torch._C._set_grad_enabled
+"""``torch.set_grad_enabled``'s effect as one call, without the context manager's object."""
 
 
 def amp_definitely_not_available() -> bool:

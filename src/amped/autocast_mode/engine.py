@@ -35,9 +35,9 @@ GUARD_DEVICE_TYPE = "ipu"
 without the mode a graph would hold (see the module doc). No tensor lives on it."""
 
 
-_TRACED: set[Policy] = set()
-"""The policies some compiled region ran under, since Dynamo's last reset (which drops
-every graph): later regions of these take ``MODE``, so that they pass the graphs' guards."""
+_resets = 0
+"""How many ``torch._dynamo.reset()`` amped has seen: a reset drops every graph, and with
+them every thread's traced policies (:func:`_traced`)."""
 _listening = False  # amped registered its compile-start callback
 
 
@@ -67,8 +67,10 @@ def _choose_path(region: Region, st: EngineState) -> Path:
     if policy is None or not (region.unplain or st.forced):  # torch's rules alone
         return Path.TORCH
     low_rules = any(r.precision == "low" for r in policy.module_rules)
-    if st.forced is Path.MODE or low_rules or _is_compiling() or (_TRACED and policy in _TRACED):
-        return Path.MODE  # (compiling: enter() marked the policy traced)
+    if st.forced is Path.MODE or low_rules or _is_compiling():
+        return Path.MODE  # (compiling: enter() marks the policy traced)
+    if st.traced and policy in _traced(st):  # a compile on this thread traced it
+        return Path.MODE
     route_all = st.forced is Path.KERNELS
     if torch_rules_only(policy) and not route_all:  # with "fp32" / "skip" module rules
         return Path.TORCH
@@ -235,7 +237,7 @@ def _prepare_while_tracing(traced: Policy | None) -> bool:
     transparent.prepare_clones()
     _listen_for_compiles()
     if traced is not None:
-        _TRACED.add(traced)
+        _traced(STATE).add(traced)
         if traced.module_rules:
             hooks.install_traced()
     return True
@@ -269,12 +271,12 @@ _CALLBACKS = torch_compat.dynamo_callbacks
 def _listen_for_compiles() -> None:
     # (Again at each region that may need it: torch._dynamo.reset() drops callbacks, and
     # every graph: then no policy is traced any more, and the hooks may go.)
-    global _listening
+    global _listening, _resets
     callbacks = _CALLBACKS
     if _on_compile_start not in callbacks.start_callbacks:
         callbacks.register_start_callback(_on_compile_start)
         if _listening:  # it was registered: Dynamo was reset since
-            _TRACED.clear()
+            _resets += 1
             hooks.traced = False
         else:  # the first region that may meet a compile: nothing happens at import
             engine_modules = [m for n, m in sys.modules.items() if n.startswith(__package__)]
@@ -282,9 +284,21 @@ def _listen_for_compiles() -> None:
         _listening = True
 
 
+def _traced(st: EngineState) -> set[Policy]:
+    """The policies a compile on this thread traced since Dynamo's last reset: later
+    regions of these on this thread take ``MODE``, to pass the graphs' guards. Kept per
+    thread, so that a compile on one thread changes no other thread's paths."""
+    if st.traced_since != _resets:
+        st.traced.clear()
+        st.traced_since = _resets
+    return st.traced
+
+
 def _on_compile_start(args: Any) -> None:
-    hooks.compile_started()  # a graph may trace them: they stay installed
     st = STATE
+    if st.aside:  # compiling.outside_regions: a graph of no region and no module
+        return
+    hooks.compile_started()  # a graph may trace them: they stay installed
     if st.regions:
         transparent.prepare_clones()  # Dynamo cannot build them while tracing
         _move_to_mode(st)
@@ -292,10 +306,11 @@ def _on_compile_start(args: Any) -> None:
 
 def _move_to_mode(st: EngineState) -> None:
     """Move this thread's regions to the mode now (a compile is starting)."""
+    traced = _traced(st)
     for region in st.regions:
         if region.unplain:
             region.path = Path.MODE
-            _TRACED.add(region.policy)  # type: ignore[arg-type]
+            traced.add(region.policy)  # type: ignore[arg-type]
     if st.mode is None and any(r.path is Path.MODE for r in st.regions):
         # The mode goes where it would have been pushed: at the stack depth the
         # outermost such region found, below modes entered inside the region since.

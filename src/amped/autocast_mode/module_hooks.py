@@ -15,12 +15,13 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from amped._internal.trees import map_tensors
+from amped.autocast_mode import compiling
 from amped.autocast_mode.state import STATE, kept
 from amped.policy import ModuleRule, Policy
 
 __all__ = ["float32_inputs", "hooks"]
 
-_is_compiling = torch.compiler.is_dynamo_compiling
+_is_compiling = compiling.tracing
 
 
 def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule | None:

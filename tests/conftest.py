@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from amped._internal import testing
 from amped.autocast_mode import current_path
-from amped.fp8 import compiled_cast
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -38,7 +38,5 @@ def _eager_casts(request, monkeypatch):
     """The casts' compiled kernels give the eager bits (tests/test_fp8_compiled_cast.py)
     but take seconds to compile per shape: other tests run them eagerly; the tests
     marked ``compiled_casts`` compile whatever their tensors' size."""
-    if request.node.get_closest_marker("compiled_casts") is None:
-        monkeypatch.setattr(compiled_cast, "compiles", lambda x: False)
-    else:
-        monkeypatch.setattr(compiled_cast, "MIN_ELEMENTS", 0)
+    compiled = request.node.get_closest_marker("compiled_casts") is not None
+    monkeypatch.setattr(testing, "CASTS", "compiled" if compiled else "eager")

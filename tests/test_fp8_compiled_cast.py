@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from amped._internal import testing
 from amped.autocast_mode import current_path
 from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, compiled_cast, convert_to_fp8
 from amped.fp8.block_cast import quantize_block
@@ -53,8 +54,7 @@ def _suite(shape, dtype, seed=0, special=True):
 
 
 def _eager(monkeypatch, *args, **kwargs):
-    with monkeypatch.context() as patch:
-        patch.setattr(compiled_cast, "compiles", lambda x: False)
+    with testing.casts("eager"):
         return block_operand(*args, **kwargs)
 
 
@@ -74,7 +74,7 @@ def _compile_case(case, dtype, threads):
     emulated layer runs without the health monitor: a graph of its own, without the
     elements and scale bits."""
     torch.set_num_threads(threads)  # the kernel is compiled for the test's thread count
-    compiled_cast.MIN_ELEMENTS = 0  # as the compiled_casts marker has it (conftest.py)
+    testing.CASTS = "compiled"  # as the compiled_casts marker has it (conftest.py)
     name, dim, tiles = CASES[case]
     operands = {}
     for special in (False, True):
@@ -237,7 +237,7 @@ def _training_step(recipe: str) -> list[torch.Tensor]:
 def _compiled_step(recipe: str, threads: int) -> tuple[list[torch.Tensor], bool]:
     """In a worker process: the step with the casts compiled, and whether they compiled."""
     torch.set_num_threads(threads)  # the kernels are compiled for the test's thread count
-    compiled_cast.MIN_ELEMENTS = 0  # as the compiled_casts marker has it (conftest.py)
+    testing.CASTS = "compiled"  # as the compiled_casts marker has it (conftest.py)
     return _training_step(recipe), compiled_cast.compiles(torch.zeros(()))
 
 
@@ -260,7 +260,7 @@ def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(
     """Block recipes and FP8 recipes (whose casts and emulated GEMM pieces compile too)."""
     compiled, compiled_ok = compiled_steps[recipe]
     assert compiled_ok
-    monkeypatch.setattr(compiled_cast, "compiles", lambda x: False)
+    monkeypatch.setattr(testing, "CASTS", "eager")
     eager = _training_step(recipe)
     for a, b in zip(compiled, eager, strict=True):
         assert _same(a, b)
@@ -276,7 +276,7 @@ def _cast_in_a_region(threads):
     import amped
 
     torch.set_num_threads(threads)
-    compiled_cast.MIN_ELEMENTS = 0
+    testing.CASTS = "compiled"
     for cols in (32, 64):
         torch.compile(lambda t: (t * 2).sum())(torch.randn(8, cols))
     started = []
@@ -297,7 +297,7 @@ def _cast_in_a_region(threads):
     with amped.autocast("cpu", policy=policy):
         paths.append(current_path("cpu"))
     ok = compiled_cast.compiles(x)
-    compiled_cast.MIN_ELEMENTS = 1 << 62  # (every tensor casts eagerly)
+    testing.CASTS = "eager"
     eager = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
     bits = [t.reshape(-1).view(torch.uint8) for t in (compiled, again, eager)]
     return started, [p.name for p in paths], bits, ok

@@ -29,9 +29,8 @@ compiles and Dynamo's guards only ever see that state, and no thread is started.
 
 **Where eager.** For tensors under :data:`MIN_ELEMENTS`, off CPU, inside a user's
 ``torch.compile`` (Dynamo then traces the function itself), and under any Python
-dispatch or function mode (a mode would not see the worker's ops, and
-``torch.compile`` skips frames under one), the function runs eagerly on the calling
-thread.
+dispatch or function mode (a mode would not see the compiled kernel's ops, and
+``torch.compile`` skips frames under one), the function runs eagerly.
 A compile that fails (no C++ compiler, an Inductor error) is reported once, as a
 warning, and the process keeps the eager casts: the same values, more slowly.
 """

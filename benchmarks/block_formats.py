@@ -36,8 +36,8 @@ import torch
 import torch.nn as nn
 
 import amped
+from amped._internal import testing
 from amped.cli.environment import cpu_name
-from amped.lowp.float8 import compiled_cast
 
 RECIPES = ("fp8-tensorwise", "fp8-rowwise", "mxfp8", "mxfp4", "nvfp4")
 
@@ -67,12 +67,8 @@ def stepper(
         setup.zero_grad()
 
     def eager_step() -> None:
-        compiles = compiled_cast.compiles
-        compiled_cast.compiles = lambda x: False  # type: ignore[assignment]
-        try:
+        with testing.casts("eager"):
             step()
-        finally:
-            compiled_cast.compiles = compiles  # type: ignore[assignment]
 
     return eager_step if eager_casts else step
 

@@ -13,8 +13,8 @@ import torch
 # tests/helpers/, imported by module name (``from fp8_helpers import ...``).
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
+from amped._internal import testing
 from amped.autocast_mode import current_path
-from amped.lowp.float8 import compiled_cast
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -45,7 +45,5 @@ def _eager_casts(request, monkeypatch):
     """The casts' compiled kernels give the eager bits (tests/lowp/mx/test_fp8_compiled_cast.py)
     but take seconds to compile per shape: other tests run them eagerly; the tests
     marked ``compiled_casts`` compile whatever their tensors' size."""
-    if request.node.get_closest_marker("compiled_casts") is None:
-        monkeypatch.setattr(compiled_cast, "compiles", lambda x: False)
-    else:
-        monkeypatch.setattr(compiled_cast, "MIN_ELEMENTS", 0)
+    compiled = request.node.get_closest_marker("compiled_casts") is not None
+    monkeypatch.setattr(testing, "CASTS", "compiled" if compiled else "eager")

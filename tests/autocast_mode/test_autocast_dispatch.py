@@ -200,6 +200,41 @@ def test_compile_switches_the_region_to_the_engine_and_guards():
 @pytest.mark.skipif(
     not compiling.COMPILE_SUPPORTED, reason="compiling amped's engine needs a newer torch"
 )
+def test_compile_on_one_thread_leaves_another_threads_path():
+    # A compile records the policies it traced for its own thread only: an eager region
+    # of the same policy on a new thread keeps its path, and that thread calling the
+    # compiled function compiles once for itself (moving its region to the mode).
+    torch._dynamo.reset()
+    a = torch.randn(4, 4)
+    compiled = torch.compile(lambda x: torch.mm(x, x), backend="aot_eager")
+    policy = _TORCH.with_ops(fp32=["mm"])
+    with amped.autocast("cpu", policy=policy):
+        assert current_path("cpu") is Path.KERNELS
+        expected = compiled(a)
+        assert current_path("cpu") is Path.MODE
+    seen = {}
+
+    def other_thread():
+        with amped.autocast("cpu", policy=policy):
+            seen["eager"] = (current_path("cpu"), torch.mm(a, a))
+        with amped.autocast("cpu", policy=policy):
+            seen["compiled"] = compiled(a)
+            seen["after"] = current_path("cpu")
+        with amped.autocast("cpu", policy=policy):
+            seen["next"] = current_path("cpu")
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    worker.join()
+    assert seen["eager"][0] is Path.KERNELS
+    assert seen["eager"][1].dtype == torch.float32 and torch.equal(seen["eager"][1], expected)
+    assert torch.equal(seen["compiled"], expected) and seen["compiled"].dtype == torch.float32
+    assert seen["after"] is Path.MODE and seen["next"] is Path.MODE
+    with amped.autocast("cpu", policy=policy):  # this thread's record is unchanged
+        assert current_path("cpu") is Path.MODE
+    torch._dynamo.reset()
+
+
 def test_compile_isolation_unrelated_regions_keep_their_path():
     # A function compiled under autocast (torch's, the default policy's, another
     # policy's) changes nothing for an eager region of another policy: it runs its own

@@ -11,6 +11,7 @@ change op rules too are checked against the same policy on the forced ``MODE`` p
 from __future__ import annotations
 
 import contextlib
+import types
 
 import model_zoo
 import pytest
@@ -242,3 +243,42 @@ def test_a_name_rule_picks_one_module_of_its_class_region_after_region():
         _custom_fwd(model[1], "fp32")
         _assert_same(got, _step(model, run, torch.autocast("cpu")))
         assert not torch.equal(got[0], unruled[0])  # the rule changed the result
+
+
+class _PairNorm(nn.LayerNorm):
+    """A norm layer taking its input nested in a pair, and a keyword tensor: records the
+    dtypes it received."""
+
+    def forward(self, pair, *, shift=None):
+        self.seen = [pair[0].dtype, pair[1].dtype, None if shift is None else shift.dtype]
+        return super().forward(pair[0] + pair[1] + (0 if shift is None else shift))
+
+
+def test_fp32_modules_cast_nested_inputs_as_custom_fwd_under_both_rules():
+    """One float32 rule: the policy's ``"fp32"`` module rule and the O2 recipes' norm
+    hooks give a module its nested inputs in float32, as ``custom_fwd`` would, and the
+    recipes' hooks its keyword inputs too (global module hooks never receive those)."""
+
+    @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
+    def oracle(ctx, pair, *, shift=None):  # (custom_fwd decorates a Function's forward)
+        return [pair[0].dtype, pair[1].dtype, None if shift is None else shift.dtype]
+
+    ctx = types.SimpleNamespace()
+
+    x = torch.randn(2, 8).bfloat16()
+    pair = (x, [x][0])
+    norm = _PairNorm(8)
+    with amped.autocast("cpu", policy=_TORCH.with_module(_PairNorm, "fp32")):
+        norm(pair)
+        with torch.autocast("cpu"):
+            expected = oracle(ctx, pair)
+    assert norm.seen == expected[:2] + [None] == [torch.float32, torch.float32, None]
+
+    model = nn.Sequential(nn.Linear(8, 8))
+    model.append(_PairNorm(8))
+    setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "bf16-master")
+    with setup.autocast():
+        model[1](pair, shift=x)
+        with torch.autocast("cpu"):
+            expected = oracle(ctx, pair, shift=x)
+    assert model[1].seen == expected == [torch.float32] * 3

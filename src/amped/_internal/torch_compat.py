@@ -74,8 +74,6 @@ ExcludeDispatchKeyGuard = torch._C._ExcludeDispatchKeyGuard
 set_dispatch_key_excluded = torch._C._dispatch_tls_set_dispatch_key_excluded
 """``(key, bool)``: the guard's effect as two plain calls, several times cheaper per op."""
 dispatch_keyset_full = torch._C._dispatch_keyset_full
-dispatch_keyset_full_after = torch._C._dispatch_keyset_full_after
-"""Every key after one: what a kernel redispatches to, to run the op below its key."""
 dispatch_has_kernel = torch._C._dispatch_has_kernel
 """Whether an op has a dispatcher entry (TorchScript-only overloads have none)."""
 is_cached_tensor = getattr(torch._C, "_is_cached_tensor")  # noqa: B009 - not in the stubs
@@ -115,6 +113,11 @@ assume_constant_result = torch._dynamo.assume_constant_result
 """Decorator: Dynamo calls the function once while tracing and folds its result."""
 dynamo_callbacks = torch._dynamo.callback_handler
 """Dynamo's compile start/end callbacks (``torch._dynamo.reset()`` clears them)."""
+dynamo_global_state = torch._C._dynamo.guards.GlobalStateGuard
+"""A snapshot of the global state Dynamo guards every graph on (grad mode, each device
+type's autocast state, threads, ...); its ``check()`` says whether it still holds."""
+set_grad_enabled = torch._C._set_grad_enabled
+"""``torch.set_grad_enabled``'s effect as one call, without the context manager's object."""
 
 
 def amp_definitely_not_available() -> bool:
@@ -137,13 +140,6 @@ def dynamo_is_compiling_flag() -> bool:
     """``torch.compiler.is_compiling()`` read from its module flag, without the two
     Python frames the public function costs (the fast path's kernels read it per call)."""
     return bool(torch.compiler._is_compiling_flag)
-
-
-def dynamo_frames_compiled() -> int | None:
-    """How many Python frames Dynamo started compiling since the process began or its
-    last ``torch._dynamo.reset()``; None where this torch does not count them."""
-    counter = getattr(getattr(torch._dynamo, "convert_frame", None), "FRAME_COUNTER", None)
-    return counter if isinstance(counter, int) else None
 
 
 def dynamo_skip_code() -> Any:

@@ -14,6 +14,7 @@ import torch
 
 from amped._internal import torch_compat
 from amped._internal.errors import type_error
+from amped.autocast_mode import compiling
 from amped.autocast_mode.mode import AutocastMode, merged_rules
 from amped.autocast_mode.region import autocast
 from amped.autocast_mode.state import STATE, current_policy, innermost_policies
@@ -147,7 +148,7 @@ def autocast_op(func: Callable[..., Any]) -> Callable[..., Any]:
 
 _has_torch_function = torch.overrides.has_torch_function
 _handle_torch_function = torch.overrides.handle_torch_function
-_is_compiling = torch.compiler.is_dynamo_compiling
+_is_compiling = compiling.tracing
 _mode_enabled = torch_compat.torch_function_mode_enabled
 
 

@@ -17,7 +17,7 @@ import torch
 
 from amped._internal import torch_compat
 from amped._internal.torch_compat import OpOverload
-from amped.autocast_mode import casting, targets
+from amped.autocast_mode import casting, compiling, targets
 from amped.autocast_mode.state import STATE, kept
 from amped.policy import Cast, Policy
 
@@ -136,7 +136,7 @@ def _kernel(op: OpOverload, device_type: str, key: str) -> Any:
     tls = STATE
     get_dtype = torch.get_autocast_dtype
     run = casting.run
-    is_compiling = torch_compat.dynamo_is_compiling_flag
+    is_compiling = compiling.tracing_flag
     # The dispatcher calls this kernel only while its key is not excluded, so the key is
     # excluded for the op and included again after it: two calls, where an exclude-guard
     # object costs several times more.

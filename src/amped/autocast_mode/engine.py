@@ -7,7 +7,6 @@ The paths, what takes each and what it costs, and how regions meet ``torch.compi
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -25,20 +24,9 @@ from amped.policy.policy import LOW_DTYPES
 
 __all__ = ["current_path", "enter", "exit", "forced_path"]
 
-_is_compiling = torch.compiler.is_dynamo_compiling
+_is_compiling = compiling.tracing
 _push = torch_compat.push_torch_function_mode
 _pop = torch_compat.pop_torch_function_mode
-
-
-GUARD_DEVICE_TYPE = "ipu"
-"""The device type whose autocast flag marks, for Dynamo's guards, that a region runs
-without the mode a graph would hold (see the module doc). No tensor lives on it."""
-
-
-_TRACED: set[Policy] = set()
-"""The policies some compiled region ran under, since Dynamo's last reset (which drops
-every graph): later regions of these take ``MODE``, so that they pass the graphs' guards."""
-_listening = False  # amped registered its compile-start callback
 
 
 def torch_rules_only(policy: Policy) -> bool:
@@ -67,8 +55,10 @@ def _choose_path(region: Region, st: EngineState) -> Path:
     if policy is None or not (region.unplain or st.forced):  # torch's rules alone
         return Path.TORCH
     low_rules = any(r.precision == "low" for r in policy.module_rules)
-    if st.forced is Path.MODE or low_rules or _is_compiling() or (_TRACED and policy in _TRACED):
-        return Path.MODE  # (compiling: enter() marked the policy traced)
+    if st.forced is Path.MODE or low_rules or _is_compiling():
+        return Path.MODE  # (compiling: enter() marks the policy traced)
+    if st.traced and policy in compiling.traced(st):  # a compile on this thread traced it
+        return Path.MODE
     route_all = st.forced is Path.KERNELS
     if torch_rules_only(policy) and not route_all:  # with "fp32" / "skip" module rules
         return Path.TORCH
@@ -107,7 +97,7 @@ def enter(region: Region) -> None:
     if unplain:  # (first: it may find Dynamo was reset, which frees the hooks)
         if _is_compiling():
             _prepare_while_tracing(policy)
-        elif _on_compile_start not in _CALLBACKS.start_callbacks:
+        elif not compiling.listening():
             _listen_for_compiles()
     if policy is not None and policy.module_rules:
         hooks.acquire()
@@ -176,12 +166,12 @@ def _publish(st: EngineState) -> None:
     regions = st.regions
     if not regions:  # the last region closed
         st.ruled, st.kernels = {}, {}
-        _mark_for_guards(st, False)
+        compiling.mark_for_guards(st, False)
         return
     active = innermost_policies(regions)
     unplain = regions[0].unplain if len(regions) == 1 else any(r.unplain for r in regions)
     st.ruled = {dev: p for dev, p in active.items() if p.module_rules} if unplain else {}
-    _mark_for_guards(st, unplain)
+    compiling.mark_for_guards(st, unplain)
     mode = st.mode
     if mode is not None:
         st.kernels = {}
@@ -205,12 +195,6 @@ def _unplain(policy: Policy | None) -> bool:
     return policy is not None and (bool(policy.module_rules) or not torch_rules_only(policy))
 
 
-def _mark_for_guards(st: EngineState, on: bool) -> None:
-    if on is not st.guard_mark and not _is_compiling():
-        torch.set_autocast_enabled(GUARD_DEVICE_TYPE, on)
-        st.guard_mark = on
-
-
 def _push_mode(st: EngineState) -> None:
     if _is_compiling():  # Dynamo traces the context-manager protocol
         _prepare_while_tracing(None)
@@ -227,7 +211,7 @@ def _push_mode(st: EngineState) -> None:
         mode.backward_token = compiling.backward_autocast_off()
 
 
-@torch_compat.assume_constant_result
+@compiling.once_while_tracing
 def _prepare_while_tracing(traced: Policy | None) -> bool:
     # Run for real while Dynamo traces (it cannot build the clones, nor register kernels
     # or hooks), and not guarded on: the graph must not depend on whether it ran before.
@@ -235,7 +219,7 @@ def _prepare_while_tracing(traced: Policy | None) -> bool:
     transparent.prepare_clones()
     _listen_for_compiles()
     if traced is not None:
-        _TRACED.add(traced)
+        compiling.traced(STATE).add(traced)
         if traced.module_rules:
             hooks.install_traced()
     return True
@@ -263,26 +247,14 @@ def _pop_mode(st: EngineState) -> None:
 # torch.compile: hearing when Dynamo starts, and moving this thread's regions then.
 
 
-_CALLBACKS = torch_compat.dynamo_callbacks
-
-
 def _listen_for_compiles() -> None:
-    # (Again at each region that may need it: torch._dynamo.reset() drops callbacks, and
-    # every graph: then no policy is traced any more, and the hooks may go.)
-    global _listening
-    callbacks = _CALLBACKS
-    if _on_compile_start not in callbacks.start_callbacks:
-        callbacks.register_start_callback(_on_compile_start)
-        if _listening:  # it was registered: Dynamo was reset since
-            _TRACED.clear()
-            hooks.traced = False
-        else:  # the first region that may meet a compile: nothing happens at import
-            engine_modules = [m for n, m in sys.modules.items() if n.startswith(__package__)]
-            compiling.never_root_frames(*engine_modules)
-        _listening = True
+    # (Again at each region that may need it: torch._dynamo.reset() drops the callback,
+    # and every graph: then no policy is traced any more, and the hooks may go.)
+    if compiling.listen(_on_compile_start):
+        hooks.traced = False
 
 
-def _on_compile_start(args: Any) -> None:
+def _on_compile_start() -> None:
     hooks.compile_started()  # a graph may trace them: they stay installed
     st = STATE
     if st.regions:
@@ -292,10 +264,11 @@ def _on_compile_start(args: Any) -> None:
 
 def _move_to_mode(st: EngineState) -> None:
     """Move this thread's regions to the mode now (a compile is starting)."""
+    traced = compiling.traced(st)
     for region in st.regions:
         if region.unplain:
             region.path = Path.MODE
-            _TRACED.add(region.policy)  # type: ignore[arg-type]
+            traced.add(region.policy)  # type: ignore[arg-type]
     if st.mode is None and any(r.path is Path.MODE for r in st.regions):
         # The mode goes where it would have been pushed: at the stack depth the
         # outermost such region found, below modes entered inside the region since.

@@ -25,8 +25,7 @@ from amped.policy import Cast, Policy
 __all__ = ["AutocastMode", "call_without_torch_autocast", "merged_rules"]
 
 _FunctionType = types.FunctionType
-# Dynamo folds it to True while tracing; eagerly one frame (is_compiling() costs two).
-_is_compiling = torch.compiler.is_dynamo_compiling
+_is_compiling = compiling.tracing
 # torch's autocast dispatch key per device type amped has policies for (policy.ops)
 _AUTOCAST_KEY = {
     "cpu": torch_compat.DispatchKey.AutocastCPU,
@@ -73,20 +72,13 @@ def _rules_of(policy: Policy) -> dict[Callable[..., Any], PerDevice]:
 def call_without_torch_autocast(
     device_types: tuple[str, ...], func: Callable[..., Any], args: Any, kwargs: Any
 ) -> Any:
-    """``func(*args, **kwargs)`` with torch's C++ autocast kept out.
-
-    Eagerly an exclude guard does it. Dynamo cannot trace that guard, so under
-    ``torch.compile`` the same effect comes from ``torch.autocast(enabled=False)`` for each
-    device type amped governs: for a single op call both mean "no autocast kernel runs".
-    """
+    """``func(*args, **kwargs)`` with torch's C++ autocast kept out: eagerly by an exclude
+    guard, under ``torch.compile`` as Dynamo can trace it
+    (:func:`compiling.without_torch_autocast_traced`, for ``device_types``)."""
     if not _is_compiling():
         with _exclude_guard(_AUTOCAST_KEYS):
             return func(*args, **kwargs)
-    compiling.check_supported()
-    if not device_types:
-        return func(*args, **kwargs)
-    with torch.autocast(device_types[0], enabled=False):
-        return call_without_torch_autocast(device_types[1:], func, args, kwargs)
+    return compiling.without_torch_autocast_traced(device_types, func, args, kwargs)
 
 
 _EMPTY: dict[str, Any] = {}

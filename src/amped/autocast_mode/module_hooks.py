@@ -1,6 +1,9 @@
 """Module rules as global module hooks, installed while a region whose policy has some is
 open (docs/engine.md, "Module rules are module hooks"). ``"fp32"`` and ``"skip"`` run as
 ``torch.amp.custom_fwd`` runs a function; ``"low"`` sets the mode's low flag.
+
+:func:`float32_inputs` is the one rule for a module run in float32, which the O2
+recipes' own norm hooks (:mod:`amped.recipes.fp32_modules`) apply too.
 """
 
 from __future__ import annotations
@@ -11,12 +14,14 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
+from amped._internal.trees import map_tensors
+from amped.autocast_mode import compiling
 from amped.autocast_mode.state import STATE, kept
 from amped.policy import ModuleRule, Policy
 
-__all__ = ["hooks"]
+__all__ = ["float32_inputs", "hooks"]
 
-_is_compiling = torch.compiler.is_dynamo_compiling
+_is_compiling = compiling.tracing
 
 
 def _match(module: torch.nn.Module, policies: dict[str, Policy]) -> ModuleRule | None:
@@ -71,23 +76,27 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
         return None
     STATE.frames.append((module, (rule.precision, enabled, None)))
     if rule.precision == "fp32":
-        args = tuple([_to_float32(a, enabled) for a in args])
+        args = float32_inputs(args, [dev for dev, on in enabled.items() if on])
     for dev in policies:
         torch.set_autocast_enabled(dev, False)
     return args if rule.precision == "fp32" else None
 
 
-def _to_float32(value: Any, enabled: dict[str, bool]) -> Any:
-    # Where autocast is off for the device type (a nested autocast(enabled=False), a
-    # "skip" rule around), nothing is cast, as torch's custom_fwd(cast_inputs=...) does.
-    if (
-        isinstance(value, torch.Tensor)
-        and value.is_floating_point()
-        and value.dtype is not torch.float64
-        and enabled.get(value.device.type, False)
-    ):
-        return value.float()
-    return value
+def float32_inputs(inputs: Any, device_types: list[str]) -> Any:
+    """``inputs`` with each floating tensor (float64 aside) on one of ``device_types`` cast
+    to float32, in lists, tuples and dicts too: what
+    ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` does to a function's arguments.
+    ``device_types``: those where autocast is on (where it is off, a nested
+    ``autocast(enabled=False)`` or a ``"skip"`` rule around, nothing is cast, as under
+    ``custom_fwd``); the module then runs with autocast off for them."""
+    if not device_types:
+        return inputs
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        floating = tensor.is_floating_point() and tensor.dtype is not torch.float64
+        return tensor.float() if floating and tensor.device.type in device_types else tensor
+
+    return map_tensors(cast, inputs)
 
 
 def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:

@@ -11,7 +11,7 @@ import torch
 
 from amped._internal import torch_compat
 from amped._internal.errors import type_error
-from amped.autocast_mode import engine
+from amped.autocast_mode import compiling, engine
 from amped.autocast_mode.state import Region
 from amped.policy import Policy
 from amped.policy.ops import TORCH_OP_TABLES
@@ -58,7 +58,7 @@ def _preset(name: str, device_type: str) -> Policy:
     return found if found is not None else _build_preset(name, device_type)
 
 
-@torch_compat.dynamo_disable
+@compiling.outside_graph
 def _build_preset(name: str, device_type: str) -> Policy:
     return _PRESETS.setdefault((name, device_type), Policy.preset(name, device_type))
 

@@ -77,7 +77,12 @@ class EngineState(threading.local):
         self.cache = WeightCache()  # low-precision weight copies, every path
         self.forced: Path | None = None  # forced_path: the doctor, tests, benchmarks
         self.torch_alongside = True  # torch's C++ autocast may run inside MODE regions
-        self.guard_mark = False  # autocast on for engine.GUARD_DEVICE_TYPE (for Dynamo)
+        self.guard_mark = False  # autocast on for compiling.GUARD_DEVICE_TYPE (for Dynamo)
+        # Policies a compile on this thread traced, and the Dynamo reset they date from
+        # (compiling.traced): later regions of these on this thread take MODE.
+        self.traced: set[Policy] = set()
+        self.traced_since = 0
+        self.aside = False  # compiling.outside_regions: a compile here is not the regions'
         self.frames: list[tuple[torch.nn.Module, Any]] = []  # module rules' open modules
         self.names: dict[int, str] = {}  # module id -> qualified name (name rules)
 

@@ -47,7 +47,7 @@ def _clone(func: types.FunctionType) -> types.FunctionType:
     return clone
 
 
-_clone_outside_graph = torch_compat.dynamo_disable(_clone)
+_clone_outside_graph = compiling.outside_graph(_clone)
 
 
 def prepare_clones() -> None:
@@ -73,7 +73,7 @@ call: Callable[..., Any] = _skip_one_hop if _skip_one_hop is not None else call_
 """Call a Python torch function with its own torch-function check skipped once
 (``torch.overrides.redispatch_function`` is a thin wrapper over the C function)."""
 
-_is_compiling = torch.compiler.is_dynamo_compiling  # see mode.py
+_is_compiling = compiling.tracing
 _push = torch_compat.push_torch_function_mode
 _pop = torch_compat.pop_torch_function_mode
 

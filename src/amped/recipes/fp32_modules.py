@@ -3,12 +3,13 @@
 O2 keeps the model's norm layers in float32 (weights and computation). Through a module
 rule of the autocast policy that costs the forward pass Python on every module call
 and every op inside a norm (amped's engine, see :mod:`amped.autocast_mode.module_hooks`).
-Here the recipe hooks those modules alone, with the semantics of
-``torch.amp.custom_fwd(cast_inputs=torch.float32)``: where autocast is on for the
-module's device type, its floating inputs (not float64; nested in lists, tuples and
-dicts too) are cast to float32 and autocast is off for the module's call, then back
-on. Elsewhere the module runs as it is. The region itself then needs no rule, so it
-runs torch's own C++ autocast.
+Here the recipe hooks those modules alone, with the engine's rule for a module run in
+float32 (:func:`amped.autocast_mode.module_hooks.float32_inputs`, the semantics of
+``torch.amp.custom_fwd(cast_inputs=torch.float32)``): where autocast is on for the
+module's device type, its floating inputs, positional and keyword (not float64; nested
+in lists, tuples and dicts too) are cast to float32 and autocast is off for the
+module's call, then back on. Elsewhere the module runs as it is. The region itself then
+needs no rule, so it runs torch's own C++ autocast.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from amped._internal.trees import map_tensors
+from amped.autocast_mode.module_hooks import float32_inputs
 
 __all__ = ["run_in_float32"]
 
@@ -36,12 +37,7 @@ def run_in_float32(modules: Iterable[torch.nn.Module], device_type: str) -> list
     """Hook ``modules`` to run in float32 under autocast on ``device_type`` (see the module
     docstring). Returns the hooks' handles; removing them undoes it."""
     calls = _Calls()
-
-    def cast(tensor: torch.Tensor) -> torch.Tensor:
-        floating = tensor.is_floating_point() and tensor.dtype is not torch.float64
-        if floating and tensor.device.type == device_type:
-            return tensor.to(torch.float32)
-        return tensor
+    device_types = [device_type]
 
     def before(
         module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -51,7 +47,7 @@ def run_in_float32(modules: Iterable[torch.nn.Module], device_type: str) -> list
             return None
         calls.turned_off.append(True)
         torch.set_autocast_enabled(device_type, False)
-        return map_tensors(cast, args), map_tensors(cast, kwargs)
+        return float32_inputs((args, kwargs), device_types)
 
     def after(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         if calls.turned_off.pop():

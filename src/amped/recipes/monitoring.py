@@ -290,14 +290,6 @@ class Monitor:
             self.setup.monitor = None
 
 
-def _stack(values: list[torch.Tensor]) -> torch.Tensor:
-    """0-d tensors stacked (dtypes promoted) on the first one's device."""
-    device = values[0].device
-    if any(value.device != device for value in values):
-        values = [value.to(device) for value in values]
-    return torch.stack(values)
-
-
 def monitor(
     setup: TrainSetup, every: int = 50, *, on_nonfinite: str = "skip", strict: bool = False
 ) -> Monitor:

@@ -18,6 +18,7 @@ import torch
 from test_fp8_cast import _every_rounding_case
 from two_processes import run_in_two_processes
 
+from amped._internal import testing
 from amped.lowp.float8 import compiled_cast
 from amped.lowp.float8.cast import (
     Float8Tensor,
@@ -68,8 +69,7 @@ def _same(a, b):
 
 
 def _eager(monkeypatch, function, *args, **kwargs):
-    with monkeypatch.context() as patch:
-        patch.setattr(compiled_cast, "compiles", lambda x: False)
+    with testing.casts("eager"):
         return function(*args, **kwargs)
 
 
@@ -78,7 +78,7 @@ def _compile_scaling(scaling, threads):
     whether the kernels compiled (a failed compile warns and casts eagerly: then the
     comparison would prove nothing)."""
     torch.set_num_threads(threads)  # the kernels are compiled for the test's thread count
-    compiled_cast.MIN_ELEMENTS = 0  # as the compiled_casts marker has it (conftest.py)
+    testing.CASTS = "compiled"  # as the compiled_casts marker has it (conftest.py)
     granularity, dim, power_of_2 = SCALINGS[scaling]
     casts = {}
     for fp8 in (E4M3, E5M2):
@@ -159,14 +159,13 @@ def test_compiled_emulated_gemm_is_the_eager_one_bitwise(granularity, out_dtype,
 
 def _casts_in_this_process():
     """In a worker process: e4m3 and e5m2 tensorwise GEMM operands, compiled and eager."""
-    compiled_cast.MIN_ELEMENTS = 0
+    testing.CASTS = "compiled"
     x = _suite((40, 104), torch.float32, special=False, seed=3) * 100
     out = {}
     for fp8 in (E4M3, E5M2):
         compiled = quantize(x, fp8, "tensorwise", -1, False, None, torch.float32).values
-        compiles, compiled_cast.compiles = compiled_cast.compiles, lambda x: False
-        eager = quantize(x, fp8, "tensorwise", -1, False, None, torch.float32).values
-        compiled_cast.compiles = compiles
+        with testing.casts("eager"):
+            eager = quantize(x, fp8, "tensorwise", -1, False, None, torch.float32).values
         out[fp8] = compiled, eager
     return out
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 from two_processes import run_in_two_processes
 
+from amped._internal import testing
 from amped.autocast_mode import current_path
 from amped.lowp import convert_to_low_precision
 from amped.lowp.float8 import compiled_cast
@@ -57,8 +58,7 @@ def _suite(shape, dtype, seed=0, special=True):
 
 
 def _eager(monkeypatch, *args, **kwargs):
-    with monkeypatch.context() as patch:
-        patch.setattr(compiled_cast, "compiles", lambda x: False)
+    with testing.casts("eager"):
         return block_operand(*args, **kwargs)
 
 
@@ -78,7 +78,7 @@ def _compile_case(case, dtype, threads):
     emulated layer runs without the health monitor: a graph of its own, without the
     elements and scale bits."""
     torch.set_num_threads(threads)  # the kernel is compiled for the test's thread count
-    compiled_cast.MIN_ELEMENTS = 0  # as the compiled_casts marker has it (conftest.py)
+    testing.CASTS = "compiled"  # as the compiled_casts marker has it (conftest.py)
     name, dim, tiles = CASES[case]
     operands = {}
     for special in (False, True):
@@ -241,7 +241,7 @@ def _training_step(recipe: str) -> list[torch.Tensor]:
 def _compiled_step(recipe: str, threads: int) -> tuple[list[torch.Tensor], bool]:
     """In a worker process: the step with the casts compiled, and whether they compiled."""
     torch.set_num_threads(threads)  # the kernels are compiled for the test's thread count
-    compiled_cast.MIN_ELEMENTS = 0  # as the compiled_casts marker has it (conftest.py)
+    testing.CASTS = "compiled"  # as the compiled_casts marker has it (conftest.py)
     return _training_step(recipe), compiled_cast.compiles(torch.zeros(()))
 
 
@@ -264,22 +264,58 @@ def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(
     """Block recipes and FP8 recipes (whose casts and emulated GEMM pieces compile too)."""
     compiled, compiled_ok = compiled_steps[recipe]
     assert compiled_ok
-    monkeypatch.setattr(compiled_cast, "compiles", lambda x: False)
+    monkeypatch.setattr(testing, "CASTS", "eager")
     eager = _training_step(recipe)
     for a, b in zip(compiled, eager, strict=True):
         assert _same(a, b)
 
 
-@pytest.mark.slow
-def test_a_compile_inside_an_autocast_region_leaves_its_path(monkeypatch):
-    """The kernels compile on the worker thread: the caller's region keeps its path."""
+def _cast_in_a_region(threads):
+    """In a fresh process: a block cast compiled inside a ``"strict"`` region (the
+    ``KERNELS`` path), its bits and the eager ones, the paths around it, and the threads
+    started meanwhile (Inductor's own helper threads are started first, by two unrelated
+    compiles)."""
+    import threading
+
     import amped
 
+    torch.set_num_threads(threads)
+    testing.CASTS = "compiled"
+    for cols in (32, 64):
+        torch.compile(lambda t: (t * 2).sum())(torch.randn(8, cols))
+    started = []
+    start = threading.Thread.start
+
+    def counting(thread):
+        started.append(thread.name)
+        start(thread)
+
+    threading.Thread.start = counting  # (this process's own: it ends with the job)
     x = _suite((32, 160), torch.bfloat16, seed=6)  # a shape no other test compiles
-    with amped.autocast("cpu", torch.bfloat16):
-        before = current_path("cpu")
-        block_operand(x, BLOCK_FORMATS["mxfp8"])
-        assert current_path("cpu") == before
+    policy = amped.Policy.preset("strict", "cpu")
+    with amped.autocast("cpu", policy=policy):
+        paths = [current_path("cpu")]
+        compiled = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
+        again = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
+        paths.append(current_path("cpu"))
+    with amped.autocast("cpu", policy=policy):
+        paths.append(current_path("cpu"))
+    ok = compiled_cast.compiles(x)
+    testing.CASTS = "eager"
+    eager = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
+    bits = [t.reshape(-1).view(torch.uint8) for t in (compiled, again, eager)]
+    return started, [p.name for p in paths], bits, ok
+
+
+@pytest.mark.slow
+def test_a_cast_compiled_inside_a_region_starts_no_thread_and_leaves_its_path():
+    """The kernel compiles and runs on the calling thread, apart from its region."""
+    threads = torch.get_num_threads()
+    job = run_in_two_processes(_cast_in_a_region, {0: (threads,)})[0]
+    started, paths, (compiled, again, eager), ok = job
+    assert ok and started == []
+    assert paths == ["KERNELS"] * 3
+    assert torch.equal(compiled, eager) and torch.equal(again, eager)
 
 
 def test_a_failed_compile_warns_once_and_casts_eagerly_with_the_same_bits(monkeypatch):

@@ -20,27 +20,23 @@ docs/fp8.md for the figures). Past :data:`STATIC_SHAPES` shapes of one setting (
 varying sequence length, say), further shapes share one dynamic-size kernel.
 
 **Never traced inside an autocast region.** The casts are called inside autocast
-regions (a layer's forward), and a compile that starts in a region moves amped's
-autocast engine off its fast path for the rest of the process (Dynamo guards on the
-torch-function mode stack: see docs/engine.md, "torch.compile"). So every compiled
-call runs on one worker thread of this module, where no region is open and torch's
-autocast is off (both are per thread), under ``no_grad``; its compiles and Dynamo's
-guards only ever see that state. A call costs one hand-off to the worker, about 15
-microseconds.
+regions (a layer's forward), where a compile would otherwise move the region to amped's
+mode (docs/engine.md, "torch.compile") and its graph would be guarded on the region's
+autocast state. So every compiled call runs on the calling thread under
+:func:`amped.autocast_mode.compiling.outside_regions`: ``no_grad``, autocast off on
+every device type, and a compile that leaves the thread's regions as they are; its
+compiles and Dynamo's guards only ever see that state, and no thread is started.
 
 **Where eager.** For tensors under :data:`MIN_ELEMENTS`, off CPU, inside a user's
 ``torch.compile`` (Dynamo then traces the function itself), and under any Python
-dispatch or function mode (a mode would not see the worker's ops, and
-``torch.compile`` skips frames under one), the function runs eagerly on the calling
-thread.
+dispatch or function mode (a mode would not see the compiled kernel's ops, and
+``torch.compile`` skips frames under one), the function runs eagerly.
 A compile that fails (no C++ compiler, an Inductor error) is reported once, as a
 warning, and the process keeps the eager casts: the same values, more slowly.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 import types
 import warnings
 from collections.abc import Callable, Hashable
@@ -48,7 +44,8 @@ from typing import Any
 
 import torch
 
-from amped._internal import torch_compat
+from amped._internal import testing, torch_compat
+from amped.autocast_mode import compiling
 
 __all__ = ["EXACT_FLOATING_POINT", "MIN_ELEMENTS", "STATIC_SHAPES", "compiles", "run"]
 
@@ -75,16 +72,6 @@ compare``'s built-in task, ``amped tune``'s verification runs) never does."""
 _compiled: dict[tuple[Hashable, ...], Callable[..., Any]] = {}
 _shapes: dict[tuple[Hashable, ...], int] = {}  # setting -> static shapes compiled
 _broken: dict[str, str] = {}  # device type -> why compiling failed there
-_worker: concurrent.futures.ThreadPoolExecutor | None = None
-_worker_lock = threading.Lock()
-
-
-def _pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="amped-cast")
-        return _worker
 
 
 def _kernel(function: Callable[..., Any], spec: Hashable, x: torch.Tensor) -> Callable[..., Any]:
@@ -112,24 +99,14 @@ def _kernel(function: Callable[..., Any], spec: Hashable, x: torch.Tensor) -> Ca
     return compiled
 
 
-def _call(
-    function: Callable[..., Any],
-    spec: Hashable,
-    x: torch.Tensor,
-    args: tuple[Any, ...],
-    threads: int,
-) -> Any:
-    if torch.get_num_threads() != threads:  # the worker follows the caller's setting
-        torch.set_num_threads(threads)
-    with torch.no_grad():
-        return _kernel(function, spec, x)(spec, x, *args)
-
-
 def compiles(x: torch.Tensor) -> bool:
-    """Whether :func:`run` would call the compiled kernel for ``x`` (see the module)."""
+    """Whether :func:`run` would call the compiled kernel for ``x`` (see the module; the
+    tests choose with :data:`amped._internal.testing.CASTS`)."""
+    how = testing.CASTS
     return (
-        x.device.type == "cpu"
-        and x.numel() >= MIN_ELEMENTS
+        how != "eager"
+        and x.device.type == "cpu"
+        and (how == "compiled" or x.numel() >= MIN_ELEMENTS)
         and "cpu" not in _broken
         and not torch.compiler.is_compiling()
         and not torch_compat.python_mode_active()
@@ -145,9 +122,8 @@ def run(function: Callable[..., Any], spec: Hashable, x: torch.Tensor, *args: An
     if not compiles(x):
         with torch.no_grad():
             return function(spec, x, *args)
-    future = _pool().submit(_call, function, spec, x, args, torch.get_num_threads())
     try:
-        return future.result()
+        return compiling.outside_regions(_kernel(function, spec, x), spec, x, *args)
     except Exception as error:
         reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:300]}"
         _broken["cpu"] = reason

@@ -272,7 +272,7 @@ def test_fp32_modules_cast_nested_inputs_as_custom_fwd_under_both_rules():
         norm(pair)
         with torch.autocast("cpu"):
             expected = oracle(ctx, pair)
-    assert norm.seen == expected[:2] + [None] == [torch.float32, torch.float32, None]
+    assert norm.seen == [*expected[:2], None] == [torch.float32, torch.float32, None]
 
     model = nn.Sequential(nn.Linear(8, 8))
     model.append(_PairNorm(8))

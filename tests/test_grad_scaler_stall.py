@@ -321,3 +321,38 @@ def test_a_parameter_the_loss_never_reaches_is_no_stall() -> None:
         scaler.step(optimizer)
         scaler.update()
     assert scaler.get_scale() >= 1.0
+
+
+def test_a_recovered_scale_that_overflows_is_not_retried() -> None:
+    """A gradient that went to zero for good (here: a branch the loss stops using) looks
+    like a partial stall whenever the scale is below the last clean one. If that clean
+    scale now overflows, recovering to it again and again would skip every step; it
+    is demoted instead, and training resumes at the strategy's next scale."""
+    torch.manual_seed(0)
+    main, branch = nn.Linear(8, 1), nn.Linear(8, 1)
+    optimizer = torch.optim.SGD([*main.parameters(), *branch.parameters()], lr=0.1)
+    scaler = amped.GradScaler("cpu", init_scale=512.0, growth_interval=10**6)
+    stepped = []
+
+    def iteration(step: int, poison: bool, branch_weight: float) -> None:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        with amped.autocast("cpu", dtype=torch.float16):
+            out = main(x).float() + branch_weight * branch(x).float()
+        loss = out.pow(2).mean()
+        scaler.scale(loss * math.nan if poison else loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        stepped.append(not scaler.last_step_skipped)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(3):
+            iteration(step, False, 1.0)
+        for step in range(3, 23):
+            iteration(step, True, 0.0)
+        # From now on the branch is unused and a scale of 512 overflows.
+        for step in range(23, 43):
+            iteration(step, scaler.get_scale() >= 512.0, 0.0)
+    assert scaler.get_scale() == 256.0
+    assert all(stepped[-10:]), stepped[23:]

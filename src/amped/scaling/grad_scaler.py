@@ -3,9 +3,11 @@
 Host-device syncs, per optimizer step: exactly one, in :meth:`GradScaler.step`, to
 decide whether to call ``optimizer.step()`` (none for optimizers that unscale inside
 their own step, such as torch's fused Adam, unless ``on_stall`` is ``"warn"`` or
-``"raise"``, which need the host to know before the step). :meth:`GradScaler.scale`,
-:meth:`GradScaler.unscale_` and :meth:`GradScaler.update` never sync, whatever the
-strategy. Reading the scale (``get_scale``, ``state_dict``, pickling) syncs, as in torch.
+``"raise"``, which need the host to know before the step). :meth:`GradScaler.scale`
+and :meth:`GradScaler.unscale_` never sync, whatever the strategy; nor does
+:meth:`GradScaler.update`, except once per ``amped.scaling.stall.REPORT_EVERY`` (64)
+iterations in which ``step()`` did not sync (those optimizers, under ``"recover"``), to
+read the stalls the device handled alone. Reading the scale (``get_scale``, ``state_dict``, pickling) syncs, as in torch.
 Under torch.distributed, ranks that hold different gradients agree on each step with
 one collective (see :mod:`amped.scaling.distributed`), which adds no host sync.
 
@@ -100,7 +102,8 @@ class GradScaler:
             at the last clean step) while the loss is finite and non-zero, or a step at
             the scale floor (see :mod:`amped.scaling.stall`). ``"recover"`` (default)
             warns once and returns the scale to the last one that gave a clean step
-            (torch's fused optimizers: recovered on the device, not warned about);
+            (torch's fused optimizers: recovered on the device, warned about within
+            ``amped.scaling.stall.REPORT_EVERY`` (64) iterations, one sync per 64);
             ``"warn"`` warns once and keeps the strategy's scale (torch's numbers);
             ``"raise"`` raises :class:`~amped.scaling.ScaleStallError` before
             ``optimizer.step()``. ``"warn"`` and ``"raise"`` sync once per step with
@@ -408,7 +411,7 @@ class GradScaler:
         zero_counts = {key: state.zero_counts for key, state in self._per_optimizer_states.items()}
         # A scale the caller chose is not overridden.
         stalled = None if new_scale is not None else self._stalled(scale, found, zero_counts)
-        self._stall.before_update(scale, found, stalled, zero_counts)
+        self._stall.before_update(scale, found, stalled, zero_counts, self._synced)
         if new_scale is not None:
             value = check_new_scale(new_scale, self._device)
             if isinstance(value, float):
@@ -430,6 +433,8 @@ class GradScaler:
             ints = [tracker] if streak is None else [tracker, streak]
             self._history.add(self._updates, floats, ints, may_sync=not self._synced)
         self._updates += 1
+        if not self._synced and not _capturing():
+            self._stall.report_every(self._updates)  # what the device decided alone
         self._synced = False
         self._per_optimizer_states = defaultdict(OptimizerState)
 
@@ -696,6 +701,11 @@ class GradScaler:
         if self._scale is None:
             return dict(self._init_counters)
         return {name: int(tensor.item()) for name, tensor in self._counters.items()}
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured (no sync may happen then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _cuda_definitely_unavailable() -> bool:

@@ -41,9 +41,12 @@ Optimizers that unscale inside their own step (``_step_supports_amp_scaling``: t
 fused and capturable ones) skip on the device, with no sync. Under ``"warn"`` and
 ``"raise"`` the scaler syncs once in ``step()`` for them too, so that it can warn or
 raise before the step (and skips the call on an overflow, as for any other optimizer);
-under ``"recover"`` it recovers on the device, checks their gradients every iteration,
-and does not warn (there is no sync to warn from, and CUDA-graph capture allows none).
-amped's fp16-master fused step decides on the host in every mode (it syncs anyway).
+under ``"recover"`` it recovers on the device and checks their gradients every
+iteration, and counts, on the device, the iterations that stalled or were taken at the
+floor; every :data:`REPORT_EVERY` iterations ``update()`` reads that count (one sync,
+skipped while a CUDA graph is being captured) and warns once, so the warning comes up
+to that many iterations late. amped's fp16-master fused step decides on the host in
+every mode (it syncs anyway).
 """
 
 from __future__ import annotations
@@ -56,9 +59,12 @@ import torch
 from amped._internal.errors import value_error
 from amped.scaling.checks import SCALE_FLOOR
 
-__all__ = ["STALL_MODES", "ScaleStallError", "StallGuard", "check_on_stall"]
+__all__ = ["REPORT_EVERY", "STALL_MODES", "ScaleStallError", "StallGuard", "check_on_stall"]
 
 STALL_MODES = ("recover", "warn", "raise")
+REPORT_EVERY = 64
+"""Iterations between two reads of the stalls the device handled alone (torch's fused
+optimizers under ``on_stall="recover"``): one sync per this many, none in between."""
 
 
 class ScaleStallError(RuntimeError):
@@ -101,6 +107,9 @@ class StallGuard:
         self._clean: torch.Tensor | None = None
         self._zeros: dict[int, torch.Tensor] = {}
         self._recovered: torch.Tensor | None = None  # the latest update recovered
+        # Iterations that stalled or were taken at the floor, decided on the device
+        # alone (no step() sync), not yet reported to the host.
+        self._unreported: torch.Tensor | None = None
 
     def note_loss(self, output: torch.Tensor) -> None:
         """Record whether a tensor ``scale()`` multiplies is finite and non-zero. No sync."""
@@ -187,10 +196,15 @@ class StallGuard:
         found_inf: torch.Tensor,
         stalled: torch.Tensor | None,
         zero_counts: dict[int, list[tuple[torch.Tensor, int]]],
+        host_decided: bool,
     ) -> None:
         """In ``update()``, before the strategy moves the scale: on a clean iteration,
         remember its scale and the zero counts it made. In place, on the device."""
         clean = found_inf == 0 if stalled is None else (found_inf == 0) & ~stalled
+        if not host_decided and not self.warned:
+            event = (found_inf == 0) & (scale <= SCALE_FLOOR)
+            event = (event if stalled is None else event | stalled).int()
+            self._unreported = event if self._unreported is None else self._unreported + event
         last = self.last_clean(scale)
         torch.where(clean, scale, last, out=last)
         for key, counts in zero_counts.items():
@@ -217,6 +231,33 @@ class StallGuard:
             torch.where(self._recovered, last, scale, out=scale)
         self._loss_ok = None
 
+    def report_every(self, updates: int) -> None:
+        """After ``updates`` updates: every :data:`REPORT_EVERY` of them, warn once if
+        iterations the device decided alone stalled or were taken at the floor (see the
+        module). Reads one count then (a sync), and nothing otherwise."""
+        if updates % REPORT_EVERY != 0:
+            return
+        unreported, self._unreported = self._unreported, None
+        if unreported is None or self.warned:
+            return
+        update = updates - 1
+        count = int(unreported.item())
+        if count == 0:
+            return
+        self.warned = True
+        warnings.warn(
+            f"amped.GradScaler: {count} iteration(s) up to iteration {update} had gradients "
+            "underflow to zero while the loss was finite and non-zero, or were taken at the "
+            "scale floor 2**-126. A long run of overflows drove the scale down, and float16 "
+            "gradients flush to zero there. When gradients underflow to zero, the scale "
+            "returns to the last one that gave a clean step (on_stall='recover'); this "
+            "optimizer skips on the device, so the scaler reads this every "
+            f"{REPORT_EVERY} iterations. If overflows persist, find their source with "
+            "amped.doctor.diagnose. Warned once per scaler.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
     def reset(self, init_scale: float) -> None:
         """After ``load_state_dict``: the loaded scale is the last clean one known."""
         self._init_clean = init_scale
@@ -240,6 +281,7 @@ class StallGuard:
             "_clean": None,
             "_zeros": {},
             "_recovered": None,
+            "_unreported": None,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -251,5 +293,6 @@ class StallGuard:
             "_zeros": {},
             "_recovered": None,
             "_loss_ok": None,
+            "_unreported": None,
         }
         self.__dict__.update(defaults | state)

@@ -7,7 +7,8 @@ their own step, such as torch's fused Adam, unless ``on_stall`` is ``"warn"`` or
 and :meth:`GradScaler.unscale_` never sync, whatever the strategy; nor does
 :meth:`GradScaler.update`, except once per ``amped.scaling.stall.REPORT_EVERY`` (64)
 iterations in which ``step()`` did not sync (those optimizers, under ``"recover"``), to
-read the stalls the device handled alone. Reading the scale (``get_scale``, ``state_dict``, pickling) syncs, as in torch.
+read the stalls the device handled alone. Reading the scale (``get_scale``,
+``state_dict``, pickling) syncs, as in torch.
 Under torch.distributed, ranks that hold different gradients agree on each step with
 one collective (see :mod:`amped.scaling.distributed`), which adds no host sync.
 

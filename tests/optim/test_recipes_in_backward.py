@@ -150,3 +150,65 @@ def test_docstring_examples_run(module: str) -> None:
 
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
     assert result.failed == 0 and result.attempted > 0
+
+
+def _saved(state: dict) -> dict:
+    """``state`` through a checkpoint file's bytes, loaded as amped loads (weights only)."""
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("name", ["8bit-kahan", "sgd-kahan"])
+def test_resume_with_clipping_is_bitwise(name: str) -> None:
+    """The clipping norm of the last step travels in the optimizer's state: a run
+    resumed from a checkpoint clips its first step as the uninterrupted run does."""
+    make, data = _optimizers()[name], batches(6)
+    whole, _ = _hooked(make, data, max_norm=0.05)  # clipped from the second step on
+    model = _model()
+    opt = make(model.parameters())
+    step_in_backward(opt, max_norm=0.05)
+    for x, y in data[:3]:
+        _loss(model, x, y).backward()
+        opt.step()
+    state = _saved({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    resumed = _model(seed=1)
+    opt = make(resumed.parameters())
+    step_in_backward(opt, max_norm=0.05)  # before loading: its hooks read the norm back
+    resumed.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    for x, y in data[3:]:
+        _loss(resumed, x, y).backward()
+        opt.step()
+    for p, q in zip(resumed.parameters(), whole.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_clipping_after_a_load_without_hooks_warns() -> None:
+    model = _model()
+    opt = CompensatedSGD(model.parameters(), lr=1e-2, momentum=0.9, fused=False)
+    (x, y), *_ = batches(1)
+    _loss(model, x, y).backward()
+    opt.step()
+    with pytest.warns(RuntimeWarning, match="next step is not clipped"):
+        step_in_backward(opt, max_norm=1.0)
+
+
+def test_monitor_and_in_backward_refuse_each_other_in_either_order() -> None:
+    """Under optimizer-in-backward the gradients are stepped and freed before the
+    monitor could check them: a NaN gradient would poison a weight unnamed."""
+    model = nn.Sequential(nn.Linear(32, 8))
+    setup = amped.prepare(model, torch.optim.AdamW(model.parameters()), "bf16-pure")
+    hooks = step_in_backward(setup.optimizer)
+    with pytest.raises(ValueError, match="step_in_backward"):
+        amped.monitor(setup)
+    assert setup.monitor is None
+    hooks.remove()
+    health = amped.monitor(setup)
+    with pytest.raises(ValueError, match=r"amped\.monitor checks each step's gradients"):
+        step_in_backward(setup.optimizer)
+    health.detach()
+    step_in_backward(setup.optimizer)  # alone again: allowed

@@ -9,7 +9,7 @@ import torch
 from scaler_helpers import count_host_syncs
 
 import amped
-from amped.scaling import records
+from amped.scaling import records, stall
 from amped.scaling.records import ScaleRecord
 
 CONFIGS = {
@@ -62,6 +62,17 @@ def test_fused_optimizer_steps_without_sync() -> None:
     for step in range(6):
         assert iteration(scaler, [optimizer], param, step == 3) == []
     assert scaler.last_step_skipped is False  # read on demand: this one syncs
+
+
+def test_fused_optimizer_stall_count_is_read_once_per_report_interval() -> None:
+    """Under on_stall="recover" the device handles a fused optimizer's stalls alone; the
+    host reads their count (to warn) once every REPORT_EVERY updates, and never else."""
+    param = torch.zeros(4, requires_grad=True)
+    optimizer = torch.optim.Adam([param], lr=0.1, fused=True)
+    scaler = amped.GradScaler("cpu")
+    every = stall.REPORT_EVERY
+    counts = [len(iteration(scaler, [optimizer], param, step == 3)) for step in range(2 * every)]
+    assert counts == [1 if (step + 1) % every == 0 else 0 for step in range(2 * every)]
 
 
 def test_fused_optimizer_history_flushes_within_the_sync_budget(monkeypatch) -> None:

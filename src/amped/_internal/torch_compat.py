@@ -209,14 +209,15 @@ def amp_unscale_and_check_(
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
-def foreach_all_zero(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """bool, 0-d: whether every element of every tensor is zero (NaN counts as non-zero).
+def foreach_zero_count(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """int64, 0-d: how many of ``tensors`` are zero in every element (NaN counts as
+    non-zero).
 
     One multi-tensor max-abs pass (``torch._foreach_norm`` with ``ord=inf``), where a
     Python loop would pay a dispatch per tensor; the scaler's stall check uses it.
     """
     norms = torch._foreach_norm(tensors, float("inf"))
-    return (torch.stack([n.float() for n in norms]) == 0).all()
+    return (torch.stack([n.float() for n in norms]) == 0).sum()
 
 
 def sparse_values(tensor: torch.Tensor) -> torch.Tensor:

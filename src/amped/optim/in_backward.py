@@ -26,15 +26,23 @@ hook, when every parameter has stepped, so each step is clipped by the *previous
 step's total norm: gradients are multiplied by ``min(1, max_norm / (norm + 1e-6))``
 before stepping, with ``norm`` the 2-norm of the previous step's unclipped gradients
 (:attr:`InBackward.last_norm`). The first step is not clipped. A spike is thus clipped
-one step late; the norm stays on the device (no sync).
+one step late; the norm stays on the device (no sync). The norm travels in the
+optimizer's ``state_dict()`` (under ``"in_backward"``) and comes back with
+``load_state_dict()`` while the hooks are on, so a run resumed from a checkpoint clips
+its first step as the uninterrupted run does (bitwise): call :func:`step_in_backward`
+before loading (it warns if the optimizer already holds state and ``max_norm`` is set).
 
 Cannot combine with gradient accumulation (several backward passes per step: the first
 one steps already; a parameter hooked twice before a step raises RuntimeError), nor with
-clipping or unscaling gradients between backward and step (there are none left).
+clipping or unscaling gradients between backward and step (there are none left), nor
+with :func:`amped.monitor`, which checks the gradients in ``setup.step()``, after the
+hooks have stepped them and freed them: either order of the two is refused with a
+``ValueError``.
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -45,9 +53,19 @@ from amped.optim.adamw8bit import CompensatedAdamW8bit
 from amped.optim.compensated import CompensatedAdamW, CompensatedSGD
 from amped.optim.shards import is_sharded
 
-__all__ = ["InBackward", "in_backward", "step_in_backward"]
+__all__ = ["InBackward", "in_backward", "set_monitored", "step_in_backward"]
 
 _ACTIVE: weakref.WeakKeyDictionary[torch.optim.Optimizer, InBackward] = weakref.WeakKeyDictionary()
+# Optimizers whose setup a monitor watches (amped.recipes.monitoring registers them).
+_MONITORED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+_STATE_KEY = "in_backward"
+_MONITOR_CONFLICT = (
+    "amped.monitor checks each step's gradients in setup.step(), before the optimizer "
+    "steps; under step_in_backward every parameter steps inside backward and its "
+    "gradient is freed before setup.step(), so a non-finite gradient would reach the "
+    "weights unchecked. Use one or the other: remove the hooks (hooks.remove()) to "
+    "monitor, or detach the monitor (monitor.detach()) to step in backward"
+)
 _OPTIMIZERS = (CompensatedAdamW8bit, CompensatedAdamW, CompensatedSGD)
 
 
@@ -68,6 +86,8 @@ class InBackward:
                 if param.requires_grad:
                     self._handles.append(param.register_post_accumulate_grad_hook(self._hook))
         self._handles.append(optimizer.register_step_post_hook(self._close))
+        self._handles.append(optimizer.register_state_dict_post_hook(self._save_norm))
+        self._handles.append(optimizer.register_load_state_dict_pre_hook(self._load_norm))
 
     @torch.no_grad()
     def _hook(self, param: torch.Tensor) -> None:
@@ -105,6 +125,34 @@ class InBackward:
             self.last_norm = self._squares.sqrt()
         self._squares = None
         self._stepped.clear()
+
+    def _save_norm(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``optimizer.state_dict()`` carries the clipping norm of the last step."""
+        norm = None if self.last_norm is None else self.last_norm.detach().clone()
+        state_dict[_STATE_KEY] = {"last_norm": norm}
+        return state_dict
+
+    def _load_norm(
+        self, optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        """``optimizer.load_state_dict()`` restores the clipping norm (before torch reads
+        the rest, which has no such key)."""
+        entry = state_dict.get(_STATE_KEY)
+        if entry is None:
+            return state_dict
+        norm = entry.get("last_norm") if isinstance(entry, dict) else None
+        if norm is not None and not (isinstance(norm, torch.Tensor) and norm.numel() == 1):
+            raise value_error(
+                "The optimizer state's in_backward entry holds the clipping norm of the "
+                "last step: a 1-element tensor or None. Load a state written by "
+                "optimizer.state_dict() under step_in_backward",
+                "state_dict['in_backward']['last_norm']",
+                norm,
+            )
+        self.last_norm = None if norm is None else norm.detach().clone().reshape(())
+        return {key: value for key, value in state_dict.items() if key != _STATE_KEY}
 
     def remove(self) -> None:
         """Take the hooks off: the optimizer steps ordinarily again."""
@@ -160,6 +208,18 @@ def step_in_backward(
             "optimizer",
             type(optimizer).__name__,
         )
+    if optimizer in _MONITORED:
+        raise value_error(_MONITOR_CONFLICT, "optimizer", type(optimizer).__name__)
+    if max_norm is not None and optimizer.state:
+        warnings.warn(
+            "step_in_backward(max_norm=...) on an optimizer that already holds state (it "
+            "stepped, or loaded a checkpoint): the clipping norm of its last step is not "
+            "known, so the next step is not clipped. To resume bitwise, call "
+            "step_in_backward before optimizer.load_state_dict (the norm is in the state "
+            "the hooks save)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     hooks = InBackward(optimizer, None if max_norm is None else float(max_norm))
     _ACTIVE[optimizer] = hooks
     return hooks
@@ -168,3 +228,18 @@ def step_in_backward(
 def in_backward(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` steps in backward (its gradients are transient)."""
     return optimizer in _ACTIVE
+
+
+def set_monitored(optimizer: torch.optim.Optimizer, monitored: bool) -> None:
+    """Record that a monitor checks ``optimizer``'s gradients at ``setup.step()`` (or no
+    longer does): :func:`step_in_backward` refuses it meanwhile.
+
+    Raises:
+        ValueError: ``optimizer`` steps in backward already.
+    """
+    if not monitored:
+        _MONITORED.discard(optimizer)
+        return
+    if optimizer in _ACTIVE:
+        raise value_error(_MONITOR_CONFLICT, "optimizer", type(optimizer).__name__)
+    _MONITORED.add(optimizer)

@@ -33,6 +33,11 @@ must still be the model's module of that name and must have run its FP8 forward;
 layer replaced after ``prepare`` or a compile that dropped the conversion is reported
 in :attr:`Monitor.audit`, and with ``strict=True`` raises :class:`NonFiniteError`'s
 sibling, ``RuntimeError``.
+
+Not under optimizer-in-backward (:func:`amped.optim.step_in_backward`): each
+parameter there steps inside backward and its gradient is gone before
+``setup.step()`` could check it, so a monitor refuses an optimizer that steps in
+backward, and ``step_in_backward`` refuses a monitored one (``ValueError``, either order).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ import torch
 from amped._internal.errors import value_error
 from amped._internal.source import describe, user_frame
 from amped.lowp.health import ROLES, STATS, Probe, any_nonfinite, probe_nonfinite, range_probe
+from amped.optim.in_backward import set_monitored
 from amped.recipes.setup import TrainSetup
 
 __all__ = ["Monitor", "NonFinite", "NonFiniteError", "monitor"]
@@ -102,6 +108,8 @@ class Monitor:
             raise value_error(
                 "on_nonfinite is 'skip', 'warn' or 'raise'", "on_nonfinite", on_nonfinite
             )
+        # Before anything changes: refused where the optimizer steps in backward.
+        set_monitored(setup.optimizer, True)
         self.setup, self.every, self.on_nonfinite, self.strict = setup, every, on_nonfinite, strict
         self.step = 0
         self.sampling = True
@@ -288,6 +296,7 @@ class Monitor:
                 layer.fp8_observer = None  # type: ignore[assignment]
         if self.setup.monitor is self:
             self.setup.monitor = None
+            set_monitored(self.setup.optimizer, False)
 
 
 def monitor(
@@ -301,6 +310,11 @@ def monitor(
         every: sample the counters (and audit the plan) every this many steps.
         on_nonfinite: ``"skip"`` (default), ``"warn"`` or ``"raise"``.
         strict: make a failed audit fatal (``RuntimeError``).
+
+    Raises:
+        ValueError: ``setup.optimizer`` steps in backward
+            (:func:`amped.optim.step_in_backward`), where no gradient is left for the
+            monitor to check; remove its hooks first.
 
     Example:
         >>> import torch, amped

@@ -37,6 +37,7 @@ class MasterSetup(TrainSetup):
 
     optimizer: MasterWeightOptimizer
     _norm_hooks: tuple[RemovableHandle, ...] = ()
+    _low_gradients: _LowGradients | None = None
 
     def _prepare_grads(self) -> None:
         if not self.optimizer._takes_low_gradients():
@@ -54,13 +55,16 @@ class MasterSetup(TrainSetup):
         the kernel unscales them. Syncs once when the recipe scales the loss."""
         if not (self.scaler.is_enabled() and self.optimizer._takes_low_gradients()):
             return super().step()
-        checked = _LowGradients(self.optimizer)
-        self.scaler.step(cast(torch.optim.Optimizer, checked))
+        # One object for the whole run: the scaler keeps its stall counts by its id.
+        if self._low_gradients is None or self._low_gradients.optimizer is not self.optimizer:
+            self._low_gradients = _LowGradients(self.optimizer)
+        self.scaler.step(cast(torch.optim.Optimizer, self._low_gradients))
         self.scaler.update()
-        self._after_step(not checked.skipped)
+        stepped = not self.scaler.last_step_skipped  # decided on the host: no sync
+        self._after_step(stepped)
         if self.fp8_layers is not None:
             self.fp8_layers.update()
-        return not checked.skipped
+        return stepped
 
     def teardown(self) -> None:
         """As :meth:`TrainSetup.teardown`; also removes the norm layers' float32 hooks."""
@@ -174,24 +178,28 @@ class MasterSetup(TrainSetup):
 class _LowGradients:
     """What the scaler checks and steps when the fused step reads low-precision
     gradients: those gradients (with the float32 parameters'), in an optimizer that, as
-    torch's fused ones, unscales and skips inside its own step
-    (``_step_supports_amp_scaling``: the scaler then checks the gradients without
-    unscaling them and hands over ``grad_scale`` and ``found_inf``)."""
+    torch's fused ones, unscales inside its own step (``_step_supports_amp_scaling``: the
+    scaler then checks the gradients without unscaling them and hands over
+    ``grad_scale``). The scaler decides on the host whether to step
+    (``_amped_decides_on_host``: one sync, which also reports a stall in every
+    ``on_stall`` mode), and calls :meth:`step` only on a clean iteration."""
 
     _step_supports_amp_scaling = True
+    _amped_decides_on_host = True
 
     def __init__(self, optimizer: MasterWeightOptimizer) -> None:
         self.optimizer = optimizer
-        lows = {id(master): param for param, master in optimizer.pairs}
-        params = [lows.get(id(p), p) for g in optimizer.param_groups for p in g["params"]]
-        self.param_groups = [{"params": params}]
-        self.skipped = False
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """One group of the gradients the fused step reads: each master's low-precision
+        parameter, and the float32 parameters as they are."""
+        lows = {id(master): param for param, master in self.optimizer.pairs}
+        groups = self.optimizer.param_groups
+        return [{"params": [lows.get(id(p), p) for g in groups for p in g["params"]]}]
 
     def step(self) -> None:
-        found_inf = cast(torch.Tensor, self.found_inf)  # type: ignore[attr-defined]
-        self.skipped = bool(found_inf.item() > 0)  # the step's one sync
-        if not self.skipped:
-            self.optimizer._step_unscaling(self.grad_scale)  # type: ignore[attr-defined]
+        self.optimizer._step_unscaling(self.grad_scale)  # type: ignore[attr-defined]
 
 
 def float32_norms(plain: TrainSetup) -> tuple[Policy, list[torch.nn.Module]]:

@@ -23,6 +23,7 @@ import torch
 from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
 from amped.lowp.convert import LowPrecisionLayers
+from amped.optim.in_backward import in_backward
 from amped.policy import Policy
 from amped.recipes.registry import Recipe
 from amped.recipes.weights import Lowering, installed_on, restore_model_
@@ -82,7 +83,22 @@ class TrainSetup:
         return autocast(self.device_type, dtype=self.recipe.dtype, policy=self.policy)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, with the loss scaled when the recipe scales it."""
+        """``loss.backward()``, with the loss scaled when the recipe scales it.
+
+        Raises:
+            ValueError: the loss is scaled (an enabled scaler) and the optimizer steps
+                in backward (:func:`amped.optim.step_in_backward`), which would step
+                every parameter on its scaled gradient, unchecked for inf/NaN.
+        """
+        if self.scaler.is_enabled() and in_backward(self.optimizer):
+            raise value_error(
+                "step_in_backward steps each parameter inside backward, on its scaled "
+                "gradient, before the GradScaler can unscale it or skip an inf/NaN step: "
+                "loss scaling cannot run under it. Step in backward without a scaler (the "
+                "bf16-pure recipes need none), or remove the hooks (hooks.remove())",
+                "scaler.is_enabled()",
+                True,
+            )
         self.scaler.scale(loss).backward()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

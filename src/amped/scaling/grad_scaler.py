@@ -2,9 +2,13 @@
 
 Host-device syncs, per optimizer step: exactly one, in :meth:`GradScaler.step`, to
 decide whether to call ``optimizer.step()`` (none for optimizers that unscale inside
-their own step, such as torch's fused Adam). :meth:`GradScaler.scale`,
-:meth:`GradScaler.unscale_` and :meth:`GradScaler.update` never sync, whatever the
-strategy. Reading the scale (``get_scale``, ``state_dict``, pickling) syncs, as in torch.
+their own step, such as torch's fused Adam, unless ``on_stall`` is ``"warn"`` or
+``"raise"``, which need the host to know before the step). :meth:`GradScaler.scale`
+and :meth:`GradScaler.unscale_` never sync, whatever the strategy; nor does
+:meth:`GradScaler.update`, except once per ``amped.scaling.stall.REPORT_EVERY`` (64)
+iterations in which ``step()`` did not sync (those optimizers, under ``"recover"``), to
+read the stalls the device handled alone. Reading the scale (``get_scale``,
+``state_dict``, pickling) syncs, as in torch.
 Under torch.distributed, ranks that hold different gradients agree on each step with
 one collective (see :mod:`amped.scaling.distributed`), which adds no host sync.
 
@@ -94,12 +98,17 @@ class GradScaler:
             and needs none for plain ones (one process, DDP); a ``ProcessGroup`` is
             always used, with one all-reduce per step. See
             :mod:`amped.scaling.distributed`. Not pickled (it belongs to one process).
-        on_stall: keyword-only. What a stall does: a step with all gradients zero while
-            the loss is finite and non-zero, or a step at the scale floor (see
-            :mod:`amped.scaling.stall`). ``"recover"`` (default) warns once and returns
-            the scale to the last one that gave a clean step; ``"warn"`` warns once and
-            keeps the strategy's scale (torch's numbers); ``"raise"`` raises
-            :class:`~amped.scaling.ScaleStallError` before ``optimizer.step()``.
+        on_stall: keyword-only. What a stall does: a step whose gradients underflowed to
+            zero (all of them, or, below the last clean scale, some that were non-zero
+            at the last clean step) while the loss is finite and non-zero, or a step at
+            the scale floor (see :mod:`amped.scaling.stall`). ``"recover"`` (default)
+            warns once and returns the scale to the last one that gave a clean step
+            (torch's fused optimizers: recovered on the device, warned about within
+            ``amped.scaling.stall.REPORT_EVERY`` (64) iterations, one sync per 64);
+            ``"warn"`` warns once and keeps the strategy's scale (torch's numbers);
+            ``"raise"`` raises :class:`~amped.scaling.ScaleStallError` before
+            ``optimizer.step()``. ``"warn"`` and ``"raise"`` sync once per step with
+            torch's fused optimizers too.
 
     Example:
         >>> import torch, amped
@@ -244,13 +253,13 @@ class GradScaler:
         else:
             inv_scale = scale.double().reciprocal().float()
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
-        state.grads_all_zero = []
+        state.zero_counts = []
         state.found_inf_per_device = unscale_grads_(
             optimizer,
             inv_scale,
             found_inf,
             allow_fp16=False,
-            all_zero=state.grads_all_zero if self._stall.watch else None,
+            zero_counts=state.zero_counts if self._stall.watch else None,
         )
         state.found_inf_per_device = agree_across_ranks(
             self._process_group, optimizer, state.found_inf_per_device, scale.device
@@ -264,11 +273,14 @@ class GradScaler:
         Returns ``optimizer.step``'s return value, or None when the step is skipped.
         Syncs once, to decide; an optimizer with ``_step_supports_amp_scaling`` (torch's
         fused and capturable ones) gets ``grad_scale`` and ``found_inf`` attributes and
-        decides on the device, with no sync.
+        decides on the device, with no sync, under ``on_stall="recover"``; under
+        ``"warn"``/``"raise"`` (or if it sets ``_amped_decides_on_host``) the scaler
+        syncs once for it too and does not call it on an overflow.
 
         Raises:
             RuntimeError: a closure (unsupported, as in torch), ``step()`` twice since
                 ``update()``, a call before ``scale()``, or no gradients to check.
+            ScaleStallError: ``on_stall="raise"`` and the step stalls or is at the floor.
         """
         if not self._enabled:
             return optimizer.step(*args, **kwargs)
@@ -289,10 +301,26 @@ class GradScaler:
                 "a gradient. Call scaler.scale(loss).backward() before scaler.step()."
             )
         found = combine_on(scale.device, list(state.found_inf_per_device.values()))
-        stalled = self._stall.stalled(found, state.grads_all_zero)
+        self._decide_on_host(optimizer, state, scale, found)
+        retval = None if self._last_skipped else optimizer.step(*args, **kwargs)
+        state.stage = OptState.STEPPED
+        return retval
+
+    def _decide_on_host(
+        self,
+        optimizer: torch.optim.Optimizer,
+        state: OptimizerState,
+        scale: torch.Tensor,
+        found: torch.Tensor,
+    ) -> None:
+        """The one host-device sync of the step: whether it overflowed or stalled; it also
+        fetches waiting history records and brings the scale, for the stall check.
+
+        Raises:
+            ScaleStallError: ``on_stall="raise"`` and a stall or a step at the floor.
+        """
+        stalled = self._stall.stalled(id(optimizer), found, state.zero_counts, scale)
         parts = [found, scale] if stalled is None else [found, scale, stalled.float()]
-        # The one host-device sync of the step (it also fetches waiting history records
-        # and brings the scale, for the stall check).
         if self._history is None:
             flag, used, *stall = torch.stack(parts).tolist()
         else:
@@ -300,9 +328,6 @@ class GradScaler:
         self._synced = True
         self._last_skipped = flag > 0
         self._stall.check_step(used, flag > 0, bool(stall and stall[0] > 0), self._updates)
-        retval = None if self._last_skipped else optimizer.step(*args, **kwargs)
-        state.stage = OptState.STEPPED
-        return retval
 
     def _step_in_optimizer(
         self,
@@ -332,6 +357,16 @@ class GradScaler:
         if state.stage is OptState.READY:
             self._check_inf_per_device(optimizer)
         found_inf = combine_on(scale.device, list(state.found_inf_per_device.values()))
+        # Under on_stall="warn"/"raise" (and for amped's fp16-master fused step, which
+        # syncs anyway) the host decides, so that a stall is reported before the step.
+        if self._stall.mode != "recover" or getattr(optimizer, "_amped_decides_on_host", False):
+            self._decide_on_host(optimizer, state, scale, found_inf)
+            if self._last_skipped:  # as the optimizer would, without being called
+                state.stage = OptState.STEPPED
+                return None
+            host_decided = True
+        else:
+            host_decided = False
         # Unscaled already: the optimizer must not unscale again. Otherwise multiply in a
         # grad_scale the user may have set on the optimizer.
         if state.stage is OptState.UNSCALED:
@@ -344,7 +379,8 @@ class GradScaler:
         state.stage = OptState.STEPPED
         del optimizer.grad_scale  # type: ignore[attr-defined]
         del optimizer.found_inf  # type: ignore[attr-defined]
-        self._last_skipped = found_inf
+        if not host_decided:
+            self._last_skipped = found_inf
         return retval
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -373,11 +409,10 @@ class GradScaler:
             )
         before = scale.clone() if self._history is not None else None
         found = combine_on(scale.device, found_infs)
-        all_zero = [
-            flag for state in self._per_optimizer_states.values() for flag in state.grads_all_zero
-        ]
+        zero_counts = {key: state.zero_counts for key, state in self._per_optimizer_states.items()}
         # A scale the caller chose is not overridden.
-        stalled = self._stall.stalled(found, all_zero) if new_scale is None else None
+        stalled = None if new_scale is not None else self._stalled(scale, found, zero_counts)
+        self._stall.before_update(scale, found, stalled, zero_counts, self._synced)
         if new_scale is not None:
             value = check_new_scale(new_scale, self._device)
             if isinstance(value, float):
@@ -392,15 +427,34 @@ class GradScaler:
         # The floor, whatever the strategy or new_scale did. Clamping an in-range float32
         # returns it unchanged, so wherever torch's rule is sound the scale is torch's.
         scale.clamp_(min=SCALE_FLOOR)
-        self._stall.update(scale, stalled)
+        self._stall.after_update(scale, found, stalled)
         if before is not None and self._history is not None:
             floats = [before, found, self._skipped_flag(scale.device), scale]
             streak = self._counters.get("overflow_streak")  # Hysteresis's counter
             ints = [tracker] if streak is None else [tracker, streak]
             self._history.add(self._updates, floats, ints, may_sync=not self._synced)
         self._updates += 1
+        if not self._synced and not _capturing():
+            self._stall.report_every(self._updates)  # what the device decided alone
         self._synced = False
         self._per_optimizer_states = defaultdict(OptimizerState)
+
+    def _stalled(
+        self,
+        scale: torch.Tensor,
+        found: torch.Tensor,
+        zero_counts: dict[int, list[tuple[torch.Tensor, int]]],
+    ) -> torch.Tensor | None:
+        """Whether any optimizer's step stalled this iteration (on the device), or None
+        where none counted its zero gradients."""
+        flags = [
+            flag
+            for key, counts in zero_counts.items()
+            if (flag := self._stall.stalled(key, found, counts, scale)) is not None
+        ]
+        if not flags:
+            return None
+        return torch.stack(flags).any()
 
     def _skipped_flag(self, device: torch.device) -> torch.Tensor:
         """Nonzero if an optimizer that stepped this iteration found inf/NaN (so skipped)."""
@@ -579,9 +633,13 @@ class GradScaler:
         unit = torch.ones((), dtype=torch.float32, device=scale.device)
         found_inf = torch.zeros((), dtype=torch.float32, device=scale.device)
         state = self._per_optimizer_states[id(optimizer)]
-        state.grads_all_zero = []
+        state.zero_counts = []
         state.found_inf_per_device = unscale_grads_(
-            optimizer, unit, found_inf, allow_fp16=True, all_zero=state.grads_all_zero
+            optimizer,
+            unit,
+            found_inf,
+            allow_fp16=True,
+            zero_counts=state.zero_counts if self._stall.watch else None,
         )
         state.found_inf_per_device = agree_across_ranks(
             self._process_group, optimizer, state.found_inf_per_device, scale.device
@@ -644,6 +702,11 @@ class GradScaler:
         if self._scale is None:
             return dict(self._init_counters)
         return {name: int(tensor.item()) for name, tensor in self._counters.items()}
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured (no sync may happen then)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _cuda_definitely_unavailable() -> bool:

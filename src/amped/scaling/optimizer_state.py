@@ -30,8 +30,9 @@ class OptimizerState:
 
     stage: OptState = OptState.READY
     found_inf_per_device: dict[torch.device, torch.Tensor] = dataclasses.field(default_factory=dict)
-    # Whether each gradient group was all zero after unscaling (the stall check).
-    grads_all_zero: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    # Per gradient group: how many gradients were zero in every element after
+    # unscaling (on the device), and how many it has (the stall check).
+    zero_counts: list[tuple[torch.Tensor, int]] = dataclasses.field(default_factory=list)
 
     def __getitem__(self, key: str) -> Any:
         """Read as torch's per-optimizer dict (frameworks read ``["stage"]``)."""

@@ -14,7 +14,7 @@ import torch
 from amped._internal.torch_compat import (
     amp_unscale_and_check_,
     dtensor_class,
-    foreach_all_zero,
+    foreach_zero_count,
     sparse_values,
 )
 
@@ -87,7 +87,7 @@ def unscale_grads_(
     found_inf: torch.Tensor,
     *,
     allow_fp16: bool,
-    all_zero: list[torch.Tensor] | None = None,
+    zero_counts: list[tuple[torch.Tensor, int]] | None = None,
 ) -> dict[torch.device, torch.Tensor]:
     """Multiply the optimizer's gradients by ``inv_scale`` in place and flag inf/NaN.
 
@@ -96,8 +96,9 @@ def unscale_grads_(
         inv_scale: float32, 0-d: the reciprocal of the scale.
         found_inf: float32, 0-d zero; set to 1.0 where a gradient on its device holds
             an inf or NaN. Copied to each other device that has gradients.
-        all_zero: if given, gets one bool 0-d tensor per (device, dtype) group: whether
-            every gradient of the group is zero after unscaling (the stall check).
+        zero_counts: if given, gets one pair per (device, dtype) group: how many of
+            its gradients are zero in every element after unscaling (an int64 0-d
+            tensor), and how many gradients it has (the stall check).
 
     Returns:
         The ``found_inf`` tensor of each device that had gradients (empty if none had).
@@ -107,8 +108,8 @@ def unscale_grads_(
     with torch.no_grad():
         for (device, _), grads in group_grads(optimizer, allow_fp16=allow_fp16).items():
             amp_unscale_and_check_(grads, found.get(device), inv.get(device))
-            if all_zero is not None:
-                all_zero.append(foreach_all_zero(grads))
+            if zero_counts is not None:
+                zero_counts.append((foreach_zero_count(grads), len(grads)))
     return found.copies
 
 

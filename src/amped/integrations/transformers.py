@@ -42,6 +42,7 @@ from amped.integrations.accelerate import Accelerator
 from amped.integrations.common import resolve_arguments
 from amped.policy import Policy
 from amped.recipes import Recipe
+from amped.scaling.checkpoint import load_checkpoint
 
 __all__ = ["RECIPE_STATE_NAME", "Trainer"]
 
@@ -135,7 +136,9 @@ class Trainer(transformers.Trainer):
             return
         path = os.path.join(checkpoint, RECIPE_STATE_NAME)
         if os.path.isfile(path):
-            state = torch.load(path, weights_only=True)
+            # Checked whole, then torch.load(weights_only=True): a planted pickle is a
+            # CheckpointError naming the file, never run.
+            state = load_checkpoint(path, map_location="cpu")
             lowered = state.pop(_LOWERED_WEIGHTS, None)
             self.accelerator.recipe_state.load_state_dict(state)
             setup = self.accelerator.setup

@@ -24,7 +24,7 @@ writes it) and what else the recipe keeps (O2's float32 masters) bitwise. The re
 state travels in amped's own file, ``amped_recipe_state.pt`` (written with
 :func:`amped.scaling.save_checkpoint`, read with :func:`amped.scaling.load_checkpoint`:
 checked whole, then ``torch.load(weights_only=True)``), never in Accelerate's
-``custom_checkpoint_<n>.pkl``, which Accelerate unpickles with ``weights_only=False``:
+``custom_checkpoint_<n>.pkl``, which Accelerate unpickles with torch's full unpickler:
 a crafted file there would run code.
 
 Requires ``accelerate`` (from amped's clone: ``pip install -e ".[accelerate]"``);
@@ -121,7 +121,7 @@ class Accelerator(accelerate.Accelerator):
         self.setup: TrainSetup | None = None
         self.recipe_state = RecipeState(self)
         # Not register_for_checkpointing: Accelerate unpickles those files with
-        # weights_only=False. The recipe's state goes through amped's own file instead.
+        # the full unpickler. The recipe's state goes through amped's own file instead.
         self.allow_nonfinite = allow_nonfinite
         self.register_save_state_pre_hook(self._save_recipe_state)
         self.register_load_state_pre_hook(self._read_recipe_state)
@@ -169,14 +169,14 @@ class Accelerator(accelerate.Accelerator):
         loads anything; :meth:`load_state` applies it after Accelerate's own."""
         pickles = sorted(f for f in os.listdir(input_dir) if _CUSTOM_CHECKPOINT.match(f))
         if len(pickles) > len(self._custom_objects):
-            # Accelerate would unpickle them with weights_only=False (code runs) before
+            # Accelerate would fully unpickle them (code runs) before
             # noticing that they outnumber the registered objects.
             raise CheckpointError(
                 f"Refusing to load {str(input_dir)!r}: it holds "
                 f"{', '.join(repr(os.path.join(input_dir, f)) for f in pickles)}, "
                 f"{len(pickles)} pickled state file(s) for {len(self._custom_objects)} "
                 "object(s) registered with register_for_checkpointing, and Accelerate "
-                "unpickles them with weights_only=False, which can run code. An older "
+                "unpickles them in full (weights_only off), which can run code. An older "
                 "amped kept the recipe's state there; this version writes "
                 f"{RECIPE_STATE_NAME!r}. Resume from a folder this version saved, or "
                 "remove the extra files if you trust them. Nothing was loaded."

@@ -164,3 +164,27 @@ def test_lightning_plugin_state_runs_no_code(tmp_path):
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         resume()
     assert not marker.exists()
+
+
+def test_fabric_plugin_state_runs_no_code(tmp_path):
+    L = pytest.importorskip("lightning")
+    from amped.integrations.lightning import FabricPrecision
+
+    def fabric_state():
+        plugin = FabricPrecision("fp16-mixed", device="cpu")
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        net = make_net()
+        net, opt = fabric.setup(net, make_optimizer(net.parameters()))
+        return fabric, {"model": net, "optimizer": opt, "precision": plugin}
+
+    fabric, state = fabric_state()
+    path, marker = tmp_path / "fabric.ckpt", tmp_path / "pwned"
+    fabric.save(path, state)
+    checkpoint = torch.load(path, weights_only=True)  # the plugin's state is plain data
+    assert checkpoint["precision"]["recipe"] == "fp16-mixed"
+    checkpoint["precision"] = {"recipe": "fp16-mixed", "scaler": Payload(str(marker))}
+    torch.save(checkpoint, path)
+    fabric, state = fabric_state()
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        fabric.load(path, state)
+    assert not marker.exists()

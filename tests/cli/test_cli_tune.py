@@ -365,3 +365,49 @@ def test_a_transformers_gpt2_is_tuned_under_its_module_names(capsys, tmp_path):
     assert all(type(modules[n]).__name__ not in ("Conv1D", "Linear") for n in lowered)
     assert all(type(modules[n]).__name__ in ("Conv1D", "Linear") for n in tuned["layers"]
                if n not in lowered)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("formats", "expected"),
+    [
+        ("all,all", list(DEFAULT_FORMATS)),
+        ("all,fp8-rowwise", list(DEFAULT_FORMATS)),
+        ("mxfp8,ALL", list(DEFAULT_FORMATS)),
+        ("mxfp8,fp8-rowwise,mxfp8", ["mxfp8", "fp8-rowwise"]),
+    ],
+    ids=["all-twice", "all-and-one", "one-and-all", "duplicates"],
+)
+def test_all_with_other_names_is_every_format(formats, expected):
+    # 'all' holds every format, so repeating it or naming a format beside it asks for
+    # all of them (before, 'all,all' was refused as the unknown format 'all').
+    from amped.cli.tune_command import parse_formats
+
+    assert parse_formats(formats) == expected
+
+
+def test_all_with_an_unknown_name_names_the_unknown_one(capsys, tmp_path):
+    line = _usage_line(capsys, tmp_path / "r", *TINY, "--formats", "all,fp9")
+    assert "Unknown format 'fp9'" in line
+
+
+def test_a_reference_that_diverges_is_said_and_exits_3(capsys, tmp_path):
+    # bfloat16-mixed's own loss is inf: no budget can help, and the run says so (before:
+    # "no plan meets the budget ... Give a larger budget").
+    model = (
+        "--model",
+        "tests/helpers/tune_factories.py:diverges",
+        "--threads",
+        "1",
+        "--no-progress",
+    )
+    code, stdout, err = _tune(
+        capsys, tmp_path, *model, "--formats", "fp8-rowwise", "--steps", "3", "--seeds", "2"
+    )
+    assert code == 3, err
+    tuned = _document(tmp_path)
+    assert tuned["reason"].startswith("the bf16 reference diverged")
+    assert "seed(s) 0, 1 of 2" in tuned["reason"]
+    assert set(tuned["layers"].values()) == {"bf16"}
+    assert "larger budget" not in tuned["reason"]
+    assert "amped tune: the bf16 reference diverged" in err and "exit status 3" in err
+    assert "The bf16 reference diverged" in " ".join(stdout.split())

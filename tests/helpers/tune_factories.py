@@ -48,3 +48,10 @@ def tiny_gpt2(batch_size: int = 8, seed: int = 0):
         return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
 
     return model, batches(), loss_fn
+
+
+def diverges(batch_size: int = 32, seed: int = 0):
+    """The tiny MLP with a loss scaled past float32's range: inf from the first step, in
+    bfloat16-mixed as in every plan."""
+    model, batches, _ = tiny(batch_size, seed)
+    return model, batches, lambda out, y: F.cross_entropy(out, y) * 1e39

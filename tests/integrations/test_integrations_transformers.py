@@ -293,3 +293,25 @@ def test_trainer_resume_of_a_lowered_model_is_bitwise(tmp_path):
     assert _equal(whole.losses[3:], resumed.losses)
     assert _equal(whole_params, params)
     assert {p.dtype for p in params} == {torch.float32}
+
+
+def test_trainer_recipe_state_file_runs_no_code(tmp_path):
+    # A pickle planted as amped_recipe.pt is refused unexecuted, with the file named.
+    import os
+
+    from amped.checkpoint import CheckpointError
+
+    args = arguments(tmp_path, save_strategy="steps", save_steps=3)
+    train(AmpedTrainer, tmp_path, args=args, recipe="fp16-mixed")
+    path, marker = tmp_path / "checkpoint-3" / RECIPE_STATE_NAME, tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.mkdir, (str(marker),))
+
+    torch.save({"recipe": "fp16-mixed", "scaler": Payload()}, path)
+    AcceleratorState._reset_state(True)
+    with pytest.raises(CheckpointError, match=RECIPE_STATE_NAME) as raised:
+        train(AmpedTrainer, tmp_path, args=args, recipe="fp16-mixed", resume=str(path.parent))
+    assert str(path) in str(raised.value)
+    assert not marker.exists()

@@ -78,7 +78,8 @@ def test_which_tensors_are_quantized(numel: int, quantized: bool) -> None:
 def _step_both(steps: int, stochastic_theirs: bool = False):
     ours = [nn.Parameter(p.bfloat16()) for p in _params()]
     theirs = [nn.Parameter(p.bfloat16()) for p in _params()]
-    opt = CompensatedAdamW8bit(ours, lr=1e-3, weight_decay=0.1, fused=False)
+    # torchao's scheme: bounded=False (the default bounds each step, see adamw8bit).
+    opt = CompensatedAdamW8bit(ours, lr=1e-3, weight_decay=0.1, fused=False, bounded=False)
     ref = torchao_optim.AdamW8bit(
         theirs, lr=1e-3, weight_decay=0.1, bf16_stochastic_round=stochastic_theirs
     )

@@ -10,7 +10,14 @@ from amped.optim import adamw8bit
 from amped.optim.adamw8bit import CompensatedAdamW8bit
 
 
-def _run(fused: bool, steps: int, decoupled: bool, maximize: bool = False):
+def _run(
+    fused: bool,
+    steps: int,
+    decoupled: bool,
+    maximize: bool = False,
+    spread: bool = False,
+    bounded: bool = True,
+):
     g = torch.Generator().manual_seed(0)
     params = [
         nn.Parameter((torch.randn(64, 256, generator=g) * 0.05).bfloat16()),
@@ -26,11 +33,16 @@ def _run(fused: bool, steps: int, decoupled: bool, maximize: bool = False):
         decoupled_weight_decay=decoupled,
         maximize=maximize,
         fused=fused,
+        bounded=bounded,
     )
     grads = torch.Generator().manual_seed(1)
     for _ in range(steps):
         for p in params:
-            p.grad = torch.randn(p.shape, generator=grads).bfloat16()
+            grad = torch.randn(p.shape, generator=grads)
+            if spread:  # half the elements 1e4 times smaller: their v flushes to code 0
+                small = torch.rand(p.shape, generator=grads) < 0.5
+                grad = torch.where(small, grad * 1e-4, grad)
+            p.grad = grad.bfloat16()
         opt.step()
     return params, opt
 
@@ -56,6 +68,25 @@ def test_fused_step_is_the_eager_step_bitwise(decoupled: bool, maximize: bool) -
         for key, value in state_f.items():
             if isinstance(value, torch.Tensor):
                 assert torch.equal(value, state_e[key]), key
+
+
+@pytest.mark.slow  # compiles the kernel
+def test_fused_step_is_the_eager_step_bitwise_where_the_bound_clamps() -> None:
+    # Within a block, gradients 1e4 apart: the small ones' second moments flush to code
+    # 0 (1e-8 of the block's largest) while their first moments survive, so the bound
+    # clamps them (torchao's scheme steps them lr * m / eps). Clamped, both steps are
+    # still the same bits.
+    fused, _ = _run(True, 3, True, spread=True)
+    eager, _ = _run(False, 3, True, spread=True)
+    unbounded, _ = _run(False, 3, True, spread=True, bounded=False)
+    for p, q in zip(fused, eager, strict=True):
+        assert torch.equal(p.view(torch.int16), q.view(torch.int16))
+    # Three steps at lr 1e-3 with |m / (sqrt(v_hat) + eps)| / (1 - b1**t) <= 1 (the
+    # bound's value at steps 1-3) move an element by 3e-3 and a bfloat16 ulp or two
+    # (4e-4 here); torchao's scheme moves the flushed ones by lr * m / eps, about 1.
+    start = _run(False, 0, True)[0][0].float()
+    assert (eager[0].float() - start).abs().max() < 0.01
+    assert (unbounded[0].float() - start).abs().max() > 0.1
 
 
 def test_fused_must_be_a_bool_or_none() -> None:

@@ -196,3 +196,57 @@ def test_load_refuses_other_files(tmp_path: Path, content: str, match: str) -> N
         PrecisionPlan.load(path)
     with pytest.raises(ValueError, match="Could not read"):
         PrecisionPlan.load(tmp_path / "missing.json")
+
+
+def _file(layers: str = "{}", base: str = '"bf16-mixed"') -> str:
+    """A tuned.json's text with ``base`` and ``layers`` written as given (raw JSON)."""
+    return '{"schema": "amped.tune/1", "base": ' + base + ', "layers": ' + layers + "}"
+
+
+_DEEP = 100_000
+
+
+@pytest.mark.parametrize(
+    ("content", "match"),
+    [
+        (_file('{"0": NaN}'), "layer '0' has no format"),
+        (_file('{"0": Infinity}'), "format=inf"),
+        (_file('{"0": "inf"}'), "format=inf"),
+        (_file('{"0": 8}'), "format=8 .of type int"),
+        (_file('{"0": null}'), "format=None"),
+        (_file('{"0": ["mxfp8"]}'), "of type list"),
+        (_file('["0"]'), '"layers" is a JSON object'),
+        (_file("null"), '"layers" is a JSON object'),
+        (_file(base="NaN"), '"base" is a recipe name'),
+        (_file(base='["bf16-mixed"]'), '"base" is a recipe name'),
+        (_file("[" * _DEEP + "]" * _DEEP), "nests its JSON too deeply"),
+        ('{"x": ' + '{"a": ' * _DEEP + "1" + "}" * _DEEP + "}", "nests its JSON too deeply"),
+        (_file('{"0": ' + "9" * 5000 + "}"), "not a JSON amped can read"),
+    ],
+    ids=["nan", "infinity", "inf-string", "number", "null", "list", "layers-list",
+         "layers-null", "base-nan", "base-list", "deep-array", "deep-object", "huge-int"],
+)  # fmt: skip
+def test_load_refuses_a_hostile_file_with_a_value_error(
+    tmp_path: Path, content: str, match: str
+) -> None:
+    # Whatever the file holds, loading it is a ValueError saying what was wrong and
+    # naming the file (before: AttributeError, TypeError or RecursionError).
+    path = tmp_path / "tuned.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=match) as raised:
+        PrecisionPlan.load(path)
+    assert str(path) in str(raised.value)
+    assert len(str(raised.value)) < 600  # a huge value is not echoed whole
+
+
+def test_load_refuses_bytes_that_are_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "tuned.json"
+    path.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(ValueError, match="not UTF-8 text") as raised:
+        PrecisionPlan.load(path)
+    assert str(path) in str(raised.value)
+
+
+def test_a_plan_built_in_python_refuses_a_format_that_is_not_a_string() -> None:
+    with pytest.raises(TypeError, match=r"A plan's formats are strings.*layer '0'"):
+        PrecisionPlan("bf16-mixed", {"0": float("nan")})

@@ -32,28 +32,29 @@ from amped.cli.tune_report import write_report
 from amped.cli.tune_summary import outcome
 from amped.cli.tune_table import print_tune
 from amped.tuning.measure import eligible_layers
-from amped.tuning.tuner import DEFAULT_FORMATS
+from amped.tuning.tuner import DEFAULT_FORMATS, REFERENCE_DIVERGED
 
 __all__ = ["exit_code", "parse_formats", "run_tune"]
 
 
 def parse_formats(text: str) -> list[str]:
     """``--formats``: comma-separated format names, or ``all`` (every FP8 and block
-    format); duplicates dropped, case ignored."""
+    format; with other names too, since it holds them); duplicates dropped, case
+    ignored."""
     names = [n.strip().lower() for n in text.split(",") if n.strip()]
     allowed = ", ".join(DEFAULT_FORMATS)
     if not names:
         raise UsageError(f"--formats names no format; choose among {allowed} or all. "
                          f"Received: --formats {text!r}")  # fmt: skip
-    if names == ["all"]:
-        return list(DEFAULT_FORMATS)
-    unknown = [n for n in names if n not in DEFAULT_FORMATS]
+    unknown = [n for n in names if n not in DEFAULT_FORMATS and n != "all"]
     if unknown:
         hint = " (bf16 is always a choice: leave it out)" if "bf16" in unknown else ""
         raise UsageError(
             f"Unknown format {unknown[0]!r}{hint}; the formats are {allowed} or all. "
             f"Received: --formats {text!r}"
         )
+    if "all" in names:  # all, repeated or with names it holds already: every format
+        return list(DEFAULT_FORMATS)
     return list(dict.fromkeys(names))
 
 
@@ -167,8 +168,11 @@ def exit_code(tuned: dict[str, Any]) -> int:
     state = outcome(tuned)
     if state == "passed":
         return EXIT_OK
+    no_plan = "no plan met the budget"
+    if str(tuned["reason"]).startswith(REFERENCE_DIVERGED):  # no budget can help then
+        no_plan = f"{REFERENCE_DIVERGED}, so no plan can be judged"
     what = {
-        "no_plan": "no plan met the budget; tuned.json holds the all-bf16 plan and the reason",
+        "no_plan": f"{no_plan}; tuned.json holds the all-bf16 plan and the reason",
         "failed": "the plan failed its verification (tuned.json marks it failed)",
         "incomplete": "--max-time ran out before the verification finished, so the plan "
         "does not pass",

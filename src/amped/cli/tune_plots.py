@@ -60,9 +60,15 @@ def sensitivity_chart(tuned: dict[str, Any]) -> bytes | None:
                       label=fmt, **style)  # fmt: skip
         sqnr.plot(x, [_finite(f.get("sqnr_output")) for f in figures], **style)
     _ring_choices(tuned, names, estimate, sqnr)
-    estimate.set_yscale("log")
+    values = [
+        _positive(f.get("loss_change_estimate"))
+        for n in names
+        for f in tuned["measurements"][n]["formats"].values()
+    ]
+    if any(v == v for v in values):  # a log axis needs a positive value (NaN != NaN)
+        estimate.set_yscale("log")
     budget = tuned["budget"]["value"]
-    if budget and budget > 0:
+    if budget and budget > 0 and math.isfinite(budget):
         estimate.axhline(budget, color="#555555", linestyle="--", linewidth=1,
                          label=f"budget {budget:.1e} (whole plan)")  # fmt: skip
     estimate.set(ylabel="estimated loss change",

@@ -20,7 +20,12 @@ Accelerate's own ``prepare``: the model's forward runs in the recipe's autocast 
 the recipe scales it, the optimizer steps through the recipe (unscale, skip on
 overflow, masters copied back) and ``optimizer_step_was_skipped`` says whether it
 skipped. ``save_state``/``load_state`` carry the scaler (``scaler.pt``, as Accelerate
-writes it) and what else the recipe keeps (O2's float32 masters) bitwise.
+writes it) and what else the recipe keeps (O2's float32 masters) bitwise. The recipe's
+state travels in amped's own file, ``amped_recipe_state.pt`` (written with
+:func:`amped.checkpoint.save_checkpoint`, read with :func:`amped.checkpoint.load_checkpoint`:
+checked whole, then ``torch.load(weights_only=True)``), never in Accelerate's
+``custom_checkpoint_<n>.pkl``, which Accelerate unpickles with torch's full unpickler:
+a crafted file there would run code.
 
 Requires ``accelerate`` (from amped's clone: ``pip install -e ".[accelerate]"``);
 ``import amped`` never imports it.
@@ -30,6 +35,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import re
 from collections.abc import Generator
 from types import MethodType
 from typing import Any
@@ -42,7 +49,12 @@ from accelerate.utils import convert_outputs_to_fp32
 import amped
 from amped._internal.errors import received, type_error, value_error
 from amped.autocast_mode import autocast
-from amped.checkpoint.save_load import refuse_nonfinite
+from amped.checkpoint.save_load import (
+    CheckpointError,
+    load_checkpoint,
+    refuse_nonfinite,
+    save_checkpoint,
+)
 from amped.integrations.common import default_scaler, rebind_scheduler, resolve_arguments
 from amped.integrations.health import health_metrics
 from amped.policy import Policy
@@ -51,7 +63,12 @@ from amped.recipes.memory import MemoryReport
 from amped.recipes.monitoring import Monitor
 from amped.scaling import GradScaler
 
-__all__ = ["Accelerator", "RecipeState"]
+__all__ = ["RECIPE_STATE_NAME", "Accelerator", "RecipeState"]
+
+RECIPE_STATE_NAME = "amped_recipe_state.pt"
+"""The file, in each ``save_state`` folder, that holds the recipe's state."""
+
+_CUSTOM_CHECKPOINT = re.compile(r"^custom_checkpoint_\d+\.pkl$")  # as Accelerate names them
 
 
 class Accelerator(accelerate.Accelerator):
@@ -103,9 +120,12 @@ class Accelerator(accelerate.Accelerator):
         self.scaler = self.recipe_scaler if self.recipe_scaler.is_enabled() else None
         self.setup: TrainSetup | None = None
         self.recipe_state = RecipeState(self)
-        self.register_for_checkpointing(self.recipe_state)
+        # Not register_for_checkpointing: Accelerate unpickles those files with
+        # the full unpickler. The recipe's state goes through amped's own file instead.
         self.allow_nonfinite = allow_nonfinite
-        self.register_save_state_pre_hook(self._refuse_nonfinite_state)
+        self.register_save_state_pre_hook(self._save_recipe_state)
+        self.register_load_state_pre_hook(self._read_recipe_state)
+        self._loaded_recipe_state: dict[str, Any] | None = None
         self.health: Monitor | None = None
 
     def monitor(
@@ -129,12 +149,63 @@ class Accelerator(accelerate.Accelerator):
         self.log(metrics, step=step)
         return metrics
 
-    def _refuse_nonfinite_state(self, models: Any, weights: Any, output_dir: Any) -> None:
-        """``save_state``'s pre-hook: refuse inf/NaN weights or optimizer state."""
-        if self.allow_nonfinite:
-            return
-        state = {"weights": weights, "optimizers": [o.state_dict() for o in self._optimizers]}
-        refuse_nonfinite(state, f"the Accelerate state in {str(output_dir)!r}", root="save_state")
+    def _save_recipe_state(self, models: Any, weights: Any, output_dir: Any) -> None:
+        """``save_state``'s pre-hook: refuse inf/NaN weights or optimizer state, then
+        write the recipe's state to ``RECIPE_STATE_NAME``, before Accelerate writes."""
+        if not self.allow_nonfinite:
+            state = {"weights": weights, "optimizers": [o.state_dict() for o in self._optimizers]}
+            where = f"the Accelerate state in {str(output_dir)!r}"
+            refuse_nonfinite(state, where, root="save_state")
+        save_on_each_node = self.project_configuration.save_on_each_node
+        if self.is_main_process or (save_on_each_node and self.is_local_main_process):
+            save_checkpoint(
+                os.path.join(output_dir, RECIPE_STATE_NAME),
+                allow_nonfinite=self.allow_nonfinite,
+                **self.recipe_state.state_dict(),
+            )
+
+    def _read_recipe_state(self, models: Any, input_dir: Any) -> None:
+        """``load_state``'s pre-hook: read and check the recipe's state before Accelerate
+        loads anything; :meth:`load_state` applies it after Accelerate's own."""
+        pickles = sorted(f for f in os.listdir(input_dir) if _CUSTOM_CHECKPOINT.match(f))
+        if len(pickles) > len(self._custom_objects):
+            # Accelerate would fully unpickle them (code runs) before
+            # noticing that they outnumber the registered objects.
+            raise CheckpointError(
+                f"Refusing to load {str(input_dir)!r}: it holds "
+                f"{', '.join(repr(os.path.join(input_dir, f)) for f in pickles)}, "
+                f"{len(pickles)} pickled state file(s) for {len(self._custom_objects)} "
+                "object(s) registered with register_for_checkpointing, and Accelerate "
+                "unpickles them in full (weights_only off), which can run code. An older "
+                "amped kept the recipe's state there; this version writes "
+                f"{RECIPE_STATE_NAME!r}. Resume from a folder this version saved, or "
+                "remove the extra files if you trust them. Nothing was loaded."
+            )
+        path = os.path.join(input_dir, RECIPE_STATE_NAME)
+        if not os.path.isfile(path):
+            raise CheckpointError(
+                f"No recipe state in {str(input_dir)!r}: amped's Accelerator writes "
+                f"{RECIPE_STATE_NAME!r} beside Accelerate's files in save_state, and "
+                f"{path!r} is missing. Nothing was loaded."
+            )
+        self._loaded_recipe_state = load_checkpoint(path, map_location="cpu")
+
+    def load_state(
+        self, input_dir: str | None = None, load_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        """Accelerate's ``load_state``, then the recipe's state from ``RECIPE_STATE_NAME``
+        (read and checked before Accelerate loads anything).
+
+        Raises:
+            CheckpointError: the recipe's state file is missing, or torn, corrupt or not
+                a plain state (a pickle that would run code is refused unexecuted); the
+                message names the file. Nothing was loaded.
+        """
+        self._loaded_recipe_state = None
+        super().load_state(input_dir, load_kwargs, **kwargs)
+        state, self._loaded_recipe_state = self._loaded_recipe_state, None
+        if state is not None:
+            self.recipe_state.load_state_dict(state)
 
     # --- prepare -----------------------------------------------------------------------
 
@@ -308,7 +379,7 @@ class RecipeOptimizer(AcceleratedOptimizer):
 class RecipeState:
     """What the recipe keeps beside the model and optimizer, for ``save_state``: the
     scaler and, under O2, the float32 master weights (the model holds their rounded
-    copies). Registered for checkpointing by :class:`Accelerator`."""
+    copies). :class:`Accelerator` writes it to ``RECIPE_STATE_NAME`` itself."""
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator

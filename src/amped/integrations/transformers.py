@@ -38,6 +38,7 @@ import transformers
 import transformers.trainer as trainer_module
 
 from amped._internal.errors import value_error
+from amped.checkpoint.save_load import load_checkpoint
 from amped.integrations.accelerate import Accelerator
 from amped.integrations.common import resolve_arguments
 from amped.policy import Policy
@@ -135,7 +136,9 @@ class Trainer(transformers.Trainer):
             return
         path = os.path.join(checkpoint, RECIPE_STATE_NAME)
         if os.path.isfile(path):
-            state = torch.load(path, weights_only=True)
+            # Checked whole, then torch.load(weights_only=True): a planted pickle is a
+            # CheckpointError naming the file, never run.
+            state = load_checkpoint(path, map_location="cpu")
             lowered = state.pop(_LOWERED_WEIGHTS, None)
             self.accelerator.recipe_state.load_state_dict(state)
             setup = self.accelerator.setup

@@ -13,6 +13,23 @@ The moments follow torchao's ``AdamW8bit`` op for op (dequantize, ``lerp`` towar
 gradient and its square, quantize), so that from the same gradients the two hold the
 same codes; the update is AdamW's, from the float32 moments before quantization.
 
+**Bounded steps (the default).** Quantized moments can disagree: a rarely used
+embedding row's second moment, small against its block's largest, is flushed to code
+0 while its first moment survives, and the row then steps ``lr * m / eps`` (hundreds of
+``lr``; training diverges at learning rates where float32 AdamW trains). Exact Adam
+cannot step that far. From ``m_t = (1 - b1) sum_i b1**(t-i) g_i`` and ``v_t = (1 - b2)
+sum_i b2**(t-i) g_i**2`` (``m_0 = v_0 = 0``), Cauchy-Schwarz on ``b1**k = (b1 /
+sqrt(b2))**k * sqrt(b2)**k`` gives, for every element and every gradient sequence::
+
+    |m_t| / sqrt(v_t) <= (1 - b1) * sqrt(S_t / (1 - b2)),   S_t = sum_{k<t} (b1**2 / b2)**k
+
+so ``|m_hat / (sqrt(v_hat) + eps)|`` is at most that times ``sqrt(1 - b2**t) / (1 - b1**t)``
+(1 at the first step, 7.27 at most for the default betas). With ``bounded=True`` each
+element of a quantized tensor's ``m / (sqrt(v_hat) + eps)`` is clamped to that bound
+(:func:`step_bound`) before the learning rate multiplies it: a step exact Adam could
+take is left as it is, bit for bit; the codes and scales stay torchao's. With
+``bounded=False`` the step is torchao's ``AdamW8bit`` as it is.
+
 State, per parameter: ``step`` (a Python int) and, for a quantized tensor,
 ``exp_avg_codes`` and ``exp_avg_sq_codes`` (uint8, the parameter's shape) with
 ``exp_avg_scale`` and ``exp_avg_sq_scale`` (float32, one per block); for a small one,
@@ -37,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from amped._internal.errors import value_error
+from amped._internal.errors import type_error, value_error
 from amped._internal.torch_compat import python_mode_active
 from amped.optim import fused as fused_kernels
 from amped.optim import quantized_state as q8
@@ -48,7 +65,7 @@ from amped.optim.rounding import Compensation, kahan_add_, rounded_with_noise_
 from amped.optim.seeded import SeededOptimizer, adamw_defaults
 from amped.optim.shards import flat_start, is_sharded, local, rebuild
 
-__all__ = ["CompensatedAdamW8bit"]
+__all__ = ["CompensatedAdamW8bit", "step_bound"]
 
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
 # The fused step takes a large tensor in pieces of this many elements (whole blocks):
@@ -56,6 +73,19 @@ _LOW_DTYPES = (torch.bfloat16, torch.float16)
 # stepping a tensor at once would need them for all of it (92 MiB for a 2048 x 2048
 # weight, more than its 8-bit state). A piece costs one more call, about 50 us.
 _FUSED_PIECE = 1 << 18
+
+
+def step_bound(beta1: float, beta2: float, step: int) -> float:
+    """The largest ``|m / (sqrt(v_hat) + eps)|`` exact Adam reaches at ``step`` (1, 2,
+    ...), for any gradients: ``(1 - beta1) * sqrt(S * (1 - beta2**step) / (1 - beta2))``
+    with ``S = sum_{k<step} (beta1**2 / beta2)**k`` (the module derives it). Times
+    ``lr / (1 - beta1**step)`` it bounds an element's step. Inf where it overflows."""
+    ratio = beta1 * beta1 / beta2
+    try:
+        total = float(step) if ratio == 1.0 else (1.0 - ratio**step) / (1.0 - ratio)
+        return (1 - beta1) * math.sqrt(total * (1.0 - beta2**step) / (1.0 - beta2))
+    except OverflowError:  # beta1**2 > beta2 and a step count large enough
+        return math.inf
 
 
 def _int32(number: int) -> int:
@@ -114,6 +144,12 @@ class CompensatedAdamW8bit(SeededOptimizer):
             one compiled kernel (:mod:`amped.optim.adamw8bit_fused`) under stochastic
             rounding, where torch.compile can build it, else eagerly, with one warning;
             ``True``: an error instead where it cannot; ``False``: always eager.
+        bounded: ``True`` (default): clamp each element of a tensor with quantized
+            moments to the largest step exact Adam can take (:func:`step_bound`), so
+            that a second moment flushed to zero under a surviving first moment cannot
+            step ``lr * m / eps``; ``False``: torchao's ``AdamW8bit`` step unchanged
+            (its moments, codes and update), which can diverge on sparse gradients
+            (embeddings of rare tokens) where float32 AdamW trains.
 
     Example:
         >>> import torch, amped
@@ -138,11 +174,15 @@ class CompensatedAdamW8bit(SeededOptimizer):
         compensation: Compensation = "stochastic",
         seed: int = 0,
         fused: bool | None = None,
+        bounded: bool = True,
     ) -> None:
         defaults = adamw_defaults(
             lr, betas, eps, weight_decay, decoupled_weight_decay, maximize, compensation
         )
+        if not isinstance(bounded, bool):
+            raise type_error("bounded must be True or False", "bounded", bounded)
         super().__init__(params, defaults, seed, fused)
+        self.bounded = bounded
         self._key: torch.Tensor | None = None  # this step's noise key, drawn on first use
         self._offsets: dict[torch.Tensor, int] = {}
 
@@ -201,10 +241,23 @@ class CompensatedAdamW8bit(SeededOptimizer):
         # torch's bias corrections, in Python floats (double precision).
         root = _sqrt_rounded(exp_avg_sq)
         denom = root.div_(math.sqrt(1 - beta2**count)).add_(eps)
-        update = exp_avg.div_(denom).mul_(-lr / (1 - beta1**count))
+        ratio = exp_avg.div_(denom)
+        bound = self._bound(state, group, count)
+        if bound != math.inf:
+            ratio.clamp_(-bound, bound)
+        update = ratio.mul_(-lr / (1 - beta1**count))
         if wd != 0 and group["decoupled_weight_decay"]:
             update.add_(weight * (-lr * wd))  # below half an ulp: compensated too
         self._apply(param, group, state, weight, update)
+
+    def _bound(self, state: dict, group: dict, count: int) -> float:
+        """The clamp on ``m / (sqrt(v_hat) + eps)``: :func:`step_bound` in float32 for a
+        tensor with quantized moments under ``bounded``, else inf (float32 moments are
+        exact Adam's and within it)."""
+        if not self.bounded or "exp_avg" in state:
+            return math.inf
+        beta1, beta2 = group["betas"]
+        return float(torch.tensor(step_bound(beta1, beta2, count), dtype=torch.float32))
 
     def _fusable(self, param: torch.Tensor, group: dict) -> bool:
         if self.fused is False or torch.compiler.is_compiling() or python_mode_active():
@@ -237,6 +290,7 @@ class CompensatedAdamW8bit(SeededOptimizer):
             group["eps"],
             -lr / (1 - beta1**count),
             -lr * wd if decoupled else 0.0,
+            self._bound(state, group, count),
         ]
         device = param.device
         assert param.grad is not None

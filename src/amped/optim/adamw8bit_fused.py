@@ -77,7 +77,9 @@ def _adamw8bit(
     """One parameter's step (or a piece's): ``grad``, ``weight`` and the codes are
     ``(n, BLOCK)`` views, the scales ``(n,)``. ``values``: the
     gradient's sign (maximize), Adam's L2 decay, ``1 - beta1``, ``1 - beta2``, ``sqrt(1 -
-    beta2**step)``, eps, ``-lr / (1 - beta1**step)``, AdamW's ``-lr * weight_decay``."""
+    beta2**step)``, eps, ``-lr / (1 - beta1**step)``, AdamW's ``-lr * weight_decay``, the
+    bound on ``m / (sqrt(v_hat) + eps)`` (inf: none; see
+    :func:`amped.optim.adamw8bit.step_bound`)."""
     g = grad.float() * values[0]
     w = weight.float()
     g = g + values[1] * w  # add(weight, alpha=wd) under Adam's L2 form; 0 otherwise
@@ -88,7 +90,8 @@ def _adamw8bit(
     _quantize(avg, signed_thresholds, True, avg_codes, avg_scale)
     _quantize(avg_sq, unsigned_thresholds, False, avg_sq_codes, avg_sq_scale)
     denom = avg_sq.sqrt() / values[4] + values[5]
-    update = avg / denom * values[6] + values[7] * w
+    ratio = torch.clamp(avg / denom, min=-values[8], max=values[8])
+    update = ratio * values[6] + values[7] * w
     value = _canonical(w + update)
     noise = _noise(value.numel(), start, value.device).view(value.shape)
     weight.copy_(_stochastic(value, torch.bfloat16, noise))

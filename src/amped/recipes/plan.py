@@ -95,6 +95,20 @@ def format_multiple(fmt: str) -> int:
     return 16
 
 
+def _shorten(value: Any, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters (a hostile file's values can be huge)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _file_error(message: str, name: str, value: Any) -> ValueError:
+    """A tuned.json's content that is not a plan: what was wrong, shortened."""
+    return ValueError(
+        f'A tuned.json\'s plan is {{"schema", "base", "layers"}}, and {message}. '
+        f"Received: {name}={_shorten(value)} (of type {type(value).__name__})"
+    )
+
+
 def _is_fsdp_module(module: torch.nn.Module) -> bool:
     return any(m is module for m in fsdp_modules(module))
 
@@ -151,6 +165,13 @@ class PrecisionPlan:
         for name, fmt in self.layers.items():
             if not isinstance(name, str):
                 raise type_error("A plan's layer names are strings", "layer name", name)
+            if not isinstance(fmt, str):
+                raise type_error(
+                    f"A plan's formats are strings, one of {', '.join(PLAN_FORMATS)} "
+                    f"(layer {name!r})",
+                    "format",
+                    fmt,
+                )
             if fmt != "bf16":
                 format_config(fmt)  # raises for an unknown format
 
@@ -173,7 +194,24 @@ class PrecisionPlan:
                 "schema",
                 schema,
             )
-        return cls(data.get("base", ""), data.get("layers", {}))
+        base, layers = data.get("base", ""), data.get("layers", {})
+        if not isinstance(base, str):
+            raise _file_error(
+                f'its "base" is a recipe name string, one of {", ".join(PLAN_BASES)}', "base", base
+            )
+        if not isinstance(layers, Mapping):
+            raise _file_error(
+                'its "layers" is a JSON object mapping module names to formats', "layers", layers
+            )
+        for name, fmt in layers.items():
+            if not isinstance(fmt, str):
+                raise _file_error(
+                    f"layer {_shorten(name)} has no format string; a format is one of "
+                    f"{', '.join(PLAN_FORMATS)}",
+                    "format",
+                    fmt,
+                )
+        return cls(base, layers)
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write :meth:`to_dict` as JSON to ``path``; returns the path."""
@@ -183,12 +221,27 @@ class PrecisionPlan:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> PrecisionPlan:
-        """Read a plan from a tuned.json (or a file :meth:`save` wrote)."""
+        """Read a plan from a tuned.json (or a file :meth:`save` wrote).
+
+        JSON only: nothing in the file runs code.
+
+        Raises:
+            ValueError: the file cannot be read, is not UTF-8 JSON, nests too deeply, or
+                is not a plan (another schema, a base or format that is not a name, an
+                unknown one); the message says what and names the file.
+        """
         try:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as error:
             raise value_error(
                 f"Could not read the plan file ({error.strerror}); pass the path of a tuned.json",
+                "path",
+                str(path),
+            ) from None
+        except UnicodeDecodeError as error:
+            raise value_error(
+                f"The plan file is not UTF-8 text (byte {error.start}: {error.reason}); pass "
+                "the path of a tuned.json",
                 "path",
                 str(path),
             ) from None
@@ -200,7 +253,22 @@ class PrecisionPlan:
                 "path",
                 str(path),
             ) from None
-        return cls.from_dict(data)
+        except RecursionError:
+            # A tuned.json nests two levels; json's parser recurses once per level.
+            raise value_error(
+                "The plan file nests its JSON too deeply to read (a tuned.json nests a few "
+                "levels); pass the path of a tuned.json",
+                "path",
+                str(path),
+            ) from None
+        except ValueError as error:  # e.g. an integer past int's digit limit
+            raise value_error(
+                f"The plan file is not a JSON amped can read ({error})", "path", str(path)
+            ) from None
+        try:
+            return cls.from_dict(data)
+        except ValueError as error:
+            raise ValueError(f"The plan file {str(path)!r} is not a valid plan: {error}") from None
 
     def convert(self, model: torch.nn.Module) -> LowPrecisionLayers | None:
         """Convert ``model``'s layers to the plan's formats in place, as ``prepare``

@@ -26,7 +26,10 @@ from amped.tuning.search import (
 from amped.tuning.task import build_task
 from amped.tuning.verify import Arm, verify_arm
 
-__all__ = ["DEFAULT_FORMATS", "tune"]
+__all__ = ["DEFAULT_FORMATS", "REFERENCE_DIVERGED", "tune"]
+
+REFERENCE_DIVERGED = "the bf16 reference diverged"
+"""How a :class:`TuneResult`'s ``reason`` begins when bfloat16-mixed itself did not train."""
 
 DEFAULT_FORMATS = tuple(f for f in PLAN_FORMATS if f != "bf16")
 """Every FP8 and block format a plan can hold."""
@@ -97,6 +100,21 @@ def _reason(choice: Choice, measured: list[LayerMeasurement], budget: float) -> 
         f"no plan meets the budget: the smallest estimated loss change of any layer in any "
         f"format is {cheapest:.3g}, the budget is {budget:.3g}; every layer stays in bf16. "
         "Give a larger budget, or more seeds for the measured default"
+    )
+
+
+def _diverged_reason(reference: Arm, seeds: list[int], steps: int) -> str | None:
+    """Why nothing can be chosen when bfloat16-mixed's own loss is inf or NaN (None when
+    every seed's is finite): every plan is judged by its gap to that loss."""
+    bad = [s for s, v in zip(seeds, reference.final_losses, strict=False) if not math.isfinite(v)]
+    if not bad:
+        return None
+    return (
+        f"{REFERENCE_DIVERGED}: bf16-mixed's loss went inf or NaN within {steps} steps on "
+        f"seed(s) {', '.join(map(str, bad))} of {len(seeds)}, and every plan is judged by "
+        "its gap to that loss, so none can be chosen; every layer stays in bf16. Make the "
+        "task train under bf16-mixed first (a smaller learning rate, the loss computed in "
+        "float32), then tune"
     )
 
 
@@ -242,8 +260,9 @@ def tune(
         source = f"bf16-mixed seed spread (sample std of final loss over {seeds} seeds)"
     else:
         budget_value, source = given_budget, "given"
+    diverged = _diverged_reason(reference, seed_list, steps)
     path = plan_path(measured, target)
-    first = within(path, budget_value)
+    first = 0 if diverged else within(path, budget_value)
     trained = [reference]  # every arm trained so far, for reuse
 
     def train(choice: Choice, name: str = "plan") -> Arm:
@@ -289,7 +308,7 @@ def tune(
     passes = count.to_dict()
     passes["training_steps"] = {n: len(a.final_losses) * steps for n, a in arms.items()}
     passes["training_steps"]["total"] = sum(len(a.final_losses) for a in trained) * steps
-    reason = _reason(choice, measured, budget_value)
+    reason = diverged or _reason(choice, measured, budget_value)
     plan = PrecisionPlan("bf16-mixed", choice.layers)
     return TuneResult(
         plan,

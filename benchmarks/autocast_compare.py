@@ -52,7 +52,7 @@ from pathlib import Path
 
 from autocast_overhead import FEW_BLOCKS, FEW_BLOCKS_NOTE, interval
 
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
 CALL_KINDS = {"listed op": "listed op (F.linear)", "untouched op": "untouched op (torch.add)"}

@@ -44,7 +44,7 @@ from autocast_overhead import MODELS, MODULE_RULE, orders
 from torch.nn.modules import module as nn_module
 
 import amped
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 
 SIDES = ("none", "pre", "empty", "amped", "matched")
 MATCHED = amped.Policy.preset("torch", "cpu").with_module(nn.Identity, "skip")

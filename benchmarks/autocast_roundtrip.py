@@ -37,7 +37,7 @@ import amped
 from amped._internal import torch_compat
 from amped.autocast_mode import Path, dispatch
 from amped.autocast_mode.engine import forced_path
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 
 OP = torch.ops.aten.linear.default
 TORCH_KERNEL = torch.library.get_kernel(OP, "AutocastCPU")

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 
 import amped
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 from amped.fp8 import compiled_cast
 
 RECIPES = ("fp8-tensorwise", "fp8-rowwise", "mxfp8", "mxfp4", "nvfp4")

@@ -24,7 +24,7 @@ import torch.nn as nn
 from torch.profiler import ProfilerActivity, profile
 
 import amped
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 from amped.fp8 import compiled_cast
 
 

@@ -28,7 +28,7 @@ import time
 import torch
 from memory_convergence import GPT2Logits
 
-from amped.cli import default_task
+from amped.tasks import tiny_gpt as default_task
 
 REPORT_AT = (1, 10, 50, 100, 200, 300, 400, 500)
 

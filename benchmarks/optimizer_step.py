@@ -55,7 +55,7 @@ from collections.abc import Callable
 
 import torch
 
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 from amped.recipes import CompensatedAdamW, CompensatedSGD, MasterWeightOptimizer
 from amped.recipes.adamw8bit import CompensatedAdamW8bit
 

@@ -32,8 +32,8 @@ import platform
 import torch
 from memory_convergence import GPT2Logits
 
-from amped.cli import default_task
 from amped.recipes import quantized_state as q8
+from amped.tasks import tiny_gpt as default_task
 
 BETAS, EPS, LR = (0.9, 0.99), 1e-8, 3e-3
 

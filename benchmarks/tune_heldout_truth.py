@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import tune_vs_rule as vs
 
-from amped.cli import default_task
+from amped.tasks import tiny_gpt as default_task
 
 
 def main() -> None:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import amped
-from amped.cli import default_task
 from amped.fp8 import compiled_cast
+from amped.tasks import tiny_gpt as default_task
 from two_processes import run_in_two_processes
 
 STEPS = 100

@@ -19,10 +19,10 @@ import pytest
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 
-from amped.cli.findings import findings, warnings
+from amped.cli.compare.summary import GROUPS, loss_decimals
 from amped.cli.main import main
-from amped.cli.summary import GROUPS, loss_decimals
-from amped.cli.timing import MIN_TIMED_STEPS, cores_available, speed_blocker
+from amped.comparison.findings import findings, warnings
+from amped.comparison.timing import MIN_TIMED_STEPS, cores_available, speed_blocker
 from results_schema import validate
 
 TESTS = Path(__file__).resolve().parent

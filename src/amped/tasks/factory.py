@@ -92,9 +92,14 @@ class TaskFactory:
     @property
     def reloadable(self) -> bool:
         """Whether another process can load this factory by its spec (the own-process
-        memory probe does): a module-level function, not a lambda, a nested function
-        or one defined in ``__main__``."""
-        return self.spec.rpartition(":")[0] != "__main__" and "<" not in self.spec
+        memory probe does): a module-level function of a module imported from a file,
+        not a lambda, a nested function or one defined in ``__main__``."""
+        module = self.spec.rpartition(":")[0]
+        if module == "__main__" or "<" in self.spec:
+            return False
+        if module.endswith(".py") or os.sep in module or "/" in module:
+            return True  # a file: loaded from its path
+        return getattr(sys.modules.get(module), "__file__", None) is not None
 
     @property
     def label(self) -> str:

@@ -82,3 +82,14 @@ def test_bad_arguments_say_what_is_allowed(kwargs, error, match):
     kwargs = {"model": cli_factories.good, "steps": 1, **kwargs}
     with pytest.raises(error, match=match):
         amped.compare(**kwargs)
+
+
+@pytest.mark.slow
+def test_the_docstring_example_runs():
+    """``amped.compare``'s example: the built-in task, two recipes, two steps."""
+    import doctest
+
+    from amped.comparison import api
+
+    result = doctest.testmod(api, optionflags=doctest.ELLIPSIS)
+    assert result.attempted and not result.failed

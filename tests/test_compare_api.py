@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,6 +62,19 @@ def test_peak_memory_follows_what_the_factory_allows():
     assert result.config["peak_memory"] == "in-process"  # no other process can load it
     with pytest.raises(ValueError, match="peak_memory='in-process'"):
         amped.compare("fp32", model=nested, steps=1, peak_memory="own-process")
+
+
+def test_a_factory_may_return_an_object_with_the_three_attributes():
+    """The contract amped.tune always took holds for compare too: one contract."""
+
+    def factory(seed: int = 0):
+        model, batches, loss_fn = cli_factories.good(batch_size=4, seed=seed)
+        sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+        return SimpleNamespace(model=model, batches=batches, loss_fn=loss_fn, optimizer=sgd)
+
+    result = amped.compare("fp32", model=factory, steps=2, max_time=None)
+    assert result.recipes[0]["status"] == "complete"
+    assert result.recipes[0]["memory"]["optimizer_state_bytes"] == 0  # SGD: no state
 
 
 @pytest.mark.parametrize(

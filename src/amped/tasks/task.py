@@ -1,10 +1,12 @@
-"""What ``amped compare`` trains: a model, its batches and its loss, checked against the contract.
-
-The factory contract (``--model module:factory``)::
+"""What compare, tune and the doctor train: a model, its batches and its loss, checked
+against the one factory contract (``--model module:factory``)::
 
     def factory(batch_size=..., seed=..., device=...):   # declare any of the three
         ...
         return model, batches, loss_fn                     # or an amped.tasks.Task
+
+(or any object with ``model``, ``batches`` and ``loss_fn`` attributes and, optionally,
+an ``optimizer(model)`` method), where
 
 - ``model``: a ``torch.nn.Module`` with floating-point parameters, in float32. The CLI
   moves it to ``--device``.
@@ -46,7 +48,11 @@ __all__ = [
 ]
 
 DEFAULT_LEARNING_RATE = 1e-3
-_CONTRACT = "(model, batches, loss_fn) or an amped.tasks.Task"
+_CONTRACT = (
+    "(model, batches, loss_fn), an amped.tasks.Task, or an object with model, batches and "
+    "loss_fn attributes"
+)
+_ATTRIBUTES = ("model", "batches", "loss_fn")
 
 
 @dataclass
@@ -90,6 +96,9 @@ def as_task(obj: object, source: str) -> Task:
         task = obj
     elif isinstance(obj, tuple | list) and len(obj) == 3:
         task = Task(*obj)
+    elif all(hasattr(obj, name) for name in _ATTRIBUTES):
+        model, batches, loss_fn = (getattr(obj, name) for name in _ATTRIBUTES)
+        task = Task(model, batches, loss_fn, make_optimizer=getattr(obj, "optimizer", None))
     else:
         raise TaskTypeError(
             f"The factory {source} must return {_CONTRACT}. "

@@ -3,7 +3,8 @@
 The factory contract is the one of ``amped compare`` and ``amped doctor``
 (:mod:`amped.tasks.task`): ``factory`` declares any of ``batch_size``, ``seed`` and
 ``device`` (tune offers ``seed`` alone), is called after ``torch.manual_seed(seed)`` and
-returns ``(model, batches, loss_fn)`` or an :class:`amped.tasks.Task`. A finite
+returns ``(model, batches, loss_fn)``, an :class:`amped.tasks.Task` or an object with
+those three attributes (and optionally ``optimizer(model)``). A finite
 ``batches`` shorter than a run is cycled.
 """
 

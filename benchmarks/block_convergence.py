@@ -3,7 +3,7 @@
 Tasks (nothing downloaded, random init, 3 seeds each):
 
 - ``builtin``: ``amped compare``'s task (a character-level GPT, d=64, 2 layers, on
-  Python's standard-library source; :mod:`amped.cli.default_task`);
+  Python's standard-library source; :mod:`amped.tasks.tiny_gpt`);
 - ``gpt2``: a transformers GPT-2 (``--gpt2-dim``, 2 layers, Conv1D projections) on
   the same bytes, next-byte loss.
 
@@ -29,8 +29,8 @@ import time
 import torch
 
 import amped
-from amped.cli import default_task
 from amped.lowp.mx.block_config import BLOCK_CONFIGS
+from amped.tasks import tiny_gpt as default_task
 
 NVFP4 = BLOCK_CONFIGS["nvfp4"]
 PARTS = ("weight_2d", "stochastic_rounding", "hadamard", "bf16_last")

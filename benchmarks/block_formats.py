@@ -37,7 +37,7 @@ import torch.nn as nn
 
 import amped
 from amped._internal import testing
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 
 RECIPES = ("fp8-tensorwise", "fp8-rowwise", "mxfp8", "mxfp4", "nvfp4")
 

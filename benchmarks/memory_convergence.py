@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 import amped
-from amped.cli import default_task
 from amped.optim import step_in_backward
+from amped.tasks import tiny_gpt as default_task
 
 RECIPES = ("fp32", "bf16-master", "bf16-pure-8bit", "bf16-pure-8bit+in-backward", "naive-bf16")
 

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import amped
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 
 

@@ -55,7 +55,7 @@ from collections.abc import Callable
 
 import torch
 
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 from amped.optim import CompensatedAdamW, CompensatedSGD, MasterWeightOptimizer
 from amped.optim.adamw8bit import CompensatedAdamW8bit
 

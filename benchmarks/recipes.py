@@ -64,7 +64,7 @@ from support.device_sync import synchronize
 
 import amped
 from amped._internal.jsonio import to_json
-from amped.cli.environment import cpu_name
+from amped.comparison.environment import cpu_name
 
 BATCH, SEQ = 4, 32
 MEMORY_RECIPES = ("fp32", "bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")

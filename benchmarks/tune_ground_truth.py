@@ -2,7 +2,7 @@
 
 The model is a tiny transformers GPT-2 (4 blocks, width 64, 4 heads, context 32, a byte
 vocabulary, random init; nothing downloaded) learning Python standard-library source
-(the bytes of ``amped compare``'s built-in task, :mod:`amped.cli.default_task`).
+(the bytes of ``amped compare``'s built-in task, :mod:`amped.tasks.tiny_gpt`).
 
 Per seed, the model first trains ``pretrain_steps`` steps in bfloat16-mixed (shared by
 every run of that seed). Then, for each eligible linear layer, a paired A/B: the same
@@ -54,7 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amped
-from amped.cli import default_task
+from amped.tasks import tiny_gpt as default_task
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 

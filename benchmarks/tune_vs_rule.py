@@ -29,7 +29,7 @@ layer's share is in * out over the sum), independently of tune's count.
 
 Tasks: ``gpt2`` (the ground-truth model: a tiny GPT-2 with outlier channels, pretrained
 in bf16, then ``steps`` steps) and ``builtin`` (``amped compare``'s task, its
-:class:`~amped.cli.default_task.TinyGPT` from random init, ``--builtin-steps`` steps).
+:class:`~amped.tasks.tiny_gpt.TinyGPT` from random init, ``--builtin-steps`` steps).
 
 The built-in task's ground truth is read back from ``--builtin-truth-json`` when there.
 
@@ -56,9 +56,9 @@ import tune_ground_truth as gt
 from torch import nn
 
 import amped
-from amped.cli import default_task
 from amped.lowp.conv1d import linear_dims
 from amped.recipes import PrecisionPlan
+from amped.tasks import tiny_gpt as default_task
 from amped.tuning.verify import Arm, verify_arm
 
 

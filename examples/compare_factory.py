@@ -5,7 +5,7 @@ Run the comparison on it with::
     amped compare --model examples/compare_factory.py:build --steps 100
     python examples/compare_factory.py --steps 100        # the same
 
-The contract (see ``amped.cli.task``): the factory takes any of ``batch_size``, ``seed``
+The contract (see ``amped.tasks``): the factory takes any of ``batch_size``, ``seed``
 and ``device`` as keyword arguments and returns ``(model, batches, loss_fn)``:
 
 - ``model``: a float32 ``torch.nn.Module``;
@@ -14,7 +14,7 @@ and ``device`` as keyword arguments and returns ``(model, batches, loss_fn)``:
 
 ``amped compare`` calls the factory once per recipe after ``torch.manual_seed(seed)``, so
 every recipe starts from the same weights and sees the same batches. To add held-out
-metrics, a custom optimizer or a name for the report, return an ``amped.cli.task.Task``.
+metrics, a custom optimizer or a name for the report, return an ``amped.tasks.Task``.
 """
 
 from __future__ import annotations

@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amped.cli import save_doctor_html
-from amped.cli.doctor_report import save_doctor_plot
+from amped.cli.doctor.html import save_doctor_plot
 from amped.doctor import diagnose
 from amped.doctor.report import Report
 
@@ -139,7 +138,7 @@ def _gpt2_report() -> Report:
 
 
 def _save(report: Report, stem: Path) -> None:
-    save_doctor_html(report, stem.with_suffix(".html"))
+    report.save_html(stem.with_suffix(".html"))
     save_doctor_plot(report, stem.with_suffix(".png"))
     stem.with_suffix(".json").write_text(report.to_json())
     print(f"{stem.name}:\n{report.summary()}\n")

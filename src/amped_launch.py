@@ -13,7 +13,7 @@ then matplotlib failing with an unrelated ValueError). So both signals are block
 while the CLI and its heavy dependencies are imported, and delivered as the block is
 lifted: the run then ends as one does later, with one line, ``amped: error:
 interrupted``, and exit code 128 + the signal. From ``amped.cli.main.main`` on,
-:mod:`amped.cli.interrupt` takes over.
+:mod:`amped.comparison.interrupt` takes over.
 """
 
 from __future__ import annotations

@@ -2,17 +2,18 @@
 
 ``amped.autocast`` and ``amped.GradScaler`` are drop-ins for ``torch.autocast`` and
 ``torch.amp.GradScaler``; :class:`amped.Policy` is autocast's op policy as data you can
-read and change.
+read and change. :func:`amped.compare` measures what each precision recipe buys a model,
+and :func:`amped.tune` chooses a precision per layer.
 """
 
 from amped import doctor
+from amped._internal.version import __version__
 from amped.autocast_mode import autocast, autocast_op, current_policy, custom_bwd, custom_fwd
+from amped.comparison import compare
 from amped.policy import Cast, ModuleRule, Policy
 from amped.recipes import Recipe, TrainSetup, memory_report, monitor, prepare
 from amped.scaling import GradScaler
 from amped.tuning import tune
-
-__version__ = "0.1.0"
 
 __all__ = [
     "Cast",
@@ -24,6 +25,7 @@ __all__ = [
     "__version__",
     "autocast",
     "autocast_op",
+    "compare",
     "current_policy",
     "custom_bwd",
     "custom_fwd",

@@ -24,8 +24,6 @@ from repo_paths import HELPERS
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 
-
-from amped.cli import save_doctor_html
 from amped.cli.main import main
 from amped.doctor import diagnose
 
@@ -124,7 +122,7 @@ def test_doctor_report_renders_readable_and_whole(tmp_path):
 
     model, x, _, _ = doctor_models.norm_variance_overflow()
     report = diagnose(model, x, lambda out: out.float().mean(), dtype=torch.float16)
-    page = save_doctor_html(report, tmp_path / "doctor.html")
+    page = report.save_html(tmp_path / "doctor.html")
     dom, probe, shot = _render(page, tmp_path, 2400)
     _check_layout(probe)
     _check_picture(shot, 2400)
@@ -137,7 +135,7 @@ def test_tune_report_renders_readable_and_whole(tmp_path):
     """The widest tune.html: six formats and a long transformers-style layer name."""
     import tune_fixture
 
-    from amped.cli.tune_report import write_report
+    from amped.cli.tune.report import write_report
 
     tuned = tune_fixture.six_formats()
     context = {"task": "tiny-gpt", "device": "cpu", "created": "now", "command": ["amped", "tune"]}

@@ -22,10 +22,10 @@ pytest.importorskip("matplotlib")
 
 from results_schema import validate
 
-from amped.cli.findings import findings, warnings
+from amped.cli.compare.summary import GROUPS, loss_decimals
 from amped.cli.main import main
-from amped.cli.summary import GROUPS, loss_decimals
-from amped.cli.timing import MIN_TIMED_STEPS, cores_available, speed_blocker
+from amped.comparison.findings import findings, warnings
+from amped.comparison.timing import MIN_TIMED_STEPS, cores_available, speed_blocker
 
 FACTORIES = HELPERS / "cli_factories.py"
 

@@ -17,14 +17,14 @@ pytest.importorskip("matplotlib")
 from results_schema import validate
 from rich.console import Console
 
-from amped.cli.compare import run_comparison
-from amped.cli.compare_report import render_html
-from amped.cli.factory import load_factory
-from amped.cli.progress import LineProgress, RichProgress
-from amped.cli.results import to_dict
-from amped.cli.run import CompareConfig
-from amped.cli.summary import findings, rows
+from amped.cli.compare.progress import LineProgress, RichProgress
+from amped.cli.compare.report import render_html
+from amped.cli.compare.summary import findings, rows
+from amped.comparison.compare import run_comparison
+from amped.comparison.results import to_dict
+from amped.comparison.run import CompareConfig
 from amped.recipes.registry import resolve_recipe
+from amped.tasks.factory import load_factory
 
 FACTORIES = HELPERS / "cli_factories.py"
 
@@ -149,7 +149,7 @@ def test_report_of_partial_results_says_so():
 
 
 def test_recipes_take_dtype_names_as_torch_spells_them():
-    from amped.cli.command import parse_recipes
+    from amped.comparison.setup import parse_recipes
 
     chosen = parse_recipes("bfloat16,torch.float16,float32,half,bf16")
     assert [r.name for r in chosen] == ["bf16-mixed", "fp16-mixed", "fp32"]

@@ -102,7 +102,7 @@ def test_both_commands_refuse_the_same_values_with_the_same_message(capsys, flag
      ("float16", torch.float16), ("fp16", torch.float16), ("half", torch.float16)],
 )  # fmt: skip
 def test_dtype_takes_torch_names_and_short_aliases(spelling, dtype):
-    from amped.cli.dtypes import parse_low_dtype
+    from amped.comparison.dtypes import parse_low_dtype
 
     assert parse_low_dtype(spelling) is dtype
 
@@ -136,7 +136,7 @@ def test_doctor_table_fits_80_columns_with_one_line_per_op():
     import doctor_factories
     from rich.console import Console
 
-    from amped.cli.doctor import doctor_table
+    from amped.cli.doctor.command import doctor_table
     from amped.doctor import diagnose
 
     model, batches, loss_fn = doctor_factories.long_module_names()

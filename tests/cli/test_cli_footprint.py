@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from amped.cli.footprint import PeakMemory, grad_bytes, state_bytes
+from amped.comparison.footprint import PeakMemory, grad_bytes, state_bytes
 
 
 def _step(model: nn.Module, optimizer: torch.optim.Optimizer, dtype=torch.float32) -> int:

@@ -132,7 +132,7 @@ def test_sigterm_and_sigint_at_random_moments(tmp_path):
 def test_a_signal_while_the_report_renders_still_writes_it(capsys, tmp_path, monkeypatch, signum):
     """In process: Ctrl-C or SIGTERM arrives while report.html renders; the pair is
     still written, and the exit code is 130 or 143."""
-    from amped.cli import compare_report
+    from amped.cli.compare import report as compare_report
 
     out = tmp_path / "out"
     old_pair(out)
@@ -159,7 +159,7 @@ def test_two_signals_while_the_summary_prints_report_the_written_pair(
     """In process: the pair is written, then two signals arrive while the terminal
     summary prints (the second raises there). The run says the results were written,
     not that it failed, and exits 128 + the first signal's number."""
-    from amped.cli import command
+    from amped.cli.compare import command
 
     out = tmp_path / "out"
     old_pair(out)

@@ -9,10 +9,10 @@ import pytest
 import torch
 from repo_paths import HELPERS
 
-from amped.cli.default_task import CORPUS_FILES, SEQ_LEN, VOCAB, TinyGPT, build, load_corpus
 from amped.cli.errors import UsageError
-from amped.cli.factory import load_factory
-from amped.cli.task import Task, as_task, call_model, count_samples, to_device
+from amped.tasks.factory import load_factory
+from amped.tasks.task import Task, as_task, call_model, count_samples, to_device
+from amped.tasks.tiny_gpt import CORPUS_FILES, SEQ_LEN, VOCAB, TinyGPT, build, load_corpus
 
 FACTORIES = HELPERS / "cli_factories.py"
 CPU = torch.device("cpu")
@@ -20,7 +20,7 @@ CPU = torch.device("cpu")
 
 @pytest.mark.parametrize(
     "spec",
-    [f"{FACTORIES}:good", "cli_factories:good", "amped.cli.default_task:build"],
+    [f"{FACTORIES}:good", "cli_factories:good", "amped.tasks.tiny_gpt:build"],
     ids=["file", "module", "package"],
 )
 def test_factory_specs_resolve(spec):
@@ -134,7 +134,7 @@ def test_default_task_evaluates_held_out_loss_and_accuracy():
 @pytest.mark.slow
 def test_task_modules_need_no_cli_extra():
     code = (
-        "import sys, amped.cli.default_task, amped.cli.factory; "
+        "import sys, amped.tasks.tiny_gpt, amped.tasks.factory; "
         "print(sorted(m for m in ('rich', 'matplotlib') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

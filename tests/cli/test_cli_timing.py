@@ -18,11 +18,11 @@ pytest.importorskip("matplotlib")
 
 from rich.console import Console
 
-from amped.cli.findings import findings, warnings
+from amped.cli.compare.summary import loss_decimals
+from amped.cli.compare.table import print_summary
 from amped.cli.main import main
-from amped.cli.summary import loss_decimals
-from amped.cli.table import print_summary
-from amped.cli.timing import CpuLoad, clear_winner, cores_available, ratio_range, step_stats
+from amped.comparison.findings import findings, warnings
+from amped.comparison.timing import CpuLoad, clear_winner, cores_available, ratio_range, step_stats
 
 FACTORIES = HELPERS / "cli_factories.py"
 

@@ -301,7 +301,7 @@ def test_the_builtin_task_is_tuned(tmp_path):
 def test_a_signal_while_the_report_renders_still_writes_it(capsys, tmp_path, monkeypatch, signum):
     """In process: the signal arrives after the last progress report, while tune.html
     renders; the pair is still written, whole, and the exit code is 128 + signal."""
-    from amped.cli import tune_report
+    from amped.cli.tune import report as tune_report
 
     render = tune_report.render_html
 

@@ -13,8 +13,8 @@ pytest.importorskip("rich")
 
 from rich.console import Console
 
-from amped.cli import interrupt
-from amped.cli.tune_progress import TuneLines, TuneProgress
+from amped.cli.tune.progress import TuneLines, TuneProgress
+from amped.comparison import interrupt
 
 REPORTS = [("measure", 1, 4), ("measure", 4, 4), ("train", 1, 3), ("train", 2, 3), ("train", 3, 3)]
 

@@ -18,11 +18,11 @@ import tune_fixture
 from rich.console import Console
 
 from amped._internal.jsonio import from_json
-from amped.cli.tune_command import exit_code
-from amped.cli.tune_plots import sensitivity_chart
-from amped.cli.tune_report import render_html, write_report
-from amped.cli.tune_summary import headline, layer_rows, outcome, round_rows, verification_rows
-from amped.cli.tune_table import layer_tables, print_tune
+from amped.cli.tune.command import exit_code
+from amped.cli.tune.plots import sensitivity_chart
+from amped.cli.tune.report import render_html, write_report
+from amped.cli.tune.summary import headline, layer_rows, outcome, round_rows, verification_rows
+from amped.cli.tune.table import layer_tables, print_tune
 
 CONTEXT = {"task": "tiny-gpt", "device": "cpu", "created": "2026-12-01T18:00:00+00:00",
            "command": ["amped", "tune", "--formats", "fp8-rowwise,nvfp4"]}  # fmt: skip

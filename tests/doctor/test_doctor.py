@@ -135,8 +135,6 @@ def test_bad_input_gets_clear_errors():
 
 def test_json_and_html_outputs(tmp_path):
     pytest.importorskip("matplotlib")
-    from amped.cli import save_doctor_html
-
     model, x, module, op = doctor_models.exp_overflow()
     report = diagnose(model, x, _mean_loss, dtype=FP16)
     data = json.loads(report.to_json())
@@ -144,16 +142,16 @@ def test_json_and_html_outputs(tmp_path):
     assert (data["forward_culprit"]["module"], data["forward_culprit"]["op"]) == (module, op)
     assert data["suggestion"]["verified"] is True
     assert {"module", "op", "amax", "n_inf", "underflow", "sqnr_db"} <= set(data["ops"][0])
-    page = save_doctor_html(report, tmp_path / "doctor.html").read_text()
+    page = report.save_html(tmp_path / "doctor.html").read_text()
     assert "data:image/png;base64," in page and "head" in page
     assert "first non-finite value" in report.summary()
 
 
 def test_doctor_pages_refuse_what_is_not_a_report(tmp_path):
-    from amped.cli import save_doctor_html
-    from amped.cli.doctor_report import save_doctor_plot
+    from amped.cli.doctor.html import save_doctor_plot
+    from amped.doctor.report import Report
 
-    for save in (save_doctor_html, save_doctor_plot):
+    for save in (Report.save_html, save_doctor_plot):
         with pytest.raises(
             TypeError, match=r"the Report amped\.doctor\.diagnose\(\) returns.*Received: report='x'"
         ):
@@ -179,7 +177,7 @@ import amped.doctor
 assert "matplotlib" not in sys.modules, "importing amped.doctor imported matplotlib"
 assert state() == before, (before, state())
 import matplotlib
-from amped.cli import doctor_report
+from amped.cli.doctor import html as doctor_report
 model = torch.nn.Linear(4, 4)
 report = amped.doctor.diagnose(model, torch.randn(2, 4), lambda y: y.float().mean())
 assert doctor_report.doctor_plot_png(report).startswith(bytes([0x89]) + b"PNG")

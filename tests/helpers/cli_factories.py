@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amped.cli.task import Task
+from amped.tasks.task import Task
 
 
 def _batches(batch_size: int, seed: int):

@@ -140,6 +140,6 @@ def test_block_recipes_are_opt_in_and_named_in_compare():
     assert not set(BLOCK) & set(amped.recipes.registry.RECIPES)
     assert all(amped.recipes.registry.resolve_recipe(name).fp8 == name for name in BLOCK)
     pytest.importorskip("rich")
-    from amped.cli.command import parse_recipes
+    from amped.comparison.setup import parse_recipes
 
     assert [r.name for r in parse_recipes("bf16,mxfp8,nvfp4")] == ["bf16-mixed", "mxfp8", "nvfp4"]

@@ -54,7 +54,7 @@ def test_fp8_recipes_are_opt_in():
     assert not set(FP8) & set(RECIPES)  # `amped compare` with no --recipes: unchanged
     assert resolve_recipe("FP8-TE").name == "fp8-delayed"
     pytest.importorskip("rich")
-    from amped.cli.command import parse_recipes
+    from amped.comparison.setup import parse_recipes
 
     assert [r.name for r in parse_recipes("fp8-rowwise,bf16")] == ["fp8-rowwise", "bf16-mixed"]
     assert parse_recipes("all") == tuple(RECIPES.values())

@@ -335,6 +335,18 @@ def test_a_factory_breaking_the_contract_is_a_type_error() -> None:
         amped.tune(torch.nn.Linear(64, 64))  # type: ignore[arg-type]
 
 
+def test_the_factory_contract_is_the_one_of_compare() -> None:
+    """A batch that is not an ``(inputs, targets)`` pair is refused before anything is
+    measured, by the check amped compare and amped doctor use (amped.tasks)."""
+
+    def factory(seed: int) -> Any:
+        batches = [torch.randn(8, 64)]  # inputs alone, no targets
+        return torch.nn.Linear(64, 64), batches, torch.nn.functional.mse_loss
+
+    with pytest.raises(ValueError, match=r"must be an \(inputs, targets\) pair"):
+        amped.tune(factory, formats=["fp8-rowwise"])
+
+
 def test_a_layer_without_a_gradient_is_named() -> None:
     def factory(seed: int) -> Any:
         model = torch.nn.ModuleDict(

@@ -8,5 +8,6 @@ imports torch and the standard library only:
 - :mod:`.stats`: medians and quartiles of measurements;
 - :mod:`.files`: atomic, symlink-safe writes;
 - :mod:`.jsonio`: JSON with non-finite numbers;
+- :mod:`.version`: amped's version;
 - :mod:`.torch_compat`: every call into a private torch API, and torch-version checks.
 """

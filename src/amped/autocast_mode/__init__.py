@@ -6,7 +6,6 @@ from amped.autocast_mode.region import autocast
 from amped.autocast_mode.state import Path, current_policy
 
 __all__ = [
-    "Path",
     "autocast",
     "autocast_op",
     "current_path",

@@ -1,11 +1,11 @@
 """The face: the ``amped`` command line (``amped compare``, ``amped doctor``, ``amped tune``)
-and its pages.
+and its pages, one subpackage per command (:mod:`amped.cli.compare`,
+:mod:`amped.cli.tune`, :mod:`amped.cli.doctor`), the helpers they share beside them.
 
-Importing ``amped`` never imports this package. The modules that draw the terminal and
-the compare report need the ``cli`` extra (rich, matplotlib); :class:`Task`, the
-built-in task and the doctor's page (whose plot alone needs matplotlib) need only torch.
+It parses arguments, renders (tables, plots, HTML) and handles signals and exit codes;
+the work is the library's (``amped.compare``, ``amped.tune``, ``amped.doctor``).
+Importing ``amped`` never imports this package. Its modules that draw the terminal and
+the plots need the ``cli`` extra (rich, matplotlib).
 """
 
-from amped.cli.doctor_report import save_doctor_html
-
-__all__ = ["save_doctor_html"]
+__all__: list[str] = []

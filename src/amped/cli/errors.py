@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from amped.tasks.errors import RunError, UsageError
+
 __all__ = [
     "EXIT_DIVERGED",
     "EXIT_FAILED",
@@ -26,13 +28,3 @@ EXIT_UNFIXED = 3  # amped doctor: a non-finite value it found no verified fix fo
 EXIT_NO_PLAN = 3
 EXIT_INTERRUPTED = 130  # Ctrl-C, as shells report SIGINT (128 + 2)
 EXIT_TERMINATED = 143  # SIGTERM (128 + 15), handled like Ctrl-C
-
-
-class UsageError(Exception):
-    """Bad arguments or a task that breaks the factory contract (exit code 2); one line,
-    ending with ``Received: ...``."""
-
-
-class RunError(Exception):
-    """The run could not be done or recorded: a missing extra, an unwritable report,
-    failed recipes (exit code 1)."""

@@ -13,9 +13,10 @@ import threading
 import traceback
 from collections.abc import Sequence
 
-from amped.cli import interrupt, out_dir
+from amped.cli import out_dir
 from amped.cli.arguments import build_parser
 from amped.cli.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunError, UsageError
+from amped.comparison import interrupt
 
 __all__ = ["main", "version_line"]
 
@@ -86,14 +87,18 @@ def _main(arguments: list[str]) -> int:
             )
         _check_extra(args.command)
         if args.command == "doctor":
-            from amped.cli.doctor import run_doctor  # needs the extra: imported after the check
+            from amped.cli.doctor.command import (
+                run_doctor,  # needs the extra: imported after the check
+            )
 
             return run_doctor(args)
         if args.command == "tune":
-            from amped.cli.tune_command import run_tune  # needs the extra: imported after the check
+            from amped.cli.tune.command import run_tune  # needs the extra: imported after the check
 
             return run_tune(args, ["amped", *arguments])
-        from amped.cli.command import run_compare  # needs the extra: imported after the check
+        from amped.cli.compare.command import (
+            run_compare,  # needs the extra: imported after the check
+        )
 
         return run_compare(args, ["amped", *arguments])
     except UsageError as error:

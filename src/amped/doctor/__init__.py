@@ -7,7 +7,7 @@ non-finite value (forward or backward, with the user's source line); per-paramet
 gradient underflow at the loss scale; and a fix (a Policy or a loss scale) it re-ran.
 ``amped.doctor.diagnose_fp8`` measures, per Linear layer, what an FP8 recipe costs and
 names the layers to keep in bfloat16, with a policy it re-ran. Importing it loads no
-plotting library: the HTML page and plot are the CLI's (:mod:`amped.cli.doctor_report`).
+plotting library: the HTML page and plot are the CLI's (:mod:`amped.cli.doctor.html`).
 """
 
 from amped.doctor.diagnose import diagnose

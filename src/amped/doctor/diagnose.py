@@ -19,10 +19,11 @@ from amped.doctor.report import (
     policy_expression,
     scale_code,
 )
-from amped.doctor.runs import StepResult, input_tensors, run_step
+from amped.doctor.runs import StepResult, run_step
 from amped.doctor.stats import measure_error, summarize
 from amped.policy import Cast, Policy
 from amped.policy.policy import LOW_DTYPES
+from amped.tasks.task import input_tensors
 
 __all__ = ["diagnose"]
 

@@ -16,7 +16,7 @@ import torch
 from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
 from amped.doctor.fp8_report import CastStat, Fp8LayerStat, Fp8Report, Fp8Suggestion
-from amped.doctor.runs import call_model, model_output
+from amped.doctor.runs import model_output
 from amped.lowp.conv1d import is_conv1d, is_linear_like, linear_dims
 from amped.lowp.convert import (
     LowPrecisionConfig,
@@ -31,6 +31,7 @@ from amped.lowp.mx.block_config import BlockConfig
 from amped.policy import Policy
 from amped.recipes.fp8 import recipe_config, ruled_modules
 from amped.recipes.registry import resolve_recipe
+from amped.tasks.task import call_model
 
 __all__ = ["diagnose_fp8"]
 

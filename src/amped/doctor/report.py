@@ -1,12 +1,14 @@
 """What :func:`amped.doctor.diagnose` found, as data, a plain-text summary and JSON.
 
-The HTML page and its plot are the CLI's (:mod:`amped.cli.doctor_report`).
+The HTML page and its plot are the CLI's (:mod:`amped.cli.doctor.html`).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from amped._internal.jsonio import jsonable, to_json
@@ -155,6 +157,19 @@ class Report:
 
     def to_json(self, indent: int = 2) -> str:
         return to_json(self.to_dict(), indent=indent)
+
+    def save_html(self, path: str | os.PathLike[str]) -> Path:
+        """Write the report as a self-contained HTML page to ``path`` (atomically): the
+        summary, the verified fix, a dynamic-range plot per module and every op;
+        returns the path. ``amped doctor`` writes the same page as ``doctor.html``.
+
+        The page is drawn by amped's CLI package, and its plot needs matplotlib (the
+        ``[cli]`` extra: ``pip install -e '.[cli]'``); without it the page says so in
+        place of the plot.
+        """
+        from amped.cli.doctor.html import save_doctor_html  # the CLI draws the pages
+
+        return save_doctor_html(self, path)
 
     # --- text ------------------------------------------------------------------------
 

@@ -11,13 +11,13 @@ from typing import Any
 import torch
 
 from amped._internal.errors import value_error
-from amped._internal.trees import iter_tensors
 from amped.autocast_mode import Path, autocast
 from amped.autocast_mode.engine import forced_path
 from amped.doctor.trace import OpCall, Tracer, float_tensors
 from amped.policy import Policy
+from amped.tasks.task import call_model
 
-__all__ = ["StepResult", "call_model", "input_tensors", "model_output", "run_step"]
+__all__ = ["StepResult", "model_output", "run_step"]
 
 
 @dataclass
@@ -31,21 +31,6 @@ class StepResult:
     grad_order: list[tuple[int, bool]] = field(
         default_factory=list
     )  # (call, finite) in backward order
-
-
-def call_model(model: torch.nn.Module, inputs: Any) -> Any:
-    """``model(**inputs)`` for a mapping, ``model(*inputs)`` for a tuple or list, else
-    ``model(inputs)``: the one rule, for the doctor and the CLI's tasks."""
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, (tuple, list)):
-        return model(*inputs)
-    return model(inputs)
-
-
-def input_tensors(inputs: Any) -> list[torch.Tensor]:
-    """Every tensor in what :func:`call_model` passes (any mapping, e.g. a BatchEncoding)."""
-    return list(iter_tensors(dict(inputs) if isinstance(inputs, Mapping) else inputs))
 
 
 _LOSS_RULE = "loss_fn must return a scalar floating tensor (one element) from the model's output"

@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from amped.autocast_mode import autocast
-from amped.doctor.runs import call_model
 from amped.lowp.conv1d import is_conv1d, linear_dims
 from amped.lowp.convert import convert_layers
 from amped.lowp.float8.cast import quantize
 from amped.lowp.mx.block_cast import quantize_block
 from amped.lowp.mx.block_config import BlockConfig
 from amped.recipes.plan import format_config, layer_ineligibility
+from amped.tasks.task import call_model
 
 __all__ = ["FormatMeasurement", "LayerMeasurement", "PassCount", "eligible_layers", "measure"]
 

@@ -178,8 +178,8 @@ def tune(
     """Measure each eligible layer in each format, choose a per-layer plan, verify it.
 
     Args:
-        factory: ``factory(seed=...)`` returning ``(model, batches, loss_fn)`` or a task
-            object (the contract of ``amped compare``; :mod:`amped.tuning.task`).
+        factory: ``factory(seed=...)`` returning ``(model, batches, loss_fn)`` or an
+            :class:`amped.tasks.Task` (the contract of ``amped compare``; :mod:`amped.tasks`).
         formats: candidate formats (default: all of ``fp8-tensorwise``, ``fp8-rowwise``,
             ``fp8-rowwise-gw-hp``, ``mxfp8``, ``mxfp4``, ``nvfp4``).
         budget: the summed estimated loss change the plan may cost; None: the sample

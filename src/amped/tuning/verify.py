@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from amped.doctor.runs import call_model
 from amped.recipes import prepare
 from amped.recipes.plan import PrecisionPlan
+from amped.tasks.task import call_model
 from amped.tuning.task import build_task
 
 __all__ = ["Arm", "final_loss", "train_losses", "verify_arm"]

@@ -13,7 +13,7 @@ from two_processes import run_in_two_processes
 
 import amped
 from amped._internal import testing
-from amped.cli import default_task
+from amped.tasks import tiny_gpt as default_task
 
 STEPS = 100
 SEEDS = (0, 1, 2)

@@ -2,7 +2,7 @@
 
 Every recipe starts from the same weights, sees the same batches and trains the same
 number of steps; recipes run one after another, so one model is in memory at a time.
-``--max-time`` bounds the whole of it, probes included (:mod:`amped.cli.budget`).
+``--max-time`` bounds the whole of it, probes included (:mod:`amped.comparison.budget`).
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ from typing import Any
 
 import torch
 
-from amped.cli import interrupt
-from amped.cli.budget import PROBE_SHARE, Budget
-from amped.cli.interrupt import graceful_interrupts
-from amped.cli.plan import Plan, estimate_step, make_plan
-from amped.cli.probe import PROBE_KIND, ProbeResult, probe_recipe
-from amped.cli.run import OUT_OF_TIME, CompareConfig, Observer, RecipeRun, run_recipe
-from amped.cli.timing import CpuLoad
+from amped.comparison import interrupt
+from amped.comparison.budget import PROBE_SHARE, Budget
+from amped.comparison.interrupt import graceful_interrupts
+from amped.comparison.plan import Plan, estimate_step, make_plan
+from amped.comparison.probe import PROBE_KIND, ProbeResult, probe_recipe
+from amped.comparison.run import OUT_OF_TIME, CompareConfig, Observer, RecipeRun, run_recipe
+from amped.comparison.timing import CpuLoad
 from amped.recipes import Recipe
 
 __all__ = ["BASELINE", "Comparison", "baseline_first", "run_comparison"]
@@ -36,7 +36,7 @@ class Comparison:
     plan: Plan | None = None
     partial: bool = False
     wall_s: float = 0.0
-    machine: dict[str, Any] | None = None  # the CPU load while it ran (amped.cli.timing)
+    machine: dict[str, Any] | None = None  # the CPU load while it ran (amped.comparison.timing)
     budget: Budget | None = None  # --max-time, and what it cut
 
     @property
@@ -87,7 +87,7 @@ def _probe_all(
     config: CompareConfig, runs: list[RecipeRun], observer: Observer, budget: Budget
 ) -> dict[str, ProbeResult]:
     """Each recipe's peak memory (and a few step times) from a process of its own, if
-    all the probes fit :data:`~amped.cli.budget.PROBE_SHARE` of the budget.
+    all the probes fit :data:`~amped.comparison.budget.PROBE_SHARE` of the budget.
 
     When they do not (judged from the probes run so far), no recipe keeps an
     own-process peak: every one is measured in process, so that the peak column

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from amped.cli.task import Task
+from amped.tasks.task import Task
 
 __all__ = ["CORPUS_FILES", "Corpus", "TinyGPT", "build", "load_corpus"]
 

@@ -2,7 +2,7 @@
 
 A step's time covers forward, backward, optimizer step and fetching the loss (one
 device sync), not producing the batch. Memory is measured on the first step (training
-state, exactly) and throughout (peak); see :mod:`amped.cli.footprint`.
+state, exactly) and throughout (peak); see :mod:`amped.comparison.footprint`.
 """
 
 from __future__ import annotations
@@ -15,16 +15,15 @@ from typing import Any
 
 import torch
 
-import amped
-from amped.cli import interrupt
-from amped.cli.environment import synchronize
-from amped.cli.errors import UsageError
-from amped.cli.factory import TaskFactory
-from amped.cli.footprint import PeakMemory, StateBytes, grad_bytes, state_bytes
-from amped.cli.health import attach_monitor, health_note
-from amped.cli.task import Task, call_model, check_loss, count_samples, to_device
-from amped.cli.timing import step_stats
-from amped.recipes import Recipe
+from amped.comparison import interrupt
+from amped.comparison.environment import synchronize
+from amped.comparison.footprint import PeakMemory, StateBytes, grad_bytes, state_bytes
+from amped.comparison.health import attach_monitor, health_note
+from amped.comparison.timing import step_stats
+from amped.recipes import Recipe, TrainSetup, prepare
+from amped.tasks.errors import UsageError
+from amped.tasks.factory import TaskFactory
+from amped.tasks.task import Task, call_model, check_loss, count_samples, to_device
 
 __all__ = [
     "OUT_OF_TIME",
@@ -93,11 +92,11 @@ class RecipeRun:
     peak_memory_kind: str | None = None
     evaluation: dict[str, float] | None = None
     task: dict[str, Any] | None = None
-    health: str | None = None  # the FP8 recipes' GEMM health note (amped.cli.health)
+    health: str | None = None  # the FP8 recipes' GEMM health note (amped.comparison.health)
 
     def samples_per_s(self) -> float | None:
         """Throughput as ``results.json`` defines it: mean samples per step over the
-        median step time, warm-up left out (:func:`amped.cli.timing.step_stats`)."""
+        median step time, warm-up left out (:func:`amped.comparison.timing.step_stats`)."""
         stats = step_stats(self.step_times)
         if stats is None or stats.median <= 0 or not self.samples:
             return None
@@ -143,7 +142,7 @@ def run_recipe(
 
     With a ``deadline`` (a ``time.monotonic()`` value), a step after the first starts
     only if the previous step's time still fits before it; otherwise the recipe stops
-    with the reason :data:`OUT_OF_TIME` (:mod:`amped.cli.budget`).
+    with the reason :data:`OUT_OF_TIME` (:mod:`amped.comparison.budget`).
 
     A recipe that raises is recorded as failed (the error in one line, and its
     traceback). KeyboardInterrupt marks it interrupted and propagates, as does
@@ -187,7 +186,7 @@ def _train(
     )
     run.task = describe_task(task, config.factory.spec)
     model = task.model.to(config.device)
-    setup = amped.prepare(model, task.optimizer(model), run.recipe)
+    setup = prepare(model, task.optimizer(model), run.recipe)
     health = attach_monitor(setup)
     peak = PeakMemory(config.device)
     peak.start()
@@ -214,7 +213,7 @@ def _train(
 
 
 def _train_step(
-    setup: amped.TrainSetup,
+    setup: TrainSetup,
     task: Task,
     inputs: Any,
     targets: Any,
@@ -250,7 +249,7 @@ def _train_step(
         run.loss_scales.append(scale)
 
 
-def _evaluate(setup: amped.TrainSetup, task: Task, device: torch.device) -> dict[str, float] | None:
+def _evaluate(setup: TrainSetup, task: Task, device: torch.device) -> dict[str, float] | None:
     """The task's held-out metrics for the trained model, under the recipe's autocast."""
     if task.evaluate is None:
         return None

@@ -4,7 +4,7 @@ count for all, so losses compare like with like::
     steps = clamp(floor(seconds left of the budget / sum of step estimates), 1, --steps)
 
 The estimates come from the memory probes' steps, else from :data:`TIMING_STEPS` steps
-run here, each recipe within its share of half of what is left (:mod:`amped.cli.budget`).
+run here, each recipe within its share of half of what is left (:mod:`amped.comparison.budget`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from amped.cli.budget import Budget
-from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
+from amped.comparison.budget import Budget
+from amped.comparison.run import CompareConfig, Observer, RecipeRun, run_recipe
 
 __all__ = ["TIMING_STEPS", "Plan", "estimate_step", "make_plan"]
 

@@ -11,9 +11,15 @@ from datetime import datetime, timezone
 from typing import Any
 
 from amped._internal.jsonio import to_json
-from amped.cli.compare import BASELINE, Comparison
-from amped.cli.run import LOSS_WINDOW, RecipeRun, final_loss, window_mean
-from amped.cli.timing import MIN_TIMED_STEPS, StepStats, ratio_range, speed_blocker, step_stats
+from amped.comparison.compare import BASELINE, Comparison
+from amped.comparison.run import LOSS_WINDOW, RecipeRun, final_loss, window_mean
+from amped.comparison.timing import (
+    MIN_TIMED_STEPS,
+    StepStats,
+    ratio_range,
+    speed_blocker,
+    step_stats,
+)
 
 __all__ = ["LOSS_WINDOW", "SCHEMA_ID", "SLOW_RATIO", "divergence", "dumps", "to_dict"]
 

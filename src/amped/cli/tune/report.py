@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from amped._internal.files import write_files
-from amped.cli import tune_summary
-from amped.cli.compare_report import REPORT_CSS
-from amped.cli.results import dumps
-from amped.cli.tune_plots import format_colours, sensitivity_chart
+from amped.cli.compare.report import REPORT_CSS
+from amped.cli.tune import summary as tune_summary
+from amped.cli.tune.plots import format_colours, sensitivity_chart
+from amped.comparison.results import dumps
 
 __all__ = ["render_html", "write_report"]
 

@@ -1,5 +1,5 @@
 """What a reader sees first: the comparison table's cells and footnotes, as text (the
-findings are in :mod:`amped.cli.findings`).
+findings are in :mod:`amped.comparison.findings`).
 
 Works on the ``results.json`` document alone, so the console table and the HTML report
 show the same figures, and a report can be rebuilt from a saved ``results.json``.
@@ -11,9 +11,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from amped.cli.findings import findings
-from amped.cli.results import LOSS_WINDOW
-from amped.cli.run import OUT_OF_TIME
+from amped.comparison.findings import findings
+from amped.comparison.results import LOSS_WINDOW
+from amped.comparison.run import OUT_OF_TIME
 
 __all__ = [
     "COLUMNS",

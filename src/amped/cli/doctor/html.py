@@ -1,5 +1,8 @@
 """The doctor's :class:`~amped.doctor.report.Report` as a page: ``doctor.html`` and its plot.
 
+``Report.save_html`` and ``amped doctor`` write it. ``report`` is typed ``Any`` here:
+importing :mod:`amped.doctor.report` back would make an import cycle with the method.
+
 The plot draws each module's dynamic range (smallest non-zero and largest |value| its
 ops produced) on a log2 axis against the dtype's limits, so a reader sees which layer
 leaves the representable range. matplotlib's object API only: no global backend.
@@ -11,6 +14,7 @@ from __future__ import annotations
 import base64
 import html
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +22,6 @@ import torch
 
 from amped._internal.errors import type_error
 from amped._internal.files import write_files
-from amped.doctor.report import Report
 from amped.doctor.stats import smallest_subnormal
 
 __all__ = ["doctor_html", "doctor_plot_png", "save_doctor_html", "save_doctor_plot"]
@@ -26,7 +29,7 @@ __all__ = ["doctor_html", "doctor_plot_png", "save_doctor_html", "save_doctor_pl
 Ranges = dict[str, tuple[float, float, bool]]  # module -> (min non-zero, max, any inf/NaN)
 
 
-def module_ranges(report: Report) -> Ranges:
+def module_ranges(report: Any) -> Ranges:
     """Per module: (smallest non-zero, largest finite |value|, any inf/NaN) of its ops."""
     ranges: Ranges = {}
     for op in report.ops:
@@ -37,7 +40,7 @@ def module_ranges(report: Report) -> Ranges:
     return ranges
 
 
-def doctor_plot_png(report: Report) -> bytes | None:
+def doctor_plot_png(report: Any) -> bytes | None:
     """The dynamic-range plot as PNG bytes (None without matplotlib)."""
     try:
         from matplotlib.figure import Figure
@@ -90,7 +93,7 @@ def _fmt(value: float | None, spec: str) -> str:
     return "" if value is None or math.isnan(value) else format(value, spec)
 
 
-def doctor_html(report: Report) -> str:
+def doctor_html(report: Any) -> str:
     """A self-contained HTML page: the summary, the plot and every op."""
     png = doctor_plot_png(report)
     plot = (
@@ -116,7 +119,7 @@ def doctor_html(report: Report) -> str:
     )
 
 
-def _fix(report: Report) -> str:
+def _fix(report: Any) -> str:
     """The verified fix as the code that applies it, ready to copy."""
     suggestion = report.suggestion
     if suggestion is None or not suggestion.verified or not suggestion.code:
@@ -129,7 +132,9 @@ def _fix(report: Report) -> str:
 
 
 def _check_report(report: object) -> None:
-    if not isinstance(report, Report):
+    # By its fields, not isinstance: Report.save_html imports this module, which must
+    # not import amped.doctor.report back (no import cycle).
+    if not all(hasattr(report, name) for name in ("ops", "dtype", "summary", "suggestion")):
         raise type_error(
             "The doctor's pages draw the Report amped.doctor.diagnose() returns",
             "report",
@@ -137,7 +142,7 @@ def _check_report(report: object) -> None:
         )
 
 
-def save_doctor_html(report: Report, path: str | Path) -> Path:
+def save_doctor_html(report: Any, path: str | os.PathLike[str]) -> Path:
     """Write :func:`doctor_html` to ``path`` atomically; returns the path."""
     _check_report(report)
     path = Path(path)
@@ -145,7 +150,7 @@ def save_doctor_html(report: Report, path: str | Path) -> Path:
     return path
 
 
-def save_doctor_plot(report: Report, path: str | Path) -> Path:
+def save_doctor_plot(report: Any, path: str | Path) -> Path:
     """Write the dynamic-range plot to ``path`` as PNG, atomically (needs matplotlib)."""
     _check_report(report)
     png = doctor_plot_png(report)

@@ -3,7 +3,7 @@
 Built from the ``results.json`` document alone. A sentence makes no claim the data
 cannot carry: no speed verdict at all unless every recipe timed enough steps
 (``speed.comparable``), "fastest" only when that recipe's step-time range (IQR) is
-clear of every other's (:func:`amped.cli.timing.clear_winner`), a warning first when
+clear of every other's (:func:`amped.comparison.timing.clear_winner`), a warning first when
 the machine was busy or a recipe's timings spread widely (naming the recipe), and the
 recipes whose losses coincide named, since their curves hide one another in the plots.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from amped.cli.timing import WIDE_SPREAD, clear_winner
+from amped.comparison.timing import WIDE_SPREAD, clear_winner
 
 __all__ = ["findings", "warnings"]
 

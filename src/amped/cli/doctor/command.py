@@ -16,15 +16,15 @@ from rich.console import Console
 from rich.table import Table
 
 from amped._internal.files import write_files
-from amped.cli.doctor_report import doctor_html
-from amped.cli.dtypes import parse_low_dtype
-from amped.cli.environment import default_device, resolve_device
+from amped.cli.doctor.html import doctor_html
 from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
-from amped.cli.factory import DEFAULT_FACTORY, load_factory
 from amped.cli.out_dir import resolve_out
-from amped.cli.task import to_device
+from amped.comparison.dtypes import parse_low_dtype
+from amped.comparison.environment import default_device, resolve_device
 from amped.doctor import diagnose
 from amped.doctor.report import OpStat, Report
+from amped.tasks.factory import DEFAULT_FACTORY, load_factory
+from amped.tasks.task import to_device
 
 __all__ = ["doctor_table", "run_doctor", "unfixed_nonfinite"]
 

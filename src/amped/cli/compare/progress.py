@@ -21,8 +21,8 @@ from rich.progress import (
 )
 
 from amped._internal.stats import median
-from amped.cli.run import LOSS_WINDOW, Observer, RecipeRun, final_loss
-from amped.cli.summary import loss_decimals
+from amped.cli.compare.summary import loss_decimals
+from amped.comparison.run import LOSS_WINDOW, Observer, RecipeRun, final_loss
 
 __all__ = ["LineProgress", "RichProgress"]
 

@@ -1,7 +1,7 @@
 """Each recipe's peak memory, measured in a process that runs nothing else.
 
 In one process freed pages and earlier recipes' caches drown a small model's growth, so
-on a CPU each recipe also runs :data:`PROBE_STEPS` steps in ``python -m amped.cli.probe``:
+on a CPU each recipe also runs :data:`PROBE_STEPS` steps in ``python -m amped.comparison.probe``:
 its kernel peak (``VmHWM``, reset once the float32 task is built) less its size then.
 
 Before that, a recipe that compiles something once per process compiles it on a
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from amped.cli.run import CompareConfig, RecipeRun
+from amped.comparison.run import CompareConfig, RecipeRun
 
 __all__ = ["PROBE_KIND", "PROBE_STEPS", "ProbeResult", "probe_recipe"]
 
@@ -75,7 +75,7 @@ def probe_recipe(
     env["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD  # see _MMAP_THRESHOLD
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "amped.cli.probe"],
+            [sys.executable, "-m", "amped.comparison.probe"],
             input=json.dumps(request),
             capture_output=True,
             text=True,
@@ -119,12 +119,12 @@ def _reset_peak() -> bool:
 
 
 def _measure(request: dict[str, Any]) -> dict[str, Any]:
-    import amped
-    from amped.cli.factory import load_factory
-    from amped.cli.footprint import PeakMemory, release_freed_memory
-    from amped.cli.run import _train_step
-    from amped.cli.task import to_device
+    from amped.comparison.footprint import PeakMemory, release_freed_memory
+    from amped.comparison.run import _train_step
+    from amped.recipes import prepare
     from amped.recipes.registry import resolve_recipe
+    from amped.tasks.factory import load_factory
+    from amped.tasks.task import to_device
 
     torch.set_num_threads(request["threads"])
     device = torch.device(request["device"])
@@ -140,7 +140,7 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     release_freed_memory()
     before = _status_kib("VmRSS")
     reset = _reset_peak()
-    setup = amped.prepare(model, task.optimizer(model), run.recipe)
+    setup = prepare(model, task.optimizer(model), run.recipe)
     sampler = PeakMemory(device)  # unused samples: the kernel's peak is the measure
     for _ in range(request["steps"]):
         batch = next(batches, None)
@@ -175,10 +175,10 @@ def _compile_once(task: Any, recipe: Any, device: torch.device) -> None:
 def _step_a_stand_in(task: Any, recipe: Any, device: torch.device) -> None:
     """Two steps of ``recipe`` on a small stand-in model, so that its compiled step is
     built (and Inductor's memory spent) before the measured process state is read."""
-    import amped
+    from amped.recipes import prepare
 
     stand_in = torch.nn.Linear(64, 64, bias=False).to(device)
-    setup = amped.prepare(stand_in, task.optimizer(stand_in), recipe)
+    setup = prepare(stand_in, task.optimizer(stand_in), recipe)
     for _ in range(2):
         with setup.autocast():
             loss = setup.model(torch.ones(2, 64, device=device)).float().square().mean()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from amped.cli.errors import UsageError
+from amped.tasks.errors import UsageError
 
 __all__ = ["DTYPES", "LOW_DTYPES", "dtype_name", "parse_low_dtype", "recipe_for_dtype"]
 

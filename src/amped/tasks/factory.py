@@ -8,7 +8,7 @@ Spellings of the spec::
 
 The factory is called with the keyword arguments it declares among ``batch_size``,
 ``seed`` and ``device`` (all three if it takes ``**kwargs``); see
-:mod:`amped.cli.task` for what it must return.
+:mod:`amped.tasks.task` for what it must return.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
-from amped.cli.errors import RunError, UsageError
-from amped.cli.task import Task, as_task, call_model, check_loss, to_device
+from amped._internal.errors import type_error
+from amped.tasks.errors import RunError, UsageError
+from amped.tasks.task import Task, as_task, call_model, check_loss, to_device
 
-__all__ = ["DEFAULT_FACTORY", "TaskFactory", "load_factory"]
+__all__ = ["DEFAULT_FACTORY", "TaskFactory", "as_factory", "load_factory"]
 
-DEFAULT_FACTORY = "amped.cli.default_task:build"
+DEFAULT_FACTORY = "amped.tasks.tiny_gpt:build"
 _EXAMPLE = "--model examples/compare_factory.py:build or --model mypackage.tasks:build"
 
 
@@ -42,9 +43,12 @@ class TaskFactory:
         self.function = function
         self._parameters = _parameters(function)
 
-    def build(self, *, batch_size: int | None, seed: int, device: torch.device) -> Task:
-        """Seed torch, call the factory and check what it returned."""
-        offered: dict[str, Any] = {"seed": seed, "device": device}
+    def build(self, *, batch_size: int | None, seed: int, device: torch.device | None) -> Task:
+        """Seed torch, call the factory and check what it returned (``device`` None:
+        none is offered, and the factory keeps its own default)."""
+        offered: dict[str, Any] = {"seed": seed}
+        if device is not None:
+            offered["device"] = device
         if batch_size is not None:
             offered["batch_size"] = batch_size
         if batch_size is not None and not self._accepts("batch_size"):
@@ -60,7 +64,7 @@ class TaskFactory:
             raise UsageError(
                 f"The factory {self.spec} called sys.exit() (SystemExit({error.code!r})) "
                 "instead of returning a task; it must return (model, batches, loss_fn) or "
-                f"an amped.cli.task.Task. Received: SystemExit({error.code!r})"
+                f"an amped.tasks.Task. Received: SystemExit({error.code!r})"
             ) from None
         task = as_task(built, self.spec)
         task.name = task.name or self.label
@@ -86,6 +90,18 @@ class TaskFactory:
             ) from error
 
     @property
+    def reloadable(self) -> bool:
+        """Whether another process can load this factory by its spec (the own-process
+        memory probe does): a module-level function of a module imported from a file,
+        not a lambda, a nested function or one defined in ``__main__``."""
+        module = self.spec.rpartition(":")[0]
+        if module == "__main__" or "<" in self.spec:
+            return False
+        if module.endswith(".py") or os.sep in module or "/" in module:
+            return True  # a file: loaded from its path
+        return getattr(sys.modules.get(module), "__file__", None) is not None
+
+    @property
     def label(self) -> str:
         """A short name: ``file:factory`` without the folders and ``.py``."""
         module, _, attribute = self.spec.rpartition(":")
@@ -106,6 +122,32 @@ def _parameters(function: Callable[..., Any]) -> set[str] | None:
         return None
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return {p.name for p in signature.parameters.values() if p.kind in keyword}
+
+
+def as_factory(model: str | Callable[..., Any] | None) -> TaskFactory:
+    """``model`` as a factory: a ``module:function`` spec (:func:`load_factory`), the
+    factory function itself, or None for the built-in task.
+
+    Raises:
+        TypeError: ``model`` is a ``torch.nn.Module`` or another object that is not a
+            factory (a fresh model is built per recipe and seed).
+        UsageError: a spec that does not resolve.
+    """
+    if model is None:
+        return load_factory(DEFAULT_FACTORY)
+    if isinstance(model, str):
+        return load_factory(model)
+    if isinstance(model, torch.nn.Module) or not callable(model):
+        raise type_error(
+            "The task is a factory returning (model, batches, loss_fn), called once per "
+            "run to build a fresh model, so pass the function that builds it, not a "
+            "model; or a 'module:function' spec, or None for the built-in task",
+            "model",
+            model,
+        )
+    module = getattr(model, "__module__", None) or "<unknown>"
+    name = getattr(model, "__qualname__", None) or type(model).__name__
+    return TaskFactory(f"{module}:{name}", model)
 
 
 def load_factory(spec: str) -> TaskFactory:

@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-import amped
-from amped.cli.errors import UsageError
+from amped._internal.version import __version__
+from amped.tasks.errors import UsageError
 
 __all__ = ["cpu_name", "default_device", "describe", "resolve_device", "synchronize"]
 
@@ -78,7 +78,7 @@ def describe(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "amped": amped.__version__,
+        "amped": __version__,
         "platform": platform.platform(),
         "device": str(device),
         "cpu": cpu_name(),

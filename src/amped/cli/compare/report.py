@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from amped._internal.files import write_files
-from amped.cli import plots, summary
-from amped.cli.findings import warnings
-from amped.cli.results import dumps
+from amped.cli import plots
+from amped.cli.compare import summary
+from amped.comparison.findings import warnings
+from amped.comparison.results import dumps
 
 __all__ = ["REPORT_CSS", "render_html", "write_report"]
 

@@ -1,10 +1,12 @@
-"""What ``amped compare`` trains: a model, its batches and its loss, checked against the contract.
-
-The factory contract (``--model module:factory``)::
+"""What compare, tune and the doctor train: a model, its batches and its loss, checked
+against the one factory contract (``--model module:factory``)::
 
     def factory(batch_size=..., seed=..., device=...):   # declare any of the three
         ...
-        return model, batches, loss_fn                     # or an amped.cli.task.Task
+        return model, batches, loss_fn                     # or an amped.tasks.Task
+
+(or any object with ``model``, ``batches`` and ``loss_fn`` attributes and, optionally,
+an ``optimizer(model)`` method), where
 
 - ``model``: a ``torch.nn.Module`` with floating-point parameters, in float32. The CLI
   moves it to ``--device``.
@@ -32,13 +34,25 @@ from typing import Any
 import torch
 
 from amped._internal.errors import received
-from amped.cli.errors import UsageError
-from amped.doctor.runs import call_model, input_tensors  # one rule for a model's inputs
+from amped._internal.trees import iter_tensors
+from amped.tasks.errors import TaskTypeError, UsageError
 
-__all__ = ["Task", "as_task", "call_model", "check_loss", "count_samples", "to_device"]
+__all__ = [
+    "Task",
+    "as_task",
+    "call_model",
+    "check_loss",
+    "count_samples",
+    "input_tensors",
+    "to_device",
+]
 
 DEFAULT_LEARNING_RATE = 1e-3
-_CONTRACT = "(model, batches, loss_fn) or an amped.cli.task.Task"
+_CONTRACT = (
+    "(model, batches, loss_fn), an amped.tasks.Task, or an object with model, batches and "
+    "loss_fn attributes"
+)
+_ATTRIBUTES = ("model", "batches", "loss_fn")
 
 
 @dataclass
@@ -82,19 +96,22 @@ def as_task(obj: object, source: str) -> Task:
         task = obj
     elif isinstance(obj, tuple | list) and len(obj) == 3:
         task = Task(*obj)
+    elif all(hasattr(obj, name) for name in _ATTRIBUTES):
+        model, batches, loss_fn = (getattr(obj, name) for name in _ATTRIBUTES)
+        task = Task(model, batches, loss_fn, make_optimizer=getattr(obj, "optimizer", None))
     else:
-        raise UsageError(
+        raise TaskTypeError(
             f"The factory {source} must return {_CONTRACT}. "
             f"Received: {_describe(obj)} (of type {type(obj).__name__})"
         )
     _check_model(task.model, source)
     if isinstance(task.batches, torch.Tensor) or not isinstance(task.batches, Iterable):
-        raise UsageError(
+        raise TaskTypeError(
             f"The factory {source} must return an iterable of (inputs, targets) batches "
             f"as its second item. Received: batches of type {type(task.batches).__name__}"
         )
     if not callable(task.loss_fn):
-        raise UsageError(
+        raise TaskTypeError(
             f"The factory {source} must return a callable loss_fn(outputs, targets) as its "
             f"third item. Received: loss_fn of type {type(task.loss_fn).__name__}"
         )
@@ -150,7 +167,7 @@ def _describe(obj: object) -> str:
 
 def _check_model(model: object, source: str) -> None:
     if not isinstance(model, torch.nn.Module):
-        raise UsageError(
+        raise TaskTypeError(
             f"The factory {source} must return a torch.nn.Module as its first item. "
             f"Received: model of type {type(model).__name__}"
         )
@@ -188,6 +205,21 @@ def _peek_checked(batches: Iterable[Any], source: str) -> Iterable[Any]:
             f"or a dict of tensors. Received: inputs of type {type(first[0]).__name__}"
         )
     return itertools.chain([first], iterator)
+
+
+def call_model(model: torch.nn.Module, inputs: Any) -> Any:
+    """``model(**inputs)`` for a mapping, ``model(*inputs)`` for a tuple or list, else
+    ``model(inputs)``: the one rule, for compare, doctor and tune."""
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    return model(inputs)
+
+
+def input_tensors(inputs: Any) -> list[torch.Tensor]:
+    """Every tensor in what :func:`call_model` passes (any mapping, e.g. a BatchEncoding)."""
+    return list(iter_tensors(dict(inputs) if isinstance(inputs, Mapping) else inputs))
 
 
 def count_samples(inputs: Any) -> int | None:

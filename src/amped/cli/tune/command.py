@@ -19,18 +19,18 @@ import torch
 from rich.console import Console
 
 import amped
-from amped.cli import interrupt
-from amped.cli.command import choose_threads
-from amped.cli.environment import default_device, resolve_device
 from amped.cli.errors import EXIT_NO_PLAN, EXIT_OK, RunError, UsageError
-from amped.cli.factory import DEFAULT_FACTORY, TaskFactory, load_factory
 from amped.cli.out_dir import resolve_out
-from amped.cli.results import dumps
-from amped.cli.task import Task
-from amped.cli.tune_progress import TuneLines, TuneProgress
-from amped.cli.tune_report import write_report
-from amped.cli.tune_summary import outcome
-from amped.cli.tune_table import print_tune
+from amped.cli.tune.progress import TuneLines, TuneProgress
+from amped.cli.tune.report import write_report
+from amped.cli.tune.summary import outcome
+from amped.cli.tune.table import print_tune
+from amped.comparison import interrupt
+from amped.comparison.environment import default_device, resolve_device
+from amped.comparison.results import dumps
+from amped.comparison.setup import choose_threads
+from amped.tasks.factory import DEFAULT_FACTORY, TaskFactory, load_factory
+from amped.tasks.task import Task
 from amped.tuning.measure import eligible_layers
 from amped.tuning.tuner import DEFAULT_FORMATS, REFERENCE_DIVERGED
 

@@ -3,7 +3,7 @@
 ``amped.tune`` reports through its ``progress(stage, done, total)`` callback, stage
 ``"measure"`` (layer-format measurements) or ``"train"`` (verification runs, one per
 arm and seed). Each call is also where a first Ctrl-C or SIGTERM takes effect
-(:func:`amped.cli.interrupt.check`): the run stops there, between two units of work.
+(:func:`amped.comparison.interrupt.check`): the run stops there, between two units of work.
 Both write to stderr, so ``--json`` keeps stdout for tuned.json alone.
 """
 
@@ -23,7 +23,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from amped.cli import interrupt
+from amped.comparison import interrupt
 
 __all__ = ["STAGES", "TuneLines", "TuneProgress"]
 

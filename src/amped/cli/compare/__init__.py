@@ -1,0 +1,1 @@
+"""``amped compare``: its command, progress display, table and report page."""

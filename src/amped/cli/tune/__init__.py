@@ -1,0 +1,1 @@
+"""``amped tune``: its command, progress display, table, plots and report page."""

@@ -380,7 +380,7 @@ def test_a_transformers_gpt2_is_tuned_under_its_module_names(capsys, tmp_path):
 def test_all_with_other_names_is_every_format(formats, expected):
     # 'all' holds every format, so repeating it or naming a format beside it asks for
     # all of them (before, 'all,all' was refused as the unknown format 'all').
-    from amped.cli.tune_command import parse_formats
+    from amped.cli.tune.command import parse_formats
 
     assert parse_formats(formats) == expected
 

@@ -11,6 +11,6 @@ Nothing here imports rich or matplotlib.
 """
 
 from amped.comparison.api import compare
-from amped.comparison.result import CompareResult
+from amped.comparison.result import CompareResult as CompareResult  # the return type
 
 __all__ = ["compare"]

@@ -8,6 +8,7 @@ import torch
 
 from amped.autocast_mode import current_path
 from amped.fp8 import compiled_cast
+from amped.fp8.emulated_gemm import set_emulated_gemm
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -42,3 +43,30 @@ def _eager_casts(request, monkeypatch):
         monkeypatch.setattr(compiled_cast, "compiles", lambda x: False)
     else:
         monkeypatch.setattr(compiled_cast, "MIN_ELEMENTS", 0)
+
+
+GEMM_DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32}
+
+
+@pytest.fixture(params=list(GEMM_DTYPES), ids=[f"gemm-{name}" for name in GEMM_DTYPES])
+def emulated_gemm(request):
+    """The test runs on each path of the emulated FP8 and block GEMMs, whatever this
+    machine would choose (amped.fp8.emulated_gemm): bfloat16 operands and GEMMs (a
+    machine with native bf16 matmul) and float32 ones (a machine without). Yields the
+    GEMMs' dtype for a bfloat16 result."""
+    previous = set_emulated_gemm(request.param)
+    try:
+        yield GEMM_DTYPES[request.param]
+    finally:
+        set_emulated_gemm(previous)
+
+
+@pytest.fixture
+def bf16_gemm():
+    """The emulated GEMMs forced to bfloat16 (for a test whose oracle is that path's
+    bits, e.g. torchao's emulated MXFP8), whatever this machine would choose."""
+    previous = set_emulated_gemm("bf16")
+    try:
+        yield torch.bfloat16
+    finally:
+        set_emulated_gemm(previous)

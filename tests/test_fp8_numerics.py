@@ -33,7 +33,7 @@ def _step(model, x, grad):
 
 
 @pytest.mark.parametrize("scaling", list(FP8_CONFIGS))
-def test_ffn_output_and_weight_grads_keep_20db(scaling):
+def test_ffn_output_and_weight_grads_keep_20db(scaling, emulated_gemm):
     reference = ffn()
     model = copy.deepcopy(reference)
     layers = convert_to_fp8(model, FP8_CONFIGS[scaling], module_filter=every_linear)

@@ -12,6 +12,7 @@ import torch
 
 import amped
 from amped.cli.errors import UsageError
+from amped.fp8.emulated_gemm import emulated_gemm
 
 __all__ = ["cpu_name", "default_device", "describe", "resolve_device", "synchronize"]
 
@@ -86,6 +87,8 @@ def describe(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "native_low_precision": _native_low_precision(device),
+        # what the FP8 and block recipes' emulated GEMMs multiply in here, and why
+        "emulated_gemm": emulated_gemm(device).as_dict(),
         "gpu": None,
     }
     if device.type == "cuda":

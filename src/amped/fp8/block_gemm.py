@@ -97,7 +97,7 @@ def block_mm(
             RuntimeError elsewhere).
     """
     if emulate:
-        dtype = gemm_dtype(out_dtype)
+        dtype = gemm_dtype(out_dtype, a.elements.device)
         values_a, values_b = a.block_values(dtype), b.block_values(dtype)
         return _emulated(values_a, values_b, a.tensor_scale, b.tensor_scale, out_dtype)
     return _native(a, b, out_dtype)

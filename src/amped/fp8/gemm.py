@@ -56,8 +56,16 @@ import torch
 from amped._internal import torch_compat
 from amped.fp8 import compiled_cast
 from amped.fp8.cast import Fp8Tensor
+from amped.fp8.emulated_gemm import emulated_gemm
 
-__all__ = ["gemm_dtype", "has_scaled_mm", "operand_values", "pad_inner", "scaled_mm"]
+__all__ = [
+    "gemm_dtype",
+    "has_scaled_mm",
+    "high_precision_mm",
+    "operand_values",
+    "pad_inner",
+    "scaled_mm",
+]
 
 
 @functools.cache
@@ -127,7 +135,7 @@ def scaled_mm(
     rowwise = inv_a.dim() == 2
     result_dtype = torch.bfloat16 if rowwise else out_dtype
     if emulate:
-        dtype = gemm_dtype(out_dtype)
+        dtype = gemm_dtype(out_dtype, a.scale.device)
         out = operand_values(a, dtype) @ operand_values(b, dtype)
         left = [inv for inv, x in ((inv_a, a), (inv_b, b)) if not _dequantized(x, dtype)]
         if left:
@@ -153,10 +161,27 @@ def scaled_mm(
     return out if out.dtype is out_dtype else out.to(out_dtype)
 
 
-def gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
-    """The dtype an emulated FP8 or block GEMM with an ``out_dtype`` result multiplies
-    in: float32 for a float32 result, else bfloat16 (see the module)."""
-    return torch.float32 if out_dtype is torch.float32 else torch.bfloat16
+def gemm_dtype(out_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype an emulated FP8 or block GEMM on ``device`` with an ``out_dtype`` result
+    multiplies in: float32 for a float32 result, else the device's
+    :func:`~amped.fp8.emulated_gemm.emulated_gemm` (bfloat16 where it multiplies
+    bfloat16 natively, float32 where not; see the module)."""
+    if out_dtype is torch.float32:
+        return torch.float32
+    return emulated_gemm(device).dtype
+
+
+def high_precision_mm(a: torch.Tensor, b: torch.Tensor, emulate: bool) -> torch.Tensor:
+    """``a @ b`` in their dtype: the GEMM a recipe keeps in high precision
+    (``fp8-rowwise-gw-hp``'s grad-weight GEMM). An emulating layer on a device whose
+    emulated GEMMs run in float32 (no native bfloat16 matmul,
+    :mod:`amped.fp8.emulated_gemm`) computes a bfloat16 one as the float32 GEMM of the
+    same operands (exact in float32) rounded once to bfloat16: what the bfloat16 GEMM
+    computes (float32 sums rounded once), up to summation order, without its software
+    emulation."""
+    if emulate and a.dtype is torch.bfloat16 and gemm_dtype(a.dtype, a.device) is torch.float32:
+        return (a.to(torch.float32) @ b.to(torch.float32)).to(a.dtype)
+    return a @ b
 
 
 def operand_values(x: Fp8Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -49,9 +49,14 @@ import torch
 import torch.nn as nn
 from block_formats import interleaved  # benchmarks/, next to this script
 
+import amped
 from amped.cli.environment import cpu_name
 from amped.fp8 import BLOCK_CONFIGS, FP8_CONFIGS, convert_to_fp8
-from amped.fp8.emulated_gemm import emulated_gemm, set_emulated_gemm
+
+try:
+    from amped.fp8.emulated_gemm import emulated_gemm, set_emulated_gemm
+except ImportError:  # an amped from before the choice (bf16 GEMMs): --gemm auto only
+    emulated_gemm = set_emulated_gemm = None  # type: ignore[assignment]
 
 AVX2_ENV = {
     "ONEDNN_MAX_CPU_ISA": "AVX2",
@@ -106,15 +111,16 @@ def stepper(
     that choice for this variant's steps."""
 
     def step() -> None:
-        previous = set_emulated_gemm(gemm) if gemm is not None else None  # type: ignore[arg-type]
+        forced = gemm is not None and set_emulated_gemm is not None
+        previous = set_emulated_gemm(gemm) if forced else None  # type: ignore[misc, arg-type]
         try:
             inp = x.detach().requires_grad_()
             model(inp).backward(grad)
             for p in model.parameters():
                 p.grad = None
         finally:
-            if gemm is not None:
-                set_emulated_gemm(previous)
+            if forced:
+                set_emulated_gemm(previous)  # type: ignore[misc]
 
     return step
 
@@ -187,11 +193,14 @@ def main() -> None:
         command = [sys.executable, "-u", __file__, *argv, "--isa", "avx2"]
         sys.exit(subprocess.call(command, env=env))
     torch.set_num_threads(args.threads)
-    choice = emulated_gemm("cpu")
+    if emulated_gemm is None and args.gemm != "auto":
+        parser.error(f"this amped ({amped.__file__}) has no emulated GEMM choice: --gemm auto")
+    choice = emulated_gemm("cpu") if emulated_gemm is not None else None
+    said = f"{choice.dtype} ({choice.reason})" if choice else "bfloat16 (amped before the choice)"
     print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     print(f"ISA: {args.isa} " + " ".join(f"{k}={os.environ.get(k, '-')}" for k in AVX2_ENV))
-    print(f"torch cpu capability {torch.backends.cpu.get_cpu_capability()}; amped's emulated "
-          f"GEMMs (auto): {choice.dtype} ({choice.reason})")  # fmt: skip
+    print(f"torch cpu capability {torch.backends.cpu.get_cpu_capability()}; amped "
+          f"{amped.__file__}; its emulated GEMMs (auto): {said}")  # fmt: skip
     bf16, fp32 = matmul_ms(torch.bfloat16), matmul_ms(torch.float32)
     print(f"256^3 matmul: bfloat16 {bf16:.2f} ms, float32 {fp32:.2f} ms ({bf16 / fp32:.1f}x)")
     print(

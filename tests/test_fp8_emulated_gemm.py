@@ -132,3 +132,12 @@ def test_both_paths_give_the_same_layer_up_to_summation_order_and_rounding(recip
     for ours, theirs in zip(results["float32"], results["bf16"], strict=True):
         assert ours.dtype == theirs.dtype
         assert sqnr(theirs, ours) >= 40
+
+
+def test_docstring_example_runs(unset):
+    import doctest
+
+    from amped.fp8 import emulated_gemm as module
+
+    result = doctest.testmod(module)
+    assert result.failed == 0 and result.attempted > 0

@@ -4,6 +4,8 @@ Below the recipes layer; :mod:`amped.recipes.fp8` builds the ``fp8-*`` recipes o
 
 - :mod:`.cast`: amax, scale and the saturating cast (:func:`quantize`, :func:`sqnr`);
 - :mod:`.gemm`: :func:`scaled_mm`, ``torch._scaled_mm`` or its exact emulation;
+  :mod:`.emulated_gemm`: what the emulated GEMMs multiply in (bfloat16 or float32,
+  by the device's capabilities; ``AMPED_EMULATED_GEMM`` or ``set_emulated_gemm``);
 - :mod:`.config`: :class:`Fp8Config`, the named configs :data:`FP8_CONFIGS`;
 - :mod:`.delayed`: delayed (amax-history) scaling state and its per-step update;
 - :mod:`.linear`: :class:`Float8Linear`; :mod:`.convert`: which layers convert;

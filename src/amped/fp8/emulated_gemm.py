@@ -127,7 +127,7 @@ def emulated_gemm(device: torch.device | str = "cpu") -> EmulatedGemm:
         ValueError: ``AMPED_EMULATED_GEMM`` is set to something else than ``auto``,
             ``bf16`` or ``float32``.
     """
-    device_type = torch.device(device).type
+    device_type = device.type if isinstance(device, torch.device) else torch.device(device).type
     if _set is not None and _set != "auto":
         return EmulatedGemm(_DTYPES[_set], "set", f"set_emulated_gemm({_set!r})")
     env = os.environ.get(ENV_VAR, "").strip().lower()

@@ -7,7 +7,9 @@ blocked along K (how every block GEMM kernel takes its operands).
 the GEMM's dtype: exact there (at most 6 significant bits, see
 :meth:`~amped.fp8.block_cast.BlockTensor.block_values`), so every product of two operands is exact
 and a bfloat16 GEMM, which accumulates in float32 (AMX and AVX512-BF16 on CPUs), is the
-fast route under bfloat16 autocast; a float32 output takes a float32 GEMM. NVFP4's
+fast route under bfloat16 autocast where the device multiplies bfloat16 natively; where
+it does not (an AVX2 CPU), a float32 GEMM of float32 block values is
+(:mod:`amped.fp8.emulated_gemm`); a float32 output takes a float32 GEMM. NVFP4's
 two tensor scales multiply the float32 accumulator, as the hardware kernel does: on a
 CPU as the GEMM's ``alpha`` (``addmm``, which costs what ``mm`` costs), elsewhere (and
 inside a user's ``torch.compile``, where ``alpha``'s Python number would break the

@@ -16,9 +16,10 @@ result, as the block GEMMs do (:mod:`amped.fp8.block_gemm`)::
 
 The values of e4m3 and e5m2 (at most 4 significant bits) are exact in bfloat16 and
 float32, so every product in the GEMM is exact. The GEMM's dtype follows the output
-(:func:`gemm_dtype`):
+and the device (:func:`gemm_dtype`):
 
-- **bfloat16 or float16 output** (every FP8 recipe: their bases are bfloat16): a
+- **bfloat16 or float16 output** (every FP8 recipe: their bases are bfloat16) on a
+  device with native bfloat16 matmul (:mod:`amped.fp8.emulated_gemm`): a
   bfloat16 ``mm`` of bfloat16 values. oneDNN accumulates it in float32 (AMX and
   AVX512-BF16 on CPUs: 21 against 128 ms for a float32 GEMM of 2048 x 512 @ 512 x 2048
   on one thread, docs/history/fp8-speed.md) and rounds the sum once to bfloat16; the
@@ -27,6 +28,10 @@ float32, so every product in the GEMM is exact. The GEMM's dtype follows the out
   torchao calls, or a GPU's), which scales the float32 sum and rounds once, the
   emulation differs by float32 summation order and by that extra bfloat16 rounding
   (at most one bfloat16 ulp more; 51 dB against torchao's tensorwise layer).
+- **bfloat16 or float16 output on a device without** (an AVX2 CPU, whose bfloat16
+  ``mm`` is software, 10-100 times a float32 one): a float32 ``mm`` of float32 values,
+  the scales applied to its float32 sums and the result rounded once, as an FP8 kernel
+  does (80-112 dB against torchao's tensorwise layer: summation order only).
 - **float32 output**: a float32 ``mm`` of float32 values, the float32 sum scaled in
   float32: exact products, float32 sums, no bfloat16 rounding (rowwise pairs still
   round to bfloat16, as torch's rowwise kernels write only bfloat16).

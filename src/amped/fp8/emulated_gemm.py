@@ -7,10 +7,10 @@ exactly. Either GEMM therefore forms exact products and sums them in float32 (on
 accumulates bfloat16 GEMMs in float32); what differs is the speed:
 
 - **bfloat16** where the device multiplies bfloat16 natively: AMX or AVX512-BF16
-  CPUs (a bfloat16 GEMM some six times faster than a float32 one on one Zen 4 core),
+  CPUs (a bfloat16 GEMM 3-7 times faster than a float32 one on one Zen 4 core),
   Arm CPUs with BF16, CUDA GPUs of compute capability 8.0 and newer;
 - **float32** where it does not: an AVX2 CPU (most laptops and many servers), or an
-  AVX512 one without AVX512-BF16, runs a bfloat16 GEMM in software, 10-50 times slower
+  AVX512 one without AVX512-BF16, runs a bfloat16 GEMM in software, 10-100 times slower
   than a float32 one; so the operands are made in float32 and the GEMM is float32's.
 
 Each choice is exact; the bits differ only where the summation order does (and a

@@ -9,9 +9,10 @@ accumulates bfloat16 GEMMs in float32); what differs is the speed:
 - **bfloat16** where the device multiplies bfloat16 natively: AMX or AVX512-BF16
   CPUs (a bfloat16 GEMM 3-7 times faster than a float32 one on one Zen 4 core),
   Arm CPUs with BF16, CUDA GPUs of compute capability 8.0 and newer;
-- **float32** where it does not: an AVX2 CPU (most laptops and many servers), or an
-  AVX512 one without AVX512-BF16, runs a bfloat16 GEMM in software, 10-100 times slower
-  than a float32 one; so the operands are made in float32 and the GEMM is float32's.
+- **float32** where it does not: an AVX2 CPU (most laptops and many servers) runs a
+  bfloat16 GEMM in scalar software, 10-100 times slower than a float32 one; an AVX512
+  CPU without AVX512-BF16 has no bfloat16 dot product to gain from (not measured here).
+  So the operands are made in float32 and the GEMM is float32's.
 
 Each choice is exact; the bits differ only where the summation order does (and a
 float32 GEMM followed by a scale rounds once where the bfloat16 one rounds twice, see

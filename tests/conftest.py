@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 from amped._internal import testing
 from amped.autocast_mode import current_path
+from amped.lowp.float8.emulated_gemm import set_emulated_gemm
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -47,3 +48,30 @@ def _eager_casts(request, monkeypatch):
     marked ``compiled_casts`` compile whatever their tensors' size."""
     compiled = request.node.get_closest_marker("compiled_casts") is not None
     monkeypatch.setattr(testing, "CASTS", "compiled" if compiled else "eager")
+
+
+GEMM_DTYPES = {"bf16": torch.bfloat16, "float32": torch.float32}
+
+
+@pytest.fixture(params=list(GEMM_DTYPES), ids=[f"gemm-{name}" for name in GEMM_DTYPES])
+def emulated_gemm(request):
+    """The test runs on each path of the emulated FP8 and block GEMMs, whatever this
+    machine would choose (amped.lowp.float8.emulated_gemm): bfloat16 operands and GEMMs (a
+    machine with native bf16 matmul) and float32 ones (a machine without). Yields the
+    GEMMs' dtype for a bfloat16 result."""
+    previous = set_emulated_gemm(request.param)
+    try:
+        yield GEMM_DTYPES[request.param]
+    finally:
+        set_emulated_gemm(previous)
+
+
+@pytest.fixture
+def bf16_gemm():
+    """The emulated GEMMs forced to bfloat16 (for a test whose oracle is that path's
+    bits, e.g. torchao's emulated MXFP8), whatever this machine would choose."""
+    previous = set_emulated_gemm("bf16")
+    try:
+        yield torch.bfloat16
+    finally:
+        set_emulated_gemm(previous)

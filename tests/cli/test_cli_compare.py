@@ -153,3 +153,24 @@ def test_recipes_take_dtype_names_as_torch_spells_them():
 
     chosen = parse_recipes("bfloat16,torch.float16,float32,half,bf16")
     assert [r.name for r in chosen] == ["bf16-mixed", "fp16-mixed", "fp32"]
+
+
+def test_the_environment_block_says_what_the_emulated_gemms_multiply_in():
+    from amped.cli.environment import describe
+
+    from amped.lowp.float8.emulated_gemm import set_emulated_gemm
+
+    previous = set_emulated_gemm("float32")
+    try:
+        env = describe(torch.device("cpu"))
+    finally:
+        set_emulated_gemm(previous)
+    assert env["emulated_gemm"] == {
+        "dtype": "float32",
+        "chosen_by": "set",
+        "reason": "set_emulated_gemm('float32')",
+    }
+    results = to_dict(_comparison("fp32", 2, LineProgress(io.StringIO())), env, ["amped"])
+    assert validate(results) == []
+    page = render_html(results)
+    assert "<dt>emulated FP8/block GEMMs in</dt><dd>float32 (set: set_emulated_gemm(" in page

@@ -3,13 +3,17 @@ FFN, and a quiet torchao import."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from amped.lowp.float8.emulated_gemm import set_emulated_gemm
 
 # amped's scaling name -> torchao 0.18's recipe name.
 TORCHAO_RECIPE = {
@@ -54,6 +58,18 @@ def ffn(seed: int = 0, dim: int = 256, hidden: int = 688) -> FeedForward:
     for lin in (model.w1, model.w2, model.w3):  # LLaMA-style init: std 0.02
         nn.init.trunc_normal_(lin.weight, std=0.02)
     return model
+
+
+@contextlib.contextmanager
+def forced_emulated_gemm(choice: str | None) -> Iterator[None]:
+    """Emulated GEMMs forced to ``choice`` (``"bf16"``, ``"float32"``; None: unchanged)
+    inside the block (amped.lowp.float8.emulated_gemm)."""
+    previous = set_emulated_gemm(choice) if choice is not None else None  # type: ignore[arg-type]
+    try:
+        yield
+    finally:
+        if choice is not None:
+            set_emulated_gemm(previous)
 
 
 def every_linear(module: nn.Module, name: str) -> bool:

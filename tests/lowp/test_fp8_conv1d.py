@@ -39,8 +39,9 @@ def _run(module, x, grad):
     return [out, x.grad, *(p.grad for p in module.parameters())]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_conv1d_converts_as_the_transposed_linear_bitwise(name):
+def test_conv1d_converts_as_the_transposed_linear_bitwise(name, dtype, emulated_gemm):
     torch.manual_seed(0)
     conv = Conv1D(128, 64)  # 64 -> 128, weight [64, 128]
     torch.nn.init.normal_(conv.bias)
@@ -53,7 +54,7 @@ def test_conv1d_converts_as_the_transposed_linear_bitwise(name):
     convert_layers(linear, CONFIGS[name], [""])
     assert isinstance(conv, Conv1D) and isinstance(conv, Float8Linear | BlockLinear)
     assert {k for k in conv.state_dict() if not k.startswith("fp8_")} == keys
-    x, grad = torch.randn(4, 32, 64), torch.randn(4, 32, 128)
+    x, grad = torch.randn(4, 32, 64, dtype=dtype), torch.randn(4, 32, 128, dtype=dtype)
     ours, theirs = _run(conv, x, grad), _run(linear, x, grad)
     ours[2] = ours[2].t()  # Conv1D's weight gradient is stored [in, out]
     for a, b in zip(ours, theirs, strict=True):

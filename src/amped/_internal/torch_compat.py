@@ -284,6 +284,19 @@ def cpu_scaled_mm_takes_rowwise() -> bool:
     return torch_at_least(2, 12)
 
 
+def onednn_has_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 matmuls with vector instructions at the ISA it may use
+    here (AVX512 or newer on x86, BF16 on Arm), which ``ONEDNN_MAX_CPU_ISA`` caps:
+    without, torch's CPU bfloat16 ``mm`` is scalar code. Private, no public equivalent."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def cpu_has_native_bf16_dot() -> bool:
+    """Whether the CPU has bfloat16 dot-product instructions (x86: AVX512-BF16 or AMX),
+    from cpuinfo; private in ``torch.cpu``, with no public equivalent."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
 # A tensor subclass that behaves exactly as a plain tensor (every op's result a plain
 # tensor), as nn.Parameter does: torch's own marker for "no __torch_function__ logic".
 DISABLED_TORCH_FUNCTION: Any = torch._C._disabled_torch_function_impl

@@ -3,7 +3,8 @@
 from amped.autocast_mode.custom import autocast_op, custom_bwd, custom_fwd
 from amped.autocast_mode.engine import current_path
 from amped.autocast_mode.region import autocast
-from amped.autocast_mode.state import Path, current_policy
+from amped.autocast_mode.state import Path as Path  # what current_path returns
+from amped.autocast_mode.state import current_policy
 
 __all__ = [
     "autocast",

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from amped._internal.version import __version__
+from amped.lowp.float8.emulated_gemm import emulated_gemm
 from amped.tasks.errors import UsageError
 
 __all__ = ["cpu_name", "default_device", "describe", "resolve_device", "synchronize"]
@@ -86,6 +87,8 @@ def describe(device: torch.device) -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "native_low_precision": _native_low_precision(device),
+        # what the FP8 and block recipes' emulated GEMMs multiply in here, and why
+        "emulated_gemm": emulated_gemm(device).as_dict(),
         "gpu": None,
     }
     if device.type == "cuda":

@@ -170,14 +170,16 @@ def test_an_operand_cast_computes_its_bytes_when_read():
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("a_rows,b_cols", PAIRS, ids=PAIR_IDS)
-def test_dequantized_operands_give_the_scaled_results_bits(a_rows, b_cols, out_dtype):
+def test_dequantized_operands_give_the_scaled_results_bits(
+    a_rows, b_cols, out_dtype, emulated_gemm
+):
     """Power-of-two scales: the GEMM of the operands divided by their scales (what the
     cast writes, no scaling pass after) is the GEMM of the FP8 values scaled after,
     bit for bit (a power-of-two factor commutes with every rounding short of float32's
     subnormal range)."""
     torch.manual_seed(0)
     gran_a, gran_b = ("rowwise" if r else "tensorwise" for r in (a_rows, b_cols))
-    dtype = torch.float32 if out_dtype is torch.float32 else torch.bfloat16
+    dtype = torch.float32 if out_dtype is torch.float32 else emulated_gemm
     x, w = torch.randn(64, 512) * 3, torch.randn(48, 512) * 1e-2
     a = quantize(x, E4M3, gran_a, power_of_2=True, values_dtype=dtype)
     b = quantize(w, E5M2, gran_b, power_of_2=True, values_dtype=dtype).t()
@@ -221,7 +223,9 @@ SUMMATION_ORDER_DB = 40.0
 
 @pytest.mark.parametrize("a_rows,b_cols", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_emulation_matches_scaled_mm_up_to_summation_order(a_rows, b_cols, out_dtype):
+def test_emulation_matches_scaled_mm_up_to_summation_order(
+    a_rows, b_cols, out_dtype, emulated_gemm
+):
     if (a_rows or b_cols) and not cpu_scaled_mm_takes_rowwise():
         pytest.skip(ROWWISE_CPU)
     a, b = _operands(a_rows, b_cols, E5M2 if not (a_rows or b_cols) else E4M3)
@@ -236,16 +240,19 @@ def test_emulation_matches_scaled_mm_up_to_summation_order(a_rows, b_cols, out_d
 @pytest.mark.parametrize("a_rows,b_cols", PAIRS, ids=PAIR_IDS)
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("k", [64, 2048], ids=["k64", "k2048"])
-def test_emulation_is_the_exact_product_within_float32_accumulation(a_rows, b_cols, out_dtype, k):
+def test_emulation_is_the_exact_product_within_float32_accumulation(
+    a_rows, b_cols, out_dtype, k, emulated_gemm
+):
     """Every product of FP8 values is exact (in bfloat16 and float32 alike); only the
     float32 sums (at most K - 1 roundings of u = 2**-24 each, relative to the sum of
-    magnitudes), the bfloat16 GEMM's rounding of its sum (h = 2**-8; a bfloat16 output
-    only: a float32 one multiplies in float32), the two scale products (u each) and the
-    output's rounding (h for bfloat16, u for float32; rowwise rounds to bfloat16 as
-    torch's kernels do) may move the result off the float64 product of the FP8 values:
+    magnitudes), the bfloat16 GEMM's rounding of its sum (h = 2**-8; on the bfloat16
+    path and a bfloat16 output only: float32 GEMMs keep their sums), the two scale
+    products (u each) and the output's rounding (h for bfloat16, u for float32; rowwise
+    rounds to bfloat16 as torch's kernels do) may move the result off the float64
+    product of the FP8 values:
     ``out = (exact + sums_error) * (1 + d1)(1 + d2)(1 + d3)(1 + d4)``."""
     torch.manual_seed(0)
-    dtype = torch.float32 if out_dtype is torch.float32 else torch.bfloat16
+    dtype = torch.float32 if out_dtype is torch.float32 else emulated_gemm
     gran_a, gran_b = ("rowwise" if r else "tensorwise" for r in (a_rows, b_cols))
     # rowwise as the recipes cast it: power-of-two scales, operands written dequantized
     a = quantize(torch.randn(48, k) * 3, E4M3, gran_a, power_of_2=a_rows, values_dtype=dtype)
@@ -257,7 +264,7 @@ def test_emulation_is_the_exact_product_within_float32_accumulation(a_rows, b_co
     magnitudes = (values_a.abs() @ values_b.abs()) * inv
     u, h = 2.0**-24, 2.0**-8
     rowwise = a_rows or b_cols
-    gemm_rounding = h if out_dtype is torch.bfloat16 else 0.0
+    gemm_rounding = h if dtype is torch.bfloat16 else 0.0
     output_rounding = h if out_dtype is torch.bfloat16 or rowwise else u
     growth = (1 + gemm_rounding) * (1 + u) ** 2 * (1 + output_rounding)
     bound = (k - 1) * u * magnitudes * growth + (growth - 1) * exact.abs()

@@ -34,7 +34,7 @@ def _step(model, x, grad):
 
 
 @pytest.mark.parametrize("scaling", list(FLOAT8_CONFIGS))
-def test_ffn_output_and_weight_grads_keep_20db(scaling):
+def test_ffn_output_and_weight_grads_keep_20db(scaling, emulated_gemm):
     reference = ffn()
     model = copy.deepcopy(reference)
     layers = convert_to_low_precision(model, FLOAT8_CONFIGS[scaling], module_filter_fn=every_linear)

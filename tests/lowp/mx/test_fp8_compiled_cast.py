@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fp8_helpers import forced_emulated_gemm
 from two_processes import run_in_two_processes
 
 from amped._internal import testing
@@ -20,6 +21,7 @@ from amped.autocast_mode import current_path
 from amped.lowp import convert_to_low_precision
 from amped.lowp.float8 import compiled_cast
 from amped.lowp.float8.config import FLOAT8_CONFIGS
+from amped.lowp.float8.emulated_gemm import set_emulated_gemm
 from amped.lowp.mx.block_cast import quantize_block
 from amped.lowp.mx.block_config import BLOCK_CONFIGS
 from amped.lowp.mx.block_format import BLOCK_FORMATS
@@ -238,34 +240,43 @@ def _training_step(recipe: str) -> list[torch.Tensor]:
     return [out.detach(), *(p.grad for p in model.parameters())]  # (detached: picklable)
 
 
-def _compiled_step(recipe: str, threads: int) -> tuple[list[torch.Tensor], bool]:
-    """In a worker process: the step with the casts compiled, and whether they compiled."""
+def _compiled_step(recipe: str, gemm: str, threads: int) -> tuple[list[torch.Tensor], bool]:
+    """In a worker process: the step with the casts compiled, its emulated GEMMs on the
+    ``gemm`` path, and whether the casts compiled."""
     torch.set_num_threads(threads)  # the kernels are compiled for the test's thread count
     testing.CASTS = "compiled"  # as the compiled_casts marker has it (conftest.py)
+    set_emulated_gemm(gemm)  # type: ignore[arg-type]
     return _training_step(recipe), compiled_cast.compiles(torch.zeros(()))
 
 
-STEP_RECIPES = ["mxfp8", "nvfp4", "tensorwise", "rowwise", "delayed"]
+# (recipe, emulated GEMM path): every recipe on the bfloat16 path; on the float32 path
+# (float32 operands: other kernels) one FP8 and one block recipe, each kernel being a
+# cold compile of seconds
+STEP_RECIPES = [(r, "bf16") for r in ("mxfp8", "nvfp4", "tensorwise", "rowwise", "delayed")]
+STEP_RECIPES += [("mxfp8", "float32"), ("tensorwise", "float32")]
 
 
 @pytest.fixture(scope="module")
 def compiled_steps():
-    """Each recipe's compiled step, {recipe: (tensors, compiled)}, in two worker
+    """Each recipe's compiled step, {(recipe, gemm): (tensors, compiled)}, in two worker
     processes (tests/helpers/two_processes.py): some ten kernels a recipe, each a cold compile."""
     threads = torch.get_num_threads()
-    return run_in_two_processes(_compiled_step, {r: (r, threads) for r in STEP_RECIPES})
+    return run_in_two_processes(_compiled_step, {s: (*s, threads) for s in STEP_RECIPES})
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", STEP_RECIPES)
+@pytest.mark.parametrize(
+    "recipe,gemm", STEP_RECIPES, ids=[f"{r}-gemm-{g}" for r, g in STEP_RECIPES]
+)
 def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(
-    recipe, compiled_steps, monkeypatch
+    recipe, gemm, compiled_steps, monkeypatch
 ):
     """Block recipes and FP8 recipes (whose casts and emulated GEMM pieces compile too)."""
-    compiled, compiled_ok = compiled_steps[recipe]
+    compiled, compiled_ok = compiled_steps[recipe, gemm]
     assert compiled_ok
     monkeypatch.setattr(testing, "CASTS", "eager")
-    eager = _training_step(recipe)
+    with forced_emulated_gemm(gemm):
+        eager = _training_step(recipe)
     for a, b in zip(compiled, eager, strict=True):
         assert _same(a, b)
 

@@ -119,6 +119,7 @@ def _environment(results: dict[str, Any]) -> str:
     env = dict(results["environment"])
     gpu = env.pop("gpu", None)
     native = env.pop("native_low_precision", None) or {}
+    gemm = env.pop("emulated_gemm", None)
     rows: list[tuple[str, str]] = [
         (_LABELS.get(str(k), str(k)), _text(k, v)) for k, v in env.items()
     ]
@@ -128,6 +129,9 @@ def _environment(results: dict[str, Any]) -> str:
         (f"native {k} matmul", {True: "yes", False: "no", None: "unknown"}[v])
         for k, v in native.items()
     ]
+    if gemm:
+        chosen = f"{gemm['dtype']} ({gemm['chosen_by']}: {gemm['reason']})"
+        rows.append(("emulated FP8/block GEMMs in", chosen))
     machine = results.get("machine") or {}
     rows += [(_MACHINE[k], _text(k, v)) for k, v in machine.items() if k in _MACHINE]
     rows += [(_LABELS.get(k, k.replace("_", " ")), _text(k, v))

@@ -16,9 +16,10 @@ result, as the block GEMMs do (:mod:`amped.lowp.mx.block_gemm`)::
 
 The values of e4m3 and e5m2 (at most 4 significant bits) are exact in bfloat16 and
 float32, so every product in the GEMM is exact. The GEMM's dtype follows the output
-(:func:`gemm_dtype`):
+and the device (:func:`gemm_dtype`):
 
-- **bfloat16 or float16 output** (every FP8 recipe: their bases are bfloat16): a
+- **bfloat16 or float16 output** (every FP8 recipe: their bases are bfloat16) on a
+  device with native bfloat16 matmul (:mod:`amped.lowp.float8.emulated_gemm`): a
   bfloat16 ``mm`` of bfloat16 values. oneDNN accumulates it in float32 (AMX and
   AVX512-BF16 on CPUs: 21 against 128 ms for a float32 GEMM of 2048 x 512 @ 512 x 2048
   on one thread, docs/decisions/003-emulated-gemm.md) and rounds the sum once to bfloat16; the
@@ -27,6 +28,10 @@ float32, so every product in the GEMM is exact. The GEMM's dtype follows the out
   torchao calls, or a GPU's), which scales the float32 sum and rounds once, the
   emulation differs by float32 summation order and by that extra bfloat16 rounding
   (at most one bfloat16 ulp more; 51 dB against torchao's tensorwise layer).
+- **bfloat16 or float16 output on a device without** (an AVX2 CPU, whose bfloat16
+  ``mm`` is software, 10-100 times a float32 one): a float32 ``mm`` of float32 values,
+  the scales applied to its float32 sums and the result rounded once, as an FP8 kernel
+  does (80-112 dB against torchao's tensorwise layer: summation order only).
 - **float32 output**: a float32 ``mm`` of float32 values, the float32 sum scaled in
   float32: exact products, float32 sums, no bfloat16 rounding (rowwise pairs still
   round to bfloat16, as torch's rowwise kernels write only bfloat16).
@@ -56,8 +61,16 @@ import torch
 from amped._internal import torch_compat
 from amped.lowp.float8 import compiled_cast
 from amped.lowp.float8.cast import Float8Tensor
+from amped.lowp.float8.emulated_gemm import emulated_gemm
 
-__all__ = ["gemm_dtype", "has_scaled_mm", "operand_values", "pad_inner", "scaled_mm"]
+__all__ = [
+    "gemm_dtype",
+    "has_scaled_mm",
+    "high_precision_mm",
+    "operand_values",
+    "pad_inner",
+    "scaled_mm",
+]
 
 
 @functools.cache
@@ -129,7 +142,7 @@ def scaled_mm(
     rowwise = inv_a.dim() == 2
     result_dtype = torch.bfloat16 if rowwise else out_dtype
     if emulate:
-        dtype = gemm_dtype(out_dtype)
+        dtype = gemm_dtype(out_dtype, a.scale.device)
         out = operand_values(a, dtype) @ operand_values(b, dtype)
         left = [inv for inv, x in ((inv_a, a), (inv_b, b)) if not _dequantized(x, dtype)]
         if left:
@@ -155,10 +168,27 @@ def scaled_mm(
     return out if out.dtype is out_dtype else out.to(out_dtype)
 
 
-def gemm_dtype(out_dtype: torch.dtype) -> torch.dtype:
-    """The dtype an emulated FP8 or block GEMM with an ``out_dtype`` result multiplies
-    in: float32 for a float32 result, else bfloat16 (see the module)."""
-    return torch.float32 if out_dtype is torch.float32 else torch.bfloat16
+def gemm_dtype(out_dtype: torch.dtype, device: torch.device | str) -> torch.dtype:
+    """The dtype an emulated FP8 or block GEMM on ``device`` with an ``out_dtype`` result
+    multiplies in: float32 for a float32 result, else the device's
+    :func:`~amped.lowp.float8.emulated_gemm.emulated_gemm` (bfloat16 where it multiplies
+    bfloat16 natively, float32 where not; see the module)."""
+    if out_dtype is torch.float32:
+        return torch.float32
+    return emulated_gemm(device).dtype
+
+
+def high_precision_mm(a: torch.Tensor, b: torch.Tensor, emulate: bool) -> torch.Tensor:
+    """``a @ b`` in their dtype: the GEMM a recipe keeps in high precision
+    (``fp8-rowwise-gw-hp``'s grad-weight GEMM). An emulating layer on a device whose
+    emulated GEMMs run in float32 (no native bfloat16 matmul,
+    :mod:`amped.lowp.float8.emulated_gemm`) computes a bfloat16 one as the float32 GEMM of the
+    same operands (exact in float32) rounded once to bfloat16: what the bfloat16 GEMM
+    computes (float32 sums rounded once), up to summation order, without its software
+    emulation."""
+    if emulate and a.dtype is torch.bfloat16 and gemm_dtype(a.dtype, a.device) is torch.float32:
+        return (a.to(torch.float32) @ b.to(torch.float32)).to(a.dtype)
+    return a @ b
 
 
 def operand_values(x: Float8Tensor, dtype: torch.dtype) -> torch.Tensor:

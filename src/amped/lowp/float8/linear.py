@@ -38,7 +38,7 @@ from amped.lowp.float8.delayed import (
     reduce_max,
 )
 from amped.lowp.float8.fsdp_wire import gathered_fp8
-from amped.lowp.float8.gemm import gemm_dtype, has_scaled_mm, scaled_mm
+from amped.lowp.float8.gemm import gemm_dtype, has_scaled_mm, high_precision_mm, scaled_mm
 from amped.lowp.health import Operand, record_gemm
 
 __all__ = ["Float8Linear"]
@@ -97,7 +97,7 @@ class _Float8LinearFunction(torch.autograd.Function):
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             if cfg.grad_weight_hp:
-                grad_w = go.t() @ x2.to(go.dtype)
+                grad_w = high_precision_mm(go.t(), x2.to(go.dtype), layer.fp8_emulate)
                 operands = {"grad_output": (go, None), "input": (x2, None)}
             else:
                 if not ctx.reuse_x:  # one scale per input feature
@@ -228,7 +228,7 @@ class Float8Linear(torch.nn.Linear):
         dynamically, or with the delayed scale of ``role`` (:meth:`fp8_delayed_scale`).
         An emulating layer's cast also writes the GEMM's operand, the FP8 values in
         :func:`~amped.lowp.float8.gemm.gemm_dtype` (``.values``)."""
-        values_dtype = gemm_dtype(out_dtype) if self.fp8_emulate else None
+        values_dtype = gemm_dtype(out_dtype, x.device) if self.fp8_emulate else None
         power_of_2 = self.fp8_config.power_of_2
         if self.fp8_config.delayed is None or role is None:
             return quantize(x, rule.dtype, rule.granularity, dim, power_of_2, None, values_dtype)
@@ -240,7 +240,7 @@ class Float8Linear(torch.nn.Linear):
     ) -> tuple[Float8Tensor, Float8Tensor]:
         """:meth:`fp8_cast` of a rowwise ``rule`` along ``dim=-1`` and ``dim=0`` at once
         (:func:`~amped.lowp.float8.cast.quantize_rows_and_columns`; dynamic scaling only)."""
-        values_dtype = gemm_dtype(out_dtype) if self.fp8_emulate else None
+        values_dtype = gemm_dtype(out_dtype, x.device) if self.fp8_emulate else None
         power_of_2 = self.fp8_config.power_of_2
         return quantize_rows_and_columns(x, rule.dtype, power_of_2, values_dtype)
 

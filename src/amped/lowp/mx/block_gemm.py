@@ -6,9 +6,10 @@ blocked along K (how every block GEMM kernel takes its operands).
 **Emulation.** Each operand becomes its block values, ``elements * block_scale``, in
 the GEMM's dtype: exact there (at most 6 significant bits, see
 :meth:`~amped.lowp.mx.block_cast.BlockTensor.block_values`), so every product of two
-operands is exact and a bfloat16 GEMM, which accumulates in float32 (AMX and AVX512-BF16
-on CPUs), is the
-fast route under bfloat16 autocast; a float32 output takes a float32 GEMM. NVFP4's
+operands is exact and a bfloat16 GEMM, which accumulates in float32 (AMX and AVX512-BF16 on CPUs), is the
+fast route under bfloat16 autocast where the device multiplies bfloat16 natively; where
+it does not (an AVX2 CPU), a float32 GEMM of float32 block values is
+(:mod:`amped.lowp.float8.emulated_gemm`); a float32 output takes a float32 GEMM. NVFP4's
 two tensor scales multiply the float32 accumulator, as the hardware kernel does: on a
 CPU as the GEMM's ``alpha`` (``addmm``, which costs what ``mm`` costs), elsewhere (and
 inside a user's ``torch.compile``, where ``alpha``'s Python number would break the
@@ -98,7 +99,7 @@ def block_mm(
             RuntimeError elsewhere).
     """
     if emulate:
-        dtype = gemm_dtype(out_dtype)
+        dtype = gemm_dtype(out_dtype, a.elements.device)
         values_a, values_b = a.block_values(dtype), b.block_values(dtype)
         return _emulated(values_a, values_b, a.tensor_scale, b.tensor_scale, out_dtype)
     return _native(a, b, out_dtype)

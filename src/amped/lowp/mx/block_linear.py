@@ -112,7 +112,7 @@ class _BlockLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             goq = layer.block_operand(go, grad.dtype, generator=generator)
             if tiles:  # the forward's 16x16 tiles
-                wq = _transposed_tiles(tiles, ctx.w_format, gemm_dtype(grad.dtype))
+                wq = _transposed_tiles(tiles, ctx.w_format, gemm_dtype(grad.dtype, grad.device))
             else:  # weight.T blocked along out_features: cast in weight's layout, no copy
                 wq = layer.block_operand(weight, grad.dtype, dim=0, weight=True).t()
             grad_x = operand_mm(goq, wq, grad.dtype, emulate=layer.fp8_emulate)
@@ -228,7 +228,7 @@ class BlockLinear(torch.nn.Linear):
         observed = getattr(self, "fp8_observer", None) is not None
         gathered = gathered_block(x) if weight else None
         if gathered is not None:  # FSDP2 all-gathered it cast (amped.lowp.mx.fsdp_block_wire)
-            dtype = gemm_dtype(out_dtype) if self.fp8_emulate else None
+            dtype = gemm_dtype(out_dtype, x.device) if self.fp8_emulate else None
             return gathered.operand(dim, dtype, keep_cast=observed or not self.fp8_emulate)
         return block_operand(
             x,
@@ -236,7 +236,7 @@ class BlockLinear(torch.nn.Linear):
             cfg.scale_mode,
             dim=dim,
             tile_2d=weight and cfg.weight_2d,
-            dtype=gemm_dtype(out_dtype) if self.fp8_emulate else None,
+            dtype=gemm_dtype(out_dtype, x.device) if self.fp8_emulate else None,
             generator=generator,
             keep_cast=observed or not self.fp8_emulate,
             hadamard_signs=hadamard_signs,

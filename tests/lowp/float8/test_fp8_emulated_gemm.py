@@ -139,7 +139,7 @@ def test_both_paths_give_the_same_layer_up_to_summation_order_and_rounding(recip
 def test_docstring_example_runs(unset):
     import doctest
 
-    from amped.lowp import emulated_gemm as module
+    from amped.lowp.float8 import emulated_gemm as module
 
     result = doctest.testmod(module)
     assert result.failed == 0 and result.attempted > 0

@@ -3,19 +3,20 @@
 ``block_mm(a, b)`` computes ``a @ b.T`` for ``a`` ``[M, K]`` and ``b`` ``[N, K]``, both
 blocked along K (how every block GEMM kernel takes its operands).
 
-**Emulation.** Each operand becomes its block values, ``elements * block_scale``, in
-the GEMM's dtype: exact there (at most 6 significant bits, see
+**Emulation.** Each operand becomes its block values, ``elements * block_scale``, in the
+GEMM's dtype: exact there (at most 6 significant bits, see
 :meth:`~amped.lowp.mx.block_cast.BlockTensor.block_values`), so every product of two
-operands is exact and a bfloat16 GEMM, which accumulates in float32 (AMX and AVX512-BF16 on CPUs), is the
-fast route under bfloat16 autocast where the device multiplies bfloat16 natively; where
-it does not (an AVX2 CPU), a float32 GEMM of float32 block values is
+operands is exact and a bfloat16 GEMM, which accumulates in float32 (AMX and AVX512-BF16
+on CPUs), is the fast route under bfloat16 autocast where the device multiplies bfloat16
+natively; where it does not (an AVX2 CPU), a float32 GEMM of float32 block values is
 (:mod:`amped.lowp.float8.emulated_gemm`); a float32 output takes a float32 GEMM. NVFP4's
 two tensor scales multiply the float32 accumulator, as the hardware kernel does: on a
 CPU as the GEMM's ``alpha`` (``addmm``, which costs what ``mm`` costs), elsewhere (and
 inside a user's ``torch.compile``, where ``alpha``'s Python number would break the
-graph) by a float32 GEMM result times the scale; either way the result is rounded to the output
-dtype once. So against the float64 product of the dequantized operands the emulation
-differs only by float32 summation order and that one rounding (tests/lowp/mx/test_block_linear.py
+graph) by a float32 GEMM result times the scale; either way the result is rounded to the
+output dtype once. So against the float64 product of the dequantized operands the
+emulation differs only by float32 summation order and that one rounding
+(tests/lowp/mx/test_block_linear.py
 holds bfloat16 results to the float64 product rounded once).
 
 **Native.** On a GPU with block-scaled tensor cores (compute capability 10.x,

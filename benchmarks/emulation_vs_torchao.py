@@ -47,10 +47,10 @@ from collections.abc import Callable
 
 import torch
 import torch.nn as nn
-from amped.cli.environment import cpu_name
 from block_formats import interleaved  # benchmarks/, next to this script
 
 import amped
+from amped.comparison.environment import cpu_name
 from amped.lowp.convert import convert_layers
 from amped.lowp.float8.config import FLOAT8_CONFIGS
 from amped.lowp.mx.block_config import BLOCK_CONFIGS

@@ -156,8 +156,7 @@ def test_recipes_take_dtype_names_as_torch_spells_them():
 
 
 def test_the_environment_block_says_what_the_emulated_gemms_multiply_in():
-    from amped.cli.environment import describe
-
+    from amped.comparison.environment import describe
     from amped.lowp.float8.emulated_gemm import set_emulated_gemm
 
     previous = set_emulated_gemm("float32")

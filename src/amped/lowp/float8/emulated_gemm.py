@@ -1,9 +1,9 @@
 """Which dtype the emulated FP8 and block GEMMs multiply in: the fastest exact one here.
 
 An emulated GEMM (:mod:`amped.lowp.float8.gemm`, :mod:`amped.lowp.mx.block_gemm`)
-multiplies exact operands: FP8 values, or block values (an FP8 or FP4 element times a power of two or
-an E4M3 scale, at most 6 significant bits), which bfloat16 and float32 both hold
-exactly. Either GEMM therefore forms exact products and sums them in float32 (oneDNN
+multiplies exact operands: FP8 values, or block values (an FP8 or FP4 element times a
+power of two or an E4M3 scale, at most 6 significant bits), which bfloat16 and float32
+both hold exactly. Either GEMM therefore forms exact products and sums them in float32 (oneDNN
 accumulates bfloat16 GEMMs in float32); what differs is the speed:
 
 - **bfloat16** where the device multiplies bfloat16 natively: AMX or AVX512-BF16

@@ -16,8 +16,7 @@ inside a user's ``torch.compile``, where ``alpha``'s Python number would break t
 graph) by a float32 GEMM result times the scale; either way the result is rounded to the
 output dtype once. So against the float64 product of the dequantized operands the
 emulation differs only by float32 summation order and that one rounding
-(tests/lowp/mx/test_block_linear.py
-holds bfloat16 results to the float64 product rounded once).
+(tests/lowp/mx/test_block_linear.py holds bfloat16 results to the float64 product rounded once).
 
 **Native.** On a GPU with block-scaled tensor cores (compute capability 10.x,
 Blackwell), ``torch._scaled_mm`` takes the stored elements and scales in cuBLAS's

@@ -87,6 +87,23 @@ def test_enough_timed_steps_within_the_budget_give_a_verdict(tmp_path):
     assert 1.6 < bf16["throughput_vs_baseline"] < 2.2  # half the sleep, plus a tiny Linear
 
 
+@pytest.mark.slow
+def test_a_slow_first_step_is_warm_up_and_cuts_no_step(tmp_path):
+    # bf16's first step in a process takes 20 s more (as a compile would); the plan of a
+    # 40 s budget must still be the 60 steps the same task without it gets, every one run.
+    args = ("--max-time", "40", "--steps", "60", "--peak-memory", "in-process")
+    _, _, plain = _compare(tmp_path / "plain", "sleepy_fast", *args)
+    _, out, slow = _compare(tmp_path / "slow", "sleepy_fast_slow_first", *args)
+    steps = [[r["steps_done"] for r in results["recipes"]] for results in (plain, slow)]
+    assert steps == [[60, 60], [60, 60]], (steps, out)
+    assert slow["plan"]["steps"] == plain["plan"]["steps"] == 60
+    warm = {w["recipe"]: w["s"] for w in slow["warmup"]["recipes"]}
+    assert warm["bf16-mixed"] >= 20  # the slow step was the warm-up's
+    assert max(slow["plan"]["step_s"].values()) < 1  # and in no estimate
+    assert slow["budget"]["excluded_s"] >= 20
+    assert all(r["timing"]["max_s"] < 10 for r in slow["recipes"])  # nor in a step time
+
+
 def _cells(page: str) -> list[dict[str, str]]:
     """Each table row of report.html as {column key: cell text}, in page order."""
     rows = []

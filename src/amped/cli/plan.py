@@ -4,7 +4,11 @@ count for all, so losses compare like with like::
     steps = clamp(floor(seconds left of the budget / sum of step estimates), 1, --steps)
 
 The estimates come from the memory probes' steps, else from :data:`TIMING_STEPS` steps
-run here, each recipe within its share of half of what is left (:mod:`amped.cli.budget`).
+run here, each recipe within its share of half of what is left (:mod:`amped.cli.budget`);
+either way after the warm-up (:mod:`amped.cli.warmup`), so no compile is in them, and
+never from a run's first step. A recipe with too few timed steps for an estimate gets
+none; the plan says so and counts it as the slowest estimated recipe, and training
+still spends its share of the budget on steps.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ class Plan:
     max_time: float
     timing_s: float  # seconds spent before the plan: probes and timing steps
     step_s: dict[str, float]  # estimated seconds per step, by recipe
+    unestimated: tuple[str, ...] = ()  # recipes with too few timed steps for an estimate
 
     @property
     def shortened(self) -> bool:
@@ -44,24 +49,34 @@ class Plan:
             "max_time_s": self.max_time,
             "timing_s": round(self.timing_s, 3),
             "step_s": self.step_s,
+            "unestimated": list(self.unestimated),
             "note": self.note(),
         }
 
     def note(self) -> str:
+        unknown = ""
+        if self.unestimated:
+            unknown = (
+                f"; too few timed steps to estimate {', '.join(self.unestimated)} (its "
+                "first step is left out), counted as the slowest"
+            )
         if not self.shortened:
-            return f"{self.steps} steps per recipe fit --max-time {self.max_time:g} s"
+            return f"{self.steps} steps per recipe fit --max-time {self.max_time:g} s{unknown}"
+        if not self.step_s:
+            return f"{self.steps} of {self.requested} steps per recipe{unknown}"
         slowest = max(self.step_s, key=self.step_s.__getitem__)
         return (
             f"{self.steps} of {self.requested} steps per recipe, to fit --max-time "
             f"{self.max_time:g} s ({self.timing_s:.0f} s of it went to probes and timing); "
-            f"the slowest, {slowest}, took about {self.step_s[slowest]:.2f} s a step"
+            f"the slowest, {slowest}, took about {self.step_s[slowest]:.2f} s a step{unknown}"
         )
 
 
-def estimate_step(step_times: list[float]) -> float:
-    """Seconds per step: the mean of the steps after the first (warm-up), if any."""
-    timed = step_times[1:] or step_times
-    return sum(timed) / len(timed)
+def estimate_step(step_times: list[float]) -> float | None:
+    """Seconds per step: the mean of the steps after the first, which is left out (a
+    model's first step allocates its optimizer state); None with fewer than two."""
+    timed = step_times[1:]
+    return sum(timed) / len(timed) if timed else None
 
 
 def make_plan(
@@ -81,16 +96,17 @@ def make_plan(
     if not budget.limited or config.steps <= TIMING_STEPS:
         return None  # nothing to fit, or timing would cost as much as the run
     timed = timed or {}
-    untimed = [run for run in runs if not timed.get(run.recipe.name)]
+    estimates = {
+        run.recipe.name: estimate
+        for run in runs
+        if (estimate := estimate_step(timed.get(run.recipe.name, []))) is not None
+    }
+    untimed = [r for r in runs if r.status != "failed" and r.recipe.name not in estimates]
     if untimed:
         observer.planning(runs)
     timing_deadline = time.monotonic() + _TIMING_SHARE * budget.left()
-    estimates: dict[str, float] = {}
-    for run in runs:
-        known = timed.get(run.recipe.name)
-        if known:
-            estimates[run.recipe.name] = estimate_step(known)
-            continue
+    unestimated: list[str] = []
+    for run in list(untimed):
         share = (timing_deadline - time.monotonic()) / max(len(untimed), 1)
         untimed = untimed[1:]
         probe = RecipeRun(run.recipe, TIMING_STEPS, TIMING_STEPS)
@@ -99,13 +115,17 @@ def make_plan(
         if probe.status == "failed":
             run.status, run.error = probe.status, probe.error
             run.error_traceback = probe.error_traceback
-        elif probe.step_times:
-            estimates[run.recipe.name] = estimate_step(probe.step_times)
-    per_round = sum(estimates.values())
+        elif (estimate := estimate_step(probe.step_times)) is not None:
+            estimates[run.recipe.name] = estimate
+        else:
+            unestimated.append(run.recipe.name)
+    slowest = max(estimates.values(), default=0.0)
+    per_round = sum(estimates.values()) + slowest * len(unestimated)
     fit = int(budget.left() / per_round) if per_round > 0 else config.steps
     steps = max(1, min(config.steps, fit))
     for run in runs:
         run.steps_planned = steps
-    plan = Plan(steps, config.steps, float(budget.max_time or 0), budget.elapsed(), estimates)
+    plan = Plan(steps, config.steps, float(budget.max_time or 0), budget.elapsed(), estimates,
+                tuple(unestimated))  # fmt: skip
     observer.planned(runs, plan.note())
     return plan

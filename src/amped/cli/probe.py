@@ -50,6 +50,7 @@ class ProbeResult:
     peak_bytes: int | None
     step_times: list[float]
     error: str | None = None
+    compile_s: float = 0.0  # seconds its process spent compiling before the steps
 
 
 def probe_recipe(
@@ -91,7 +92,9 @@ def probe_recipe(
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return ProbeResult(None, [], f"the probe process exited {done.returncode}: {tail}")
     answer = json.loads(lines[-1])
-    return ProbeResult(answer["peak_bytes"], answer["step_times"], answer["error"])
+    return ProbeResult(
+        answer["peak_bytes"], answer["step_times"], answer["error"], answer["compile_s"]
+    )
 
 
 # --- the child process -------------------------------------------------------------
@@ -135,8 +138,10 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     task = factory.build(batch_size=config.batch_size, seed=config.seed, device=device)
     model = task.model.to(device)
     batches = iter(task.batches)
+    began = time.monotonic()
     with contextlib.suppress(Exception):  # best effort: the real run reports any error
         _compile_once(task, run.recipe, device)
+    compile_s = time.monotonic() - began
     release_freed_memory()
     before = _status_kib("VmRSS")
     reset = _reset_peak()
@@ -152,7 +157,12 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     if peak is None:  # no reset: the lifetime peak, in KiB on Linux
         peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     peak_bytes = None if before is None else max(0, peak - before) * 1024
-    return {"peak_bytes": peak_bytes, "step_times": run.step_times, "error": None}
+    return {
+        "peak_bytes": peak_bytes,
+        "step_times": run.step_times,
+        "error": None,
+        "compile_s": compile_s,
+    }
 
 
 def _compile_once(task: Any, recipe: Any, device: torch.device) -> None:
@@ -193,7 +203,12 @@ def _main() -> int:
     try:
         answer = _measure(request)
     except Exception as error:
-        answer = {"peak_bytes": None, "step_times": [], "error": f"{type(error).__name__}: {error}"}
+        answer = {
+            "peak_bytes": None,
+            "step_times": [],
+            "error": f"{type(error).__name__}: {error}",
+            "compile_s": 0.0,
+        }
     answer["wall_s"] = time.monotonic() - began
     print(json.dumps(answer))
     return 0

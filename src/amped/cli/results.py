@@ -14,6 +14,7 @@ from amped._internal.jsonio import to_json
 from amped.cli.compare import BASELINE, Comparison
 from amped.cli.run import LOSS_WINDOW, RecipeRun, final_loss, window_mean
 from amped.cli.timing import MIN_TIMED_STEPS, StepStats, ratio_range, speed_blocker, step_stats
+from amped.cli.warmup import WARMUP_STEPS
 
 __all__ = ["LOSS_WINDOW", "SCHEMA_ID", "SLOW_RATIO", "divergence", "dumps", "to_dict"]
 
@@ -78,6 +79,7 @@ def to_dict(
         "environment": environment,
         "machine": comparison.machine,
         "task": comparison.task,
+        "warmup": _warmup(comparison),
         "plan": comparison.plan.as_dict() if comparison.plan else None,
         "budget": comparison.budget.as_dict() if comparison.budget else None,
         "samples_per_step": per_step,
@@ -86,6 +88,16 @@ def to_dict(
         "common_step": common,
         "identical_losses": identical_losses(comparison.runs),
         "recipes": [_recipe(run, baseline, compare, base_stats, common) for run in comparison.runs],
+    }
+
+
+def _warmup(comparison: Comparison) -> dict[str, Any]:
+    """The warm-up phase (``warmup`` in ``results.json``): outside every step time."""
+    total = sum(w.seconds for w in comparison.warmups)
+    return {
+        "steps": WARMUP_STEPS,
+        "s": round(total, 3),
+        "recipes": [w.as_dict() for w in comparison.warmups],
     }
 
 

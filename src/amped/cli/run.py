@@ -107,6 +107,13 @@ class RecipeRun:
 class Observer:
     """Hooks the progress display implements; each is a no-op here."""
 
+    def warming_up(self, run: RecipeRun, compiles: str | None) -> None:
+        """Called before a recipe's warm-up steps (``compiles``: what they compile, in
+        words, or None; :mod:`amped.cli.warmup`)."""
+
+    def warmed_up(self, run: RecipeRun, warmup: Any) -> None:
+        """Called after them, with the :class:`~amped.cli.warmup.Warmup` they made."""
+
     def planning(self, runs: list[RecipeRun]) -> None:
         """Called before the short timing runs that fit the comparison to its budget."""
 

@@ -235,3 +235,28 @@ def sleepy_fast_slow_first(batch_size: int = 16, seed: int = 0):
     """:func:`sleepy_fast` whose first bf16 step in a process takes 20 s more."""
     _, batches, loss_fn = good(batch_size, seed)
     return FirstLowStepSlow(0.06, 20.0), batches, loss_fn
+
+
+TRAINING_FORWARDS = [0]  # forwards with gradients on, by the models below
+
+
+class _Counted(nn.Sequential):
+    def forward(self, x):
+        TRAINING_FORWARDS[0] += torch.is_grad_enabled()
+        return super().forward(x)
+
+
+def odd_dims(batch_size: int = 16, seed: int = 0):
+    """An MLP whose dims are no multiple of 32: no block recipe converts a layer."""
+    torch.manual_seed(seed)
+    model = _Counted(nn.Linear(8, 48), nn.GELU(), nn.Linear(48, 40), nn.GELU(), nn.Linear(40, 2))
+    return model, _batches(batch_size, seed), F.cross_entropy
+
+
+def square_mlp(batch_size: int = 16, seed: int = 0):
+    """Two 64 x 64 layers and a 64 x 2 head: the block recipes convert ``1`` and ``3``."""
+    torch.manual_seed(seed)
+    model = _Counted(
+        nn.Linear(8, 64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Linear(64, 2)
+    )
+    return model, _batches(batch_size, seed), F.cross_entropy

@@ -53,6 +53,8 @@ def _one_line(err: str) -> str:
         pytest.param(["--steps", "0"], "positive integer", id="steps-zero"),
         pytest.param(["--max-time", "-1"], "expected seconds", id="negative-time"),
         pytest.param(["--bogus"], "unrecognized arguments", id="unknown-flag"),
+        pytest.param(["--module-filter", "h.0,("], "is not a regular expression", id="bad-re"),
+        pytest.param(["--exclude", " , "], "--exclude names no layer", id="empty-exclude"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, tmp_path, args, expected):

@@ -1,7 +1,8 @@
 """``amped compare`` from parsed arguments to exit code: check, run, report, print.
 
 Every argument is checked before any training starts (recipes, device, factory spec,
-report folder), so a mistake costs a second, not a run.
+the layers each FP8/block recipe converts, report folder), so a mistake costs a second,
+not a run, and leaves an existing report folder as it was.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from amped.cli.dtypes import recipe_for_dtype
 from amped.cli.environment import default_device, describe, resolve_device
 from amped.cli.errors import EXIT_DIVERGED, EXIT_OK, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
+from amped.cli.layers import LayerChoice, dry_run
 from amped.cli.out_dir import resolve_out
 from amped.cli.progress import LineProgress, RichProgress
 from amped.cli.results import dumps, to_dict
@@ -64,7 +66,9 @@ def _config(args: argparse.Namespace) -> CompareConfig:
     recipes = parse_recipes(args.recipes)
     device = resolve_device(args.device or default_device())
     factory = load_factory(args.model or DEFAULT_FACTORY)
+    layers = LayerChoice(args.module_filter, args.exclude)
     task = factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
+    conversions = dry_run(task.model, recipes, layers)  # every recipe checked on the model
     threads, source = choose_threads(args.threads, task.threads, device)
     torch.set_num_threads(threads)  # once, before any recipe: the same for every one
     return CompareConfig(
@@ -78,6 +82,8 @@ def _config(args: argparse.Namespace) -> CompareConfig:
         isolate_memory=args.peak_memory == "own-process",
         threads=threads,
         threads_source=source,
+        layers=layers,
+        conversions=tuple(conversions),
     )
 
 

@@ -5,10 +5,10 @@ count for all, so losses compare like with like::
 
 The estimates come from the memory probes' steps, else from :data:`TIMING_STEPS` steps
 run here, each recipe within its share of half of what is left (:mod:`amped.cli.budget`);
-either way after the warm-up (:mod:`amped.cli.warmup`), so no compile is in them, and
-never from a run's first step. A recipe with too few timed steps for an estimate gets
-none; the plan says so and counts it as the slowest estimated recipe, and training
-still spends its share of the budget on steps.
+either way after the warm-up (:mod:`amped.cli.warmup`), so no compile is in them: the
+mean of a run's steps after its first (which allocates the optimizer's state). A recipe
+whose timing share ran out after one step is estimated by that step, and the plan says
+so; training still spends each recipe's share of the budget on steps.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class Plan:
     max_time: float
     timing_s: float  # seconds spent before the plan: probes and timing steps
     step_s: dict[str, float]  # estimated seconds per step, by recipe
-    unestimated: tuple[str, ...] = ()  # recipes with too few timed steps for an estimate
+    one_step: tuple[str, ...] = ()  # recipes estimated from a single timed step
 
     @property
     def shortened(self) -> bool:
@@ -49,16 +49,16 @@ class Plan:
             "max_time_s": self.max_time,
             "timing_s": round(self.timing_s, 3),
             "step_s": self.step_s,
-            "unestimated": list(self.unestimated),
+            "one_step": list(self.one_step),
             "note": self.note(),
         }
 
     def note(self) -> str:
         unknown = ""
-        if self.unestimated:
+        if self.one_step:
             unknown = (
-                f"; too few timed steps to estimate {', '.join(self.unestimated)} (its "
-                "first step is left out), counted as the slowest"
+                f"; {', '.join(self.one_step)} timed one step only, too few to leave its "
+                "first out: estimated from it"
             )
         if not self.shortened:
             return f"{self.steps} steps per recipe fit --max-time {self.max_time:g} s{unknown}"
@@ -105,7 +105,7 @@ def make_plan(
     if untimed:
         observer.planning(runs)
     timing_deadline = time.monotonic() + _TIMING_SHARE * budget.left()
-    unestimated: list[str] = []
+    one_step: list[str] = []
     for run in list(untimed):
         share = (timing_deadline - time.monotonic()) / max(len(untimed), 1)
         untimed = untimed[1:]
@@ -117,15 +117,15 @@ def make_plan(
             run.error_traceback = probe.error_traceback
         elif (estimate := estimate_step(probe.step_times)) is not None:
             estimates[run.recipe.name] = estimate
-        else:
-            unestimated.append(run.recipe.name)
-    slowest = max(estimates.values(), default=0.0)
-    per_round = sum(estimates.values()) + slowest * len(unestimated)
+        elif probe.step_times:  # after the warm-up: a first step, but not a compile's
+            estimates[run.recipe.name] = probe.step_times[0]
+            one_step.append(run.recipe.name)
+    per_round = sum(estimates.values())
     fit = int(budget.left() / per_round) if per_round > 0 else config.steps
     steps = max(1, min(config.steps, fit))
     for run in runs:
         run.steps_planned = steps
     plan = Plan(steps, config.steps, float(budget.max_time or 0), budget.elapsed(), estimates,
-                tuple(unestimated))  # fmt: skip
+                tuple(one_step))  # fmt: skip
     observer.planned(runs, plan.note())
     return plan

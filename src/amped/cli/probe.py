@@ -28,7 +28,7 @@ import torch
 
 from amped.cli.run import CompareConfig, RecipeRun
 
-__all__ = ["PROBE_KIND", "PROBE_STEPS", "ProbeResult", "probe_recipe"]
+__all__ = ["PROBE_KIND", "PROBE_STEPS", "ProbeResult", "probe_recipe", "start_up_seconds"]
 
 PROBE_STEPS = 3
 PROBE_KIND = "own_process_peak_rss"
@@ -41,6 +41,27 @@ _TIMEOUT_S = 600.0
 # A fixed threshold (glibc's default start, 128 KiB) keeps it where it starts, so the
 # peak follows the memory in use. Other C libraries ignore the variable.
 _MMAP_THRESHOLD = str(128 << 10)
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux ``/proc``), or None."""
+    try:
+        with open("/proc/self/stat") as stat:
+            started = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
+        with open("/proc/uptime") as uptime:
+            now = float(uptime.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return max(0.0, now - started / os.sysconf("SC_CLK_TCK"))
+
+
+_START_UP_S = _process_age()  # this module is imported with the CLI: its start-up cost
+
+
+def start_up_seconds() -> float | None:
+    """How long this process took to start and import the CLI: what each probe's
+    process, importing the same modules, costs before its first step (None: unknown)."""
+    return _START_UP_S
 
 
 @dataclass(frozen=True)
@@ -69,6 +90,8 @@ def probe_recipe(
         "device": str(config.device),
         "threads": threads,
         "steps": PROBE_STEPS,
+        "module_filter": config.layers.module_filter,
+        "exclude": config.layers.exclude,
     }
     # The child sees the modules this process sees (a factory importable by name here).
     path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
@@ -122,10 +145,10 @@ def _reset_peak() -> bool:
 
 
 def _measure(request: dict[str, Any]) -> dict[str, Any]:
-    import amped
     from amped.cli.factory import load_factory
     from amped.cli.footprint import PeakMemory, release_freed_memory
-    from amped.cli.run import _train_step
+    from amped.cli.layers import LayerChoice
+    from amped.cli.run import _train_step, prepare
     from amped.cli.task import to_device
     from amped.recipes.registry import resolve_recipe
 
@@ -145,7 +168,8 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     release_freed_memory()
     before = _status_kib("VmRSS")
     reset = _reset_peak()
-    setup = amped.prepare(model, task.optimizer(model), run.recipe)
+    layers = LayerChoice(request["module_filter"], request["exclude"])
+    setup = prepare(model, task.optimizer(model), run.recipe, layers)
     sampler = PeakMemory(device)  # unused samples: the kernel's peak is the measure
     for _ in range(request["steps"]):
         batch = next(batches, None)

@@ -22,6 +22,7 @@ from amped.cli.errors import UsageError
 from amped.cli.factory import TaskFactory
 from amped.cli.footprint import PeakMemory, StateBytes, grad_bytes, state_bytes
 from amped.cli.health import attach_monitor, health_note
+from amped.cli.layers import Conversion, LayerChoice
 from amped.cli.task import Task, call_model, check_loss, count_samples, to_device
 from amped.cli.timing import step_stats
 from amped.recipes import Recipe
@@ -68,6 +69,8 @@ class CompareConfig:
     isolate_memory: bool = False  # measure each recipe's peak in its own process (CPU)
     threads: int | None = None  # torch threads, the same for every recipe
     threads_source: str | None = None  # who chose them: --threads, the task, torch
+    layers: LayerChoice = field(default_factory=LayerChoice)  # --module-filter, --exclude
+    conversions: tuple[Conversion, ...] = ()  # the FP8/block recipes' dry run
 
 
 @dataclass
@@ -194,7 +197,7 @@ def _train(
     )
     run.task = describe_task(task, config.factory.spec)
     model = task.model.to(config.device)
-    setup = amped.prepare(model, task.optimizer(model), run.recipe)
+    setup = prepare(model, task.optimizer(model), run.recipe, config.layers)
     health = attach_monitor(setup)
     peak = PeakMemory(config.device)
     peak.start()
@@ -218,6 +221,17 @@ def _train(
     run.final_loss_scale = setup.scaler.get_scale() if run.recipe.loss_scaling else None
     if evaluate:
         run.evaluation = _evaluate(setup, task, config.device)
+
+
+def prepare(
+    model: torch.nn.Module, optimizer: Any, recipe: Recipe, layers: LayerChoice
+) -> amped.TrainSetup:
+    """:func:`amped.prepare`, with the layers ``--module-filter``/``--exclude`` chose
+    for an FP8 or block recipe."""
+    chosen = layers.filter_for(model, recipe)
+    if chosen is None:
+        return amped.prepare(model, optimizer, recipe)
+    return amped.prepare(model, optimizer, recipe, module_filter=chosen)
 
 
 def _train_step(

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
+from amped.fp8.compiled_cast import compiled_kernels
 from amped.recipes import Recipe
 
 __all__ = ["WARMUP_STEPS", "Warmup", "compiled_part", "warm_up"]
@@ -46,9 +47,8 @@ class Warmup:
 
 
 def compiled_part(recipe: Recipe) -> str | None:
-    """What ``recipe`` compiles on its first steps in a process, in words, or None."""
-    if recipe.fp8 is not None:
-        return "the FP8 casts of large layers"
+    """What ``recipe`` compiles on its first steps in a process, in words, or None
+    (for the FP8 and block recipes, known only after them: see :func:`warm_up`)."""
     if recipe.weights == "low-with-masters":
         return "the fused master-weight step"
     if recipe.quantized_state:
@@ -64,8 +64,12 @@ def warm_up(config: CompareConfig, run: RecipeRun, observer: Observer) -> Warmup
     what = compiled_part(run.recipe)
     observer.warming_up(run, what)
     trial = RecipeRun(run.recipe, WARMUP_STEPS, WARMUP_STEPS)
+    kernels = compiled_kernels()
     began = time.monotonic()
     run_recipe(config, trial, Observer(), evaluate=False)
+    casts = compiled_kernels() - kernels  # the FP8 casts of operands large enough
+    if casts:
+        what = f"{casts} FP8 cast kernel(s)" + (f" and {what}" if what else "")
     warmup = Warmup(run.recipe.name, what, time.monotonic() - began)
     if trial.status == "failed":
         run.status, run.error = trial.status, trial.error

@@ -50,7 +50,14 @@ import torch
 
 from amped._internal import torch_compat
 
-__all__ = ["EXACT_FLOATING_POINT", "MIN_ELEMENTS", "STATIC_SHAPES", "compiles", "run"]
+__all__ = [
+    "EXACT_FLOATING_POINT",
+    "MIN_ELEMENTS",
+    "STATIC_SHAPES",
+    "compiled_kernels",
+    "compiles",
+    "run",
+]
 
 STATIC_SHAPES = 16
 """Shapes compiled statically per kernel setting; more share one dynamic-size kernel."""
@@ -122,6 +129,11 @@ def _call(
         torch.set_num_threads(threads)
     with torch.no_grad():
         return _kernel(function, spec, x)(spec, x, *args)
+
+
+def compiled_kernels() -> int:
+    """How many kernels this process has compiled (one per setting and static shape)."""
+    return len(_compiled)
 
 
 def compiles(x: torch.Tensor) -> bool:

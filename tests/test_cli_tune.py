@@ -117,6 +117,20 @@ def test_a_model_with_no_eligible_layer_is_one_line(capsys, tmp_path):
     assert "0: its dims 10x6 are not multiples of 16" in line  # each layer, and why
 
 
+def test_excluding_every_eligible_layer_is_one_line_naming_the_flags(capsys, tmp_path):
+    line = _usage_line(capsys, tmp_path / "r", *TINY, "--module-filter", "[02]",
+                       "--exclude", "0,2")  # fmt: skip
+    assert "has no layer amped tune can lower" in line
+    assert "4: not chosen by --module-filter '[02]' --exclude '0,2'" in line
+
+
+def test_module_filter_and_exclude_choose_the_layers_tuned(capsys, tmp_path):
+    code, _, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0", "--rounds", "1",
+                         "--module-filter", "0,2", "--exclude", "2")  # fmt: skip
+    assert code == 0, err
+    assert list(_document(tmp_path)["layers"]) == ["0"]  # the only layer measured
+
+
 @pytest.mark.parametrize("out", ["", "x" * 300], ids=["empty", "name-300"])
 def test_a_bad_out_is_one_line(capsys, tmp_path, monkeypatch, out):
     line = _usage_line(capsys, tmp_path / "unused", *TINY, "--out", out)

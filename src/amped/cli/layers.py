@@ -92,6 +92,19 @@ class LayerChoice:
         patterns = parse_layer_patterns(self.exclude, "--exclude")
         return {name for name, _ in model.named_modules() if _matches(patterns, name)}
 
+    def by_name(self) -> ModuleFilter | None:
+        """Both flags as one filter of qualified names (``amped tune``'s); None when
+        neither was given."""
+        if not self.given:
+            return None
+        chosen = parse_layer_patterns(self.module_filter, "--module-filter")
+        excluded = parse_layer_patterns(self.exclude, "--exclude")
+
+        def keep(layer: torch.nn.Module, name: str) -> bool:
+            return not _matches(excluded, name) and (not chosen or _matches(chosen, name))
+
+        return keep
+
     def describe(self) -> str:
         """The flags as a user gave them, for messages."""
         flags = (("module-filter", self.module_filter), ("exclude", self.exclude))

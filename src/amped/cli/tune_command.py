@@ -24,6 +24,7 @@ from amped.cli.command import choose_threads
 from amped.cli.environment import default_device, resolve_device
 from amped.cli.errors import EXIT_NO_PLAN, EXIT_OK, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, TaskFactory, load_factory
+from amped.cli.layers import LayerChoice
 from amped.cli.out_dir import resolve_out
 from amped.cli.results import dumps
 from amped.cli.task import Task
@@ -57,9 +58,15 @@ def parse_formats(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _check_layers(task: Task, formats: list[str], spec: str) -> None:
-    """UsageError when the model has no layer that can run any of ``formats``."""
+def _check_layers(task: Task, formats: list[str], spec: str, layers: LayerChoice) -> None:
+    """UsageError when the model has no layer that can run any of ``formats`` among
+    those ``--module-filter`` and ``--exclude`` leave."""
     eligible, refused = eligible_layers(task.model, formats, set())
+    chosen, modules = layers.by_name(), dict(task.model.named_modules())
+    if chosen is not None:
+        for name in [n for n in eligible if not chosen(modules[n], n)]:
+            del eligible[name]
+            refused[name] = f"not chosen by {layers.describe()}"
     if eligible:
         return
     seen = "; ".join(f"{name or '<model>'}: {why}" for name, why in refused.items())
@@ -67,7 +74,8 @@ def _check_layers(task: Task, formats: list[str], spec: str) -> None:
         f"The model from {spec} has no layer amped tune can lower to {', '.join(formats)}: "
         "it tunes nn.Linear and transformers Conv1D layers whose dims are multiples of the "
         "format's block (16 for FP8, 32 for the MX formats). Give a model with such "
-        f"layers. Received: {seen or 'no nn.Linear or Conv1D layer'}"
+        "layers, or choose them with --module-filter. Received: "
+        f"{seen or 'no nn.Linear or Conv1D layer'}"
     )
 
 
@@ -96,7 +104,8 @@ def _tune(args: argparse.Namespace, command: list[str]) -> int:
     device = resolve_device(args.device or default_device())
     factory = load_factory(args.model or DEFAULT_FACTORY)
     task = factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
-    _check_layers(task, formats, factory.spec)
+    layers = LayerChoice(args.module_filter, args.exclude)
+    _check_layers(task, formats, factory.spec, layers)
     torch.set_num_threads(choose_threads(args.threads, task.threads, device)[0])
     out = resolve_out(args.out)  # created only once the task is known to tune
     stderr = Console(stderr=True)
@@ -152,6 +161,7 @@ def _run(
             rounds=args.rounds,
             max_time=args.max_time or None,
             progress=progress,
+            module_filter=LayerChoice(args.module_filter, args.exclude).by_name(),
         )
     except KeyboardInterrupt:
         raise

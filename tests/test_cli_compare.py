@@ -24,6 +24,7 @@ from amped.cli.results import to_dict
 from amped.cli.run import CompareConfig
 from amped.cli.summary import findings, rows
 from amped.recipes.registry import resolve_recipe
+from cli_fault_helpers import unwrap
 from results_schema import validate
 
 FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"
@@ -124,7 +125,7 @@ def test_rich_progress_shows_a_bar_per_recipe_with_loss_and_throughput():
 def test_line_progress_reports_each_recipe_with_the_results_figures():
     stream = io.StringIO()
     comparison = _comparison("fp32", 2, LineProgress(stream))
-    lines = stream.getvalue().splitlines()
+    lines = unwrap(stream.getvalue())
     assert lines[0] == "fp32: running 2 steps"
     (recipe,) = to_dict(comparison, {}, ["amped"])["recipes"]
     loss, speed = recipe["final_train_loss"], recipe["samples_per_s"]

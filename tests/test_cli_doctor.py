@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from amped.cli.main import main
+from cli_fault_helpers import unwrap
 
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
@@ -79,7 +80,7 @@ def test_doctor_names_the_culprit_of_a_user_factory(capsys, tmp_path):
 def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, message):
     code, out, err = _doctor(capsys, tmp_path, *args)
     assert code == 2
-    lines = err.strip().splitlines()
+    lines = unwrap(err.strip())
     assert len(lines) == 1 and lines[0].startswith("amped: error:") and message in lines[0]
     assert out == "" and not (tmp_path / "rep").exists()  # refused before anything ran
 
@@ -168,7 +169,7 @@ def test_missing_extra_names_the_command_that_needs_it(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     assert main(["doctor"]) == 1
     assert "amped doctor needs the optional 'cli' dependencies (matplotlib missing)" in (
-        capsys.readouterr().err
+        " ".join(unwrap(capsys.readouterr().err))
     )
 
 

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from amped.cli.main import main
+from cli_fault_helpers import unwrap
 
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
@@ -31,7 +32,7 @@ def _compare(capsys, tmp_path, *args: str) -> tuple[int, str]:
 
 
 def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = [line for line in unwrap(err) if line.strip()]
     assert len(lines) == 1, err
     assert "Traceback" not in err
     assert lines[0].startswith("amped: error: ")
@@ -115,7 +116,7 @@ def test_a_recipe_that_raises_fails_the_run_with_exit_1(capsys, tmp_path):
     args = ("--model", spec, "--recipes", "fp32,bf16,fp16", "--steps", "2", "--no-progress")
     code, err = _compare(capsys, tmp_path, *args)
     assert code == 1
-    error_lines = [line for line in err.splitlines() if "error" in line]
+    error_lines = [line for line in unwrap(err) if "error" in line]
     assert len(error_lines) == 1, err
     assert "2 recipe(s) failed" in error_lines[0]
     assert "RuntimeError: this model refuses autocast" in error_lines[0]

@@ -14,6 +14,7 @@ pytest.importorskip("matplotlib")
 
 import cli_factories
 from amped.cli.main import main
+from cli_fault_helpers import unwrap
 from results_schema import validate
 
 FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"
@@ -34,7 +35,7 @@ def test_a_block_recipe_converting_no_layer_exits_2_before_training(tmp_path, ca
     assert cli_factories.TRAINING_FORWARDS[0] == before  # no training step ran
     assert (tmp_path / "results.json").read_text() == "the previous report"
     assert not (tmp_path / "report.html").exists()
-    [line] = [line for line in err.splitlines() if line.strip()]
+    [line] = [line for line in unwrap(err) if line.strip()]
     assert line.startswith("amped: error: Recipe mxfp8 converts no layer"), line
     assert "--module-filter" in line
     for layer in ("0: dims not multiples of 32", "2: dims not multiples of 32",
@@ -44,7 +45,7 @@ def test_a_block_recipe_converting_no_layer_exits_2_before_training(tmp_path, ca
 
 def test_a_chosen_layer_the_format_cannot_run_exits_2_naming_it(tmp_path, capsys):
     code = _compare(tmp_path, "square_mlp", "--recipes", "mxfp8", "--module-filter", "0,1")
-    err = capsys.readouterr().err
+    err = " ".join(unwrap(capsys.readouterr().err))
     assert code == 2, err
     assert "cannot convert layers that --module-filter '0,1' chose" in err
     assert "0: mxfp8 scales blocks of 32" in err  # 8 inputs; layer 1 (64 x 64) converts

@@ -29,7 +29,7 @@ from amped._internal.jsonio import from_json
 from amped.cli import out_dir
 from amped.cli.main import main
 from amped.tuning.tuner import DEFAULT_FORMATS
-from cli_fault_helpers import ENV, ROOT, one_line
+from cli_fault_helpers import ENV, ROOT, one_line, unwrap
 
 TINY = ("--model", "tests/tune_factories.py:tiny", "--threads", "1", "--no-progress")
 QUICK = (*TINY, "--formats", "fp8-rowwise,nvfp4", "--steps", "3", "--seeds", "2")
@@ -265,7 +265,7 @@ def test_a_write_error_is_exit_1_and_keeps_the_old_pair(capsys, tmp_path, monkey
     monkeypatch.setattr(files.os, "fsync", full)
     code, _, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0")
     assert code == 1
-    line = err.splitlines()[-1]
+    line = unwrap(err)[-1]
     assert line.startswith("amped: error: Could not write the report")
     assert "No space left on device" in line
     assert (tmp_path / "tuned.json").read_text() == '{"old": true}'

@@ -23,6 +23,7 @@ from amped.cli.tune_plots import sensitivity_chart
 from amped.cli.tune_report import render_html, write_report
 from amped.cli.tune_summary import headline, layer_rows, outcome, round_rows, verification_rows
 from amped.cli.tune_table import layer_tables, print_tune
+from cli_fault_helpers import unwrap
 
 CONTEXT = {"task": "tiny-gpt", "device": "cpu", "created": "2026-12-01T18:00:00+00:00",
            "command": ["amped", "tune", "--formats", "fp8-rowwise,nvfp4"]}  # fmt: skip
@@ -57,7 +58,7 @@ def test_outcome_of_each_document(name):
 )
 def test_the_exit_code_of_each_outcome(capsys, name, code, said):
     assert exit_code(OUTCOMES[name]()) == code
-    err = capsys.readouterr().err
+    err = " ".join(unwrap(capsys.readouterr().err))
     assert err.startswith(said) and (not said or err.rstrip().endswith("exit status 3"))
 
 

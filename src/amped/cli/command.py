@@ -31,6 +31,7 @@ from amped.cli.results import dumps, to_dict
 from amped.cli.run import CompareConfig
 from amped.cli.table import print_summary
 from amped.cli.timing import CpuLoad
+from amped.cli.width import wrap
 from amped.recipes import Recipe
 from amped.recipes.registry import RECIPES, resolve_recipe
 
@@ -182,7 +183,7 @@ def _exit_code(
     if diverged:
         listed = "; ".join(f"{r['name']} (from step {r['diverged_at_step']})" for r in diverged)
         print(
-            f"amped: {len(diverged)} recipe(s) diverged, their losses non-finite: {listed}",
+            wrap(f"amped: {len(diverged)} recipe(s) diverged, their losses non-finite: {listed}"),
             file=sys.stderr,
             flush=True,
         )

@@ -23,12 +23,12 @@ from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.factory import DEFAULT_FACTORY, load_factory
 from amped.cli.out_dir import resolve_out
 from amped.cli.task import to_device
+from amped.cli.width import wrap
 from amped.doctor import diagnose
 from amped.doctor.report import OpStat, Report
 
 __all__ = ["doctor_table", "run_doctor", "unfixed_nonfinite"]
 
-_PIPE_WIDTH = 160  # stdout is a file or a pipe: wide enough that nothing wraps
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # the table's dtype column
 
 
@@ -147,9 +147,10 @@ def _cells(op: OpStat) -> tuple[tuple[str, ...], bool]:
 
 
 def _print(report: Report, html: Path) -> None:
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=_PIPE_WIDTH)
+    console = Console()  # on a pipe: 80 columns, or COLUMNS
     console.print(doctor_table(report, width=console.width))
-    console.print(report.summary(), markup=False, highlight=False)
-    console.print(f"report: {html}", markup=False, highlight=False)
+    for line in report.summary().splitlines():
+        # The fix is a line of code to paste: whole, however long; the rest wrapped.
+        text = line if line.lstrip().startswith("fix: ") else wrap(line, console.width, "    ")
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"report: {html}", markup=False, highlight=False, soft_wrap=True)

@@ -16,13 +16,14 @@ from collections.abc import Sequence
 from amped.cli import interrupt, out_dir
 from amped.cli.arguments import build_parser
 from amped.cli.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunError, UsageError
+from amped.cli.width import wrap
 
 __all__ = ["main", "version_line"]
 
 
 def _say_error(message: str) -> None:
     line = " ".join(str(message).split())
-    print(f"amped: error: {line}", file=sys.stderr, flush=True)
+    print(wrap(f"amped: error: {line}"), file=sys.stderr, flush=True)
 
 
 def version_line() -> str:

@@ -24,6 +24,7 @@ from amped._internal.stats import median
 from amped.cli.run import LOSS_WINDOW, Observer, RecipeRun, final_loss
 from amped.cli.summary import loss_decimals
 from amped.cli.warmup import Warmup
+from amped.cli.width import wrap
 
 __all__ = ["LineProgress", "RichProgress"]
 
@@ -132,7 +133,7 @@ class LineProgress(Observer):
         return None
 
     def _say(self, text: str) -> None:
-        print(text, file=self._stream, flush=True)
+        print(wrap(text), file=self._stream, flush=True)
 
     def warming_up(self, run: RecipeRun, compiles: str | None) -> None:
         if compiles:

@@ -32,6 +32,7 @@ from amped.cli.tune_progress import TuneLines, TuneProgress
 from amped.cli.tune_report import write_report
 from amped.cli.tune_summary import outcome
 from amped.cli.tune_table import print_tune
+from amped.cli.width import wrap
 from amped.tuning.measure import eligible_layers
 from amped.tuning.tuner import DEFAULT_FORMATS
 
@@ -183,5 +184,5 @@ def exit_code(tuned: dict[str, Any]) -> int:
         "incomplete": "--max-time ran out before the verification finished, so the plan "
         "does not pass",
     }[state]
-    print(f"amped tune: {what}: exit status {EXIT_NO_PLAN}", file=sys.stderr, flush=True)
+    print(wrap(f"amped tune: {what}: exit status {EXIT_NO_PLAN}"), file=sys.stderr, flush=True)
     return EXIT_NO_PLAN

@@ -135,6 +135,17 @@ def test_line_progress_reports_each_recipe_with_the_results_figures():
     )
 
 
+def test_a_single_step_has_no_throughput_or_iqr_and_the_peaks_say_where_measured():
+    # One step is warm-up only: no timed step, so no samples/s and no IQR anywhere.
+    stream = io.StringIO()
+    comparison = _comparison("fp32", 1, LineProgress(stream))
+    (recipe,) = to_dict(comparison, {}, ["amped"])["recipes"]
+    assert recipe["samples_per_s"] is None and recipe["samples_per_s_iqr"] is None
+    assert "samples/s" not in stream.getvalue()
+    # isolate_memory was off: the peaks were measured in this process, and say so
+    assert to_dict(comparison, {}, ["amped"])["config"]["peak_memory"] == "in-process"
+
+
 def test_report_of_partial_results_says_so():
     comparison = _comparison("fp32,bf16", 2, LineProgress(io.StringIO()))
     comparison.partial = True

@@ -39,6 +39,15 @@ def _one_line(err: str) -> str:
     return lines[0]
 
 
+def test_an_unknown_recipe_suggests_the_closest_and_is_received_once(capsys, tmp_path):
+    code, err = _compare(capsys, tmp_path, "--recipes", "fp32,mxfp9")
+    assert code == 2
+    line = _one_line(err)
+    assert "Unknown recipe 'mxfp9'; did you mean 'mxfp8'?" in line
+    assert "()" not in line and ", mxfp8, " in line  # no empty alias list
+    assert line.count("Received:") == 1 and line.endswith("Received: --recipes 'fp32,mxfp9'")
+
+
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

@@ -56,7 +56,8 @@ def parse_recipes(text: str) -> tuple[Recipe, ...]:
         try:
             recipe = resolve_recipe(recipe_for_dtype(name) or name)
         except ValueError as error:
-            raise UsageError(f"{error}. Received: --recipes {text!r}") from None
+            what = str(error).split(" Received: ")[0]  # the flag, not the argument, received
+            raise UsageError(f"{what} Received: --recipes {text!r}") from None
         if recipe not in chosen:
             chosen.append(recipe)
     return tuple(chosen)

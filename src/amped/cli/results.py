@@ -12,6 +12,7 @@ from typing import Any
 
 from amped._internal.jsonio import to_json
 from amped.cli.compare import BASELINE, Comparison
+from amped.cli.probe import PROBE_KIND
 from amped.cli.run import LOSS_WINDOW, RecipeRun, final_loss, window_mean
 from amped.cli.timing import MIN_TIMED_STEPS, StepStats, ratio_range, speed_blocker, step_stats
 from amped.cli.warmup import WARMUP_STEPS
@@ -74,7 +75,7 @@ def to_dict(
             "max_time_s": config.max_time,
             "threads": config.threads,
             "threads_source": config.threads_source,
-            "peak_memory": "own-process" if config.isolate_memory else "in-process",
+            "peak_memory": _peak_memory(comparison),
             "module_filter": config.layers.module_filter,
             "exclude": config.layers.exclude,
         },
@@ -92,6 +93,13 @@ def to_dict(
         "identical_losses": identical_losses(comparison.runs),
         "recipes": [_recipe(run, baseline, compare, base_stats, common) for run in comparison.runs],
     }
+
+
+def _peak_memory(comparison: Comparison) -> str:
+    """How the peaks were measured: ``own-process`` only where the probes did it (they
+    fall back to in process for every recipe when they do not fit --max-time)."""
+    own = any(run.peak_memory_kind == PROBE_KIND for run in comparison.runs)
+    return "own-process" if own else "in-process"
 
 
 def _warmup(comparison: Comparison) -> dict[str, Any]:

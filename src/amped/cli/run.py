@@ -100,10 +100,11 @@ class RecipeRun:
 
     def samples_per_s(self) -> float | None:
         """Throughput as ``results.json`` defines it: mean samples per step over the
-        median step time, warm-up left out (:func:`amped.cli.timing.step_stats`)."""
+        median step time, warm-up left out (:func:`amped.cli.timing.step_stats`); None
+        with no timed step (one step run)."""
         stats = step_stats(self.step_times)
-        if stats is None or stats.median <= 0 or not self.samples:
-            return None
+        if len(self.step_times) < 2 or stats is None or stats.median <= 0 or not self.samples:
+            return None  # no timed step: the only one is warm-up
         return self.samples / len(self.step_times) / stats.median
 
 

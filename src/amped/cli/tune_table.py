@@ -102,9 +102,10 @@ def rounds_table(tuned: dict[str, Any]) -> Table:
     candidates, in the order trained; failed rounds red, the plan kept marked."""
     rows = tune_summary.round_rows(tuned)
     table = _table("Rounds: the estimate's plans, then the rules that could beat the best")
-    for key in ("round", "source", "lowered", "estimate", "gap", "verdict", "chosen"):
-        table.add_column(key, justify="left" if key in ("verdict", "chosen") else "right",
-                         no_wrap=True)  # fmt: skip
+    for key in ("round", "source", "lowered", "formats", "estimate", "gap", "verdict", "chosen"):
+        # The formats wrap (at their commas) where 80 columns are too few; the rest not.
+        table.add_column(key, justify="left" if key in ("formats", "verdict", "chosen") else
+                         "right", no_wrap=key != "formats")  # fmt: skip
     for row in rows:
         style = "green" if row["verdict"] == "passed" else "red"
         table.add_row(*row.values(), style=style)

@@ -146,6 +146,21 @@ def test_a_single_step_has_no_throughput_or_iqr_and_the_peaks_say_where_measured
     assert to_dict(comparison, {}, ["amped"])["config"]["peak_memory"] == "in-process"
 
 
+def test_a_long_first_compile_is_announced_with_its_expected_time_before_it_starts():
+    from amped.cli.run import RecipeRun
+    from amped.cli.warmup import FIRST_COMPILE_S, compiled_part
+
+    stream = io.StringIO()
+    recipe = resolve_recipe("bf16-pure-8bit")
+    what = compiled_part(recipe)
+    assert what == "the fused 8-bit AdamW step" and FIRST_COMPILE_S[what][0] > 30
+    LineProgress(stream).warming_up(RecipeRun(recipe, 2, 2), what)
+    assert unwrap(stream.getvalue()) == [
+        "bf16-pure-8bit: compiling the fused 8-bit AdamW step (about 3 min the first time "
+        "on a busy 2-core CPU, 51 s once cached; outside --max-time)"
+    ]
+
+
 def test_report_of_partial_results_says_so():
     comparison = _comparison("fp32,bf16", 2, LineProgress(io.StringIO()))
     comparison.partial = True

@@ -23,7 +23,7 @@ from rich.progress import (
 from amped._internal.stats import median
 from amped.cli.run import LOSS_WINDOW, Observer, RecipeRun, final_loss
 from amped.cli.summary import loss_decimals
-from amped.cli.warmup import Warmup
+from amped.cli.warmup import Warmup, expected
 from amped.cli.width import wrap
 
 __all__ = ["LineProgress", "RichProgress"]
@@ -81,6 +81,9 @@ class RichProgress(Observer):
 
     def warming_up(self, run: RecipeRun, compiles: str | None) -> None:
         state = f"compiling {compiles}" if compiles else "warm-up"
+        when = expected(compiles)
+        if when:  # a long first compile is said before it starts, above the bars
+            self._progress.console.print(f"{run.recipe.name}: {state} ({when})", markup=False)
         self._progress.update(self._ids[run.recipe.name], state=state)
 
     def warmed_up(self, run: RecipeRun, warmup: Warmup) -> None:
@@ -137,7 +140,9 @@ class LineProgress(Observer):
 
     def warming_up(self, run: RecipeRun, compiles: str | None) -> None:
         if compiles:
-            self._say(f"{run.recipe.name}: compiling {compiles} (outside --max-time)")
+            when = expected(compiles)
+            cost = f"{when}; " if when else ""
+            self._say(f"{run.recipe.name}: compiling {compiles} ({cost}outside --max-time)")
 
     def warmed_up(self, run: RecipeRun, warmup: Warmup) -> None:
         if run.status == "failed":

@@ -21,11 +21,30 @@ from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
 from amped.fp8.compiled_cast import compiled_kernels
 from amped.recipes import Recipe
 
-__all__ = ["WARMUP_STEPS", "Warmup", "compiled_part", "warm_up"]
+__all__ = ["FIRST_COMPILE_S", "WARMUP_STEPS", "Warmup", "compiled_part", "expected", "warm_up"]
 
 WARMUP_STEPS = 2
 """Steps of each recipe before the clock: two, since SGD's second step is the first
 that runs the compensated optimizers' fused kernel."""
+
+
+FIRST_COMPILE_S: dict[str, tuple[float, float]] = {
+    "the fused 8-bit AdamW step": (186.0, 51.0),
+    "the fused compensated optimizer step": (76.0, 20.0),
+}
+"""First steps (seconds) of the compiled paths, in an empty Inductor cache and in a
+warm one, measured by ``benchmarks/first_step.py --threads 1`` on a 2-core AMD EPYC
+(Zen 4) that other processes kept busy (load average about 14): what the warm-up
+announces before it starts. A quiet or larger machine takes less."""
+
+
+def expected(compiles: str | None) -> str | None:
+    """``about 3 min the first time, 51 s once cached``, or None when not measured."""
+    times = FIRST_COMPILE_S.get(compiles or "")
+    if times is None:
+        return None
+    cold, warm = (f"{t / 60:.0f} min" if t >= 90 else f"{t:.0f} s" for t in times)
+    return f"about {cold} the first time on a busy 2-core CPU, {warm} once cached"
 
 
 @dataclass(frozen=True)

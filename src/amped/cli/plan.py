@@ -6,7 +6,7 @@ count for all, so losses compare like with like::
 The estimates come from the memory probes' steps, else from :data:`TIMING_STEPS` steps
 run here, each recipe within its share of half of what is left (:mod:`amped.cli.budget`);
 either way after the warm-up (:mod:`amped.cli.warmup`), so no compile is in them: the
-mean of a run's steps after its first (which allocates the optimizer's state). A recipe
+median of a run's steps after its first (which allocates the optimizer's state). A recipe
 whose timing share ran out after one step is estimated by that step, and the plan says
 so; training still spends each recipe's share of the budget on steps.
 """
@@ -17,12 +17,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from amped._internal.stats import median
 from amped.cli.budget import Budget
 from amped.cli.run import CompareConfig, Observer, RecipeRun, run_recipe
 
 __all__ = ["TIMING_STEPS", "Plan", "estimate_step", "make_plan"]
 
-TIMING_STEPS = 3
+TIMING_STEPS = 5
 _TIMING_SHARE = 0.5  # of what is left: the most the timing steps may take together
 
 
@@ -73,10 +74,11 @@ class Plan:
 
 
 def estimate_step(step_times: list[float]) -> float | None:
-    """Seconds per step: the mean of the steps after the first, which is left out (a
-    model's first step allocates its optimizer state); None with fewer than two."""
+    """Seconds per step: the median of the steps after the first, which is left out (a
+    model's first step allocates its optimizer state; a stall on a busy machine would
+    move a mean); None with fewer than two."""
     timed = step_times[1:]
-    return sum(timed) / len(timed) if timed else None
+    return median(timed) if timed else None
 
 
 def make_plan(

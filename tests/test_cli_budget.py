@@ -55,8 +55,11 @@ _VERDICTS = ("Fastest", "slow here", "clearly fastest", "× fp32", "beats fp32")
 @pytest.mark.slow
 def test_max_time_bounds_the_whole_run_probes_included_and_gives_no_verdict(tmp_path):
     # 1.5 s float32 steps, 0.75 s bf16 ones, and own-process probes (the default).
-    wall, out, results = _compare(tmp_path, "sleepy", "--max-time", "30")
-    assert wall < 45, (wall, out)  # start-up, the warm-up (4.5 s here) and the report
+    _, out, results = _compare(tmp_path, "sleepy", "--max-time", "30")
+    # The comparison less its warm-up (4.5 s of sleeps here, outside the budget): the
+    # budget and the evaluation; not Python's start-up, seconds more on a busy machine.
+    counted = results["wall_s"] - results["budget"]["excluded_s"]
+    assert counted < 35, (results["wall_s"], results["budget"], out)
     assert results["budget"]["spent_s"] <= 30 + 1.5, results["budget"]  # a step's grace
     assert results["speed"]["comparable"] is False
     assert "No speed verdict: too few timed steps to compare speed" in out

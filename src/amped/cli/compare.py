@@ -19,7 +19,7 @@ from amped.cli import interrupt
 from amped.cli.budget import PROBE_SHARE, Budget
 from amped.cli.interrupt import graceful_interrupts
 from amped.cli.plan import Plan, estimate_step, make_plan
-from amped.cli.probe import PROBE_KIND, ProbeResult, probe_recipe, start_up_seconds
+from amped.cli.probe import PROBE_KIND, ProbeResult, probe_recipe
 from amped.cli.run import OUT_OF_TIME, CompareConfig, Observer, RecipeRun, run_recipe
 from amped.cli.timing import CpuLoad
 from amped.cli.warmup import Warmup, warm_up
@@ -108,9 +108,7 @@ def _probe_all(
     """Each recipe's peak memory (and a few step times) from a process of its own, if
     all the probes fit :data:`~amped.cli.budget.PROBE_SHARE` of the budget.
 
-    When they do not (judged from the probes run so far, and before the first from
-    how long this process took to start: each probe's process imports the same), no
-    recipe keeps an
+    When they do not (judged from the probes run so far), no recipe keeps an
     own-process peak: every one is measured in process, so that the peak column
     compares like with like. The probes' step times are kept for the plan. A probe's
     process compiles (or loads from Inductor's cache) what the warm-up compiled here:
@@ -126,8 +124,7 @@ def _probe_all(
         if run.status == "failed":  # in its warm-up
             continue
         left = budget.probe_left()
-        # Each probe's time: from those run, else (before any) this process's start-up.
-        each = spent / index if index else start_up_seconds() or 0.0
+        each = spent / index if index else 0.0  # each probe's time, from those run
         if left <= 0 or each * (len(runs) - index) > left:
             budget.note_cut(
                 f"peak memory measured in this process for every recipe: the {len(runs)} "

@@ -28,7 +28,7 @@ import torch
 
 from amped.cli.run import CompareConfig, RecipeRun
 
-__all__ = ["PROBE_KIND", "PROBE_STEPS", "ProbeResult", "probe_recipe", "start_up_seconds"]
+__all__ = ["PROBE_KIND", "PROBE_STEPS", "ProbeResult", "probe_recipe"]
 
 PROBE_STEPS = 3
 PROBE_KIND = "own_process_peak_rss"
@@ -41,27 +41,6 @@ _TIMEOUT_S = 600.0
 # A fixed threshold (glibc's default start, 128 KiB) keeps it where it starts, so the
 # peak follows the memory in use. Other C libraries ignore the variable.
 _MMAP_THRESHOLD = str(128 << 10)
-
-
-def _process_age() -> float | None:
-    """Seconds since this process started (Linux ``/proc``), or None."""
-    try:
-        with open("/proc/self/stat") as stat:
-            started = int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22: starttime
-        with open("/proc/uptime") as uptime:
-            now = float(uptime.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-    return max(0.0, now - started / os.sysconf("SC_CLK_TCK"))
-
-
-_START_UP_S = _process_age()  # this module is imported with the CLI: its start-up cost
-
-
-def start_up_seconds() -> float | None:
-    """How long this process took to start and import the CLI: what each probe's
-    process, importing the same modules, costs before its first step (None: unknown)."""
-    return _START_UP_S
 
 
 @dataclass(frozen=True)

@@ -195,6 +195,19 @@ def test_a_plan_within_a_given_budget_passes_and_prepare_loads_it(capsys, tmp_pa
     }
 
 
+def test_each_format_warms_up_before_the_clock_and_says_so(capsys, tmp_path):
+    code, _, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0", "--rounds", "1")
+    assert code == 0, err
+    lines = unwrap(err)
+    warm = [i for i, line in enumerate(lines) if line.startswith("amped tune: warm-up of ")]
+    assert [lines[i].split(" (")[0] for i in warm] == [
+        "amped tune: warm-up of fp8-rowwise",
+        "amped tune: warm-up of nvfp4",
+    ]
+    assert "outside --max-time" in lines[warm[0]]
+    assert warm[-1] < next(i for i, line in enumerate(lines) if "measuring" in line)
+
+
 def test_json_prints_the_document_written(capsys, tmp_path):
     code, stdout, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0", "--json")
     assert code == 0, err

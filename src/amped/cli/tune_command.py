@@ -10,7 +10,9 @@ a plan passed (docs/robustness.md, "Exit codes").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -32,9 +34,12 @@ from amped.cli.tune_progress import TuneLines, TuneProgress
 from amped.cli.tune_report import write_report
 from amped.cli.tune_summary import outcome
 from amped.cli.tune_table import print_tune
+from amped.cli.warmup import WARMUP_STEPS
 from amped.cli.width import wrap
+from amped.recipes.plan import PrecisionPlan
 from amped.tuning.measure import eligible_layers
 from amped.tuning.tuner import DEFAULT_FORMATS
+from amped.tuning.verify import train_losses
 
 __all__ = ["exit_code", "parse_formats", "run_tune"]
 
@@ -80,6 +85,28 @@ def _check_layers(task: Task, formats: list[str], spec: str, layers: LayerChoice
     )
 
 
+def _warm_up(build: Any, task: Task, formats: list[str], layers: LayerChoice, seed: int) -> None:
+    """Two training steps per format, every layer that can run it lowered, before
+    ``--max-time``'s clock (which :func:`amped.tune` starts): the FP8 and block casts
+    of large operands compile here (or load from Inductor's cache), not in the first
+    verification run that lowers them. A format that fails here fails again, and is
+    reported, in the measurement."""
+    eligible, _ = eligible_layers(task.model, formats, set())
+    chosen, modules = layers.by_name(), dict(task.model.named_modules())
+    for fmt in formats:
+        names = [n for n, fits in eligible.items() if fmt in fits]
+        names = [n for n in names if chosen is None or chosen(modules[n], n)]
+        if not names:
+            continue
+        began = time.monotonic()
+        with contextlib.suppress(Exception):  # the measurement reports any error
+            train_losses(build, PrecisionPlan("bf16-mixed", dict.fromkeys(names, fmt)), seed,
+                         WARMUP_STEPS)  # fmt: skip
+        text = (f"amped tune: warm-up of {fmt} ({WARMUP_STEPS} steps, its compiles "
+                f"included; outside --max-time): {time.monotonic() - began:.1f} s")  # fmt: skip
+        print(wrap(text), file=sys.stderr, flush=True)
+
+
 def _task_builder(factory: TaskFactory, batch_size: int | None, device: torch.device) -> Any:
     """``amped.tune``'s factory: the CLI's task for a seed, its model on ``device``."""
 
@@ -109,6 +136,7 @@ def _tune(args: argparse.Namespace, command: list[str]) -> int:
     _check_layers(task, formats, factory.spec, layers)
     torch.set_num_threads(choose_threads(args.threads, task.threads, device)[0])
     out = resolve_out(args.out)  # created only once the task is known to tune
+    _warm_up(_task_builder(factory, args.batch_size, device), task, formats, layers, args.seed)
     stderr = Console(stderr=True)
     progress = TuneLines() if args.no_progress or not stderr.is_terminal else TuneProgress(stderr)
     # SIGINT/SIGTERM from here on: the first stops the run at the next progress report

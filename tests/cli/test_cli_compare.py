@@ -14,6 +14,7 @@ from amped.cli.main import main
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 
+from cli_fault_helpers import unwrap
 from results_schema import validate
 from rich.console import Console
 
@@ -124,7 +125,7 @@ def test_rich_progress_shows_a_bar_per_recipe_with_loss_and_throughput():
 def test_line_progress_reports_each_recipe_with_the_results_figures():
     stream = io.StringIO()
     comparison = _comparison("fp32", 2, LineProgress(stream))
-    lines = stream.getvalue().splitlines()
+    lines = unwrap(stream.getvalue())
     assert lines[0] == "fp32: running 2 steps"
     (recipe,) = to_dict(comparison, {}, ["amped"])["recipes"]
     loss, speed = recipe["final_train_loss"], recipe["samples_per_s"]
@@ -132,6 +133,32 @@ def test_line_progress_reports_each_recipe_with_the_results_figures():
         f"fp32: complete after 2 steps, final train loss {loss:.3f} (mean of the last 2 "
         f"steps), {speed:,.0f} samples/s"
     )
+
+
+def test_a_single_step_has_no_throughput_or_iqr_and_the_peaks_say_where_measured():
+    # One step is warm-up only: no timed step, so no samples/s and no IQR anywhere.
+    stream = io.StringIO()
+    comparison = _comparison("fp32", 1, LineProgress(stream))
+    (recipe,) = to_dict(comparison, {}, ["amped"])["recipes"]
+    assert recipe["samples_per_s"] is None and recipe["samples_per_s_iqr"] is None
+    assert "samples/s" not in stream.getvalue()
+    # isolate_memory was off: the peaks were measured in this process, and say so
+    assert to_dict(comparison, {}, ["amped"])["config"]["peak_memory"] == "in-process"
+
+
+def test_a_long_first_compile_is_announced_with_its_expected_time_before_it_starts():
+    from amped.comparison.run import RecipeRun
+    from amped.comparison.warmup import FIRST_COMPILE_S, compiled_part
+
+    stream = io.StringIO()
+    recipe = resolve_recipe("bf16-pure-8bit")
+    what = compiled_part(recipe)
+    assert what == "the fused 8-bit AdamW step" and FIRST_COMPILE_S[what][0] > 30
+    LineProgress(stream).warming_up(RecipeRun(recipe, 2, 2), what)
+    assert unwrap(stream.getvalue()) == [
+        "bf16-pure-8bit: compiling the fused 8-bit AdamW step (about 3 min the first time "
+        "on a busy 2-core CPU, 51 s once cached; outside --max-time)"
+    ]
 
 
 def test_report_of_partial_results_says_so():

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_fault_helpers import unwrap
 from repo_paths import HELPERS
 
 from amped.cli.main import main
@@ -79,7 +80,7 @@ def test_doctor_names_the_culprit_of_a_user_factory(capsys, tmp_path):
 def test_bad_input_exits_2_with_one_line(capsys, tmp_path, args, message):
     code, out, err = _doctor(capsys, tmp_path, *args)
     assert code == 2
-    lines = err.strip().splitlines()
+    lines = unwrap(err.strip())
     assert len(lines) == 1 and lines[0].startswith("amped: error:") and message in lines[0]
     assert out == "" and not (tmp_path / "rep").exists()  # refused before anything ran
 
@@ -168,7 +169,7 @@ def test_missing_extra_names_the_command_that_needs_it(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now fails
     assert main(["doctor"]) == 1
     assert "amped doctor needs the optional 'cli' dependencies (matplotlib missing)" in (
-        capsys.readouterr().err
+        " ".join(unwrap(capsys.readouterr().err))
     )
 
 
@@ -190,3 +191,52 @@ def test_the_printed_fix_line_executed_builds_the_policy_it_verified(capsys, tmp
     x, _ = next(iter(batches))
     fixed = diagnose(model, x, lambda out: loss_fn(out, None), dtype=torch.float16, policy=policy)
     assert fixed.forward_culprit is None  # the forward overflow is gone
+
+
+def test_a_backward_overflow_dynamic_scaling_absorbs_exits_0_and_the_fix_skips_no_step(
+    capsys, tmp_path
+):
+    import doctor_factories
+
+    import amped
+
+    code, out, err = _doctor(capsys, tmp_path, "--model", "doctor_factories:backward_overflow")
+    assert code == 0, err
+    text = " ".join(out.split())
+    assert "absorbed by dynamic loss scaling (first safe scale 8192)" in text
+    assert "largest safe loss scale: 8192" in text and "not found" not in text
+    (line,) = [line.strip() for line in out.splitlines() if line.strip().startswith("fix: ")]
+    fix = line.removeprefix("fix: ")
+    assert fix == "amped.GradScaler('cpu', init_scale=8192.0)"
+    suggestion = _report(tmp_path)["suggestion"]
+    assert suggestion["verified"] and suggestion["absorbed"] and suggestion["why_not"] is None
+
+    def skipped(scaler) -> int:
+        """A plain fp16 loop on the doctor's batches: the steps ``scaler`` skips."""
+        model, batches, loss_fn = doctor_factories.backward_overflow()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        skips = 0
+        for (x, y), _ in zip(batches, range(4), strict=False):
+            with amped.autocast("cpu", dtype=torch.float16):
+                loss = loss_fn(model(x), y)
+            optimizer.zero_grad()
+            before = scaler.get_scale()
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            skips += scaler.get_scale() < before
+        return skips
+
+    assert skipped(eval(fix, {"amped": amped})) == 0  # the pasted line
+    assert skipped(amped.GradScaler("cpu")) > 0  # the control: 65536 skips
+
+
+def test_a_scale_that_does_not_verify_says_why(capsys, tmp_path):
+    args = ("--model", "doctor_factories:wide_gradient_range", "--loss-scale", "1")
+    code, out, err = _doctor(capsys, tmp_path, *args)
+    assert code == 0, err  # nothing non-finite: underflow alone is no failure
+    text = " ".join(out.split())
+    assert "suggestion: not found: scale the loss by 8192" in text
+    why = "at scale 8192, the largest without overflow, gradient small.weight still loses"
+    assert why in text
+    assert _report(tmp_path)["suggestion"]["why_not"].startswith(why)

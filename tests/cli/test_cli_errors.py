@@ -12,6 +12,7 @@ import sys
 
 import pytest
 import torch
+from cli_fault_helpers import unwrap
 from repo_paths import HELPERS, ROOT
 
 from amped.cli.main import main
@@ -30,11 +31,20 @@ def _compare(capsys, tmp_path, *args: str) -> tuple[int, str]:
 
 
 def _one_line(err: str) -> str:
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = [line for line in unwrap(err) if line.strip()]
     assert len(lines) == 1, err
     assert "Traceback" not in err
     assert lines[0].startswith("amped: error: ")
     return lines[0]
+
+
+def test_an_unknown_recipe_suggests_the_closest_and_is_received_once(capsys, tmp_path):
+    code, err = _compare(capsys, tmp_path, "--recipes", "fp32,mxfp9")
+    assert code == 2
+    line = _one_line(err)
+    assert "Unknown recipe 'mxfp9'; did you mean 'mxfp8'?" in line
+    assert "()" not in line and ", mxfp8, " in line  # no empty alias list
+    assert line.count("Received:") == 1 and line.endswith("Received: --recipes 'fp32,mxfp9'")
 
 
 @pytest.mark.parametrize(
@@ -52,6 +62,8 @@ def _one_line(err: str) -> str:
         pytest.param(["--steps", "0"], "positive integer", id="steps-zero"),
         pytest.param(["--max-time", "-1"], "expected seconds", id="negative-time"),
         pytest.param(["--bogus"], "unrecognized arguments", id="unknown-flag"),
+        pytest.param(["--module-filter", "h.0,("], "is not a regular expression", id="bad-re"),
+        pytest.param(["--exclude", " , "], "--exclude names no layer", id="empty-exclude"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line(capsys, tmp_path, args, expected):
@@ -112,7 +124,7 @@ def test_a_recipe_that_raises_fails_the_run_with_exit_1(capsys, tmp_path):
     args = ("--model", spec, "--recipes", "fp32,bf16,fp16", "--steps", "2", "--no-progress")
     code, err = _compare(capsys, tmp_path, *args)
     assert code == 1
-    error_lines = [line for line in err.splitlines() if "error" in line]
+    error_lines = [line for line in unwrap(err) if "error" in line]
     assert len(error_lines) == 1, err
     assert "2 recipe(s) failed" in error_lines[0]
     assert "RuntimeError: this model refuses autocast" in error_lines[0]

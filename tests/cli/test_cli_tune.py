@@ -23,7 +23,7 @@ pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 
 import tune_factories
-from cli_fault_helpers import ENV, ROOT, one_line
+from cli_fault_helpers import ENV, ROOT, one_line, unwrap
 
 import amped
 from amped._internal import files
@@ -118,6 +118,20 @@ def test_a_model_with_no_eligible_layer_is_one_line(capsys, tmp_path):
     assert "0: its dims 10x6 are not multiples of 16" in line  # each layer, and why
 
 
+def test_excluding_every_eligible_layer_is_one_line_naming_the_flags(capsys, tmp_path):
+    line = _usage_line(capsys, tmp_path / "r", *TINY, "--module-filter", "[02]",
+                       "--exclude", "0,2")  # fmt: skip
+    assert "has no layer amped tune can lower" in line
+    assert "4: not chosen by --module-filter '[02]' --exclude '0,2'" in line
+
+
+def test_module_filter_and_exclude_choose_the_layers_tuned(capsys, tmp_path):
+    code, _, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0", "--rounds", "1",
+                         "--module-filter", "0,2", "--exclude", "2")  # fmt: skip
+    assert code == 0, err
+    assert list(_document(tmp_path)["layers"]) == ["0"]  # the only layer measured
+
+
 @pytest.mark.parametrize("out", ["", "x" * 300], ids=["empty", "name-300"])
 def test_a_bad_out_is_one_line(capsys, tmp_path, monkeypatch, out):
     line = _usage_line(capsys, tmp_path / "unused", *TINY, "--out", out)
@@ -180,6 +194,19 @@ def test_a_plan_within_a_given_budget_passes_and_prepare_loads_it(capsys, tmp_pa
     assert {n: type(modules[n]).__name__ for n in tuned["layers"]} == {
         n: kinds[f] for n, f in tuned["layers"].items()
     }
+
+
+def test_each_format_warms_up_before_the_clock_and_says_so(capsys, tmp_path):
+    code, _, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0", "--rounds", "1")
+    assert code == 0, err
+    lines = unwrap(err)
+    warm = [i for i, line in enumerate(lines) if line.startswith("amped tune: warm-up of ")]
+    assert [lines[i].split(" (")[0] for i in warm] == [
+        "amped tune: warm-up of fp8-rowwise",
+        "amped tune: warm-up of nvfp4",
+    ]
+    assert "outside --max-time" in lines[warm[0]]
+    assert warm[-1] < next(i for i, line in enumerate(lines) if "measuring" in line)
 
 
 def test_json_prints_the_document_written(capsys, tmp_path):
@@ -252,7 +279,7 @@ def test_a_write_error_is_exit_1_and_keeps_the_old_pair(capsys, tmp_path, monkey
     monkeypatch.setattr(files.os, "fsync", full)
     code, _, err = _tune(capsys, tmp_path, *QUICK, "--budget", "1.0")
     assert code == 1
-    line = err.splitlines()[-1]
+    line = unwrap(err)[-1]
     assert line.startswith("amped: error: Could not write the report")
     assert "No space left on device" in line
     assert (tmp_path / "tuned.json").read_text() == '{"old": true}'

@@ -15,6 +15,7 @@ pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 
 import tune_fixture
+from cli_fault_helpers import unwrap
 from rich.console import Console
 
 from amped._internal.jsonio import from_json
@@ -57,7 +58,7 @@ def test_outcome_of_each_document(name):
 )
 def test_the_exit_code_of_each_outcome(capsys, name, code, said):
     assert exit_code(OUTCOMES[name]()) == code
-    err = capsys.readouterr().err
+    err = " ".join(unwrap(capsys.readouterr().err))
     assert err.startswith(said) and (not said or err.rstrip().endswith("exit status 3"))
 
 
@@ -124,8 +125,9 @@ def test_the_rounds_are_shown_in_order_with_the_plan_kept_marked():
         ("2", "FAILED", ""),
     ]
     assert rows[1]["lowered"] == "5/5 (100%)" and rows[1]["gap"] == "+0.0213"
+    assert rows[0]["formats"] == "fp8-rowwise 2, nvfp4 2"  # which formats, not just how many
     text = _printed(tuned)
-    assert "Rounds" in text and "<- plan" in text
+    assert "Rounds" in text and "<- plan" in text and "fp8-rowwise 2" in text
     page = render_html(tuned, {})
     assert "<h3>Rounds</h3>" in page and "+0.0213" in page
     assert "Rounds" not in _printed(tune_fixture.no_plan())

@@ -212,3 +212,51 @@ def sleepy_fast(batch_size: int = 16, seed: int = 0):
     """:func:`sleepy` at 60 ms a float32 step: enough steps fit a short budget."""
     _, batches, loss_fn = good(batch_size, seed)
     return Sleepy(0.06), batches, loss_fn
+
+
+class FirstLowStepSlow(Sleepy):
+    """:class:`Sleepy` whose first step under autocast in a process sleeps
+    ``first_extra`` seconds more: a recipe whose first step compiles something."""
+
+    slept = False  # once per process
+
+    def __init__(self, seconds: float, first_extra: float) -> None:
+        super().__init__(seconds)
+        self.first_extra = first_extra
+
+    def forward(self, x):
+        if torch.is_autocast_enabled("cpu") and not FirstLowStepSlow.slept:
+            FirstLowStepSlow.slept = True
+            time.sleep(self.first_extra)
+        return super().forward(x)
+
+
+def sleepy_fast_slow_first(batch_size: int = 16, seed: int = 0):
+    """:func:`sleepy_fast` whose first bf16 step in a process takes 20 s more."""
+    _, batches, loss_fn = good(batch_size, seed)
+    return FirstLowStepSlow(0.06, 20.0), batches, loss_fn
+
+
+TRAINING_FORWARDS = [0]  # forwards with gradients on, by the models below
+
+
+class _Counted(nn.Sequential):
+    def forward(self, x):
+        TRAINING_FORWARDS[0] += torch.is_grad_enabled()
+        return super().forward(x)
+
+
+def odd_dims(batch_size: int = 16, seed: int = 0):
+    """An MLP whose dims are no multiple of 32: no block recipe converts a layer."""
+    torch.manual_seed(seed)
+    model = _Counted(nn.Linear(8, 48), nn.GELU(), nn.Linear(48, 40), nn.GELU(), nn.Linear(40, 2))
+    return model, _batches(batch_size, seed), F.cross_entropy
+
+
+def square_mlp(batch_size: int = 16, seed: int = 0):
+    """Two 64 x 64 layers and a 64 x 2 head: the block recipes convert ``1`` and ``3``."""
+    torch.manual_seed(seed)
+    model = _Counted(
+        nn.Linear(8, 64), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.Linear(64, 2)
+    )
+    return model, _batches(batch_size, seed), F.cross_entropy

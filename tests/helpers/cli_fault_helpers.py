@@ -51,9 +51,21 @@ def pair_state(out: Path, command: str = "compare") -> str:
     return "new"
 
 
+def unwrap(err: str) -> list[str]:
+    """The messages of ``err``: lines wrapped at 80 columns (continuation lines
+    indented) joined back with single spaces."""
+    lines: list[str] = []
+    for line in err.splitlines():
+        if line.startswith("  ") and lines:
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    return lines
+
+
 def one_line(err: str) -> str:
-    """stderr is a single line (nothing ran before the error)."""
-    lines = [line for line in err.splitlines() if line.strip()]
+    """stderr is a single message (nothing ran before the error)."""
+    lines = [line for line in unwrap(err) if line.strip()]
     assert "Traceback" not in err, err
     assert len(lines) == 1, err
     return lines[0]
@@ -61,7 +73,7 @@ def one_line(err: str) -> str:
 
 def error_line(err: str) -> str:
     """The one ``amped: error:`` line among the progress lines; no traceback."""
-    lines = [line for line in err.splitlines() if line.startswith("amped: ")]
+    lines = [line for line in unwrap(err) if line.startswith("amped: ")]
     assert "Traceback" not in err, err
     assert len(lines) == 1 and lines[0].startswith("amped: error: "), err
     return lines[0]

@@ -71,6 +71,18 @@ def loss_budget(text: str) -> float:
     return value
 
 
+def _add_layer_arguments(add: argparse._ActionsContainer, who: str) -> None:
+    """``--module-filter`` and ``--exclude``, the same for compare and tune."""
+    add.add_argument("--module-filter", default=None, metavar="LAYERS",
+                     help=f"the layers {who} (names or regular expressions matched "
+                     "against the whole qualified name, comma-separated; default: "
+                     "layers with dims multiple of 16, 32 for MX, and 64x64 weights or "
+                     "more, except the output head)")  # fmt: skip
+    add.add_argument("--exclude", default=None, metavar="LAYERS",
+                     help="layers kept in bfloat16 whatever --module-filter says "
+                     "(names or regular expressions, comma-separated)")  # fmt: skip
+
+
 def _add_task_arguments(add: argparse._ActionsContainer, device_help: str, out: str) -> None:
     """The flags that pick and build the task, the same for both commands."""
     add.add_argument("--batch-size", type=positive_int, default=None,
@@ -113,8 +125,10 @@ def _add_compare(compare: argparse.ArgumentParser) -> None:
     add("--steps", type=positive_int, default=DEFAULT_STEPS,
         help=f"train steps per recipe (default: {DEFAULT_STEPS})")  # fmt: skip
     _add_task_arguments(compare, "cpu, cuda or cuda:N (default: cuda if available)", DEFAULT_OUT)
+    _add_layer_arguments(compare, "the FP8 and block recipes convert")
     add("--max-time", type=seconds, default=DEFAULT_MAX_TIME, metavar="SECONDS",
-        help="bound the whole comparison, memory probes included, by SECONDS: estimate "
+        help="bound the whole comparison, memory probes included (not the warm-up: "
+        "each recipe's first steps and compiles), by SECONDS: estimate "
         "each recipe's step time, then train all for as many steps as fit, at most "
         f"--steps; the report says what was cut (default: {DEFAULT_MAX_TIME:g}; "
         "0: no limit)")  # fmt: skip
@@ -182,6 +196,7 @@ def _add_tune(tune: argparse.ArgumentParser) -> None:
         "the budget by the estimate, each later one moves along the estimate's order (a "
         "bisection); 1 verifies that first plan only (default: "
         f"{DEFAULT_TUNE_ROUNDS})")  # fmt: skip
+    _add_layer_arguments(tune, "tune may lower")
     _add_task_arguments(tune, "cpu, cuda or cuda:N (default: cuda if available)", DEFAULT_TUNE_OUT)
     add("--max-time", type=seconds, default=DEFAULT_TUNE_MAX_TIME, metavar="SECONDS",
         help="no verification run starts after SECONDS from the start; a verification "

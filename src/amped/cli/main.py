@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from amped.cli import out_dir
 from amped.cli.arguments import build_parser
 from amped.cli.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, RunError, UsageError
+from amped.cli.width import wrap
 from amped.comparison import interrupt
 
 __all__ = ["main", "version_line"]
@@ -23,7 +24,7 @@ __all__ = ["main", "version_line"]
 
 def _say_error(message: str) -> None:
     line = " ".join(str(message).split())
-    print(f"amped: error: {line}", file=sys.stderr, flush=True)
+    print(wrap(f"amped: error: {line}"), file=sys.stderr, flush=True)
 
 
 def version_line() -> str:

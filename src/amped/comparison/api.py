@@ -40,6 +40,8 @@ def compare(
     max_time: float | None = 120.0,
     threads: int | None = None,
     peak_memory: str | None = None,
+    module_filter: str | None = None,
+    exclude: str | None = None,
     observer: Observer | None = None,
 ) -> CompareResult:
     """Train one task once per recipe (fp32 first) and compare speed, memory and loss.
@@ -66,6 +68,10 @@ def compare(
             of its own, on a CPU: the factory must be importable there by name),
             ``"in-process"``, or None: own-process when the factory is importable by
             name (a module-level function, not one defined in ``__main__``).
+        module_filter: the layers the FP8 and block recipes may convert, a regular
+            expression or comma-separated names (``--module-filter``); None: every
+            layer the recipe's config admits.
+        exclude: layers they must leave alone, in the same form (``--exclude``).
         observer: an :class:`~amped.comparison.run.Observer` told of each phase and step
             (a progress display).
 
@@ -108,6 +114,8 @@ def compare(
             max_time=max_time,
             threads=threads,
             isolate_memory=own,
+            module_filter=module_filter,
+            exclude=exclude,
         )
         if peak_memory is None:
             config = replace(config, isolate_memory=config.factory.reloadable)

@@ -3,6 +3,8 @@
 The budget runs from the first probe to the last training step; every phase asks it
 how long it may take::
 
+    warm-up   not counted: each recipe's first steps and compiles
+              (:mod:`amped.comparison.warmup`), and the compiles a probe's process repeats
     probes    at most PROBE_SHARE of the budget, judged from the probes so far;
               if they do not all fit, every recipe's peak is measured in process
     timing    the recipes the probes did not time run TIMING steps, each within
@@ -19,6 +21,8 @@ the report comes after the budget (a second or two).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +40,28 @@ class Budget:
     started: float = field(default_factory=time.monotonic)
     cut: list[str] = field(default_factory=list)
     spent: float | None = None  # seconds from start to the last step, once stopped
+    excluded: float = 0.0  # seconds not counted: warm-up and compiles
 
     @property
     def limited(self) -> bool:
         return self.max_time is not None
 
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        """Seconds counted so far: since the start, less those left out by :meth:`exclude`."""
+        return time.monotonic() - self.started - self.excluded
+
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` (a warm-up, a compile) out of the budget."""
+        self.excluded += max(0.0, seconds)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """The clock stopped while the block runs (the warm-up phase)."""
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            self.exclude(time.monotonic() - began)
 
     def left(self) -> float:
         """Seconds left (infinite without a limit; never negative)."""
@@ -81,5 +100,6 @@ class Budget:
         return {
             "max_time_s": self.max_time,
             "spent_s": round(self.spent if self.spent is not None else self.elapsed(), 3),
+            "excluded_s": round(self.excluded, 3),
             "cut": list(self.cut),
         }

@@ -2,13 +2,15 @@
 
 Every recipe starts from the same weights, sees the same batches and trains the same
 number of steps; recipes run one after another, so one model is in memory at a time.
-``--max-time`` bounds the whole of it, probes included (:mod:`amped.comparison.budget`).
+``--max-time`` bounds the whole of it, probes included (:mod:`amped.comparison.budget`), but
+for the warm-up that comes first: each recipe's first steps and compiles
+(:mod:`amped.comparison.warmup`), which no plan or step time includes.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from amped.comparison.plan import Plan, estimate_step, make_plan
 from amped.comparison.probe import PROBE_KIND, ProbeResult, probe_recipe
 from amped.comparison.run import OUT_OF_TIME, CompareConfig, Observer, RecipeRun, run_recipe
 from amped.comparison.timing import CpuLoad
+from amped.comparison.warmup import Warmup, warm_up
 from amped.recipes import Recipe
 
 __all__ = ["BASELINE", "Comparison", "baseline_first", "run_comparison"]
@@ -38,6 +41,7 @@ class Comparison:
     wall_s: float = 0.0
     machine: dict[str, Any] | None = None  # the CPU load while it ran (amped.comparison.timing)
     budget: Budget | None = None  # --max-time, and what it cut
+    warmups: list[Warmup] = field(default_factory=list)  # the warm-up phase, by recipe
 
     @property
     def task(self) -> dict[str, Any] | None:
@@ -71,7 +75,9 @@ def run_comparison(
     load = CpuLoad(config.threads or torch.get_num_threads()).start()
     try:
         with graceful_interrupts():
-            probes = _probe_all(config, runs, observer, budget)
+            with budget.paused():
+                comparison.warmups = _warm_up_all(config, runs, observer)
+            probes = _probe_all(config, runs, observer, budget, comparison.warmups)
             timed = {name: p.step_times for name, p in probes.items() if p.step_times}
             comparison.plan = make_plan(config, runs, observer, budget, timed)
             _train_all(config, runs, observer, budget, comparison.plan, probes)
@@ -83,35 +89,56 @@ def run_comparison(
     return comparison
 
 
+def _warm_up_all(config: CompareConfig, runs: list[RecipeRun], observer: Observer) -> list[Warmup]:
+    """Each recipe's warm-up steps, compiles included (:mod:`amped.comparison.warmup`)."""
+    warmups = []
+    for run in runs:
+        warmups.append(warm_up(config, run, observer))
+        interrupt.check()
+    return warmups
+
+
 def _probe_all(
-    config: CompareConfig, runs: list[RecipeRun], observer: Observer, budget: Budget
+    config: CompareConfig,
+    runs: list[RecipeRun],
+    observer: Observer,
+    budget: Budget,
+    warmups: list[Warmup],
 ) -> dict[str, ProbeResult]:
     """Each recipe's peak memory (and a few step times) from a process of its own, if
     all the probes fit :data:`~amped.comparison.budget.PROBE_SHARE` of the budget.
 
     When they do not (judged from the probes run so far), no recipe keeps an
     own-process peak: every one is measured in process, so that the peak column
-    compares like with like. The probes' step times are kept for the plan.
+    compares like with like. The probes' step times are kept for the plan. A probe's
+    process compiles (or loads from Inductor's cache) what the warm-up compiled here:
+    that time is left out of the budget, and added to the probe's time limit.
     """
     if not config.isolate_memory or config.device.type != "cpu":
         return {}
     threads = config.threads or torch.get_num_threads()
     probes: dict[str, ProbeResult] = {}
     spent = 0.0  # seconds the probes took so far
+    compile_s = {w.recipe: w.seconds for w in warmups if w.compiles}
     for index, run in enumerate(runs):
+        if run.status == "failed":  # in its warm-up
+            continue
         left = budget.probe_left()
-        expected = spent / index * (len(runs) - index) if index else 0.0
-        if left <= 0 or expected > left:
+        each = spent / index if index else 0.0  # each probe's time, from those run
+        if left <= 0 or each * (len(runs) - index) > left:
             budget.note_cut(
                 f"peak memory measured in this process for every recipe: the {len(runs)} "
-                f"own-process probes (about {spent / max(index, 1):.1f} s each) did not fit "
+                f"own-process probes (about {each:.1f} s each) did not fit "
                 f"{PROBE_SHARE:.0%} of --max-time"
             )
             return {name: replace(p, peak_bytes=None) for name, p in probes.items()}
         observer.probing(run)
         began = time.monotonic()
-        probes[run.recipe.name] = probe_recipe(config, run, threads, timeout=left)
-        spent += time.monotonic() - began
+        timeout = left + compile_s.get(run.recipe.name, 0.0)
+        probe = probe_recipe(config, run, threads, timeout=timeout)
+        probes[run.recipe.name] = probe
+        budget.exclude(probe.compile_s)
+        spent += time.monotonic() - began - probe.compile_s
         interrupt.check()
     return probes
 
@@ -127,8 +154,9 @@ def _train_all(
     """Train each recipe not yet run, within its share of what is left of the budget."""
     estimates = dict(plan.step_s) if plan else {}
     for name, probe in probes.items():
-        if name not in estimates and probe.step_times:
-            estimates[name] = estimate_step(probe.step_times)
+        estimate = estimate_step(probe.step_times)
+        if name not in estimates and estimate is not None:
+            estimates[name] = estimate
     pending = [run for run in runs if run.status == "not_run"]
     known = [estimates[r.recipe.name] for r in pending if r.recipe.name in estimates]
     fallback = sum(known) / len(known) if known else 1.0  # equal shares without estimates

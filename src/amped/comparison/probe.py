@@ -50,6 +50,7 @@ class ProbeResult:
     peak_bytes: int | None
     step_times: list[float]
     error: str | None = None
+    compile_s: float = 0.0  # seconds its process spent compiling before the steps
 
 
 def probe_recipe(
@@ -68,6 +69,8 @@ def probe_recipe(
         "device": str(config.device),
         "threads": threads,
         "steps": PROBE_STEPS,
+        "module_filter": config.layers.module_filter,
+        "exclude": config.layers.exclude,
     }
     # The child sees the modules this process sees (a factory importable by name here).
     path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
@@ -91,7 +94,9 @@ def probe_recipe(
         tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return ProbeResult(None, [], f"the probe process exited {done.returncode}: {tail}")
     answer = json.loads(lines[-1])
-    return ProbeResult(answer["peak_bytes"], answer["step_times"], answer["error"])
+    return ProbeResult(
+        answer["peak_bytes"], answer["step_times"], answer["error"], answer["compile_s"]
+    )
 
 
 # --- the child process -------------------------------------------------------------
@@ -120,8 +125,8 @@ def _reset_peak() -> bool:
 
 def _measure(request: dict[str, Any]) -> dict[str, Any]:
     from amped.comparison.footprint import PeakMemory, release_freed_memory
-    from amped.comparison.run import _train_step
-    from amped.recipes import prepare
+    from amped.comparison.layers import LayerChoice
+    from amped.comparison.run import _train_step, prepare
     from amped.recipes.registry import resolve_recipe
     from amped.tasks.factory import load_factory
     from amped.tasks.task import to_device
@@ -135,12 +140,15 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     task = factory.build(batch_size=config.batch_size, seed=config.seed, device=device)
     model = task.model.to(device)
     batches = iter(task.batches)
+    began = time.monotonic()
     with contextlib.suppress(Exception):  # best effort: the real run reports any error
         _compile_once(task, run.recipe, device)
+    compile_s = time.monotonic() - began
     release_freed_memory()
     before = _status_kib("VmRSS")
     reset = _reset_peak()
-    setup = prepare(model, task.optimizer(model), run.recipe)
+    layers = LayerChoice(request["module_filter"], request["exclude"])
+    setup = prepare(model, task.optimizer(model), run.recipe, layers)
     sampler = PeakMemory(device)  # unused samples: the kernel's peak is the measure
     for _ in range(request["steps"]):
         batch = next(batches, None)
@@ -152,7 +160,12 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     if peak is None:  # no reset: the lifetime peak, in KiB on Linux
         peak = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
     peak_bytes = None if before is None else max(0, peak - before) * 1024
-    return {"peak_bytes": peak_bytes, "step_times": run.step_times, "error": None}
+    return {
+        "peak_bytes": peak_bytes,
+        "step_times": run.step_times,
+        "error": None,
+        "compile_s": compile_s,
+    }
 
 
 def _compile_once(task: Any, recipe: Any, device: torch.device) -> None:
@@ -193,7 +206,12 @@ def _main() -> int:
     try:
         answer = _measure(request)
     except Exception as error:
-        answer = {"peak_bytes": None, "step_times": [], "error": f"{type(error).__name__}: {error}"}
+        answer = {
+            "peak_bytes": None,
+            "step_times": [],
+            "error": f"{type(error).__name__}: {error}",
+            "compile_s": 0.0,
+        }
     answer["wall_s"] = time.monotonic() - began
     print(json.dumps(answer))
     return 0

@@ -12,6 +12,7 @@ from typing import Any
 
 from amped._internal.jsonio import to_json
 from amped.comparison.compare import BASELINE, Comparison
+from amped.comparison.probe import PROBE_KIND
 from amped.comparison.run import LOSS_WINDOW, RecipeRun, final_loss, window_mean
 from amped.comparison.timing import (
     MIN_TIMED_STEPS,
@@ -20,6 +21,7 @@ from amped.comparison.timing import (
     speed_blocker,
     step_stats,
 )
+from amped.comparison.warmup import WARMUP_STEPS
 
 __all__ = ["LOSS_WINDOW", "SCHEMA_ID", "SLOW_RATIO", "divergence", "dumps", "to_dict"]
 
@@ -79,11 +81,15 @@ def to_dict(
             "max_time_s": config.max_time,
             "threads": config.threads,
             "threads_source": config.threads_source,
-            "peak_memory": "own-process" if config.isolate_memory else "in-process",
+            "peak_memory": _peak_memory(comparison),
+            "module_filter": config.layers.module_filter,
+            "exclude": config.layers.exclude,
         },
+        "conversion": {c.recipe: c.as_dict() for c in config.conversions},
         "environment": environment,
         "machine": comparison.machine,
         "task": comparison.task,
+        "warmup": _warmup(comparison),
         "plan": comparison.plan.as_dict() if comparison.plan else None,
         "budget": comparison.budget.as_dict() if comparison.budget else None,
         "samples_per_step": per_step,
@@ -92,6 +98,23 @@ def to_dict(
         "common_step": common,
         "identical_losses": identical_losses(comparison.runs),
         "recipes": [_recipe(run, baseline, compare, base_stats, common) for run in comparison.runs],
+    }
+
+
+def _peak_memory(comparison: Comparison) -> str:
+    """How the peaks were measured: ``own-process`` only where the probes did it (they
+    fall back to in process for every recipe when they do not fit --max-time)."""
+    own = any(run.peak_memory_kind == PROBE_KIND for run in comparison.runs)
+    return "own-process" if own else "in-process"
+
+
+def _warmup(comparison: Comparison) -> dict[str, Any]:
+    """The warm-up phase (``warmup`` in ``results.json``): outside every step time."""
+    total = sum(w.seconds for w in comparison.warmups)
+    return {
+        "steps": WARMUP_STEPS,
+        "s": round(total, 3),
+        "recipes": [w.as_dict() for w in comparison.warmups],
     }
 
 

@@ -19,8 +19,10 @@ from amped.comparison import interrupt
 from amped.comparison.environment import synchronize
 from amped.comparison.footprint import PeakMemory, StateBytes, grad_bytes, state_bytes
 from amped.comparison.health import attach_monitor, health_note
+from amped.comparison.layers import Conversion, LayerChoice
 from amped.comparison.timing import step_stats
-from amped.recipes import Recipe, TrainSetup, prepare
+from amped.recipes import Recipe, TrainSetup
+from amped.recipes import prepare as prepare_recipe
 from amped.tasks.errors import UsageError
 from amped.tasks.factory import TaskFactory
 from amped.tasks.task import Task, call_model, check_loss, count_samples, to_device
@@ -67,6 +69,8 @@ class CompareConfig:
     isolate_memory: bool = False  # measure each recipe's peak in its own process (CPU)
     threads: int | None = None  # torch threads, the same for every recipe
     threads_source: str | None = None  # who chose them: --threads, the task, torch
+    layers: LayerChoice = field(default_factory=LayerChoice)  # --module-filter, --exclude
+    conversions: tuple[Conversion, ...] = ()  # the FP8/block recipes' dry run
 
 
 @dataclass
@@ -96,15 +100,23 @@ class RecipeRun:
 
     def samples_per_s(self) -> float | None:
         """Throughput as ``results.json`` defines it: mean samples per step over the
-        median step time, warm-up left out (:func:`amped.comparison.timing.step_stats`)."""
+        median step time, warm-up left out (:func:`amped.comparison.timing.step_stats`); None
+        with no timed step (one step run)."""
         stats = step_stats(self.step_times)
-        if stats is None or stats.median <= 0 or not self.samples:
-            return None
+        if len(self.step_times) < 2 or stats is None or stats.median <= 0 or not self.samples:
+            return None  # no timed step: the only one is warm-up
         return self.samples / len(self.step_times) / stats.median
 
 
 class Observer:
     """Hooks the progress display implements; each is a no-op here."""
+
+    def warming_up(self, run: RecipeRun, compiles: str | None) -> None:
+        """Called before a recipe's warm-up steps (``compiles``: what they compile, in
+        words, or None; :mod:`amped.comparison.warmup`)."""
+
+    def warmed_up(self, run: RecipeRun, warmup: Any) -> None:
+        """Called after them, with the :class:`~amped.comparison.warmup.Warmup` they made."""
 
     def planning(self, runs: list[RecipeRun]) -> None:
         """Called before the short timing runs that fit the comparison to its budget."""
@@ -186,7 +198,7 @@ def _train(
     )
     run.task = describe_task(task, config.factory.spec)
     model = task.model.to(config.device)
-    setup = prepare(model, task.optimizer(model), run.recipe)
+    setup = prepare(model, task.optimizer(model), run.recipe, config.layers)
     health = attach_monitor(setup)
     peak = PeakMemory(config.device)
     peak.start()
@@ -210,6 +222,17 @@ def _train(
     run.final_loss_scale = setup.scaler.get_scale() if run.recipe.loss_scaling else None
     if evaluate:
         run.evaluation = _evaluate(setup, task, config.device)
+
+
+def prepare(
+    model: torch.nn.Module, optimizer: Any, recipe: Recipe, layers: LayerChoice
+) -> TrainSetup:
+    """:func:`amped.prepare`, with the layers ``--module-filter``/``--exclude`` chose
+    for an FP8 or block recipe."""
+    chosen = layers.filter_for(model, recipe)
+    if chosen is None:
+        return prepare_recipe(model, optimizer, recipe)
+    return prepare_recipe(model, optimizer, recipe, module_filter=chosen)
 
 
 def _train_step(

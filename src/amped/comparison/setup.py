@@ -15,6 +15,7 @@ import torch
 
 from amped.comparison.dtypes import recipe_for_dtype
 from amped.comparison.environment import default_device, resolve_device
+from amped.comparison.layers import LayerChoice, dry_run
 from amped.comparison.run import CompareConfig
 from amped.comparison.timing import CpuLoad
 from amped.recipes import Recipe
@@ -46,7 +47,8 @@ def parse_recipes(text: str | Sequence[str | Recipe]) -> tuple[Recipe, ...]:
         try:
             recipe = resolve_recipe(recipe_for_dtype(name) or name)
         except ValueError as error:
-            raise UsageError(f"{error}. Received: --recipes {text!r}") from None
+            what = str(error).split(" Received: ")[0]  # the flag, not the argument, received
+            raise UsageError(f"{what} Received: --recipes {text!r}") from None
         if recipe not in chosen:
             chosen.append(recipe)
     return tuple(chosen)
@@ -74,6 +76,8 @@ def make_config(
     max_time: float | None,
     threads: int | None,
     isolate_memory: bool,
+    module_filter: str | None = None,
+    exclude: str | None = None,
 ) -> CompareConfig:
     """Check every argument, and build the task once (which also checks its contract).
 
@@ -84,6 +88,8 @@ def make_config(
     resolved = resolve_device(str(device) if device is not None else default_device())
     factory = as_factory(model)
     task = factory.check(batch_size=batch_size, seed=seed, device=resolved)
+    layers = LayerChoice(module_filter, exclude)
+    conversions = dry_run(task.model, chosen, layers)  # every recipe checked on the model
     count, source = choose_threads(threads, task.threads, resolved)
     torch.set_num_threads(count)
     return CompareConfig(
@@ -97,6 +103,8 @@ def make_config(
         isolate_memory=isolate_memory,
         threads=count,
         threads_source=source,
+        layers=layers,
+        conversions=tuple(conversions),
     )
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error, value_error
-from amped.doctor.gradients import check_gradient, recommended_scale
+from amped.doctor.gradients import GradientCheck, check_gradient, recommended_scale
 from amped.doctor.report import (
     UNDERFLOW_WARN,
     Culprit,
@@ -20,6 +20,7 @@ from amped.doctor.report import (
     scale_code,
 )
 from amped.doctor.runs import StepResult, run_step
+from amped.doctor.scaler_check import scaler_skips
 from amped.doctor.stats import measure_error, summarize
 from amped.policy import Cast, Policy
 from amped.policy.policy import LOW_DTYPES
@@ -257,6 +258,9 @@ def _suggest_policy(
 def _suggest_scale(
     report: Report, reference: StepResult, dtype: torch.dtype, common: dict[str, Any]
 ) -> Suggestion | None:
+    """The largest safe scale, verified by the GradScaler the suggestion prints: it must
+    skip no step on the diagnosed batch, and where the scale is raised against
+    underflow, leave no gradient above :data:`UNDERFLOW_WARN` underflow."""
     scale = report.recommended_scale
     lossy = any(c.underflow > UNDERFLOW_WARN for c in report.gradients)
     overflow = report.backward_culprit is not None or any(c.overflows for c in report.gradients)
@@ -264,7 +268,37 @@ def _suggest_scale(
         return None
     result = run_step(dtype=dtype, policy=report.policy, loss_scale=scale, **common)
     checks = [check_gradient(n, g, scale, dtype) for n, g in reference.grads.items()]
-    verified = _healthy(result) and all(c.underflow <= UNDERFLOW_WARN for c in checks)
+    why = _scale_failure(report, result, checks, scale, dtype, common)
     what = f"scale the loss by {scale:g} (GradScaler(init_scale={scale:g}))"
+    lossy_then = [c for c in checks if c.underflow > UNDERFLOW_WARN]
+    if why is None and lossy_then:  # no skipped step, at a cost the user should know
+        worst = max(lossy_then, key=lambda c: c.underflow)
+        what += f", where {worst.name} loses {worst.underflow:.1%} of its gradient to underflow"
     code = scale_code(report.device_type, scale)
-    return Suggestion(what, None, scale, verified, _sqnr(result, reference), code)
+    sqnr = _sqnr(result, reference)
+    absorbed = overflow and why is None and scale < report.loss_scale
+    return Suggestion(what, None, scale, why is None, sqnr, code, why, absorbed)
+
+
+def _scale_failure(
+    report: Report,
+    result: StepResult,
+    checks: list[GradientCheck],
+    scale: float,
+    dtype: torch.dtype,
+    common: dict[str, Any],
+) -> str | None:
+    """Why ``scale`` is no fix (None: it is one), in words."""
+    if not _healthy(result) or scaler_skips(
+        dtype=dtype, policy=report.policy, scale=scale, **common
+    ):
+        return f"at scale {scale:g} the backward still overflows, so GradScaler skips the step"
+    if scale > report.loss_scale:  # raised against underflow: it must cure it
+        lossy = [c for c in checks if c.underflow > UNDERFLOW_WARN]
+        if lossy:
+            worst = max(lossy, key=lambda c: c.underflow)
+            return (
+                f"at scale {scale:g}, the largest without overflow, gradient {worst.name} "
+                f"still loses {worst.underflow:.1%} of its values to underflow"
+            )
+    return None

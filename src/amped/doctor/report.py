@@ -89,10 +89,13 @@ class Suggestion:
     verified: bool
     sqnr_db: float  # model output against float32 with the fix
     code: str | None = None
+    why_not: str | None = None  # why the re-run did not verify it, when it did not
+    absorbed: bool = False  # a backward overflow GradScaler's back-off reaches a fix for
 
     def __str__(self) -> str:
         if not self.verified:
-            return f"not found: {self.description}"
+            why = f"; {self.why_not}" if self.why_not else ""
+            return f"not found: {self.description}{why}"
         if self.sqnr_db == math.inf:
             return f"{self.description}: no overflow, output identical to float32"
         return f"{self.description}: no overflow, output {self.sqnr_db:.1f} dB SQNR vs float32"
@@ -152,6 +155,8 @@ class Report:
                 "loss_scale": self.suggestion.loss_scale,
                 "verified": self.suggestion.verified,
                 "sqnr_db": self.suggestion.sqnr_db,
+                "why_not": self.suggestion.why_not,
+                "absorbed": self.suggestion.absorbed,
             }
         return jsonable(data)  # +-inf as "inf"/"-inf", NaN as null: amped's JSON rule
 
@@ -198,6 +203,11 @@ class Report:
         forward_ok = self.forward_culprit is None
         if self.recommended_scale is not None and self.dtype == "float16" and forward_ok:
             lines.append(f"  largest safe loss scale: {self.recommended_scale:g}")
+        if self.suggestion is not None and self.suggestion.absorbed:
+            lines.append(
+                f"  backward overflow at scale {self.loss_scale:g}: absorbed by dynamic loss "
+                f"scaling (first safe scale {self.suggestion.loss_scale:g})"
+            )
         if self.suggestion is not None:
             lines.append(f"  suggestion: {self.suggestion}")
             if self.suggestion.verified and self.suggestion.code:

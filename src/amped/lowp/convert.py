@@ -37,7 +37,9 @@ __all__ = [
     "ModuleFilter",
     "convert_layers",
     "convert_to_low_precision",
+    "default_filter",
     "default_module_filter",
+    "explain_layers",
     "no_layer_error",
     "plan_low_precision",
 ]
@@ -92,6 +94,12 @@ def default_module_filter(
     return keep
 
 
+def default_filter(model: torch.nn.Module, config: LowPrecisionConfig) -> ModuleFilter:
+    """The filter :func:`plan_low_precision` uses for ``config`` when given none (its dim multiple:
+    16, or the block size for a block config)."""
+    return default_module_filter(model, _multiple(config))
+
+
 def plan_low_precision(
     model: torch.nn.Module,
     module_filter: ModuleFilter | None = None,
@@ -115,6 +123,34 @@ def plan_low_precision(
         kept = min(math.ceil(config.bf16_last * len(names)), len(names) - 1)
         names = names[: len(names) - kept]
     return names
+
+
+def explain_layers(
+    model: torch.nn.Module,
+    module_filter: ModuleFilter | None = None,
+    exclude: set[str] = frozenset(),  # type: ignore[assignment]
+    config: LowPrecisionConfig | None = None,
+) -> dict[str, str | None]:
+    """Every ``nn.Linear`` and Conv1D of ``model`` by qualified name: None for those
+    :func:`plan_low_precision` converts with the same arguments, else why it keeps one out."""
+    chosen = set(plan_low_precision(model, module_filter, exclude, config))
+    head, multiple = _head(model), _multiple(config)
+    reasons: dict[str, str | None] = {}
+    for name, m in model.named_modules():
+        if not isinstance(m, torch.nn.Linear) and not is_linear_like(m):
+            continue
+        if name in chosen:
+            reasons[name] = None
+        elif not is_linear_like(m):
+            reasons[name] = "a subclass of nn.Linear (its owner may not call forward)"
+        elif name in exclude:
+            reasons[name] = "excluded"
+        elif module_filter is not None and not module_filter(m, name):
+            reasons[name] = "not chosen by the module filter"
+        else:
+            default = _default_reason(m, name, head, multiple, 64 * 64)
+            reasons[name] = default or "kept in bfloat16 (the config's last layers)"
+    return reasons
 
 
 def no_layer_error(

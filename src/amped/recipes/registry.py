@@ -7,6 +7,7 @@ weights are kept; aliases give the names other tools use (Apex's "O1"/"O2").
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import KW_ONLY, dataclass
 from typing import Literal
 
@@ -241,5 +242,11 @@ def resolve_recipe(name: str | Recipe) -> Recipe:
     for recipe in _all_recipes():
         if wanted == recipe.name or wanted in (a.lower() for a in recipe.aliases):
             return recipe
-    known = ", ".join(f"{r.name} ({', '.join(r.aliases)})" for r in _all_recipes())
-    raise value_error(f"Unknown recipe {name!r}. Recipes (aliases): {known}", "recipe", name)
+    recipes = _all_recipes()
+    known = ", ".join(
+        f"{r.name} ({', '.join(r.aliases)})" if r.aliases else r.name for r in recipes
+    )
+    spellings = [n for r in recipes for n in (r.name, *r.aliases)]
+    close = difflib.get_close_matches(name, spellings, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]!r}?" if close else "."
+    raise value_error(f"Unknown recipe {name!r}{hint} Recipes (aliases): {known}", "recipe", name)

@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+
 from amped._internal.errors import type_error, value_error
 from amped.lowp.conv1d import linear_dims
 from amped.recipes.plan import PLAN_FORMATS, PrecisionPlan
@@ -174,6 +176,7 @@ def tune(
     target: str = "blackwell",
     measure_batches: int = 2,
     rounds: int = 4,
+    module_filter: Callable[[torch.nn.Module, str], bool] | None = None,
 ) -> TuneResult:
     """Measure each eligible layer in each format, choose a per-layer plan, verify it.
 
@@ -200,6 +203,8 @@ def tune(
             bisection); then the rules that could beat the best plan so far, in the
             estimate's order (docs/tune.md, "How it verifies"). 1: that first plan and
             at most one rule.
+        module_filter: ``filter(layer, qualified_name) -> bool``: the layers that may be
+            lowered (default: every eligible one); the others stay in bf16.
 
     Returns:
         A :class:`TuneResult`: ``.plan`` (the verified plan that passed with the most
@@ -238,6 +243,11 @@ def tune(
 
     task = build_task(factory, seed, measure_batches)
     eligible, refused = eligible_layers(task.model, chosen_formats, set())
+    if module_filter is not None:
+        modules = dict(task.model.named_modules())
+        for name in [n for n in eligible if not module_filter(modules[n], n)]:
+            del eligible[name]
+            refused[name] = "not chosen by module_filter"
     if not eligible:
         raise _no_layer_error(task.model, refused, chosen_formats)
     measured, count = measure(task.model, eligible, task.batches, task.loss_fn, progress)

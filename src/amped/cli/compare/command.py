@@ -1,7 +1,8 @@
 """``amped compare`` from parsed arguments to exit code: check, run, report, print.
 
 Every argument is checked before any training starts (recipes, device, factory spec,
-report folder), so a mistake costs a second, not a run.
+the layers each FP8/block recipe converts, report folder), so a mistake costs a second,
+not a run, and leaves an existing report folder as it was.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from amped.cli.compare.report import write_report
 from amped.cli.compare.table import print_summary
 from amped.cli.errors import EXIT_DIVERGED, EXIT_OK, RunError
 from amped.cli.out_dir import resolve_out
+from amped.cli.width import wrap
 from amped.comparison import interrupt
 from amped.comparison.budget import Budget
 from amped.comparison.compare import Comparison, baseline_first, run_comparison
@@ -42,6 +44,8 @@ def _config(args: argparse.Namespace) -> CompareConfig:
         max_time=args.max_time or None,
         threads=args.threads,
         isolate_memory=args.peak_memory == "own-process",
+        module_filter=args.module_filter,
+        exclude=args.exclude,
     )
 
 
@@ -108,7 +112,7 @@ def _exit_code(
     if diverged:
         listed = "; ".join(f"{r['name']} (from step {r['diverged_at_step']})" for r in diverged)
         print(
-            f"amped: {len(diverged)} recipe(s) diverged, their losses non-finite: {listed}",
+            wrap(f"amped: {len(diverged)} recipe(s) diverged, their losses non-finite: {listed}"),
             file=sys.stderr,
             flush=True,
         )

@@ -22,7 +22,9 @@ from rich.progress import (
 
 from amped._internal.stats import median
 from amped.cli.compare.summary import loss_decimals
+from amped.cli.width import wrap
 from amped.comparison.run import LOSS_WINDOW, Observer, RecipeRun, final_loss
+from amped.comparison.warmup import Warmup, expected
 
 __all__ = ["LineProgress", "RichProgress"]
 
@@ -77,6 +79,17 @@ class RichProgress(Observer):
     ) -> None:
         self._progress.stop()
 
+    def warming_up(self, run: RecipeRun, compiles: str | None) -> None:
+        state = f"compiling {compiles}" if compiles else "warm-up"
+        when = expected(compiles)
+        if when:  # a long first compile is said before it starts, above the bars
+            self._progress.console.print(f"{run.recipe.name}: {state} ({when})", markup=False)
+        self._progress.update(self._ids[run.recipe.name], state=state)
+
+    def warmed_up(self, run: RecipeRun, warmup: Warmup) -> None:
+        state = warmup.line() if run.status != "failed" else _outcome(run)
+        self._progress.update(self._ids[run.recipe.name], state=state)
+
     def planning(self, runs: list[RecipeRun]) -> None:
         for task in self._ids.values():
             self._progress.update(task, state="timing a few steps")
@@ -123,7 +136,19 @@ class LineProgress(Observer):
         return None
 
     def _say(self, text: str) -> None:
-        print(text, file=self._stream, flush=True)
+        print(wrap(text), file=self._stream, flush=True)
+
+    def warming_up(self, run: RecipeRun, compiles: str | None) -> None:
+        if compiles:
+            when = expected(compiles)
+            cost = f"{when}; " if when else ""
+            self._say(f"{run.recipe.name}: compiling {compiles} ({cost}outside --max-time)")
+
+    def warmed_up(self, run: RecipeRun, warmup: Warmup) -> None:
+        if run.status == "failed":
+            self._say(f"{run.recipe.name}: {_outcome(run)} in its warm-up steps")
+        elif warmup.compiles:
+            self._say(f"{run.recipe.name}: {warmup.line()}")
 
     def planning(self, runs: list[RecipeRun]) -> None:
         self._say("timing a few steps of each recipe to fit --max-time")

@@ -19,6 +19,7 @@ from amped._internal.files import write_files
 from amped.cli.doctor.html import doctor_html
 from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.out_dir import resolve_out
+from amped.cli.width import wrap
 from amped.comparison.dtypes import parse_low_dtype
 from amped.comparison.environment import default_device, resolve_device
 from amped.doctor import diagnose
@@ -28,7 +29,6 @@ from amped.tasks.task import to_device
 
 __all__ = ["doctor_table", "run_doctor", "unfixed_nonfinite"]
 
-_PIPE_WIDTH = 160  # stdout is a file or a pipe: wide enough that nothing wraps
 _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # the table's dtype column
 
 
@@ -147,9 +147,10 @@ def _cells(op: OpStat) -> tuple[tuple[str, ...], bool]:
 
 
 def _print(report: Report, html: Path) -> None:
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=_PIPE_WIDTH)
+    console = Console()  # on a pipe: 80 columns, or COLUMNS
     console.print(doctor_table(report, width=console.width))
-    console.print(report.summary(), markup=False, highlight=False)
-    console.print(f"report: {html}", markup=False, highlight=False)
+    for line in report.summary().splitlines():
+        # The fix is a line of code to paste: whole, however long; the rest wrapped.
+        text = line if line.lstrip().startswith("fix: ") else wrap(line, console.width, "    ")
+        console.print(text, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"report: {html}", markup=False, highlight=False, soft_wrap=True)

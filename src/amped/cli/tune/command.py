@@ -10,7 +10,9 @@ a plan passed (docs/robustness.md, "Exit codes").
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -25,14 +27,19 @@ from amped.cli.tune.progress import TuneLines, TuneProgress
 from amped.cli.tune.report import write_report
 from amped.cli.tune.summary import outcome
 from amped.cli.tune.table import print_tune
+from amped.cli.width import wrap
 from amped.comparison import interrupt
 from amped.comparison.environment import default_device, resolve_device
+from amped.comparison.layers import LayerChoice
 from amped.comparison.results import dumps
 from amped.comparison.setup import choose_threads
+from amped.comparison.warmup import WARMUP_STEPS
+from amped.recipes.plan import PrecisionPlan
 from amped.tasks.factory import DEFAULT_FACTORY, TaskFactory, load_factory
 from amped.tasks.task import Task
 from amped.tuning.measure import eligible_layers
 from amped.tuning.tuner import DEFAULT_FORMATS, REFERENCE_DIVERGED
+from amped.tuning.verify import train_losses
 
 __all__ = ["exit_code", "parse_formats", "run_tune"]
 
@@ -58,9 +65,15 @@ def parse_formats(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def _check_layers(task: Task, formats: list[str], spec: str) -> None:
-    """UsageError when the model has no layer that can run any of ``formats``."""
+def _check_layers(task: Task, formats: list[str], spec: str, layers: LayerChoice) -> None:
+    """UsageError when the model has no layer that can run any of ``formats`` among
+    those ``--module-filter`` and ``--exclude`` leave."""
     eligible, refused = eligible_layers(task.model, formats, set())
+    chosen, modules = layers.by_name(), dict(task.model.named_modules())
+    if chosen is not None:
+        for name in [n for n in eligible if not chosen(modules[n], n)]:
+            del eligible[name]
+            refused[name] = f"not chosen by {layers.describe()}"
     if eligible:
         return
     seen = "; ".join(f"{name or '<model>'}: {why}" for name, why in refused.items())
@@ -68,8 +81,31 @@ def _check_layers(task: Task, formats: list[str], spec: str) -> None:
         f"The model from {spec} has no layer amped tune can lower to {', '.join(formats)}: "
         "it tunes nn.Linear and transformers Conv1D layers whose dims are multiples of the "
         "format's block (16 for FP8, 32 for the MX formats). Give a model with such "
-        f"layers. Received: {seen or 'no nn.Linear or Conv1D layer'}"
+        "layers, or choose them with --module-filter. Received: "
+        f"{seen or 'no nn.Linear or Conv1D layer'}"
     )
+
+
+def _warm_up(build: Any, task: Task, formats: list[str], layers: LayerChoice, seed: int) -> None:
+    """Two training steps per format, every layer that can run it lowered, before
+    ``--max-time``'s clock (which :func:`amped.tune` starts): the FP8 and block casts
+    of large operands compile here (or load from Inductor's cache), not in the first
+    verification run that lowers them. A format that fails here fails again, and is
+    reported, in the measurement."""
+    eligible, _ = eligible_layers(task.model, formats, set())
+    chosen, modules = layers.by_name(), dict(task.model.named_modules())
+    for fmt in formats:
+        names = [n for n, fits in eligible.items() if fmt in fits]
+        names = [n for n in names if chosen is None or chosen(modules[n], n)]
+        if not names:
+            continue
+        began = time.monotonic()
+        with contextlib.suppress(Exception):  # the measurement reports any error
+            train_losses(build, PrecisionPlan("bf16-mixed", dict.fromkeys(names, fmt)), seed,
+                         WARMUP_STEPS)  # fmt: skip
+        text = (f"amped tune: warm-up of {fmt} ({WARMUP_STEPS} steps, its compiles "
+                f"included; outside --max-time): {time.monotonic() - began:.1f} s")  # fmt: skip
+        print(wrap(text), file=sys.stderr, flush=True)
 
 
 def _task_builder(factory: TaskFactory, batch_size: int | None, device: torch.device) -> Any:
@@ -97,9 +133,11 @@ def _tune(args: argparse.Namespace, command: list[str]) -> int:
     device = resolve_device(args.device or default_device())
     factory = load_factory(args.model or DEFAULT_FACTORY)
     task = factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
-    _check_layers(task, formats, factory.spec)
+    layers = LayerChoice(args.module_filter, args.exclude)
+    _check_layers(task, formats, factory.spec, layers)
     torch.set_num_threads(choose_threads(args.threads, task.threads, device)[0])
     out = resolve_out(args.out)  # created only once the task is known to tune
+    _warm_up(_task_builder(factory, args.batch_size, device), task, formats, layers, args.seed)
     stderr = Console(stderr=True)
     progress = TuneLines() if args.no_progress or not stderr.is_terminal else TuneProgress(stderr)
     # SIGINT/SIGTERM from here on: the first stops the run at the next progress report
@@ -153,6 +191,7 @@ def _run(
             rounds=args.rounds,
             max_time=args.max_time or None,
             progress=progress,
+            module_filter=LayerChoice(args.module_filter, args.exclude).by_name(),
         )
     except KeyboardInterrupt:
         raise
@@ -177,5 +216,5 @@ def exit_code(tuned: dict[str, Any]) -> int:
         "incomplete": "--max-time ran out before the verification finished, so the plan "
         "does not pass",
     }[state]
-    print(f"amped tune: {what}: exit status {EXIT_NO_PLAN}", file=sys.stderr, flush=True)
+    print(wrap(f"amped tune: {what}: exit status {EXIT_NO_PLAN}"), file=sys.stderr, flush=True)
     return EXIT_NO_PLAN

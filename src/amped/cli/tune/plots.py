@@ -51,15 +51,16 @@ def sensitivity_chart(tuned: dict[str, Any]) -> bytes | None:
     width = min(18.0, max(9.5, 0.42 * len(names) + 4.0))  # room for the legend
     figure = Figure(figsize=(width, 7.8), layout="constrained")
     estimate, sqnr, strip = figure.subplots(3, 1, sharex=True, height_ratios=(5, 4, 1.6))
-    x = list(range(len(names)))
+    offsets = _offsets(formats)
     for index, fmt in enumerate(formats):
+        x = [i + offsets[fmt] for i in range(len(names))]
         figures = [tuned["measurements"][n]["formats"].get(fmt) or {} for n in names]
         style = {"color": colours[fmt], "marker": _MARKERS[index % len(_MARKERS)],
                  "markersize": 5, "linewidth": 1.2}  # fmt: skip
         estimate.plot(x, [_positive(f.get("loss_change_estimate")) for f in figures],
                       label=fmt, **style)  # fmt: skip
         sqnr.plot(x, [_finite(f.get("sqnr_output")) for f in figures], **style)
-    _ring_choices(tuned, names, estimate, sqnr)
+    _ring_choices(tuned, names, estimate, sqnr, offsets)
     values = [
         _positive(f.get("loss_change_estimate"))
         for n in names
@@ -81,10 +82,21 @@ def sensitivity_chart(tuned: dict[str, Any]) -> bytes | None:
     return figure_png(figure)
 
 
-def _ring_choices(tuned: dict[str, Any], names: list[str], estimate: Any, sqnr: Any) -> None:
+def _offsets(formats: list[str]) -> dict[str, float]:
+    """Each format's points a little to the side of the layer's position, so that
+    formats with equal figures (the same SQNR, say) sit side by side, not on top of
+    each other, the chosen one hidden."""
+    step = min(0.12, 0.6 / max(len(formats), 1))
+    return {fmt: (index - (len(formats) - 1) / 2) * step for index, fmt in enumerate(formats)}
+
+
+def _ring_choices(
+    tuned: dict[str, Any], names: list[str], estimate: Any, sqnr: Any, offsets: dict[str, float]
+) -> None:
     """A hollow black ring around the chosen format's point in both panels."""
     ringed = [(i, tuned["layers"].get(n, "bf16")) for i, n in enumerate(names)]
-    points = [(i, tuned["measurements"][names[i]]["formats"].get(f)) for i, f in ringed]
+    points = [(i + offsets.get(f, 0.0), tuned["measurements"][names[i]]["formats"].get(f))
+              for i, f in ringed]  # fmt: skip
     chosen = [(i, f) for i, f in points if f is not None]
     ring = {"s": 130, "facecolors": "none", "edgecolors": "black", "linewidths": 1.4, "zorder": 5}
     x = [i for i, _ in chosen]

@@ -192,6 +192,7 @@ def verification_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
         row = {
             "arm": name,
             "lowered": f"{low}/{len(layers)} ({lowered_share(tuned, layers):.0%})",
+            "formats": _format_counts(layers),
         }
         losses = list(arm["final_losses"])
         for index, seed in enumerate(verification["seeds"]):
@@ -204,7 +205,8 @@ def verification_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
 
 def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
     """One row per verification round, in the order trained: ``round``, ``source``
-    (``estimate`` or the rule), ``lowered`` (layers and FLOPs), ``estimate`` (summed),
+    (``estimate`` or the rule), ``lowered`` (layers and FLOPs), ``formats`` (how many
+    layers each format lowers, most first), ``estimate`` (summed),
     ``gap`` to bf16-mixed and ``verdict`` (``passed``, ``FAILED`` or ``incomplete``);
     ``chosen`` marks the plan kept."""
     rows = []
@@ -216,9 +218,20 @@ def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
             "round": str(number),
             "source": entry.get("source", "estimate"),
             "lowered": f"{low}/{len(layers)} ({lowered_share(tuned, layers):.0%})",
+            "formats": _format_counts(layers),
             "estimate": format_estimate(entry["estimate"]),
             "gap": _number(entry["gap"], "+.4f"),
             "verdict": verdict if entry["completed"] else "incomplete",
             "chosen": "<- plan" if layers == tuned["layers"] else "",
         })  # fmt: skip
     return rows
+
+
+def _format_counts(layers: dict[str, str]) -> str:
+    """``mxfp8 3, nvfp4 1``: the layers each low format takes, most first; ``-`` if none."""
+    counts: dict[str, int] = {}
+    for fmt in layers.values():
+        if fmt != "bf16":
+            counts[fmt] = counts.get(fmt, 0) + 1
+    ranked = sorted(counts.items(), key=lambda item: (-item[1], item[0]))
+    return ", ".join(f"{fmt} {count}" for fmt, count in ranked) or "-"

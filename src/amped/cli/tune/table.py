@@ -5,7 +5,7 @@ A row per layer in model order: its GEMM FLOPs, per candidate format the output 
 dB and the estimated loss change, and the format chosen. Numbers are never squeezed: the
 formats that do not fit the terminal go to a second table (and a third), and a long
 layer name keeps its end (which layer it is) after an ellipsis. When stdout is a file or
-a pipe the tables are laid out for :data:`PIPE_WIDTH` columns.
+a pipe the tables are laid out for :data:`PIPE_WIDTH` columns (or ``COLUMNS``).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from amped.cli.tune import summary as tune_summary
 
 __all__ = ["PIPE_WIDTH", "layer_tables", "print_tune", "verification_table"]
 
-PIPE_WIDTH = 160
+PIPE_WIDTH = 80
 
 
 def _table(title: str) -> Table:
@@ -102,9 +102,10 @@ def rounds_table(tuned: dict[str, Any]) -> Table:
     candidates, in the order trained; failed rounds red, the plan kept marked."""
     rows = tune_summary.round_rows(tuned)
     table = _table("Rounds: the estimate's plans, then the rules that could beat the best")
-    for key in ("round", "source", "lowered", "estimate", "gap", "verdict", "chosen"):
-        table.add_column(key, justify="left" if key in ("verdict", "chosen") else "right",
-                         no_wrap=True)  # fmt: skip
+    for key in ("round", "source", "lowered", "formats", "estimate", "gap", "verdict", "chosen"):
+        # The formats wrap (at their commas) where 80 columns are too few; the rest not.
+        table.add_column(key, justify="left" if key in ("formats", "verdict", "chosen") else
+                         "right", no_wrap=key != "formats")  # fmt: skip
     for row in rows:
         style = "green" if row["verdict"] == "passed" else "red"
         table.add_row(*row.values(), style=style)
@@ -116,9 +117,7 @@ def print_tune(
 ) -> None:
     """Print both tables, the outcome in one sentence and where the report is."""
     if console is None:
-        console = Console()
-        if not console.is_terminal:
-            console = Console(width=PIPE_WIDTH)
+        console = Console()  # on a pipe: PIPE_WIDTH (rich's default), or COLUMNS
     for table in layer_tables(tuned, width=console.width):
         console.print(table)
     console.print(verification_table(tuned))

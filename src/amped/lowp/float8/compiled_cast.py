@@ -47,7 +47,14 @@ import torch
 from amped._internal import testing, torch_compat
 from amped.autocast_mode import compiling
 
-__all__ = ["EXACT_FLOATING_POINT", "MIN_ELEMENTS", "STATIC_SHAPES", "compiles", "run"]
+__all__ = [
+    "EXACT_FLOATING_POINT",
+    "MIN_ELEMENTS",
+    "STATIC_SHAPES",
+    "compiled_kernels",
+    "compiles",
+    "run",
+]
 
 STATIC_SHAPES = 16
 """Shapes compiled statically per kernel setting; more share one dynamic-size kernel."""
@@ -97,6 +104,11 @@ def _kernel(function: Callable[..., Any], spec: Hashable, x: torch.Tensor) -> Ca
     compiled = torch.compile(variant, dynamic=dynamic, fullgraph=True, options=EXACT_FLOATING_POINT)
     _compiled[key] = compiled
     return compiled
+
+
+def compiled_kernels() -> int:
+    """How many kernels this process has compiled (one per setting and static shape)."""
+    return len(_compiled)
 
 
 def compiles(x: torch.Tensor) -> bool:

@@ -14,11 +14,12 @@ pytest.importorskip("matplotlib")
 
 import cli_factories
 from cli_fault_helpers import unwrap
+from repo_paths import HELPERS
 from results_schema import validate
 
 from amped.cli.main import main
 
-FACTORIES = Path(__file__).resolve().parent / "cli_factories.py"
+FACTORIES = HELPERS / "cli_factories.py"
 
 
 def _compare(tmp_path: Path, factory: str, *args: str) -> int:

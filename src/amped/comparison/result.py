@@ -30,9 +30,12 @@ class CompareResult:
         command: the ``amped compare`` command line that repeats the comparison.
         wall_s: seconds the comparison took, probes and planning included.
         config: the arguments, as used (``task``, ``recipes``, ``steps``, ...).
+        conversion: per FP8 or block recipe, which layers its dry run converts and why
+            each other one stays in high precision.
         environment: amped, torch, Python, the device and the CPU.
         machine: the CPU load while it ran (None off the CPU).
         task: the task's name, description and details.
+        warmup: each recipe's warm-up steps (compiles, cache loads), outside the budget.
         plan: how ``max_time`` was spread over the recipes (None without a limit).
         budget: ``max_time`` and what it cut.
         samples_per_step: the batch size the factory produced.
@@ -50,9 +53,11 @@ class CompareResult:
     command: list[str]
     wall_s: float
     config: dict[str, Any]
+    conversion: dict[str, Any]
     environment: dict[str, Any]
     machine: dict[str, Any] | None
     task: dict[str, Any] | None
+    warmup: dict[str, Any]
     plan: dict[str, Any] | None
     budget: dict[str, Any] | None
     samples_per_step: float | None

@@ -27,6 +27,10 @@ from amped.cli.main import main
 from amped.comparison.findings import findings, warnings
 from amped.comparison.timing import MIN_TIMED_STEPS, cores_available, speed_blocker
 
+# Timing-sensitive: under `pytest -n 2 --dist loadgroup` one worker runs every test of
+# the "timing" group, one after another, so no two of them share the cores.
+pytestmark = pytest.mark.xdist_group("timing")
+
 FACTORIES = HELPERS / "cli_factories.py"
 
 

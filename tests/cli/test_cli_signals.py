@@ -21,6 +21,10 @@ from cli_fault_helpers import ENV, ROOT, TINY, compare_command, old_pair, pair_s
 
 from amped.cli.main import main
 
+# Timing-sensitive: under `pytest -n 2 --dist loadgroup` one worker runs every test of
+# the "timing" group, one after another, so no two of them share the cores.
+pytestmark = pytest.mark.xdist_group("timing")
+
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 

@@ -24,6 +24,10 @@ from amped.cli.main import main
 from amped.comparison.findings import findings, warnings
 from amped.comparison.timing import CpuLoad, clear_winner, cores_available, ratio_range, step_stats
 
+# Timing-sensitive: under `pytest -n 2 --dist loadgroup` one worker runs every test of
+# the "timing" group, one after another, so no two of them share the cores.
+pytestmark = pytest.mark.xdist_group("timing")
+
 FACTORIES = HELPERS / "cli_factories.py"
 
 

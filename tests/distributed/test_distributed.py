@@ -32,7 +32,7 @@ from tolerances import DISTRIBUTED_LOSS_UNITS, DISTRIBUTED_PARAM_UNITS
 import amped
 from amped.checkpoint import load_checkpoint
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("timing")]  # one worker: timing
 
 
 def unit_roundoff(recipe: str) -> float:

@@ -7,6 +7,7 @@ read and change.
 
 from amped import doctor
 from amped.autocast_mode import autocast, autocast_op, current_policy, custom_bwd, custom_fwd
+from amped.fp8 import scaled_dot_product_attention
 from amped.policy import Cast, ModuleRule, Policy
 from amped.recipes import Recipe, TrainSetup, memory_report, monitor, prepare
 from amped.scaling import GradScaler
@@ -31,5 +32,6 @@ __all__ = [
     "memory_report",
     "monitor",
     "prepare",
+    "scaled_dot_product_attention",
     "tune",
 ]

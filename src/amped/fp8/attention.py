@@ -127,7 +127,9 @@ def _check(
     q, k, v = (x.detach().to("meta") for x in (query, key, value))
     mask = None if attn_mask is None else attn_mask.detach().to("meta")
     with torch.no_grad():
-        F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale, enable_gqa)
+        F.scaled_dot_product_attention(
+            q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
     if dropout_p:
         raise NotImplementedError(
             "amped's attention has no dropout yet; pass dropout_p=0.0 (a model's "

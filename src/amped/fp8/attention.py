@@ -127,8 +127,11 @@ def _check(
     q, k, v = (x.detach().to("meta") for x in (query, key, value))
     mask = None if attn_mask is None else attn_mask.detach().to("meta")
     with torch.no_grad():
+        # with a mask, is_causal is checked here (torch's math backend, which meta
+        # tensors run, refuses the pair that its default backend combines)
+        causal = is_causal and mask is None
         F.scaled_dot_product_attention(
-            q, k, v, mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+            q, k, v, mask, dropout_p, causal, scale=scale, enable_gqa=enable_gqa
         )
     if dropout_p:
         raise NotImplementedError(
@@ -174,12 +177,15 @@ class _Mask:
         return self.is_causal or self.visible is not None
 
     def tile(self, r0: int, r1: int) -> Tile:
+        """Rows ``r0:r1``; a causal mask and an ``attn_mask`` together mask what either
+        masks, as torch's default SDPA backend does (its math backend refuses both)."""
+        visible = None if self.visible is None else self.visible[:, :, r0:r1]
         if self.is_causal:
             b, h, _, tk = self.shape
             rows = torch.arange(r0, r1).unsqueeze(1)
-            visible = (torch.arange(tk) <= rows).expand(b, h, r1 - r0, tk)
-            return Tile(r0, r1, visible)
-        return Tile(r0, r1, None if self.visible is None else self.visible[:, :, r0:r1])
+            causal = (torch.arange(tk) <= rows).expand(b, h, r1 - r0, tk)
+            visible = causal if visible is None else causal & visible
+        return Tile(r0, r1, visible)
 
     def logits(self, qk: torch.Tensor, scale: float, tile: Tile) -> torch.Tensor:
         s = qk * scale

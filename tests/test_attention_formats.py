@@ -181,3 +181,10 @@ def test_presets_stay_close_to_float32_attention(preset):
     ours = run(amped.scaled_dot_product_attention, q, k, v, grad, is_causal=True, config=preset)
     for name, a, r in zip(("out", "dq", "dk", "dv"), ours, ref, strict=True):
         assert sqnr(r, a) > 15, (preset, name, sqnr(r, a))
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_a_rule_round_trips_through_its_spelling(rule):
+    assert AttentionCast.parse(str(RULES[rule])) == RULES[rule]
+    spelled = amped.fp8.AttentionConfig(dq=str(RULES[rule]))
+    assert spelled == amped.fp8.AttentionConfig(dq=RULES[rule])

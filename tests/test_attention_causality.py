@@ -49,6 +49,9 @@ def _visible_rows_equal(rule, safe, kind, t):
         lengths = torch.tensor([t + 1, t + 21])
         hidden = torch.arange(T) >= lengths[:, None]
         kwargs = dict(attn_mask=(~hidden).reshape(2, 1, 1, T))
+        if kind == "float-padding":  # masked as older transformers do: the dtype's min
+            low = torch.finfo(torch.float32).min
+            kwargs = dict(attn_mask=torch.where(hidden, low, 0.0).reshape(2, 1, 1, T))
     where = hidden.reshape(2, 1, T, 1)
     k2, v2 = (torch.where(where, 2.0**30 * torch.randn(x.shape, generator=g), x) for x in (k, v))
     grad = torch.randn(2, 2, T, 32, generator=g)
@@ -59,7 +62,7 @@ def _visible_rows_equal(rule, safe, kind, t):
     return all(torch.equal(x[:, :, rows], y[:, :, rows]) for x, y in zip(a[:2], b[:2], strict=True))
 
 
-@pytest.mark.parametrize("kind", ["causal", "padding"])
+@pytest.mark.parametrize("kind", ["causal", "padding", "float-padding"])
 @pytest.mark.parametrize("rule", sorted(RULES))
 def test_safe_scales_leave_visible_outputs_and_dq_bitwise_equal(rule, kind):
     assert _visible_rows_equal(RULES[rule], True, kind, 100)

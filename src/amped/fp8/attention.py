@@ -169,7 +169,9 @@ class _Mask:
             self.visible = None if bool(attn_mask.all()) else attn_mask.expand(shape)
             return
         self.bias = attn_mask.to(dtype).expand(shape)
-        masked = torch.isneginf(attn_mask)
+        # -inf masks, and so does the dtype's lowest value (masks built as
+        # finfo.min, which makes exp underflow to exactly 0 all the same)
+        masked = attn_mask <= torch.finfo(attn_mask.dtype).min
         self.visible = ~masked.expand(shape) if bool(masked.any()) else None
 
     @property

@@ -19,7 +19,6 @@ EXPECTED = {
     "ModuleRule",
     "Policy",
     "Recipe",
-    "TrainSetup",
     "__version__",
     "autocast",
     "autocast_op",
@@ -31,6 +30,7 @@ EXPECTED = {
     "memory_report",
     "monitor",
     "prepare",
+    "scaled_dot_product_attention",
     "tune",
 }
 
@@ -59,11 +59,13 @@ SUBPACKAGE_EXPECTED = {
     "checkpoint": {"CheckpointError", "load_checkpoint", "save_checkpoint"},
     "lowp": {
         "CONFIGS",
+        "AttentionConfig",
         "BlockConfig",
         "BlockLinear",
         "Float8Config",
         "Float8Linear",
         "convert_to_low_precision",
+        "scaled_dot_product_attention",
     },
     # Deprecated for one release: its old names warn and resolve in amped.lowp.
     "fp8": set(),
@@ -78,14 +80,13 @@ SUBPACKAGE_EXPECTED = {
         "NonFiniteError",
         "PrecisionPlan",
         "Recipe",
-        "TrainSetup",
         "memory_report",
         "monitor",
         "prepare",
     },
     "doctor": {"diagnose", "diagnose_fp8"},
     "tasks": {"Task"},
-    "tuning": {"TuneResult", "tune"},
+    "tuning": {"tune"},
     "comparison": {"compare"},
     # Each framework adapter is a module of its own (amped.integrations.lightning, ...),
     # imported only when used; the package itself exports nothing.

@@ -10,8 +10,10 @@ from amped import doctor
 from amped._internal.version import __version__
 from amped.autocast_mode import autocast, autocast_op, current_policy, custom_bwd, custom_fwd
 from amped.comparison import compare
+from amped.lowp import scaled_dot_product_attention
 from amped.policy import Cast, ModuleRule, Policy
-from amped.recipes import Recipe, TrainSetup, memory_report, monitor, prepare
+from amped.recipes import Recipe, memory_report, monitor, prepare
+from amped.recipes import TrainSetup as TrainSetup  # what prepare returns
 from amped.scaling import GradScaler
 from amped.tuning import tune
 
@@ -21,7 +23,6 @@ __all__ = [
     "ModuleRule",
     "Policy",
     "Recipe",
-    "TrainSetup",
     "__version__",
     "autocast",
     "autocast_op",
@@ -33,5 +34,6 @@ __all__ = [
     "memory_report",
     "monitor",
     "prepare",
+    "scaled_dot_product_attention",
     "tune",
 ]

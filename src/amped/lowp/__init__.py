@@ -14,6 +14,8 @@ and the two layers it makes. The building blocks (``scaled_mm``, ``quantize``,
 ``quantize_block``, ...) are importable from their modules.
 """
 
+from amped.lowp.attention import scaled_dot_product_attention
+from amped.lowp.attention_config import AttentionConfig
 from amped.lowp.convert import CONFIGS, convert_to_low_precision
 from amped.lowp.float8.config import Float8Config
 from amped.lowp.float8.linear import Float8Linear
@@ -22,9 +24,11 @@ from amped.lowp.mx.block_linear import BlockLinear
 
 __all__ = [
     "CONFIGS",
+    "AttentionConfig",
     "BlockConfig",
     "BlockLinear",
     "Float8Config",
     "Float8Linear",
     "convert_to_low_precision",
+    "scaled_dot_product_attention",
 ]

@@ -25,13 +25,12 @@ from amped.recipes.memory import memory_report
 from amped.recipes.monitoring import NonFiniteError, monitor
 from amped.recipes.plan import PrecisionPlan
 from amped.recipes.registry import Recipe
-from amped.recipes.setup import TrainSetup
+from amped.recipes.setup import TrainSetup as TrainSetup  # what prepare returns
 
 __all__ = [
     "NonFiniteError",
     "PrecisionPlan",
     "Recipe",
-    "TrainSetup",
     "memory_report",
     "monitor",
     "prepare",

@@ -12,7 +12,7 @@ The plan itself (:class:`amped.recipes.PrecisionPlan`) lives in the recipes laye
 :func:`amped.prepare`, which accepts it.
 """
 
-from amped.tuning.result import TuneResult
+from amped.tuning.result import TuneResult as TuneResult  # what tune returns
 from amped.tuning.tuner import tune
 
-__all__ = ["TuneResult", "tune"]
+__all__ = ["tune"]

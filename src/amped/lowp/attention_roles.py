@@ -1,0 +1,190 @@
+"""Attention's six matmuls, each in its role's format, on one query tile.
+
+A :class:`Roles` holds one call's inputs (``[B, H, T, D]``, K and V expanded to Q's heads)
+and its casts of whole inputs (cast once, sliced per tile); its methods are the six
+matmuls on a tile of query rows ``r0:r1``. Query-indexed outputs (S, O, dP, dQ) take the
+causal-safe key-side casts of :mod:`amped.lowp.attention_cast` where a mask hides keys;
+key-indexed ones (dV, dK) sum over query rows, and their score operand is 0 wherever it
+is masked, so its scales see visible positions only as they are.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from amped.lowp.attention_cast import (
+    fp8_key_groups,
+    is_mx,
+    mx_cast,
+    mx_keys_inner_matmul,
+    operand_cast,
+)
+from amped.lowp.attention_config import AttentionCast, AttentionConfig
+
+__all__ = ["Roles", "Tile"]
+
+
+class Tile(NamedTuple):
+    """Query rows ``r0:r1`` and which keys each sees (None: every key)."""
+
+    r0: int
+    r1: int
+    visible: torch.Tensor | None  # [B, H, rows, Tk] bool
+
+
+class Roles:
+    """The matmuls of one attention call (see the module doc)."""
+
+    def __init__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttentionConfig
+    ) -> None:
+        self.q, self.k, self.v = q, k, v
+        self.config = config
+        self.dtype = q.dtype
+        self._casts: dict[tuple[str, str, str, bool], torch.Tensor] = {}
+        self.score_amax: dict[str, torch.Tensor] = {}  # "P" / "dS": whole-tensor amaxes
+
+    def _whole(
+        self, name: str, x: torch.Tensor, fmt: str, scaling: str, inner_t: bool
+    ) -> torch.Tensor:
+        """The cast of a whole input (``[B, H, T, D]``), cached per call: FP8 per region
+        (``[B, H, T, D]``: a region's values are the same either way round), or MX along
+        D, or with ``inner_t`` along T (as ``[B, H, D, T]``)."""
+        mx = is_mx(fmt)
+        key = (name, fmt, "" if mx else scaling, inner_t and mx)
+        if key not in self._casts:
+            if mx:
+                cast = mx_cast(x.mT if inner_t else x, fmt)
+            else:
+                cast = operand_cast(x, fmt, scaling, self.config.block_size)
+            self._casts[key] = cast.to(self.dtype)
+        return self._casts[key]
+
+    def _safe(self, tile: Tile) -> bool:
+        return self.config.causal_safe and tile.visible is not None
+
+    def score_cast(
+        self, x: torch.Tensor, name: str, fmt: str, rule: AttentionCast, tile: Tile, t: bool
+    ) -> torch.Tensor:
+        """A tile's P or dS (``[B, H, rows, Tk]``) cast; ``t``: as ``[B, H, Tk, rows]``
+        (inner dim the queries, for dV and dK). Under a safe mask, each query row of a
+        query-indexed output is scaled on its own: other rows' scores depend on keys
+        this row cannot see."""
+        if is_mx(fmt):
+            return mx_cast(x.mT if t else x, fmt).to(self.dtype)
+        per_row = self._safe(tile) and not t
+        amax = None
+        if rule.scaling != "block" and not per_row:
+            amax = self.score_amax[name]  # [B, H, 1, 1]: each head's
+            amax = amax if rule.scaling == "head" else amax.amax().reshape(1, 1, 1, 1)
+        cast = operand_cast(x, fmt, rule.scaling, self.config.block_size, per_row, amax)
+        return (cast.mT if t else cast).to(self.dtype)
+
+    def _keys_outer(
+        self,
+        a: torch.Tensor,
+        name: str,
+        keys: torch.Tensor,
+        fmt: str,
+        rule: AttentionCast,
+        tile: Tile,
+    ) -> torch.Tensor:
+        """``a @ cast(keys).mT`` with keys on the output's column dim (S, dP)."""
+        if self._safe(tile) and not is_mx(fmt):
+            assert tile.visible is not None
+            out = a.new_empty((*a.shape[:-1], keys.shape[2]))
+            block = self.config.block_size
+            for rows, cast in fp8_key_groups(keys, tile.visible, fmt, rule.scaling, block):
+                out[:, :, rows] = a.index_select(2, rows) @ cast.to(self.dtype).mT
+            return out
+        return a @ self._whole(name, keys, fmt, rule.scaling, False).mT
+
+    def _keys_inner(
+        self,
+        a: torch.Tensor,
+        name: str,
+        keys: torch.Tensor,
+        fmt: str,
+        rule: AttentionCast,
+        tile: Tile,
+    ) -> torch.Tensor:
+        """``a @ cast(keys)`` with keys on the inner dim (O, dQ)."""
+        if not self._safe(tile):
+            whole = self._whole(name, keys, fmt, rule.scaling, True)
+            return a @ (whole.mT if is_mx(fmt) else whole)
+        assert tile.visible is not None
+        if is_mx(fmt):
+            common = self._whole(name, keys, fmt, rule.scaling, True)
+            return mx_keys_inner_matmul(a, keys, common, tile.visible, fmt)
+        out = a.new_empty((*a.shape[:-1], keys.shape[3]))
+        block = self.config.block_size
+        for rows, cast in fp8_key_groups(keys, tile.visible, fmt, rule.scaling, block):
+            out[:, :, rows] = a.index_select(2, rows) @ cast.to(self.dtype)
+        return out
+
+    def s(self, tile: Tile) -> torch.Tensor:
+        """``Q · Kᵀ`` of the tile (unscaled)."""
+        q = self.q[:, :, tile.r0 : tile.r1]
+        rule = self.config.rule("s")
+        if rule is None:
+            return q @ self.k.mT
+        qc = self._whole("Q", self.q, rule.format, rule.scaling, False)[:, :, tile.r0 : tile.r1]
+        return self._keys_outer(qc, "K", self.k, rule.format, rule, tile)
+
+    def o(self, p: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """``P · V`` of the tile."""
+        rule = self.config.rule("o")
+        if rule is None:
+            return p @ self.v
+        pc = self.score_cast(p, "P", rule.format, rule, tile, False)
+        return self._keys_inner(pc, "V", self.v, rule.format, rule, tile)
+
+    def dp(self, do: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """``dO · Vᵀ`` of the tile (``do``: the whole dO)."""
+        rule = self.config.rule("dp")
+        if rule is None:
+            return do[:, :, tile.r0 : tile.r1] @ self.v.mT
+        doc = self._whole("dO", do, rule.grad, rule.scaling, False)[:, :, tile.r0 : tile.r1]
+        return self._keys_outer(doc, "V", self.v, rule.format, rule, tile)
+
+    def dq(self, ds: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """``dS · K`` of the tile (unscaled)."""
+        rule = self.config.rule("dq")
+        if rule is None:
+            return ds @ self.k
+        dsc = self.score_cast(ds, "dS", rule.grad, rule, tile, False)
+        return self._keys_inner(dsc, "K", self.k, rule.format, rule, tile)
+
+    def _key_indexed(
+        self,
+        x: torch.Tensor,
+        name: str,
+        y: torch.Tensor,
+        y_name: str,
+        y_fmt: str,
+        x_fmt: str,
+        rule: AttentionCast | None,
+        tile: Tile,
+    ) -> torch.Tensor:
+        """``xᵀ · y`` over the tile's query rows (``x`` a score, ``y`` the whole Q or dO)."""
+        if rule is None:
+            return x.mT @ y[:, :, tile.r0 : tile.r1]
+        xc = self.score_cast(x, name, x_fmt, rule, tile, True)
+        yc = self._whole(y_name, y, y_fmt, rule.scaling, True)
+        if is_mx(y_fmt):  # [B, H, D, T]: MX blocks along the queries
+            return xc @ yc[..., tile.r0 : tile.r1].mT
+        return xc @ yc[:, :, tile.r0 : tile.r1]
+
+    def dv(self, p: torch.Tensor, do: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """``Pᵀ · dO`` over the tile's query rows."""
+        rule = self.config.rule("dv")
+        fmt, grad = (rule.format, rule.grad) if rule else ("", "")
+        return self._key_indexed(p, "P", do, "dO", grad, fmt, rule, tile)
+
+    def dk(self, ds: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """``dSᵀ · Q`` over the tile's query rows (unscaled)."""
+        rule = self.config.rule("dk")
+        fmt, grad = (rule.format, rule.grad) if rule else ("", "")
+        return self._key_indexed(ds, "dS", self.q, "Q", fmt, grad, rule, tile)

@@ -37,12 +37,10 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins import Precision as _FabricBase
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as _FabricFSDP
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
-from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import FSDPPrecision as _LightningFSDP
@@ -383,11 +381,11 @@ class CheckpointIO(TorchCheckpointIO):
     Trainer and Fabric alike: ``plugins=[Precision("bf16-master"), CheckpointIO()]``.
 
     Lightning gives a precision plugin no hook before it reads a checkpoint, so this
-    is a plugin of its own. Writing is Lightning's. A local file is read with
+    is a plugin of its own. Writing is Lightning's. A local path is read with
     :func:`amped.checkpoint.load_checkpoint`: the archive checked whole (layout, every
-    CRC-32), then ``torch.load(weights_only=True)``. Another filesystem's file
-    (fsspec: ``s3://``, ``https://``) is read by Lightning with ``weights_only=True``,
-    where Lightning's own reader unpickles a URL with ``weights_only=False``.
+    CRC-32), then ``torch.load(weights_only=True)``. A URL (fsspec: ``s3://``,
+    ``https://``, ``file://``) is read by Lightning with ``weights_only=True``,
+    where Lightning's own reader unpickles an ``http(s)`` one with ``weights_only=False``.
     ``weights_only=False`` passed to ``fit``/``load`` trusts the whole file: Lightning's
     reader, unchanged.
 
@@ -407,7 +405,7 @@ class CheckpointIO(TorchCheckpointIO):
         """Read the checkpoint at ``path`` (see the class); ``map_location`` as torch.load's."""
         if weights_only is False:  # the caller trusts the whole file
             return super().load_checkpoint(path, map_location, weights_only=False)
-        if isinstance(get_filesystem(path), LocalFileSystem):
+        if "://" not in str(path):  # a local path, not a URL for fsspec
             return load_checkpoint(path, map_location=map_location)
         try:
             return super().load_checkpoint(path, map_location, weights_only=True)

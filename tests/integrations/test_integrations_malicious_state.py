@@ -9,7 +9,6 @@ the marker must not appear, and the error names the file.
 from __future__ import annotations
 
 import os
-import pickle
 
 import pytest
 import torch
@@ -116,7 +115,7 @@ def test_accelerate_refuses_a_folder_without_the_recipe_state(accelerate_state, 
 
 def lightning_checkpoint(tmp_path):
     L = pytest.importorskip("lightning")
-    from amped.integrations.lightning import Precision
+    from amped.integrations.lightning import CheckpointIO, Precision
 
     class Module(L.LightningModule):
         def __init__(self):
@@ -138,7 +137,7 @@ def lightning_checkpoint(tmp_path):
             enable_model_summary=False,
             logger=False,
             enable_checkpointing=False,
-            plugins=[Precision("fp16-mixed", device="cpu")],
+            plugins=[Precision("fp16-mixed", device="cpu"), CheckpointIO()],
         )
 
     x = torch.cat([b[0] for b in batches()])
@@ -152,27 +151,42 @@ def lightning_checkpoint(tmp_path):
 
 
 def test_lightning_plugin_state_runs_no_code(tmp_path):
-    # The plugin's state lives inside Lightning's checkpoint, which Lightning loads with
-    # torch.load's default, weights_only=True: the state must be plain data (so nobody
-    # needs weights_only=False for amped's sake), and a planted object is refused.
+    # The plugin's state lives inside Lightning's checkpoint, which amped's CheckpointIO
+    # reads with weights_only=True: the state must be plain data (so nobody needs
+    # weights_only=False for amped's sake), and a planted object is refused, named.
     path, resume = lightning_checkpoint(tmp_path)
     marker = tmp_path / "pwned"
     checkpoint = torch.load(path, weights_only=True)
     assert checkpoint["Precision"]["recipe"] == "fp16-mixed"
     checkpoint["Precision"] = {"recipe": "fp16-mixed", "scaler": Payload(str(marker))}
     torch.save(checkpoint, path)
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    with pytest.raises(CheckpointError, match=r"refuses to build.*mkdir") as raised:
         resume()
+    assert str(path) in str(raised.value)
     assert not marker.exists()
+
+
+def test_lightning_checkpoint_io_resumes_a_clean_checkpoint(tmp_path):
+    _, resume = lightning_checkpoint(tmp_path)
+    resume()  # amped's CheckpointIO reads what Lightning wrote
+
+
+def test_lightning_checkpoint_io_names_a_torn_file(tmp_path):
+    path, resume = lightning_checkpoint(tmp_path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="torn, truncated or corrupt") as raised:
+        resume()
+    assert str(path) in str(raised.value)
 
 
 def test_fabric_plugin_state_runs_no_code(tmp_path):
     L = pytest.importorskip("lightning")
-    from amped.integrations.lightning import FabricPrecision
+    from amped.integrations.lightning import CheckpointIO, FabricPrecision
 
     def fabric_state():
         plugin = FabricPrecision("fp16-mixed", device="cpu")
-        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin, CheckpointIO()])
         net = make_net()
         net, opt = fabric.setup(net, make_optimizer(net.parameters()))
         return fabric, {"model": net, "optimizer": opt, "precision": plugin}
@@ -185,6 +199,25 @@ def test_fabric_plugin_state_runs_no_code(tmp_path):
     checkpoint["precision"] = {"recipe": "fp16-mixed", "scaler": Payload(str(marker))}
     torch.save(checkpoint, path)
     fabric, state = fabric_state()
-    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+    before = params(state["model"])
+    with pytest.raises(CheckpointError, match=r"refuses to build.*mkdir") as raised:
         fabric.load(path, state)
+    assert str(path) in str(raised.value)
+    assert not marker.exists()
+    assert same(before, params(state["model"]))
+
+
+def test_checkpoint_io_refuses_a_planted_object_in_a_remote_file(tmp_path):
+    # Not a local path: Lightning reads it (fsspec) and, for a URL, would default to
+    # weights_only=False; amped's CheckpointIO always asks for weights_only=True.
+    pytest.importorskip("lightning")
+    fsspec = pytest.importorskip("fsspec")
+    from amped.integrations.lightning import CheckpointIO
+
+    path, marker = "memory://amped-test/planted.ckpt", tmp_path / "pwned"
+    with fsspec.open(path, "wb") as file:
+        torch.save({"Precision": {"scaler": Payload(str(marker))}}, file)
+    with pytest.raises(CheckpointError, match=r"refuses to build.*mkdir") as raised:
+        CheckpointIO().load_checkpoint(path)
+    assert path in str(raised.value)
     assert not marker.exists()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import tempfile
 import time
 from typing import Any, BinaryIO
@@ -47,6 +48,7 @@ __all__ = [
     "CheckpointError",
     "load_checkpoint",
     "refuse_nonfinite",
+    "refused_object_error",
     "remove_stale_temporaries",
     "save_checkpoint",
 ]
@@ -224,8 +226,9 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = None) -
         map_location: passed to ``torch.load``.
 
     Raises:
-        CheckpointError: the file is torn, truncated, corrupt, or not a ``torch.save``
-            archive of a dict; the message says what was wrong. Nothing was loaded.
+        CheckpointError: the file is torn, truncated, corrupt, not a ``torch.save``
+            archive of a dict, or holds an object ``weights_only=True`` refuses (which
+            never runs); the message says what was wrong. Nothing was loaded.
         FileNotFoundError, PermissionError: the file cannot be opened.
     """
     target = os.fspath(path)
@@ -239,6 +242,8 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = None) -
             raise CheckpointError(
                 f"Checkpoint {target!r} is torn, truncated or corrupt: {error}. {_ADVICE}"
             ) from error
+        except pickle.UnpicklingError as error:
+            raise refused_object_error(target, error) from error
         except Exception as error:  # torch's reader or unpickler refused it
             raise CheckpointError(
                 f"Checkpoint {target!r} could not be loaded ({type(error).__name__}: "
@@ -250,6 +255,23 @@ def load_checkpoint(path: str | os.PathLike[str], *, map_location: Any = None) -
             "save_checkpoint writes."
         )
     return state
+
+
+def refused_object_error(target: str, error: pickle.UnpicklingError) -> CheckpointError:
+    """The :class:`CheckpointError` for a file holding an object that
+    ``torch.load(weights_only=True)`` refused (``error``): nothing in it ran."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    # torch's message opens with advice to load with weights_only=False; its reason is
+    # the line naming the global it refused (first line if torch words it otherwise).
+    reason = next((line for line in lines if "global" in line.lower()), _first_line(error))
+    return CheckpointError(
+        f"Checkpoint {target!r} holds an object that torch.load(weights_only=True) "
+        f"refuses to build (Weights only load failed: {reason}). Nothing in the file was "
+        "run and nothing was loaded. amped's state is only tensors and plain data, so the "
+        "file was altered or holds objects of your own: resume from a checkpoint you "
+        "trust; for a file you trust whole, allow the object's type with "
+        "torch.serialization.add_safe_globals."
+    )
 
 
 def _first_line(error: BaseException) -> str:

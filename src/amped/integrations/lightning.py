@@ -2,13 +2,13 @@
 
 Lightning's ``Trainer``::
 
-    from amped.integrations.lightning import Precision
-    trainer = L.Trainer(plugins=[Precision("bf16-master")])   # no precision= string
+    from amped.integrations.lightning import CheckpointIO, Precision
+    trainer = L.Trainer(plugins=[Precision("bf16-master"), CheckpointIO()])  # no precision=
 
 Fabric (a recipe that changes the model or optimizer needs them first)::
 
     precision = FabricPrecision("bf16-pure")
-    fabric = L.Fabric(plugins=[precision])
+    fabric = L.Fabric(plugins=[precision, CheckpointIO()])
     model, optimizer = fabric.setup(*precision.prepare(model, optimizer))
 
 The plugin builds the :class:`~amped.recipes.TrainSetup` of :func:`amped.prepare` and
@@ -19,6 +19,11 @@ the recipe's state in checkpoints, and teardown at the end of ``fit``, which giv
 model float32 weights back (:meth:`~amped.recipes.TrainSetup.teardown`). With a
 loss-scaling recipe, learning-rate schedulers skip with the optimizer.
 
+Checkpoints are read without running code: Lightning and Fabric load a local one with
+``torch.load(weights_only=True)``. Add :class:`CheckpointIO` to ``plugins=`` so that a
+file refused (a planted object, a torn write) raises amped's ``CheckpointError`` naming
+the file, rather than torch's ``UnpicklingError``, which does not.
+
 Requires ``lightning`` (from amped's clone: ``pip install -e ".[lightning]"``);
 ``import amped`` never imports it.
 """
@@ -26,20 +31,23 @@ Requires ``lightning`` (from amped's clone: ``pip install -e ".[lightning]"``);
 from __future__ import annotations
 
 import contextlib
+import pickle
 from collections.abc import Callable, Generator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import Precision as _FabricBase
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.precision.fsdp import FSDPPrecision as _FabricFSDP
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT_STR
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import FSDPPrecision as _LightningFSDP
 from lightning.pytorch.plugins.precision import Precision as _LightningBase
 
 from amped._internal.errors import received, value_error
-from amped.checkpoint.save_load import refuse_nonfinite
+from amped.checkpoint.save_load import load_checkpoint, refuse_nonfinite, refused_object_error
 from amped.integrations.common import (
     SkipAwareScheduler,
     check_clipping,
@@ -53,7 +61,7 @@ from amped.recipes.memory import MemoryReport
 from amped.recipes.o2 import MasterSetup
 from amped.scaling import GradScaler
 
-__all__ = ["FSDPPrecision", "FabricFSDPPrecision", "FabricPrecision", "Precision"]
+__all__ = ["CheckpointIO", "FSDPPrecision", "FabricFSDPPrecision", "FabricPrecision", "Precision"]
 
 
 def _lightning_name(recipe: Recipe) -> _PRECISION_INPUT_STR:
@@ -366,6 +374,43 @@ class FabricFSDPPrecision(FabricPrecision, _FabricFSDP):  # type: ignore[misc]  
     def _setup_for(self, optimizer: Any) -> TrainSetup:
         _agree_across_ranks(self.scaler)
         return super()._setup_for(optimizer)
+
+
+class CheckpointIO(TorchCheckpointIO):
+    """Lightning's ``TorchCheckpointIO``, reading files with amped's checks; for the
+    Trainer and Fabric alike: ``plugins=[Precision("bf16-master"), CheckpointIO()]``.
+
+    Lightning gives a precision plugin no hook before it reads a checkpoint, so this
+    is a plugin of its own. Writing is Lightning's. A local path is read with
+    :func:`amped.checkpoint.load_checkpoint`: the archive checked whole (layout, every
+    CRC-32), then ``torch.load(weights_only=True)``. A URL (fsspec: ``s3://``,
+    ``https://``, ``file://``) is read by Lightning with ``weights_only=True``,
+    where Lightning's own reader unpickles an ``http(s)`` one with ``weights_only=False``.
+    ``weights_only=False`` passed to ``fit``/``load`` trusts the whole file: Lightning's
+    reader, unchanged.
+
+    Raises:
+        CheckpointError: the file holds an object ``weights_only=True`` refuses (a
+            planted pickle; it never runs), or is torn, truncated or corrupt. The
+            message names the file; nothing was loaded.
+        FileNotFoundError: no file at the path.
+    """
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable[..., Any] | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Read the checkpoint at ``path`` (see the class); ``map_location`` as torch.load's."""
+        if weights_only is False:  # the caller trusts the whole file
+            return super().load_checkpoint(path, map_location, weights_only=False)
+        if "://" not in str(path):  # a local path, not a URL for fsspec
+            return load_checkpoint(path, map_location=map_location)
+        try:
+            return super().load_checkpoint(path, map_location, weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise refused_object_error(str(path), error) from error
 
 
 def _check_fsdp_recipe(recipe: Recipe) -> None:

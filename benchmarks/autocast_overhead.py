@@ -41,7 +41,7 @@ On CUDA (``--device cuda``) models, data and regions are on the GPU, autocast's
 default dtype there is float16, and times are wall time between two
 ``torch.cuda.synchronize()`` calls (the kernels are the work there, on another
 processor). ``--json PATH`` also writes the figures to a file (for
-``benchmarks/gpu_check.py``).
+``benchmarks/support/gpu_check.py``).
 
     python benchmarks/autocast_overhead.py [--repeats 15] [--models encoder,gpt2,cnn]
         [--compile-model encoder] [--compile-backend inductor] [--no-compile]

@@ -23,7 +23,7 @@ of large Linear layers (``--gpu-dim``, default 8192, ``--gpu-tokens`` 16384), ea
 recipe against bf16-mixed (target >= 1.3x) and against torchao's same recipe (<= 1.05;
 left out, with a line, where torchao does not import). :func:`run_gpu` is importable for
 a one-call GPU script; ``--json PATH`` also writes the figures to a file (for
-``benchmarks/gpu_check.py``). Then, on sm100-class GPUs only, the block recipes with
+``benchmarks/support/gpu_check.py``). Then, on sm100-class GPUs only, the block recipes with
 native block GEMMs against bf16-mixed (``benchmarks/block_formats.py``'s GPU part,
 same sizes; ``gpu_block`` in the JSON, None elsewhere).
 

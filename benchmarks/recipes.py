@@ -38,7 +38,7 @@ The skipped casts' share, and with it what O2 can gain, grows as the matmuls shr
 
 On CUDA (``--device cuda``) the models, data and autocast are on the GPU and each timed
 step ends with ``torch.cuda.synchronize()``. ``--json PATH`` also writes the figures to
-a file (for ``benchmarks/gpu_check.py``); ``--models`` picks models by their key.
+a file (for ``benchmarks/support/gpu_check.py``); ``--models`` picks models by their key.
 
 4. With ``--phases``: where bf16-pure's step time goes. torch O1 and bf16-pure run
    again, interleaved, each step timed in three parts: forward, backward, and the

@@ -11,7 +11,7 @@ on an accelerator.
 
 On CUDA (``--device cuda``) each timed iteration ends with ``torch.cuda.synchronize()``,
 so the kernels the scalers launch are timed as well as the host's work. ``--json PATH``
-also writes the figures to a file (for ``benchmarks/gpu_check.py``).
+also writes the figures to a file (for ``benchmarks/support/gpu_check.py``).
 
 Usage: python benchmarks/scaler_overhead.py [--repeats 31] [--iterations 20]
                                             [--device cpu] [--json PATH]

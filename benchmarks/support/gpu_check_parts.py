@@ -1,6 +1,6 @@
 """The GPU check's parts (what each runs, on CUDA and in the dry run) and how one is run.
 
-Used by ``benchmarks/gpu_check.py``; see its docstring for the whole check.
+Used by ``benchmarks/support/gpu_check.py``; see its docstring for the whole check.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.sh: its CPU dry run writes the whole JSON, and a failing part
 is recorded without stopping the run.
 
-The dry run is the same driver as on the GPU (benchmarks/gpu_check.py), on the CPU with
+The dry run is the same driver as on the GPU (benchmarks/support/gpu_check.py), on the CPU with
 the benchmarks' smallest settings: the CUDA parts skip, the benchmarks run, and every
 section and target is there with values of the right types.
 """
@@ -19,7 +19,7 @@ import pytest
 import torch
 from repo_paths import ROOT
 
-DRIVER = ROOT / "benchmarks" / "gpu_check.py"
+DRIVER = ROOT / "benchmarks" / "support" / "gpu_check.py"
 PARTS = ("setup", "op_lists", "gpu_tests", "recipes", "fp8", "autocast_overhead")
 PARTS += ("scaler_overhead",)
 TARGETS = ("bf16_mixed_over_torch_o1", "bf16_master_over_torch_o1", "fp8_speedup_over_bf16")

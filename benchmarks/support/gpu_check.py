@@ -38,10 +38,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-# The helpers are in support/ beside this script, and amped runs from this checkout's
+# The helpers are beside this script (benchmarks/support/), and amped runs from this checkout's
 # src/: importable also when this file is imported.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
-sys.path.insert(0, str(Path(__file__).resolve().parent / "support"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_check_parts import (
     DRY_SLACK,
     PARTS,
@@ -57,7 +57,7 @@ from gpu_targets import evaluate
 from amped._internal.files import write_files
 from amped._internal.jsonio import from_json, to_json
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -57,12 +57,13 @@ def warnings(results: dict[str, Any]) -> list[str]:
 
 def findings(results: dict[str, Any]) -> list[str]:
     """The warnings, then the findings, one sentence each."""
-    ran = [r for r in results["recipes"] if r["samples_per_s"]]
+    ran = [r for r in results["recipes"] if r["samples_per_s"] or r.get("steps_done")]
     if not ran:
         return ["No recipe completed a step."]
     lines = warnings(results)
-    if len(ran) > 1:
-        lines.append(_speed_finding(results, ran))
+    timed = [r for r in ran if r["samples_per_s"]]  # a one-step run has no speed
+    if len(timed) > 1:
+        lines.append(_speed_finding(results, timed))
     plan = results.get("plan")
     if plan and plan["shortened"]:
         lines.append(f"Steps: {plan['note']}.")

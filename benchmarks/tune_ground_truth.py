@@ -54,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import amped
+from amped.comparison.environment import cpu_name
 from amped.tasks import tiny_gpt as default_task
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -305,8 +306,8 @@ def main() -> None:
         result["tune"] = {"estimates": per_seed, "spearman_first_seed": rho_first,
                           "spearman_mean_estimate": rho_mean}  # fmt: skip
     seconds = time.perf_counter() - began
-    result["machine"] = {"cpu": cpu, "threads": args.threads, "load_after": os.getloadavg(),
-                         "seconds": seconds}  # fmt: skip
+    result["machine"] = {"cpu": cpu, "cpu_model": cpu_name(), "threads": args.threads,
+                         "load_after": os.getloadavg(), "seconds": seconds}  # fmt: skip
     print(f"{seconds:.0f} s; load {os.getloadavg()}")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")

@@ -3,7 +3,10 @@ block casts run eagerly unless a test is marked ``compiled_casts``."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,30 @@ from amped.autocast_mode import current_path
 from amped.lowp.float8.emulated_gemm import set_emulated_gemm
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+# Under pytest-xdist (`pytest -n 2`), a test marked ``alone`` runs while no other test
+# does: it takes an exclusive lock that every other test takes shared, so it waits for
+# the other worker's current test and holds the next one back. For the tests that time
+# training under a load they start themselves (another worker's test would add to it).
+_LOCK = (
+    Path(tempfile.gettempdir())
+    / f"amped-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'serial')}.lock"
+)
+
+
+@pytest.fixture(autouse=True)
+def _alone_or_shared(request):
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    with _LOCK.open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _snapshot() -> tuple[object, ...]:

@@ -112,6 +112,7 @@ def test_a_slow_first_step_is_warm_up_and_cuts_no_step(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # the load it measures under is its own (tests/conftest.py)
 def test_every_step_estimate_is_within_2x_of_the_measured_median_under_load(tmp_path):
     # The built-in task and every default recipe, with another process spinning on a
     # core: an estimate that held a compile or a first step would be many times the

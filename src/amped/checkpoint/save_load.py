@@ -261,7 +261,7 @@ def refused_object_error(target: str, error: pickle.UnpicklingError) -> Checkpoi
     """The :class:`CheckpointError` for a file holding an object that
     ``torch.load(weights_only=True)`` refused (``error``): nothing in it ran."""
     lines = [line.strip() for line in str(error).splitlines()]
-    # torch's message opens with advice to load with weights_only=False; its reason is
+    # torch's message opens with advice to turn weights_only off; its reason is
     # the line naming the global it refused (first line if torch words it otherwise).
     reason = next((line for line in lines if "global" in line.lower()), _first_line(error))
     return CheckpointError(

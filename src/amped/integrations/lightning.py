@@ -385,9 +385,9 @@ class CheckpointIO(TorchCheckpointIO):
     :func:`amped.checkpoint.load_checkpoint`: the archive checked whole (layout, every
     CRC-32), then ``torch.load(weights_only=True)``. A URL (fsspec: ``s3://``,
     ``https://``, ``file://``) is read by Lightning with ``weights_only=True``,
-    where Lightning's own reader unpickles an ``http(s)`` one with ``weights_only=False``.
-    ``weights_only=False`` passed to ``fit``/``load`` trusts the whole file: Lightning's
-    reader, unchanged.
+    where Lightning's own reader unpickles an ``http(s)`` one in full. A caller who
+    turns ``weights_only`` off in ``fit``/``load`` trusts the whole file: Lightning's
+    reader, unchanged, with the caller's setting.
 
     Raises:
         CheckpointError: the file holds an object ``weights_only=True`` refuses (a
@@ -403,8 +403,8 @@ class CheckpointIO(TorchCheckpointIO):
         weights_only: bool | None = None,
     ) -> dict[str, Any]:
         """Read the checkpoint at ``path`` (see the class); ``map_location`` as torch.load's."""
-        if weights_only is False:  # the caller trusts the whole file
-            return super().load_checkpoint(path, map_location, weights_only=False)
+        if weights_only is False:  # the caller's own choice: it trusts the whole file
+            return super().load_checkpoint(path, map_location, weights_only=weights_only)
         if "://" not in str(path):  # a local path, not a URL for fsspec
             return load_checkpoint(path, map_location=map_location)
         try:

@@ -18,7 +18,7 @@ import torch
 from amped.comparison import interrupt
 from amped.comparison.budget import PROBE_SHARE, Budget
 from amped.comparison.interrupt import graceful_interrupts
-from amped.comparison.plan import Plan, estimate_step, make_plan
+from amped.comparison.plan import Plan, make_plan
 from amped.comparison.probe import PROBE_KIND, ProbeResult, probe_recipe
 from amped.comparison.run import OUT_OF_TIME, CompareConfig, Observer, RecipeRun, run_recipe
 from amped.comparison.timing import CpuLoad
@@ -78,8 +78,7 @@ def run_comparison(
             with budget.paused():
                 comparison.warmups = _warm_up_all(config, runs, observer)
             probes = _probe_all(config, runs, observer, budget, comparison.warmups)
-            timed = {name: p.step_times for name, p in probes.items() if p.step_times}
-            comparison.plan = make_plan(config, runs, observer, budget, timed)
+            comparison.plan = make_plan(config, runs, observer, budget)
             _train_all(config, runs, observer, budget, comparison.plan, probes)
     except KeyboardInterrupt:
         comparison.partial = True
@@ -153,10 +152,6 @@ def _train_all(
 ) -> None:
     """Train each recipe not yet run, within its share of what is left of the budget."""
     estimates = dict(plan.step_s) if plan else {}
-    for name, probe in probes.items():
-        estimate = estimate_step(probe.step_times)
-        if name not in estimates and estimate is not None:
-            estimates[name] = estimate
     pending = [run for run in runs if run.status == "not_run"]
     known = [estimates[r.recipe.name] for r in pending if r.recipe.name in estimates]
     fallback = sum(known) / len(known) if known else 1.0  # equal shares without estimates

@@ -86,24 +86,19 @@ def make_plan(
     runs: list[RecipeRun],
     observer: Observer,
     budget: Budget,
-    timed: dict[str, list[float]] | None = None,
 ) -> Plan | None:
     """Estimate every recipe's step time and set ``steps_planned`` on ``runs``; None
     without a budget.
 
-    ``timed`` holds step times already measured (by the memory probes); only the
-    recipes missing from it are timed here. A recipe that fails while being timed is
-    marked failed in ``runs`` and not run again.
+    Every recipe is timed here, in this process: the memory probes' steps run under an
+    allocator that maps and unmaps every large block (:mod:`amped.comparison.probe`),
+    about 15 ms a step slower on the built-in task, so their times are not the run's.
+    A recipe that fails while being timed is marked failed in ``runs`` and not run again.
     """
     if not budget.limited or config.steps <= TIMING_STEPS:
         return None  # nothing to fit, or timing would cost as much as the run
-    timed = timed or {}
-    estimates = {
-        run.recipe.name: estimate
-        for run in runs
-        if (estimate := estimate_step(timed.get(run.recipe.name, []))) is not None
-    }
-    untimed = [r for r in runs if r.status != "failed" and r.recipe.name not in estimates]
+    estimates: dict[str, float] = {}
+    untimed = [r for r in runs if r.status != "failed"]
     if untimed:
         observer.planning(runs)
     timing_deadline = time.monotonic() + _TIMING_SHARE * budget.left()

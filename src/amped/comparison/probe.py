@@ -1,7 +1,7 @@
 """Each recipe's peak memory, measured in a process that runs nothing else.
 
 In one process freed pages and earlier recipes' caches drown a small model's growth, so
-on a CPU each recipe also runs :data:`PROBE_STEPS` steps in ``python -m amped.comparison.probe``:
+on a CPU each recipe also runs :data:`PROBE_STEPS` steps in a child Python process:
 its kernel peak (``VmHWM``, reset once the float32 task is built) less its size then.
 
 Before that, a recipe that compiles something once per process compiles it on a
@@ -41,6 +41,9 @@ _TIMEOUT_S = 600.0
 # A fixed threshold (glibc's default start, 128 KiB) keeps it where it starts, so the
 # peak follows the memory in use. Other C libraries ignore the variable.
 _MMAP_THRESHOLD = str(128 << 10)
+# Not ``python -m amped.comparison.probe``: importing amped imports this module first,
+# and runpy then warns that it runs a module already in sys.modules.
+_CHILD = "import sys; from amped.comparison.probe import _main; sys.exit(_main())"
 
 
 @dataclass(frozen=True)
@@ -78,7 +81,7 @@ def probe_recipe(
     env["MALLOC_MMAP_THRESHOLD_"] = _MMAP_THRESHOLD  # see _MMAP_THRESHOLD
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "amped.comparison.probe"],
+            [sys.executable, "-c", _CHILD],
             input=json.dumps(request),
             capture_output=True,
             text=True,
@@ -215,7 +218,3 @@ def _main() -> int:
     answer["wall_s"] = time.monotonic() - began
     print(json.dumps(answer))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_main())

@@ -19,6 +19,8 @@ import pytest
 import torch
 from repo_paths import ROOT
 
+pytestmark = pytest.mark.xdist_group("gpu_check")  # one worker runs the dry run
+
 DRIVER = ROOT / "benchmarks" / "support" / "gpu_check.py"
 PARTS = ("setup", "op_lists", "gpu_tests", "recipes", "fp8", "autocast_overhead")
 PARTS += ("scaler_overhead",)

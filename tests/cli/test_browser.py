@@ -27,6 +27,8 @@ pytest.importorskip("matplotlib")
 from amped.cli.main import main
 from amped.doctor import diagnose
 
+pytestmark = pytest.mark.xdist_group("browser")  # one worker builds the report
+
 Image = pytest.importorskip("PIL.Image")
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser")) if p), None)

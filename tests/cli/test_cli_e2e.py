@@ -22,6 +22,8 @@ from results_schema import validate
 from amped.cli.main import main
 from amped.recipes.registry import RECIPES
 
+pytestmark = pytest.mark.xdist_group("e2e")  # one worker builds the module's run
+
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 

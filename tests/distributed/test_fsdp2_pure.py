@@ -16,7 +16,7 @@ import pytest
 import torch
 from dist_launch import FSDP2_DEADLINE_S, ranks_results
 
-pytestmark = pytest.mark.slow  # two processes importing torch and FSDP2
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("fsdp2")]  # one 2-rank launch
 
 RECIPES = ("bf16-pure", "bf16-pure-sr", "bf16-pure-8bit")
 

@@ -29,7 +29,7 @@ from amped.lowp.float8.cast import (
 )
 from amped.lowp.float8.gemm import scaled_mm
 
-pytestmark = pytest.mark.compiled_casts
+pytestmark = [pytest.mark.compiled_casts, pytest.mark.xdist_group("compiled_casts_float8")]
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 VALUES_DTYPES = (torch.bfloat16, torch.float32)

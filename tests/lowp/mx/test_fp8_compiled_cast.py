@@ -29,7 +29,7 @@ from amped.lowp.mx.block_operand import block_operand
 from amped.lowp.mx.e2m1 import E2M1_VALUES
 from amped.lowp.mx.hadamard import hadamard_rows, hadamard_signs
 
-pytestmark = pytest.mark.compiled_casts
+pytestmark = [pytest.mark.compiled_casts, pytest.mark.xdist_group("compiled_casts_block")]
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 CASES = {  # name: (format, blocked dim, 16x16 tiles)

@@ -378,6 +378,23 @@ def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
 
 # --- doctor ---
 
+# --- verification ---
+
+
+def torch_dispatch_mode() -> type[Any]:
+    """torch's ``TorchDispatchMode``: the base of a mode that sees every aten op below
+    autograd, tensor subclasses' ops before their own dispatch (``amped.verify`` reads
+    each GEMM's operands so)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def scaled_mm_op() -> Any:
+    """``aten._scaled_mm.default``, the FP8 GEMM op, as a dispatch mode sees it."""
+    return torch.ops.aten._scaled_mm.default
+
+
 # --- integrations ---
 
 # steps_with_amp_scaling: see the scaling section.

@@ -34,7 +34,7 @@ from amped.lowp.conv1d import is_conv1d
 from amped.lowp.health import Operand as HealthOperand
 from amped.verification.operands import Operand, from_amped, from_gemm_arg, transposed
 
-__all__ = ["Gemm", "LayerRecord", "capture"]
+__all__ = ["Gemm", "LayerRecord", "capture", "eager_casts"]
 
 _aten = torch.ops.aten
 _GEMMS = {_aten.mm.default: (0, 1), _aten.addmm.default: (1, 2), _aten.bmm.default: (0, 1)}
@@ -106,6 +106,18 @@ class _GemmMode(torch_compat.torch_dispatch_mode()):  # type: ignore[misc]
             elif func is torch_compat.scaled_mm_op():
                 self.owner.on_gemm(args[0], args[1], out)
         return out
+
+
+class _Passthrough(torch_compat.torch_dispatch_mode()):  # type: ignore[misc]
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        return func(*args, **(kwargs or {}))
+
+
+def eager_casts() -> contextlib.AbstractContextManager[Any]:
+    """A block in which amped's casts run eagerly, as they do under :func:`capture`:
+    under any dispatch mode (:mod:`amped.lowp.float8.compiled_cast`). One step's
+    reference casts never earn back a kernel's compile (seconds per shape)."""
+    return _Passthrough()  # type: ignore[no-any-return]
 
 
 class _Capture:

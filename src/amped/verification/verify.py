@@ -13,7 +13,7 @@ from amped._internal.errors import value_error
 from amped.lowp.convert import plan_low_precision
 from amped.tasks.task import call_model
 from amped.verification.backends import Backend, resolve_backend
-from amped.verification.capture import capture
+from amped.verification.capture import capture, eager_casts
 from amped.verification.checks import check_layer
 from amped.verification.reference import recipe_config
 from amped.verification.report import VerifyReport
@@ -117,8 +117,9 @@ def verify(
             loss = (loss_fn or _mean_square)(outputs, targets)
         loss.backward()
     gemms, flags = [], []
-    for name in layers:
-        results, found = check_layer(records[name], config)
-        gemms += results
-        flags += found
+    with eager_casts():
+        for name in layers:
+            results, found = check_layer(records[name], config)
+            gemms += results
+            flags += found
     return VerifyReport(chosen.name, recipe, tuple(layers), tuple(gemms), tuple(flags))

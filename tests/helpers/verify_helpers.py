@@ -22,10 +22,6 @@ from amped.lowp.mx.block_kernel import nvfp4_tensor_scale
 from amped.lowp.mx.block_linear import BlockLinear
 from amped.verification.backends import BACKENDS, Prepared
 
-with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    import transformers
-
 
 def mlp(seed: int = 0) -> nn.Sequential:
     """A 4-layer MLP: three layers amped's plans convert (``0``, ``2``, ``4``; NVFP4
@@ -41,8 +37,40 @@ def mlp_batch() -> torch.Tensor:
     return torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
 
 
+def mlp_task(seed: int = 0):
+    """:func:`mlp` as a task factory (``--model verify_helpers:mlp_task``)."""
+
+    def batches():
+        while True:
+            x = mlp_batch()
+            yield x, x
+
+    return mlp(seed), batches(), nn.functional.mse_loss
+
+
+class _Unused(nn.Module):
+    """:func:`mlp` with one more layer the plan converts and the forward never calls."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        self.spare = nn.Linear(64, 64)
+        self.net = mlp(seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def unused_layer_task(seed: int = 0):
+    _, batches, loss_fn = mlp_task(seed)
+    return _Unused(seed), batches, loss_fn
+
+
 def gpt2(seed: int = 0) -> nn.Module:
     """A transformers GPT-2 with random weights: 2 layers, width 64, 128 tokens."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import transformers
+
     torch.manual_seed(seed)
     config = transformers.GPT2Config(
         n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32,

@@ -103,7 +103,7 @@ def verify_table(report: VerifyReport, width: int = 80) -> Table:
         rows.append((g.layer, g.role, a, b, bitwise, ratio, mark))
     headers = ("layer", "role", "A", "B", "bitwise", "err/bound", "")
     widest = [max([len(h), *(len(r[i]) for r in rows)]) for i, h in enumerate(headers)]
-    room = max(10, width - sum(w + 2 for w in widest[1:]) - 1)
+    room = max(10, width - sum(w + 2 for w in widest[1:]) - 2)
     table.add_column(headers[0], no_wrap=True, max_width=room)
     for index, header in enumerate(headers[1:], start=1):
         table.add_column(header, no_wrap=True, justify="right" if index >= 4 else "left")

@@ -105,3 +105,12 @@ def test_transformer_engine_is_refused_saying_why_where_not_installed():
             amped.verify(mlp(), mlp_batch(), recipe="fp8-tensorwise", backend="te")
     else:
         pytest.skip("Transformer Engine is installed: reading its casts needs a CUDA device")
+
+
+def test_the_docstring_example_runs():
+    import doctest
+    import importlib
+
+    module = importlib.import_module("amped.verification.verify")
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 3 and result.failed == 0

@@ -88,8 +88,7 @@ def verify(
 
     Example:
         >>> import torch, amped
-        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-        <torch._C.Generator object at ...>
+        >>> _ = torch.manual_seed(0)
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
         >>> report = amped.verify(model, torch.randn(32, 64), recipe="fp8-rowwise")
         >>> report.ok, report.layers

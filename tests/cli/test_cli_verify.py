@@ -30,6 +30,7 @@ def test_a_clean_run_exits_0_with_a_table_in_80_columns_and_its_files(tmp_path, 
     assert "<table>" in (tmp_path / "out" / "verify.html").read_text()
 
 
+@pytest.mark.slow
 def test_a_planned_layer_that_never_runs_is_flagged_and_exits_1(tmp_path, capsys):
     code = _verify(tmp_path, "--model", "verify_helpers:unused_layer_task", "--recipe", "mxfp8")
     out = capsys.readouterr().out

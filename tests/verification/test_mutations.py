@@ -52,6 +52,7 @@ def test_iv_floor_scales_where_rceil_is_claimed_are_named_as_floor():
     assert all("cast by floor scales" in f.message for f in report.flags)
 
 
+@pytest.mark.slow
 def test_v_one_output_element_just_beyond_its_bound_is_flagged_in_that_role_alone():
     clean = amped.verify(mlp(), mlp_batch(), recipe="fp8-rowwise")
     (gemm,) = [g for g in clean.gemms if (g.layer, g.role) == ("2", "grad_input")]

@@ -117,7 +117,7 @@ def eager_casts() -> contextlib.AbstractContextManager[Any]:
     """A block in which amped's casts run eagerly, as they do under :func:`capture`:
     under any dispatch mode (:mod:`amped.lowp.float8.compiled_cast`). One step's
     reference casts never earn back a kernel's compile (seconds per shape)."""
-    return _Passthrough()  # type: ignore[no-any-return]
+    return _Passthrough()
 
 
 class _Capture:

@@ -390,11 +390,6 @@ def torch_dispatch_mode() -> type[Any]:
     return TorchDispatchMode
 
 
-def scaled_mm_op() -> Any:
-    """``aten._scaled_mm.default``, the FP8 GEMM op, as a dispatch mode sees it."""
-    return torch.ops.aten._scaled_mm.default
-
-
 # --- integrations ---
 
 # steps_with_amp_scaling: see the scaling section.

@@ -5,9 +5,9 @@ change no number the backend computes.
   (forward hook), grad_output (backward pre-hook) and grad_input (backward hook); its
   weight's gradient is read after the step. They attribute everything in between to
   the layer, and give the high-precision tensors the reference casts start from.
-- **A dispatch mode** sees every GEMM op (``mm``, ``addmm``, ``bmm``, ``_scaled_mm``)
-  below autograd, a tensor subclass's before its own dispatch: torchao's
-  ``Float8TrainingTensor`` and ``MXTensor`` operands are read there
+- **A dispatch mode** sees every GEMM op (``mm``, ``addmm``, ``bmm``) below autograd,
+  a tensor subclass's before its own dispatch: torchao's ``Float8TrainingTensor`` and
+  ``MXTensor`` operands are read there
   (:func:`amped.verification.operands.from_gemm_arg`), as are the plain operands of a
   GEMM that ran in high precision. Inside a layer's backward, a GEMM whose output has
   the input's shape is grad_input's, one with the weight's is grad_weight's.
@@ -99,12 +99,9 @@ class _GemmMode(torch_compat.torch_dispatch_mode()):  # type: ignore[misc]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if self.owner.current is not None:
-            if func in _GEMMS:
-                i, j = _GEMMS[func]
-                self.owner.on_gemm(args[i], args[j], out)
-            elif func is torch_compat.scaled_mm_op():
-                self.owner.on_gemm(args[0], args[1], out)
+        if self.owner.current is not None and func in _GEMMS:
+            i, j = _GEMMS[func]
+            self.owner.on_gemm(args[i], args[j], out)
         return out
 
 

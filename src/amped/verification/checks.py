@@ -133,8 +133,15 @@ class _LayerCheck:
         return tuple(results)
 
     def compare(self, role: str, name: str, index: int, ran: Operand, ref: Operand) -> int:
-        if not ref.low_precision or not ran.low_precision:
-            return 0 if ran.low_precision == ref.low_precision else -1
+        if not ref.low_precision and ran.low_precision:
+            self.flag(
+                "element_format",
+                role,
+                f"{name} cast to {ran.element} where the recipe keeps this GEMM in {ref.element}",
+            )
+            return -1
+        if not ran.low_precision:  # high precision as the recipe says, or a fallback
+            return 0 if not ref.low_precision else -1
         if ran.element != ref.element:
             self.flag(
                 "element_format",

@@ -145,7 +145,8 @@ def from_gemm_arg(arg: Any, transpose: bool) -> Operand | None:
         return transposed(op) if transpose else op
     if hasattr(arg, "qdata") and hasattr(arg, "elem_dtype") and hasattr(arg, "block_size"):
         return _mx(arg, transpose)
-    if type(arg) is torch.Tensor or isinstance(arg, torch.nn.Parameter):
+    plain_type = type(arg) is torch.Tensor or isinstance(arg, torch.nn.Parameter)
+    if plain_type and arg.dtype not in _FP8_NAMES:  # FP8 bytes without their scales: unread
         return plain(arg.t() if transpose else arg)
     return None
 

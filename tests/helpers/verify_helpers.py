@@ -223,3 +223,14 @@ class PerturbedGradInput:
 
         module.forward = forward
         return prepared
+
+
+class AmpedRunning:
+    """amped's backend running ``recipe`` whatever recipe is claimed."""
+
+    def __init__(self, recipe: str) -> None:
+        self.recipe = recipe
+        self.name = f"amped-{recipe}"
+
+    def prepare(self, model: nn.Module, recipe: str, layers: list[str]) -> Prepared:
+        return BACKENDS["amped"].prepare(model, self.recipe, layers)

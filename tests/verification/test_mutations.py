@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from verify_helpers import (
+    AmpedRunning,
     FloorScales,
     GradOutputE5M2,
     InBf16,
@@ -63,3 +64,18 @@ def test_v_one_output_element_just_beyond_its_bound_is_flagged_in_that_role_alon
     assert _flagged(report) == {("output_bound", "2", "grad_input")}
     (flagged,) = [g for g in report.gemms if (g.layer, g.role) == ("2", "grad_input")]
     assert flagged.outside == 1  # the perturbed element, and it alone
+
+
+@pytest.mark.slow
+def test_another_recipe_than_the_one_claimed_is_named_role_by_role():
+    """fp8-rowwise running where fp8-rowwise-gw-hp is claimed: its grad_input weight is
+    rowwise where the claim has it tensorwise, and its grad_weight GEMM is cast where
+    the claim keeps it in bfloat16; its forward is the claim's."""
+    backend = AmpedRunning("fp8-rowwise")
+    report = amped.verify(mlp(), mlp_batch(), recipe="fp8-rowwise-gw-hp", backend=backend)
+    by_role = {(f.layer, f.role): f.kind for f in report.flags}
+    for layer in ("0", "2", "4"):
+        assert (layer, "forward") not in by_role
+        assert by_role[(layer, "grad_weight")] == "element_format"
+    assert by_role[("2", "grad_input")] == "scale_rule"
+    assert by_role[("4", "grad_input")] == "scale_rule"

@@ -88,6 +88,15 @@ class _LayerCheck:
         if gemm is None:
             self.flag("not_run", role, "no GEMM of this role was seen inside the layer")
             return GemmResult(self.record.name, role, "not run")
+        shape = (gemm.a.elements.shape[0], gemm.b.elements.shape[0])
+        if tuple(observed.shape) != shape:
+            self.flag(
+                "not_run",
+                role,
+                f"the GEMM seen makes {list(shape)}, the layer's "
+                f"{role} is {list(observed.shape)}: no GEMM of this role was seen",
+            )
+            return GemmResult(self.record.name, role, "not run")
         casts = self.casts(role, gemm)
         dtype = _compute_dtype(self.record, observed)
         bias = self.record.bias if role == "forward" else None

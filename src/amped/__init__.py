@@ -3,7 +3,8 @@
 ``amped.autocast`` and ``amped.GradScaler`` are drop-ins for ``torch.autocast`` and
 ``torch.amp.GradScaler``; :class:`amped.Policy` is autocast's op policy as data you can
 read and change. :func:`amped.compare` measures what each precision recipe buys a model,
-and :func:`amped.tune` chooses a precision per layer.
+and :func:`amped.tune` chooses a precision per layer, and :func:`amped.verify` checks a
+low-precision step of any backend against amped's exact reference.
 """
 
 from amped import doctor
@@ -16,6 +17,7 @@ from amped.recipes import Recipe, memory_report, monitor, prepare
 from amped.recipes import TrainSetup as TrainSetup  # what prepare returns
 from amped.scaling import GradScaler
 from amped.tuning import tune
+from amped.verification import verify
 
 __all__ = [
     "Cast",
@@ -36,4 +38,5 @@ __all__ = [
     "prepare",
     "scaled_dot_product_attention",
     "tune",
+    "verify",
 ]

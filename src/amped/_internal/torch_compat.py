@@ -378,6 +378,18 @@ def init_optimizer_hooks(optimizer: torch.optim.Optimizer) -> None:
 
 # --- doctor ---
 
+# --- verification ---
+
+
+def torch_dispatch_mode() -> type[Any]:
+    """torch's ``TorchDispatchMode``: the base of a mode that sees every aten op below
+    autograd, tensor subclasses' ops before their own dispatch (``amped.verify`` reads
+    each GEMM's operands so)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
 # --- integrations ---
 
 # steps_with_amp_scaling: see the scaling section.

@@ -22,6 +22,7 @@ DEFAULT_MAX_TIME = 120.0
 DEFAULT_OUT = "amped-report"
 DEFAULT_DOCTOR_OUT = "amped-doctor"
 DEFAULT_TUNE_OUT = "amped-tune"
+DEFAULT_VERIFY_OUT = "amped-verify"
 DEFAULT_TUNE_STEPS = 50
 DEFAULT_TUNE_SEEDS = 3
 DEFAULT_TUNE_MAX_TIME = 600.0
@@ -209,8 +210,35 @@ def _add_tune(tune: argparse.ArgumentParser) -> None:
     add("--traceback", action="store_true", help="print the traceback of a failure")
 
 
+_VERIFY = (
+    "check a low-precision backend's step against amped's exact reference",
+    "Run one training step of a task through a backend (amped, torchao or Transformer "
+    "Engine) and check every low-precision GEMM of the layers the recipe converts: casts "
+    "bit for bit against amped's, outputs within the bound of float32 accumulation; print "
+    "a table and write verify.json and verify.html.",
+)
+_VERIFY_EXIT = "exit status: 0 nothing flagged; 1 something flagged (or verify failed); 2 bad input"
+
+
+def _add_verify(verify: argparse.ArgumentParser) -> None:
+    from amped.verification.verify import RECIPES
+
+    add = verify.add_argument
+    add("--model", default=None, metavar="MODULE:FACTORY",
+        help="task factory, as for amped compare (default: the built-in tiny GPT)")  # fmt: skip
+    add("--backend", default="amped", choices=["amped", "torchao", "te"],
+        help="what runs the step (default: amped)")  # fmt: skip
+    add("--recipe", required=True, choices=list(RECIPES),
+        help="the recipe said to be running; with --backend torchao, torchao's own "
+        "configuration of it")  # fmt: skip
+    _add_task_arguments(verify, "cpu or cuda (default: cuda if available)", DEFAULT_VERIFY_OUT)
+    add("--json", action="store_true", help="print only verify.json on stdout")
+    add("--traceback", action="store_true", help="print the traceback of a failure")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``amped`` parser with its ``compare``, ``doctor`` and ``tune`` commands."""
+    """The ``amped`` parser with its ``compare``, ``doctor``, ``tune`` and ``verify``
+    commands."""
     parser = _Parser(prog="amped", description="Mixed-precision training for PyTorch.")
     parser.add_argument("--version", action="store_true", help="print amped's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -221,4 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune = commands.add_parser("tune", help=_TUNE[0], description=_TUNE[1])
     tune.epilog = _TUNE_EXIT
     _add_tune(tune)
+    verify = commands.add_parser("verify", help=_VERIFY[0], description=_VERIFY[1])
+    verify.epilog = _VERIFY_EXIT
+    _add_verify(verify)
     return parser

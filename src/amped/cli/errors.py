@@ -7,6 +7,7 @@ from amped.tasks.errors import RunError, UsageError
 __all__ = [
     "EXIT_DIVERGED",
     "EXIT_FAILED",
+    "EXIT_FLAGGED",
     "EXIT_INTERRUPTED",
     "EXIT_NO_PLAN",
     "EXIT_OK",
@@ -19,6 +20,7 @@ __all__ = [
 
 EXIT_OK = 0
 EXIT_FAILED = 1  # RunError
+EXIT_FLAGGED = 1  # amped verify: something flagged (as a linter's findings; a failure is 1 too)
 EXIT_USAGE = 2  # UsageError
 # 3: the numerics failed, as each command defines it (like a linter's findings).
 EXIT_DIVERGED = 3  # amped compare: every recipe ran, but one or more diverged (non-finite losses)

@@ -1,5 +1,5 @@
-"""The ``amped`` command line: ``amped compare``, ``amped doctor`` and ``amped tune`` (also
-``python -m amped``).
+"""The ``amped`` command line: ``amped compare``, ``amped doctor``, ``amped tune`` and
+``amped verify`` (also ``python -m amped``).
 
 User mistakes are one line on stderr, without a traceback; the exit codes are in
 :mod:`amped.cli.errors` and docs/robustness.md.
@@ -82,9 +82,10 @@ def _main(arguments: list[str]) -> int:
         if args.version:
             print(version_line())
             return EXIT_OK
-        if args.command not in ("compare", "doctor", "tune"):
+        if args.command not in ("compare", "doctor", "tune", "verify"):
             raise UsageError(
-                "name a command: amped compare, amped doctor or amped tune (see amped --help)"
+                "name a command: amped compare, amped doctor, amped tune or amped verify "
+                "(see amped --help)"
             )
         _check_extra(args.command)
         if args.command == "doctor":
@@ -93,6 +94,10 @@ def _main(arguments: list[str]) -> int:
             )
 
             return run_doctor(args)
+        if args.command == "verify":
+            from amped.cli.verify.command import run_verify  # needs the extra: after the check
+
+            return run_verify(args)
         if args.command == "tune":
             from amped.cli.tune.command import run_tune  # needs the extra: imported after the check
 

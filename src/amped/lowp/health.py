@@ -205,7 +205,12 @@ def _cast_probe(low: Float8Tensor | BlockTensor | None, scale_mode: ScaleMode) -
 
 
 class GemmObserver(Protocol):
-    """What :func:`record_gemm` reports to (``layer.fp8_observer``)."""
+    """What :func:`record_gemm` reports to (``layer.fp8_observer``).
+
+    An observer that also has ``capture_gemm(layer, role, output, operands)`` is handed
+    the GEMM's output and operands (each ``(high, quantized)`` as :func:`record_gemm`
+    got them) instead, and no probes: :func:`amped.verify` reads the casts so.
+    """
 
     sampling: bool
 
@@ -235,6 +240,10 @@ def record_gemm(
     """
     observer: Any = getattr(layer, "fp8_observer", None)
     if observer is None:
+        return
+    capture = getattr(observer, "capture_gemm", None)
+    if capture is not None:  # an observer of the operands themselves (amped.verify)
+        capture(layer, role, output, operands)
         return
     probes = []
     for name, (_, low) in operands.items():

@@ -1,0 +1,1 @@
+"""``amped verify``: a backend's training step against amped's exact reference."""

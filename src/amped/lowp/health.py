@@ -205,7 +205,9 @@ def _cast_probe(low: Float8Tensor | BlockTensor | None, scale_mode: ScaleMode) -
 
 
 class GemmObserver(Protocol):
-    """What :func:`record_gemm` reports to (``layer.fp8_observer``)."""
+    """What :func:`record_gemm` reports to (``layer.fp8_observer``). An observer may also
+    have a ``recorder`` (not None) whose ``keep(layer, role, operands, output_name,
+    output)`` receives the GEMM's tensors themselves (``amped.monitor(record=...)``)."""
 
     sampling: bool
 
@@ -256,6 +258,9 @@ def record_gemm(
                 finite |= {output_name} if output_probe is None else set()
             stats = _stats(operands, output, output_name, finite)
     observer.observe(layer, role, probes, stats)
+    recorder = getattr(observer, "recorder", None)
+    if recorder is not None:  # amped.monitor(record=...): references, no copy
+        recorder.keep(layer, role, operands, output_name, output)
 
 
 def _stats(

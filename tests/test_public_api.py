@@ -94,7 +94,7 @@ SUBPACKAGE_EXPECTED = {
     "cli": set(),
 }
 
-PUBLIC_NAMES_AT_MOST = 46  # amped.doctor.replay joined at 46, agreed with the lead
+PUBLIC_NAMES_AT_MOST = 46  # 46th: amped.doctor.replay
 """What a user needs, each documented in docs/api.md: the library's entry points, the
 optimizers, the low-precision configs and layers, and their one conversion."""
 

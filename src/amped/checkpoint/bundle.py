@@ -103,13 +103,14 @@ def _decode(blob: bytes, where: Path) -> dict[str, torch.Tensor]:
         dtype = _BY_NAME.get(entry["dtype"])
         if dtype is None or not 0 <= start <= end <= len(data):
             raise broken(f"tensor {name!r} has dtype {entry['dtype']!r}, bytes {start}:{end}")
-        raw = torch.frombuffer(bytearray(data[start:end]), dtype=torch.uint8)
         shape = [int(n) for n in entry["shape"]]
-        if raw.numel() != torch.Size(shape).numel() * dtype.itemsize:
-            raise broken(f"tensor {name!r} holds {raw.numel()} bytes for shape {shape}")
-        tensors[name] = (
-            raw.view(dtype).reshape(shape) if raw.numel() else torch.zeros(shape, dtype=dtype)
-        )
+        if end - start != torch.Size(shape).numel() * dtype.itemsize:
+            raise broken(f"tensor {name!r} holds {end - start} bytes for shape {shape}")
+        if start == end:  # frombuffer takes no empty buffer
+            tensors[name] = torch.zeros(shape, dtype=dtype)
+            continue
+        raw = torch.frombuffer(bytearray(data[start:end]), dtype=torch.uint8)
+        tensors[name] = raw.view(dtype).reshape(shape)
     return tensors
 
 

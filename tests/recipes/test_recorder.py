@@ -12,13 +12,13 @@ import torch
 from torch import nn
 
 import amped
-from amped.checkpoint.bundle import read_bundle
+from amped.checkpoint.bundle import read_bundle, tensor_digest
 
 
 def _setup(folder, recipe="fp8-tensorwise", record=True):
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16)
+        nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64, bias=False), nn.GELU(), nn.Linear(64, 16)
     )
     setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0), recipe)
     monitor = amped.monitor(setup, record=folder if record else None)
@@ -53,6 +53,7 @@ def test_capture_holds_what_each_gemm_took_and_gave(tmp_path):
     layer.register_full_backward_pre_hook(lambda m, g: seen.update(go=g[0]))
     _backward(setup, seed=1)
     folder = monitor.capture()
+    grad_weight = layer.weight.grad.to(torch.bfloat16)  # the GEMM's bfloat16 output, exactly
     _finish(setup)
     tensors, document = read_bundle(folder)
     assert document["reason"] == "capture" and document["recipe"] == "fp8-tensorwise"
@@ -63,10 +64,10 @@ def test_capture_holds_what_each_gemm_took_and_gave(tmp_path):
     assert torch.equal(_bits(tensors["2/input"]), _bits(seen["x"].to(torch.bfloat16)))
     assert torch.equal(_bits(tensors["2/weight"]), _bits(layer.weight))
     assert torch.equal(_bits(tensors["2/grad_output"]), _bits(seen["go"]))
-    # the forward GEMM's output: the layer's output less its bias (added after it)
-    forward = tensors["2/output/forward"] + layer.bias.to(torch.bfloat16)
-    assert torch.equal(_bits(forward), _bits(seen["out"]))
-    assert tensors["2/output/grad_weight"].shape == layer.weight.shape
+    # the GEMM outputs' bits: the layer's output (no bias) and its weight's gradient
+    outputs = document["layers"]["2"]["outputs"]
+    assert outputs["forward"] == tensor_digest(seen["out"])
+    assert outputs["grad_weight"] == tensor_digest(grad_weight)
 
 
 def test_the_first_non_finite_writes_a_bundle_of_that_layer_only(tmp_path):

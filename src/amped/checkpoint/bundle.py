@@ -23,7 +23,7 @@ import torch
 
 from amped._internal.files import write_files
 
-__all__ = ["SCHEMA", "BundleError", "read_bundle", "write_bundle"]
+__all__ = ["SCHEMA", "BundleError", "read_bundle", "tensor_digest", "write_bundle"]
 
 SCHEMA = "amped.replay/1"
 TENSORS, DOCUMENT = "tensors.safetensors", "bundle.json"
@@ -112,6 +112,14 @@ def _decode(blob: bytes, where: Path) -> dict[str, torch.Tensor]:
         raw = torch.frombuffer(bytearray(data[start:end]), dtype=torch.uint8)
         tensors[name] = raw.view(dtype).reshape(shape)
     return tensors
+
+
+def tensor_digest(tensor: torch.Tensor) -> str:
+    """SHA-256 of a tensor's dtype, shape and bytes (its bits, in row-major order)."""
+    tensor = tensor.detach().cpu().contiguous()
+    data = tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    head = f"{_DTYPES.get(tensor.dtype, str(tensor.dtype))}{list(tensor.shape)}".encode()
+    return hashlib.sha256(head + data).hexdigest()
 
 
 def write_bundle(folder: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> Path:

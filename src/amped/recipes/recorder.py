@@ -20,7 +20,7 @@ written for the layers concerned only, before the optimizer steps:
 
 Per layer the bundle holds what its three GEMMs need to run again: the input the layer
 received (in the GEMM's dtype), its weight, the grad_output it received, its state, its
-config, and the three GEMM outputs as they were (to compare bitwise).
+config, and the SHA-256 digest of each GEMM output's bits (to compare bitwise).
 :func:`amped.doctor.replay` reruns them.
 """
 
@@ -35,7 +35,7 @@ import torch
 
 from amped._internal.errors import value_error
 from amped._internal.version import __version__
-from amped.checkpoint.bundle import write_bundle
+from amped.checkpoint.bundle import tensor_digest, write_bundle
 from amped.lowp.float8.cast import Float8Tensor
 from amped.lowp.float8.config import CastRule, DelayedScaling, Float8Config
 from amped.lowp.float8.linear import Float8Linear
@@ -265,14 +265,13 @@ class Recorder:
                 continue  # the layer did not run this step
             layer = self.layers[name]
             config = _config(layer)
-            roles = []
+            outputs = {}
             for key, value in {**kept, **self.states.get(name, {})}.items():
                 prefix = "state/" if key.startswith("fp8_") else ""
                 tensors[f"{name}/{prefix}{key}"] = value
             for role in ("forward", "grad_input", "grad_weight"):
-                if (name, role) in self.gemms:
-                    tensors[f"{name}/output/{role}"] = self.gemms[(name, role)][2]
-                    roles.append(role)
+                if (name, role) in self.gemms:  # the outputs' bits, as digests
+                    outputs[role] = tensor_digest(self.gemms[(name, role)][2])
             described[name] = {
                 "class": type(layer).__name__,
                 "in_features": layer.in_features,
@@ -280,7 +279,8 @@ class Recorder:
                 "config": config_to_json(config),
                 "emulated": bool(layer.fp8_emulate),
                 "device": layer.weight.device.type,
-                "roles": roles,
+                "roles": list(outputs),
+                "outputs": outputs,
             }
         order = [list(key) for key in self.gemms if key[0] in described]
         meta = {

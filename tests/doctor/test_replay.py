@@ -10,11 +10,10 @@ import os
 import pickle
 import subprocess
 import sys
-import warnings
 
 import pytest
 import torch
-from recorder_helpers import FAULT_STEP, record_run
+from recorder_helpers import FAULT_STEP, mlp, record_mlp_underflow, record_run
 from repo_paths import ROOT
 from torch import nn
 
@@ -111,35 +110,9 @@ def test_a_fresh_process_replays_the_bundle(recorded):
 # --- a small MLP under delayed scaling (fast) -------------------------------------------
 
 
-def _mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 16)
-    )
-
-
 @pytest.fixture
 def underflow(tmp_path):
-    """A capture at step 0 and the bundle of a grad_output scale that underflowed to 0
-    in layer "2" at step 1."""
-    model = _mlp()
-    setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), "fp8-delayed")
-    monitor = amped.monitor(setup, record=tmp_path)
-    for step in range(2):
-        if step == 1:
-            with torch.no_grad():
-                model[2].fp8_scale[2] = 0.0
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
-        with setup.autocast():
-            loss = setup.model(x).float().pow(2).mean()
-        setup.backward(loss)
-        if step == 0:
-            monitor.capture()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", RuntimeWarning)
-            setup.step()
-        setup.zero_grad()
-    return monitor.recorder.bundles
+    return record_mlp_underflow(tmp_path)
 
 
 def test_a_scale_underflow_replays_and_dynamic_scaling_fixes_it(underflow, monkeypatch):
@@ -170,7 +143,7 @@ def test_another_version_recipe_or_model_is_refused_naming_what_differs(underflo
     capture = underflow[0]
     with pytest.raises(BundleError, match="recipe 'fp8-delayed', not 'fp8-rowwise'"):
         amped.doctor.replay(capture, recipe="fp8-rowwise")
-    other = _mlp()
+    other = mlp()
     other[2] = nn.Linear(64, 32)
     with pytest.raises(
         BundleError, match=r"Module '2' .* \(32, 64\); the bundle recorded \(64, 64\)"

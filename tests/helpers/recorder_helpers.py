@@ -93,3 +93,34 @@ def record_run(
             setup.step()
         setup.zero_grad()
     return monitor, name
+
+
+def mlp() -> torch.nn.Sequential:
+    """A small MLP; under the FP8 recipes its layers "0" and "2" are converted."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64)]
+    return torch.nn.Sequential(*layers, torch.nn.GELU(), torch.nn.Linear(64, 16))
+
+
+def record_mlp_underflow(folder: Path) -> list[Path]:
+    """:func:`mlp` under fp8-delayed, two steps: a capture at step 0, and the bundle of a
+    grad_output scale that underflowed to 0 in layer "2" at step 1."""
+    model = mlp()
+    setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), "fp8-delayed")
+    monitor = amped.monitor(setup, record=folder)
+    for step in range(2):
+        if step == 1:
+            with torch.no_grad():
+                model[2].fp8_scale[2] = 0.0
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        with setup.autocast():
+            loss = setup.model(x).float().pow(2).mean()
+        setup.backward(loss)
+        if step == 0:
+            monitor.capture()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            setup.step()
+        setup.zero_grad()
+    assert monitor.recorder is not None
+    return monitor.recorder.bundles

@@ -34,6 +34,12 @@ layer replaced after ``prepare`` or a compile that dropped the conversion is rep
 in :attr:`Monitor.audit`, and with ``strict=True`` raises :class:`NonFiniteError`'s
 sibling, ``RuntimeError``.
 
+With ``record=DIR`` the monitor is also a flight recorder
+(:mod:`amped.recipes.recorder`): it keeps references to each GEMM's tensors until the
+step ends, reads the loss in the step's one sync, and writes a replay bundle at the
+first non-finite value, at a loss spike and at :meth:`Monitor.capture`;
+:func:`amped.doctor.replay` reruns it.
+
 Not under optimizer-in-backward (:func:`amped.optim.step_in_backward`): each
 parameter there steps inside backward and its gradient is gone before
 ``setup.step()`` could check it, so a monitor refuses an optimizer that steps in

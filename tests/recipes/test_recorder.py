@@ -127,3 +127,18 @@ def test_capture_is_refused_outside_a_step_or_without_recording(tmp_path):
     plain = amped.monitor(setup)
     with pytest.raises(RuntimeError, match="record=DIR"):
         plain.capture()
+
+
+def test_a_bundle_that_cannot_be_written_warns_and_training_goes_on(tmp_path):
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    setup, monitor = _setup(blocked)
+
+    def poison(module, args):
+        return (args[0] * float("inf"),)
+
+    setup.model[2].register_forward_pre_hook(poison)
+    _backward(setup, seed=0)
+    with pytest.warns(RuntimeWarning, match="could not write the nonfinite bundle of step 0"):
+        assert setup.step() is False  # skipped, as without recording
+    assert monitor.recorder.bundles == []

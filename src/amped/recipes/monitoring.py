@@ -229,7 +229,7 @@ class Monitor:
             spike = self.recorder.is_spike(values[0])
             if spike is not None:
                 extra = {"loss": values[0], "spike": spike}
-                self.recorder.write("loss_spike", self.step, list(self.recorder.inputs), extra)
+                self._write("loss_spike", list(self.recorder.inputs), extra)
         return len(values) > 1 and values[1] > 0
 
     def _record_nonfinite(self, found: NonFinite) -> None:
@@ -242,7 +242,20 @@ class Monitor:
         first = {"module": found.module, "role": found.role, "tensor": found.tensor}
         modules = [found.module] if found.module is not None else list(self.recorder.inputs)
         extra = {"first_nonfinite": {**first, "element": where}}
-        self.recorder.write("nonfinite", self.step, modules, extra)
+        self._write("nonfinite", modules, extra)
+
+    def _write(self, reason: str, modules: list[str], extra: dict[str, Any]) -> None:
+        """Write a bundle the monitor decided on: a failed write warns, training goes on."""
+        assert self.recorder is not None
+        try:
+            self.recorder.write(reason, self.step, modules, extra)
+        except OSError as error:
+            warnings.warn(
+                f"amped.monitor: could not write the {reason} bundle of step {self.step} "
+                f"into {str(self.recorder.folder)!r}: {error}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     # --- what TrainSetup.step calls -----------------------------------------------------
 

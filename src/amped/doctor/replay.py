@@ -182,7 +182,7 @@ def _run(name: str, entry: dict[str, Any], data: dict[str, torch.Tensor], config
 def _first(name: str, run: _Run) -> dict[str, Any] | None:
     for role, tensor, probe in run.events:
         if probe_nonfinite(probe):
-            element = run.recorder.locate(name, role, tensor)
+            element = run.recorder.locate(name, role, tensor, probe)
             return {"module": name, "role": role, "tensor": tensor, "element": element}
     return None
 

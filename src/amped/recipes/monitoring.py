@@ -232,15 +232,13 @@ class Monitor:
                 self._write("loss_spike", list(self.recorder.inputs), extra)
         return len(values) > 1 and values[1] > 0
 
-    def _record_nonfinite(self, found: NonFinite) -> None:
-        """Write the bundle of the first non-finite: the layer named (all that ran when
-        only the gradients held it)."""
-        assert self.recorder is not None
-        where = None
-        if found.module is not None and found.role is not None:
-            where = self.recorder.locate(found.module, found.role, found.tensor)
+    def _record_nonfinite(self, found: NonFinite, probe: Probe) -> None:
+        """Write the bundle of the first non-finite, named by a GEMM's ``probe``: that
+        layer only."""
+        assert self.recorder is not None and found.module is not None and found.role
+        where = self.recorder.locate(found.module, found.role, found.tensor, probe)
         first = {"module": found.module, "role": found.role, "tensor": found.tensor}
-        modules = [found.module] if found.module is not None else list(self.recorder.inputs)
+        modules = [found.module]
         extra = {"first_nonfinite": {**first, "element": where}}
         self._write("nonfinite", modules, extra)
 
@@ -280,17 +278,17 @@ class Monitor:
         # A bad step: the probes one by one (a sync each), in the order the step ran them.
         flagged = next((event for event in self._events if probe_nonfinite(event[3])), None)
         if flagged is not None:
-            module, role, tensor, _ = flagged
+            module, role, tensor, probe = flagged
             caller = self._callers.get(module)
             source = None if caller is None else describe(*caller)
             found = NonFinite(self.step, module, role, tensor, source)
+            if self.recorder is not None and self.first_nonfinite is None:
+                self._record_nonfinite(found, probe)
         else:
             found = NonFinite(self.step, None, None, "gradients")
         self.nonfinite_steps.append(found)
         if self.first_nonfinite is None:
             self.first_nonfinite = found
-            if self.recorder is not None:
-                self._record_nonfinite(found)
         message = f"amped.monitor: a non-finite value (inf/NaN) first appeared at {found}"
         if self.on_nonfinite == "raise":
             raise NonFiniteError(

@@ -1,16 +1,18 @@
 """The flight recorder of ``amped.monitor(setup, record=DIR)``: replay bundles of a step.
 
 While a step runs, each low-precision GEMM hands the monitor its operands and output
-(:func:`amped.lowp.health.record_gemm`); the recorder keeps *references* to them until
-the step ends (no copy, no extra pass: the memory of about one more activation per
-layer, held to the end of the step), plus a copy of each layer's small state at its
+(:func:`amped.lowp.health.record_gemm`); the recorder keeps *references* to the
+high-precision operands and the output until the step ends (no copy, no extra pass:
+the memory of about one more activation per layer, held to the end of the step; the
+quantized forms are freed as without recording), plus a copy of each layer's small state at its
 forward (delayed scaling's scales and amax histories, ``[3]`` and ``[3, history]``;
 a block layer's stochastic-rounding seed and draw count, two int64 numbers).
 
 A bundle (:mod:`amped.checkpoint.bundle`: safetensors plus JSON, never a pickle) is
 written for the layers concerned only, before the optimizer steps:
 
-- ``"nonfinite"``: at the first non-finite value the monitor names (the layer it names);
+- ``"nonfinite"``: at the first non-finite value the monitor names in a GEMM (that
+  layer only; none when only gradients outside the low-precision GEMMs held it);
 - ``"loss_spike"``: a finite loss above the median of the last :data:`SPIKE_WINDOW`
   losses by more than ``spike_k`` robust deviations (``1.4826 * MAD``, the median
   absolute deviation scaled to a normal's standard deviation), once at least
@@ -36,11 +38,9 @@ import torch
 from amped._internal.errors import value_error
 from amped._internal.version import __version__
 from amped.checkpoint.bundle import tensor_digest, write_bundle
-from amped.lowp.float8.cast import Float8Tensor
 from amped.lowp.float8.config import CastRule, DelayedScaling, Float8Config
 from amped.lowp.float8.linear import Float8Linear
-from amped.lowp.health import nonfinite_exponent
-from amped.lowp.mx.block_cast import BlockTensor
+from amped.lowp.health import Probe
 from amped.lowp.mx.block_config import BlockConfig
 from amped.lowp.mx.block_format import BLOCK_FORMATS
 from amped.lowp.mx.block_linear import BlockLinear
@@ -150,27 +150,23 @@ def _first(bad: torch.Tensor, values: torch.Tensor, part: str) -> dict[str, Any]
 
 
 def first_nonfinite_element(
-    high: torch.Tensor | None, low: Any, scale_mode: str = "rceil"
+    high: torch.Tensor | None, probe: Probe | None
 ) -> dict[str, Any] | None:
     """Where a GEMM tensor first holds a non-finite value: ``{"part", "index", "bits",
     "value"}`` with ``part`` ``"values"`` (``high``, flattened in its logical order) or,
-    for a quantized operand whose values are finite, ``"scale"`` (the first scale the
-    monitor's probe calls non-finite: a float scale outside ``(0, inf)``, an E8M0 scale
+    for a quantized operand whose values are finite, ``"scale"``: the first scale its
+    monitor ``probe`` calls non-finite (a float scale outside ``(0, inf)``, an E8M0 scale
     at the format's inf exponent); None when neither holds one."""
     if high is not None and high.numel():
         found = _first(~torch.isfinite(high.detach()), high.detach(), "values")
         if found is not None:
             return found
-    if isinstance(low, Float8Tensor):
-        scale = low.scale.detach()
-        return _first(~torch.isfinite(torch.log(scale.float())), scale, "scale")
-    if isinstance(low, BlockTensor):
-        if low.tensor_scale is not None:
-            scale = low.tensor_scale.detach()
-            return _first(~torch.isfinite(torch.log(scale.float())), scale, "scale")
-        threshold = nonfinite_exponent(low.format, scale_mode)
-        return _first(low.scale_bits >= threshold, low.scale_bits, "scale")
-    return None
+    if probe is None or probe.kind == "range":
+        return None
+    scale = probe.values[0].detach()
+    if probe.kind == "exponent":
+        return _first(scale >= probe.threshold, scale, "scale")
+    return _first(~torch.isfinite(torch.log(scale.float())), scale, "scale")
 
 
 def layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -207,6 +203,7 @@ class Recorder:
         self.inputs: dict[str, dict[str, torch.Tensor]] = {}
         self.states: dict[str, dict[str, torch.Tensor]] = {}
         self.gemms: dict[tuple[str, str], tuple[dict[str, Any], str, torch.Tensor]] = {}
+        # per GEMM: its high-precision operands by name, its output's name, its output
 
     def keep(
         self,
@@ -216,11 +213,13 @@ class Recorder:
         output_name: str,
         output: torch.Tensor,
     ) -> None:
-        """One GEMM of the step: references to its tensors (no copy)."""
+        """One GEMM of the step: references to its high-precision operands and output (no
+        copy; the quantized forms are left to be freed, their scales are in the probes)."""
         name = self._names.get(id(layer))
         if name is None:
             return
-        self.gemms[(name, role)] = (dict(operands), output_name, output)
+        highs = {tensor: high for tensor, (high, _) in operands.items()}
+        self.gemms[(name, role)] = (highs, output_name, output)
         kept = self.inputs.setdefault(name, {})
         if role == "forward":
             kept["input"], kept["weight"] = operands["input"][0], operands["weight"][0]
@@ -230,17 +229,17 @@ class Recorder:
             # grad_weight GEMM takes it as it is too (a block layer's pads it).
             kept.setdefault("grad_output", operands["grad_output"][0])
 
-    def locate(self, module: str, role: str, tensor: str) -> dict[str, Any] | None:
-        """:func:`first_nonfinite_element` of a GEMM tensor of this step."""
+    def locate(
+        self, module: str, role: str, tensor: str, probe: Probe | None
+    ) -> dict[str, Any] | None:
+        """:func:`first_nonfinite_element` of a GEMM tensor of this step, given the probe
+        the monitor flagged it by."""
         entry = self.gemms.get((module, role))
         if entry is None:
             return None
-        operands, output_name, output = entry
-        mode = _scale_mode(self.layers[module])
-        if tensor == output_name:
-            return first_nonfinite_element(output, None)
-        high, low = operands.get(tensor, (None, None))
-        return first_nonfinite_element(high, low, mode)
+        highs, output_name, output = entry
+        high = output if tensor == output_name else highs.get(tensor)
+        return first_nonfinite_element(high, probe)
 
     def is_spike(self, loss: float) -> dict[str, float] | None:
         """Whether ``loss`` is a spike against the losses before it (then the median,
@@ -304,7 +303,3 @@ def _config(layer: torch.nn.Module) -> Float8Config | BlockConfig:
         return layer.block_config
     config: Float8Config = layer.fp8_config  # type: ignore[assignment]
     return config
-
-
-def _scale_mode(layer: torch.nn.Module) -> str:
-    return layer.block_config.scale_mode if isinstance(layer, BlockLinear) else "rceil"

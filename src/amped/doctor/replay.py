@@ -228,8 +228,8 @@ def _variants(config: Any, first: dict[str, Any]) -> list[tuple[str, str, Any, i
     dtype = E5M2 if rule.dtype == E4M3 else E4M3
     swapped = dataclasses.replace(rule, dtype=dtype)
     changes: dict[str, Any] = {field: swapped}
-    if field == "weight":
-        changes["weight_for_grad_input"] = swapped
+    if field == "weight":  # its rule in the grad-input GEMM too, at its own granularity
+        changes["weight_for_grad_input"] = dataclasses.replace(config.w_gi, dtype=dtype)
     name = str(dtype).removeprefix("torch.float8_").upper()
     fresh = dataclasses.replace(config, **changes)
     out.append((PARTS[3], f"with {field} in {name}", fresh, 0))

@@ -17,8 +17,14 @@ and checks its probes (one sync) every step.
 
 The defaults run all seven recipes in about three minutes on an idle 2-core machine.
 
+With ``--record``, the flight recorder's cost instead: all three setups are monitored,
+the measured one with ``record=`` a temporary folder (keeping each GEMM's tensors and
+reading the loss in the step's one sync; no bundle is written on a clean step), the
+other two without; the ratios are then recording / monitored.
+
 Usage: python benchmarks/monitor_overhead.py [--threads 1] [--repeats 5] [--steps 50]
                                              [--dim 512] [--layers 4] [--every 50]
+                                             [--record]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -69,7 +76,11 @@ def measure(recipe: str, args: argparse.Namespace) -> tuple[Result, dict[str, fl
     """Per (clock, "monitored" or "twin"): (median ratio to plain, smallest, largest);
     and per clock the median plain step in seconds."""
     setups = {who: _setup(recipe, args.dim, args.layers) for who in ("plain", "twin", "watched")}
-    health = amped.monitor(setups["watched"], every=args.every)
+    folder = tempfile.mkdtemp(prefix="amped-record-") if args.record else None
+    health = amped.monitor(setups["watched"], every=args.every, record=folder)
+    if args.record:  # the baseline is the monitor without recording
+        for who in ("plain", "twin"):
+            amped.monitor(setups[who], every=args.every)
     x = torch.randn(args.batch, args.dim)
     for _ in range(3):  # warm-up, and a sampled step for the monitored one
         for setup in setups.values():
@@ -93,6 +104,8 @@ def measure(recipe: str, args: argparse.Namespace) -> tuple[Result, dict[str, fl
         raise RuntimeError(f"{recipe}: the monitor sampled {health.sampled_steps} steps")
     if not health.read():
         raise RuntimeError(f"{recipe}: no layer reported to the monitor")
+    if health.recorder is not None and health.recorder.bundles:
+        raise RuntimeError(f"{recipe}: a clean run wrote {health.recorder.bundles}")
     spread = {key: (statistics.median(v), min(v), max(v)) for key, v in ratios.items()}
     return spread, {name: statistics.median(v) for name, v in plain_steps.items()}
 
@@ -107,6 +120,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--every", type=int, default=50)
     parser.add_argument("--recipes", default=",".join(FP8_RECIPE_NAMES + BLOCK_RECIPE_NAMES))
+    parser.add_argument("--record", action="store_true", help="recording / monitored instead")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.steps % args.every:
@@ -115,8 +129,9 @@ def main() -> None:
         f"{cpu_name()}, {os.cpu_count()} logical CPUs; "
         f"torch {torch.__version__}, {args.threads} thread(s), {args.repeats} repeats x "
         f"{args.steps} steps, batch {args.batch}, {args.layers} x Linear({args.dim}), "
-        f"every={args.every}; ratios: median [min-max] over repeats; twin: the unmonitored "
-        "control's ratio (the noise floor)"
+        f"every={args.every}; ratios: median [min-max] over repeats; twin: the "
+        f"{'monitored, not recording' if args.record else 'unmonitored'} control's ratio "
+        "(the noise floor)"
     )
     for recipe in args.recipes.split(","):
         ratios, plain = measure(recipe, args)
@@ -127,7 +142,8 @@ def main() -> None:
             if label == "monitored"
         ]
         load = "/".join(f"{value:.1f}" for value in os.getloadavg())
-        print(f"{recipe:18s} monitored/plain: " + "; ".join(parts) + f"; load {load}", flush=True)
+        what = "recording/monitored" if args.record else "monitored/plain"
+        print(f"{recipe:18s} {what}: " + "; ".join(parts) + f"; load {load}", flush=True)
 
 
 if __name__ == "__main__":

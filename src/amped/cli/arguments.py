@@ -111,7 +111,8 @@ _DOCTOR = (
 _DOCTOR_EXIT = (
     "exit status: 0 no non-finite value, or one the doctor fixed (the fix is verified by a "
     "re-run); 3 a non-finite value (inf/NaN) it could not fix; 1 the doctor failed; 2 bad "
-    "arguments"
+    "arguments. With --replay: 0 the bundle replayed as recorded and any non-finite value "
+    "has a verified fix; 3 otherwise; 2 a bundle refused"
 )
 
 
@@ -158,6 +159,13 @@ def _add_doctor(doctor: argparse.ArgumentParser) -> None:
     _add_task_arguments(doctor, "cpu or cuda (default: cuda if available)", DEFAULT_DOCTOR_OUT)
     add("--json", action="store_true", help="print only the report JSON on stdout")
     add("--traceback", action="store_true", help="print the traceback of a failure")
+    add("--replay", default=None, metavar="BUNDLE",
+        help="rerun a bundle that amped.monitor(setup, record=DIR) wrote, on the CPU: "
+        "reproduce its first non-finite value, bisect its cause over the recipe and verify "
+        "the smallest fix (--model, if given, must be the model it recorded; --recipe NAME "
+        "checks the recipe); prints the result, writes nothing")  # fmt: skip
+    add("--recipe", default=None, metavar="NAME",
+        help="with --replay: the recipe the bundle must come from")  # fmt: skip
 
 
 _TUNE = (

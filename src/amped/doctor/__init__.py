@@ -12,8 +12,11 @@ plotting library: the HTML page and plot are the CLI's (:mod:`amped.cli.doctor.h
 
 from amped.doctor.diagnose import diagnose
 from amped.doctor.fp8 import diagnose_fp8
+from amped.doctor.replay import replay
 
 # The two checks, the reports they return and the fixes they propose. The records inside
 # a report (OpStat, Culprit, GradientCheck, Fp8LayerStat, CastStat) are reached through
 # it, and live in amped.doctor.report, .fp8_report and .gradients.
-__all__ = ["diagnose", "diagnose_fp8"]
+# replay reruns a recorded step (amped.monitor(setup, record=DIR)); its ReplayResult is
+# amped.doctor.replay.ReplayResult.
+__all__ = ["diagnose", "diagnose_fp8", "replay"]

@@ -209,7 +209,10 @@ class GemmObserver(Protocol):
 
     An observer that also has ``capture_gemm(layer, role, output, operands)`` is handed
     the GEMM's output and operands (each ``(high, quantized)`` as :func:`record_gemm`
-    got them) instead, and no probes: :func:`amped.verify` reads the casts so.
+    got them) instead, and no probes: :func:`amped.verify` reads the casts so. An
+    observer may also have a ``recorder`` (not None) whose ``keep(layer, role, operands,
+    output_name, output)`` receives the GEMM's tensors themselves
+    (``amped.monitor(record=...)``).
     """
 
     sampling: bool
@@ -265,6 +268,9 @@ def record_gemm(
                 finite |= {output_name} if output_probe is None else set()
             stats = _stats(operands, output, output_name, finite)
     observer.observe(layer, role, probes, stats)
+    recorder = getattr(observer, "recorder", None)
+    if recorder is not None:  # amped.monitor(record=...): references, no copy
+        recorder.keep(layer, role, operands, output_name, output)
 
 
 def _stats(

@@ -34,6 +34,12 @@ layer replaced after ``prepare`` or a compile that dropped the conversion is rep
 in :attr:`Monitor.audit`, and with ``strict=True`` raises :class:`NonFiniteError`'s
 sibling, ``RuntimeError``.
 
+With ``record=DIR`` the monitor is also a flight recorder
+(:mod:`amped.recipes.recorder`): it keeps references to each GEMM's tensors until the
+step ends, reads the loss in the step's one sync, and writes a replay bundle at the
+first non-finite value, at a loss spike and at :meth:`Monitor.capture`;
+:func:`amped.doctor.replay` reruns it.
+
 Not under optimizer-in-backward (:func:`amped.optim.step_in_backward`): each
 parameter there steps inside backward and its gradient is gone before
 ``setup.step()`` could check it, so a monitor refuses an optimizer that steps in
@@ -43,7 +49,9 @@ backward, and ``step_in_backward`` refuses a monitored one (``ValueError``, eith
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,6 +60,7 @@ from amped._internal.errors import value_error
 from amped._internal.source import describe, user_frame
 from amped.lowp.health import ROLES, STATS, Probe, any_nonfinite, probe_nonfinite, range_probe
 from amped.optim.in_backward import set_monitored
+from amped.recipes.recorder import SPIKE_K, Recorder
 from amped.recipes.setup import TrainSetup
 
 __all__ = ["Monitor", "NonFinite", "NonFiniteError", "monitor"]
@@ -100,7 +109,13 @@ class Monitor:
     :func:`amped.monitor`."""
 
     def __init__(
-        self, setup: TrainSetup, every: int = 50, on_nonfinite: str = "skip", strict: bool = False
+        self,
+        setup: TrainSetup,
+        every: int = 50,
+        on_nonfinite: str = "skip",
+        strict: bool = False,
+        record: str | Path | None = None,
+        spike_k: float = SPIKE_K,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise value_error("every is an int >= 1 (sample every that many steps)", "every", every)
@@ -133,6 +148,10 @@ class Monitor:
         for layer in self._layers.values():
             layer.fp8_observer = self  # type: ignore[assignment]
         self._unprobed = self._unprobed_parameters()
+        self.recorder: Recorder | None = None
+        if record is not None:
+            self.recorder = Recorder(record, self._layers, setup.recipe.name, spike_k)
+        self._loss: torch.Tensor | None = None
         setup.monitor = self
 
     # --- what the layers report (amped.lowp.health.record_gemm) ---------------------------
@@ -161,6 +180,81 @@ class Monitor:
             total[:-1] += stats[:-1]
             total[-1] = torch.maximum(total[-1], stats[-1])
 
+    def observe_loss(self, loss: torch.Tensor) -> None:
+        """The step's loss (``setup.backward`` passes it): read with the step's one sync
+        when recording, for the loss-spike rule (:mod:`amped.recipes.recorder`)."""
+        if self.recorder is not None:
+            self._loss = loss.detach()
+
+    def capture(self, layers: list[str] | None = None) -> Path:
+        """Write a replay bundle of the step in progress (call it between
+        ``setup.backward`` and ``setup.step()``) for ``layers`` (default: every converted
+        layer that ran); returns its folder. No sync beyond the copy to the host.
+
+        Raises:
+            RuntimeError: the monitor does not record (``record=None``), or no
+                low-precision GEMM has run since the last ``setup.step()``.
+            ValueError: a name in ``layers`` that is not a converted layer.
+        """
+        if self.recorder is None:
+            raise RuntimeError(
+                "monitor.capture() writes a replay bundle, which needs a recording monitor: "
+                "amped.monitor(setup, record=DIR)"
+            )
+        ran = list(self.recorder.inputs)
+        if not ran:
+            raise RuntimeError(
+                "monitor.capture() records the step in progress: call it after "
+                "setup.backward(loss) and before setup.step() (no low-precision GEMM has "
+                "run since the last step)"
+            )
+        unknown = [name for name in layers or () if name not in self._layers]
+        if unknown:
+            raise value_error(
+                f"layers are names of converted layers: {sorted(self._layers)}", "layers", unknown
+            )
+        return self.recorder.write("capture", self.step, list(layers or ran), {})
+
+    def _check_with_loss(self, probes: list[Probe]) -> bool:
+        """Recording: the flag and the loss in one sync; a loss spike writes a bundle."""
+        assert self.recorder is not None
+        loss, self._loss = self._loss, None
+        if loss is None or loss.numel() != 1:
+            return bool(probes) and bool(any_nonfinite(probes))
+        parts = [loss.reshape(()).float()]
+        if probes:
+            parts.append(any_nonfinite(probes).to(loss.device).float())
+        values = torch.stack(parts).tolist()  # the one sync
+        if math.isfinite(values[0]):
+            spike = self.recorder.is_spike(values[0])
+            if spike is not None:
+                extra = {"loss": values[0], "spike": spike}
+                self._write("loss_spike", list(self.recorder.inputs), extra)
+        return len(values) > 1 and values[1] > 0
+
+    def _record_nonfinite(self, found: NonFinite, probe: Probe) -> None:
+        """Write the bundle of the first non-finite, named by a GEMM's ``probe``: that
+        layer only."""
+        assert self.recorder is not None and found.module is not None and found.role
+        where = self.recorder.locate(found.module, found.role, found.tensor, probe)
+        first = {"module": found.module, "role": found.role, "tensor": found.tensor}
+        modules = [found.module]
+        extra = {"first_nonfinite": {**first, "element": where}}
+        self._write("nonfinite", modules, extra)
+
+    def _write(self, reason: str, modules: list[str], extra: dict[str, Any]) -> None:
+        """Write a bundle the monitor decided on: a failed write warns, training goes on."""
+        assert self.recorder is not None
+        try:
+            self.recorder.write(reason, self.step, modules, extra)
+        except OSError as error:
+            warnings.warn(
+                f"amped.monitor: could not write the {reason} bundle of step {self.step} "
+                f"into {str(self.recorder.folder)!r}: {error}",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
     # --- what TrainSetup.step calls -----------------------------------------------------
 
     def check_step(self) -> bool:
@@ -176,15 +270,20 @@ class Monitor:
             # One pass per gradient (CPU: 10x faster than _foreach_norm), see range_probe.
             grads = (p.grad for p in self._unprobed if p.grad is not None and p.grad.numel())
             probes += [probe for probe in map(range_probe, grads) if probe is not None]
-        if not probes or not bool(any_nonfinite(probes)):  # the one sync
+        if self.recorder is not None:
+            if not self._check_with_loss(probes):  # the one sync
+                return True
+        elif not probes or not bool(any_nonfinite(probes)):  # the one sync
             return True
         # A bad step: the probes one by one (a sync each), in the order the step ran them.
         flagged = next((event for event in self._events if probe_nonfinite(event[3])), None)
         if flagged is not None:
-            module, role, tensor, _ = flagged
+            module, role, tensor, probe = flagged
             caller = self._callers.get(module)
             source = None if caller is None else describe(*caller)
             found = NonFinite(self.step, module, role, tensor, source)
+            if self.recorder is not None and self.first_nonfinite is None:
+                self._record_nonfinite(found, probe)
         else:
             found = NonFinite(self.step, None, None, "gradients")
         self.nonfinite_steps.append(found)
@@ -218,6 +317,8 @@ class Monitor:
             self._audit()
             self._unprobed = self._unprobed_parameters()
         self._events.clear()
+        if self.recorder is not None:
+            self.recorder.clear()
         self.step += 1
         self.sampling = self.step % self.every == 0
         if self.sampling:
@@ -300,7 +401,13 @@ class Monitor:
 
 
 def monitor(
-    setup: TrainSetup, every: int = 50, *, on_nonfinite: str = "skip", strict: bool = False
+    setup: TrainSetup,
+    every: int = 50,
+    *,
+    on_nonfinite: str = "skip",
+    strict: bool = False,
+    record: str | Path | None = None,
+    spike_k: float = SPIKE_K,
 ) -> Monitor:
     """Attach a :class:`Monitor` to ``setup`` (see :mod:`amped.recipes.monitoring`).
 
@@ -310,6 +417,11 @@ def monitor(
         every: sample the counters (and audit the plan) every this many steps.
         on_nonfinite: ``"skip"`` (default), ``"warn"`` or ``"raise"``.
         strict: make a failed audit fatal (``RuntimeError``).
+        record: a folder: keep what replaying the step's low-precision GEMMs needs and
+            write a replay bundle there at the first non-finite value, at a loss spike
+            and at :meth:`Monitor.capture` (:mod:`amped.recipes.recorder`;
+            :func:`amped.doctor.replay` reruns one). None (default): no recording.
+        spike_k: robust deviations above the running median loss that make a spike.
 
     Raises:
         ValueError: ``setup.optimizer`` steps in backward
@@ -328,4 +440,4 @@ def monitor(
         >>> sorted(health.read()["0"])
         ['forward', 'grad_weight']
     """
-    return Monitor(setup, every, on_nonfinite, strict)
+    return Monitor(setup, every, on_nonfinite, strict, record, spike_k)

@@ -99,6 +99,8 @@ class TrainSetup:
                 "scaler.is_enabled()",
                 True,
             )
+        if self.monitor is not None:
+            self.monitor.observe_loss(loss)
         self.scaler.scale(loss).backward()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

@@ -34,6 +34,10 @@ _SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}  # the table
 
 def run_doctor(args: argparse.Namespace) -> int:
     """Run ``amped doctor``; returns the exit code (raises UsageError / RunError)."""
+    if args.replay is not None:
+        from amped.cli.doctor.replay import run_replay
+
+        return run_replay(args)
     dtype = parse_low_dtype(args.dtype)
     if args.loss_scale is not None and not args.loss_scale > 0:
         raise UsageError(f"--loss-scale must be > 0. Received: --loss-scale {args.loss_scale}")

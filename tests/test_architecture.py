@@ -36,10 +36,21 @@ ALLOWED: dict[str, set[str]] = {
     "doctor": _LIBRARY_BASE | {"recipes", "tasks"},
     "tuning": _LIBRARY_BASE | {"recipes", "tasks", "doctor"},
     "comparison": _LIBRARY_BASE | {"recipes", "tasks", "doctor", "tuning"},
+    "exporting": _LIBRARY_BASE | {"recipes"},
     "integrations": _LIBRARY_BASE | {"recipes", "amped"},
     "cli": _LIBRARY_BASE
-    | {"fp8", "recipes", "tasks", "doctor", "tuning", "comparison", "integrations", "amped"},
-    "amped": _LIBRARY_BASE | {"recipes", "tasks", "doctor", "tuning", "comparison"},
+    | {
+        "fp8",
+        "recipes",
+        "tasks",
+        "doctor",
+        "tuning",
+        "comparison",
+        "exporting",
+        "integrations",
+        "amped",
+    },
+    "amped": _LIBRARY_BASE | {"recipes", "tasks", "doctor", "tuning", "comparison", "exporting"},
     "__main__": {"cli"},
 }
 """Package -> the amped packages its modules may import (its own always). ``amped`` is
@@ -55,6 +66,8 @@ when called (its plot needs matplotlib, which only the CLI may import)."""
 THIRD_PARTY: dict[str, set[str]] = {
     "integrations": {"torch", "lightning", "pytorch_lightning", "accelerate", "transformers"},
     "cli": {"torch", "rich", "matplotlib"},
+    # the file format, and the independent reader of the check (both imported when called)
+    "exporting": {"torch", "safetensors", "compressed_tensors"},
 }
 """Third-party packages each package may import; every other package: torch alone."""
 

@@ -30,7 +30,7 @@ def _export(setup, path, **kwargs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "nvfp4"])
+@pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "nvfp4", "fp8-blockwise"])
 @pytest.mark.parametrize("model_name", sorted(MODELS))
 def test_round_trip_reads_back_the_training_grid_and_logits(tmp_path, model_name, recipe):
     setup = trained(MODELS[model_name](), recipe)
@@ -41,14 +41,18 @@ def test_round_trip_reads_back_the_training_grid_and_logits(tmp_path, model_name
     config = json.loads((folder / "config.json").read_text())
     assert config["model_type"] == setup.model.config.model_type  # copied through
     quant = config["quantization_config"]
-    assert quant["format"] == EXPORT_FORMATS[recipe].compression
     layers = low_precision_layers(setup.model)
-    assert quant["config_groups"]["group_0"]["targets"] == list(layers)
-
-    from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
 
-    QuantizationConfig.model_validate(quant)  # compressed-tensors' own parser
+    if recipe == "fp8-blockwise":  # the keys transformers' FineGrainedFP8Config reads
+        assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [128, 128]
+        assert quant["modules_to_not_convert"] == ["lm_head"]
+    else:
+        from compressed_tensors.quantization import QuantizationConfig
+
+        assert quant["format"] == EXPORT_FORMATS[recipe].compression
+        assert quant["config_groups"]["group_0"]["targets"] == list(layers)
+        QuantizationConfig.model_validate(quant)  # compressed-tensors' own parser
     tensors = load_file(str(folder / "model.safetensors"))
     state = setup.model.state_dict()
     for key, value in tensors.items():  # the layers kept in high precision: as they are
@@ -56,6 +60,49 @@ def test_round_trip_reads_back_the_training_grid_and_logits(tmp_path, model_name
             assert value.dtype == state[key].dtype and torch.equal(value, state[key])
     head = "lm_head.weight" if model_name == "llama" else "transformer.wte.weight"
     assert head in tensors
+
+
+LOADS = [
+    ("llama", "mxfp8"),
+    ("llama", "nvfp4"),
+    ("llama", "fp8-blockwise"),
+    ("gpt2", "fp8-blockwise"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("model_name", "recipe"), LOADS)
+def test_transformers_loads_the_export_on_a_cpu(tmp_path, model_name, recipe):
+    """transformers' from_pretrained reads the folder and dequantizes each weight (on a
+    CPU: compressed-tensors' decompressor; fine-grained FP8's own dequantization) to the
+    training grid's values, and runs. GPT-2's Conv1D layers load only in DeepSeek's
+    layout (stored transposed, as GPT-2 keeps them); see docs/export.md."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    setup = trained(MODELS[model_name](), recipe)
+    folder = amped.export(setup, tmp_path / "out", check=False)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu")
+    ids = torch.randint(128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), setup.autocast():
+        logits = loaded(ids).logits
+    assert logits.shape == (2, 8, 128) and torch.isfinite(logits).all()
+    tensors = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.up_proj" if model_name == "llama" else "transformer.h.0.mlp.c_fc"
+    weight = loaded.get_submodule(name).weight  # decompressed by the first forward
+    fmt = EXPORT_FORMATS[recipe]
+    if recipe == "fp8-blockwise":  # the format's description: E4M3 x per-tile scale_inv
+        tile = tensors[f"{name}.weight_scale_inv"].repeat_interleave(128, 0)
+        tile = tile.repeat_interleave(128, 1)[: weight.shape[0], : weight.shape[1]]
+        expected = tensors[f"{name}.weight"].float() * tile
+    else:
+        grid = layer_grid(name, setup.model.get_submodule(name), fmt).weight
+        if recipe == "mxfp8":
+            expected = grid.block_values(weight.dtype)
+        else:  # compressed-tensors: e * (scale / global_scale), rounded to bfloat16
+            scale = grid.scale.float().repeat_interleave(16, 1)
+            expected = grid.elements * (scale / tensors[f"{name}.weight_global_scale"])
+    assert torch.equal(weight, expected.to(weight.dtype))
 
 
 @pytest.mark.slow
@@ -119,6 +166,10 @@ def test_a_shape_the_format_cannot_hold_is_named_and_nothing_is_written(tmp_path
     setup = trained(model, "fp8-rowwise", steps=0)  # 80 = 5 x 16: no blocks of 32
     with pytest.raises(ValueError, match=r"layer '0' cannot be stored.*\(80, 80\)"):
         amped.export(setup, tmp_path / "out", "mxfp8", check=False, requantize=True)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 192), torch.nn.Linear(192, 16))
+    setup = trained(model, "fp8-blockwise", steps=0)  # 192: one and a half 128-tiles
+    with pytest.raises(ValueError, match=r"layer '0' cannot be stored.*\(192, 64\)"):
+        amped.export(setup, tmp_path / "out", check=False)
     assert list(tmp_path.iterdir()) == []
 
 

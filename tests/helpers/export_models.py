@@ -8,10 +8,12 @@ import amped
 
 
 def tiny_gpt2() -> torch.nn.Module:
+    """GPT-2 with 128 wide embeddings (its Conv1D layers 128 x 384, 128 x 512: whole
+    128x128 tiles for fp8-blockwise)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_layer=2, n_embd=64, n_head=2, n_positions=32, vocab_size=128, bos_token_id=0,
+        n_layer=2, n_embd=128, n_head=2, n_positions=32, vocab_size=128, bos_token_id=0,
         eos_token_id=0,
     )  # fmt: skip
     return GPT2LMHeadModel(config)

@@ -1,6 +1,9 @@
 """``check=True``: read the exported folder back with an independent reader and compare.
 
-1. **Weights.** compressed-tensors' own parser reads config.json's
+1. **Weights.** DeepSeek's FP8 layout: the pure-torch dequantizer of
+   :mod:`.deepseek`, written from the format's description, must read the training grid
+   bit for bit (E4M3 elements, float32 ``weight_scale_inv``, and their product).
+   compressed-tensors' layouts: compressed-tensors' own parser reads config.json's
    ``quantization_config`` and its own decompressor (the one its loaders call) each
    quantized layer's tensors. MX: the decompressed weight (bfloat16 block values,
    exact) must equal the training grid's block values bit for bit. NVFP4: the E2M1
@@ -32,9 +35,12 @@ from typing import Any
 
 import torch
 
+from amped.exporting.deepseek import TILE, dequantize
 from amped.exporting.formats import ExportFormat
 from amped.exporting.grid import LayerGrid
-from amped.exporting.served import ServedLinear
+from amped.exporting.served import ServedBlockwiseLinear, ServedLinear
+from amped.lowp.float8.blockwise import BlockwiseTensor
+from amped.lowp.mx.block_cast import BlockTensor
 
 __all__ = ["ExportCheckError", "check_export", "read_layers"]
 
@@ -61,12 +67,52 @@ def _under(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tenso
     }
 
 
+def _read_deepseek(
+    folder: Path, grids: list[LayerGrid]
+) -> tuple[dict[str, torch.nn.Module], dict[str, torch.Tensor]]:
+    """DeepSeek's layout, read by :func:`amped.exporting.deepseek.dequantize`: the stored
+    E4M3 weight and ``weight_scale_inv`` must be the grid's, bit for bit, and so must
+    their dequantization (float32)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "config.json").read_text())["quantization_config"]
+    if config["weight_block_size"] != [TILE, TILE]:
+        raise ExportCheckError(f"weight_block_size is {config['weight_block_size']}")
+    tensors = load_file(str(folder / "model.safetensors"))
+    served: dict[str, torch.nn.Module] = {}
+    for grid in grids:
+        local = _under(tensors, grid.name)
+        cast = grid.weight
+        assert isinstance(cast, BlockwiseTensor)
+        weight, scale_inv = local["weight"], local["weight_scale_inv"]
+        if grid.transposed:  # stored [in, out], as the model keeps it
+            weight, scale_inv = weight.t().contiguous(), scale_inv.t().contiguous()
+        ok = (
+            _bitwise_equal(weight, cast.data)
+            and _bitwise_equal(scale_inv, cast.scale_inv)
+            and _bitwise_equal(dequantize(weight, scale_inv), cast.dequantize(torch.float32))
+        )
+        if not ok:
+            raise ExportCheckError(
+                f"Layer {grid.name!r}: the file's weight does not dequantize to the training "
+                "grid (fp8-blockwise); the export is wrong. Report it with the model."
+            )
+        values = weight.to(torch.float32)
+        served[grid.name] = ServedBlockwiseLinear(
+            values, scale_inv, local.get("bias"), grid.power_of_2
+        )
+    rest = {k: v for k, v in tensors.items() if k.rpartition(".")[0] not in served}
+    return served, rest
+
+
 def read_layers(
     folder: Path, grids: list[LayerGrid], fmt: ExportFormat
-) -> tuple[dict[str, ServedLinear], dict[str, torch.Tensor], list[str]]:
+) -> tuple[dict[str, torch.nn.Module], dict[str, torch.Tensor], list[str]]:
     """Read and check the quantized layers (step 1 of the module); return their served
     layers, the file's other tensors, and the layers whose NVFP4 tensor scale does not
     survive the round trip through its reciprocal."""
+    if fmt.is_deepseek:
+        return (*_read_deepseek(folder, grids), [])
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import QuantizationConfig
@@ -76,15 +122,17 @@ def read_layers(
     parsed = QuantizationConfig.model_validate(config["quantization_config"])
     compressor = BaseCompressor.get_value_from_registry(parsed.format)
     tensors = load_file(str(folder / "model.safetensors"))
-    served: dict[str, ServedLinear] = {}
+    block = fmt.block_format()
+    served: dict[str, torch.nn.Module] = {}
     inexact: list[str] = []
     for grid in grids:
         scheme = next(g for g in parsed.config_groups.values() if grid.name in g.targets)
         local = _under(tensors, grid.name)
         weight = compressor.decompress(local, scheme)["weight"]
         cast = grid.weight
+        assert isinstance(cast, BlockTensor)
         tensor_scale = None
-        if fmt.block.is_mx:
+        if block.is_mx:
             values = weight
             ok = _bitwise_equal(weight, cast.block_values(weight.dtype))
         else:
@@ -114,7 +162,7 @@ def read_layers(
 
 
 def served_model(
-    model: torch.nn.Module, served: dict[str, ServedLinear], rest: dict[str, torch.Tensor]
+    model: torch.nn.Module, served: dict[str, torch.nn.Module], rest: dict[str, torch.Tensor]
 ) -> torch.nn.Module:
     """A copy of ``model`` with the served layers in place and the file's other weights."""
     copied = copy.deepcopy(model)

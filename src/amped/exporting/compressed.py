@@ -21,6 +21,7 @@ import torch
 
 from amped.exporting.formats import ExportFormat
 from amped.exporting.grid import LayerGrid
+from amped.lowp.mx.block_cast import BlockTensor
 from amped.lowp.mx.e2m1 import to_e2m1_codes
 
 __all__ = ["layer_tensors", "quantization_config"]
@@ -33,13 +34,14 @@ def _packed(elements: torch.Tensor) -> torch.Tensor:
 
 def layer_tensors(grid: LayerGrid, fmt: ExportFormat) -> dict[str, torch.Tensor]:
     """The tensors of one quantized layer, by their names under the layer."""
-    cast = grid.weight
+    cast, block = grid.weight, fmt.block_format()
+    assert isinstance(cast, BlockTensor)  # a compressed-tensors layout's grid
     tensors: dict[str, torch.Tensor] = {}
-    if fmt.block.is_fp4:
+    if block.is_fp4:
         tensors["weight_packed"] = _packed(cast.elements)
     else:
-        tensors["weight"] = cast.elements.to(fmt.block.elem_dtype)
-    if fmt.block.is_mx:
+        tensors["weight"] = cast.elements.to(block.elem_dtype)
+    if block.is_mx:
         tensors["weight_scale"] = cast.scale_bits.clone()
     else:
         assert cast.tensor_scale is not None  # NVFP4 casts have one

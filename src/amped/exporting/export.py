@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error, value_error
+from amped.exporting import deepseek
 from amped.exporting.check import check_export
 from amped.exporting.compressed import layer_tensors, quantization_config
 from amped.exporting.formats import EXPORT_FORMATS, ExportFormat, export_format
@@ -123,7 +124,8 @@ def _tensors(
         seen.add(pointer)
         tensors[key] = value.detach().contiguous().cpu()
     for grid in grids:
-        for name, value in layer_tensors(grid, fmt).items():
+        layer = deepseek.layer_tensors(grid) if fmt.is_deepseek else layer_tensors(grid, fmt)
+        for name, value in layer.items():
             tensors[f"{grid.name}.{name}"] = value.cpu()
     return tensors
 
@@ -132,7 +134,15 @@ def _config(model: torch.nn.Module, fmt: ExportFormat, layers: list[str]) -> dic
     config = getattr(model, "config", None)
     to_dict = getattr(config, "to_dict", None)
     document: dict[str, Any] = dict(to_dict()) if callable(to_dict) else {}
-    document["quantization_config"] = quantization_config(fmt, layers)
+    if fmt.is_deepseek:  # the loader converts every nn.Linear but those named
+        kept = [
+            name
+            for name, module in model.named_modules()
+            if type(module) is torch.nn.Linear and name not in layers
+        ]
+        document["quantization_config"] = deepseek.quantization_config(kept)
+    else:
+        document["quantization_config"] = quantization_config(fmt, layers)
     return document
 
 
@@ -159,19 +169,22 @@ def export(
     """Write a trained model to ``path`` in the inference format of its recipe.
 
     The low-precision layers' weights are cast with the quantizer their forward used
-    and stored as compressed-tensors stores them (``nvfp4``, ``mxfp8``, ``mxfp4``:
-    ``model.safetensors`` and ``config.json`` with its ``quantization_config``, which
-    vLLM and compressed-tensors read); the layers the recipe kept in high precision
-    stay so; a transformers model's config is copied through. See docs/export.md.
+    and stored as compressed-tensors stores them (``nvfp4``, ``mxfp8``, ``mxfp4``) or
+    as DeepSeek-V3 does (``fp8-blockwise``: ``weight`` E4M3 and ``weight_scale_inv``):
+    ``model.safetensors`` and ``config.json`` with the ``quantization_config`` their
+    loaders read; the layers the recipe kept in high precision stay so; a
+    transformers model's config is copied through. See docs/export.md.
 
     Args:
         setup_or_model: what :func:`amped.prepare` returned, or its model.
         path: the folder to write (created; its parent must exist).
-        format: ``"nvfp4"``, ``"mxfp8"`` or ``"mxfp4"``; default the format the
-            recipe trained in.
-        check: read the folder back with compressed-tensors' decompressor and require
-            the training grid and the training forward's logits, bit for bit
-            (docs/export.md says where NVFP4 cannot be). Needs compressed-tensors.
+        format: ``"nvfp4"``, ``"mxfp8"``, ``"mxfp4"`` or ``"fp8-blockwise"``; default
+            the format the recipe trained in.
+        check: read the folder back with an independent reader (compressed-tensors'
+            decompressor; for ``fp8-blockwise`` a dequantizer written from the format's
+            description) and require the training grid and the training forward's
+            logits, bit for bit (docs/export.md says where NVFP4 cannot be).
+            compressed-tensors' layouts need compressed-tensors installed.
         requantize: allow a format the model did not train in (warns: a new grid).
         force: replace an existing folder at ``path``.
         inputs: the held-out batches of the check (tensors, or dicts of keyword

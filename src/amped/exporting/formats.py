@@ -10,6 +10,9 @@ format          layout                       a quantized layer's tensors
                 ``mxfp8-quantized``          (E8M0 exponents in uint8, 1x32 blocks)
 ``mxfp4``       compressed-tensors           ``weight_packed`` (E2M1), ``weight_scale``
                 ``mxfp4-pack-quantized``     (E8M0 exponents in uint8, 1x32 blocks)
+``fp8-block     DeepSeek-V3 / vLLM /         ``weight`` (E4M3), ``weight_scale_inv``
+wise``          transformers fine-grained    (float32, one per 128x128 tile)
+                FP8 (``quant_method: fp8``)
 ==============  ===========================  ====================================
 
 Every format stores a weight as ``[out_features, in_features]`` with its blocks along
@@ -33,27 +36,42 @@ class ExportFormat:
     """One inference format.
 
     Attributes:
-        name: the format's name (the block recipe of the same name trains in it).
-        block: the :class:`~amped.lowp.mx.block_format.BlockFormat` of its weights.
-        compression: compressed-tensors' name of the layout (``format`` in the config).
-        strategy: compressed-tensors' quantization strategy of the weights.
+        name: the format's name (the recipe of the same name trains in it).
+        block: the :class:`~amped.lowp.mx.block_format.BlockFormat` of its weights
+            (None for ``fp8-blockwise``, which is not a block format of amped.lowp.mx).
+        compression: compressed-tensors' name of the layout (``format`` in the
+            config), or ``"fp8"`` (transformers' ``quant_method``) for DeepSeek's.
+        strategy: compressed-tensors' quantization strategy of the weights ("" for
+            DeepSeek's).
     """
 
     name: str
-    block: BlockFormat
+    block: BlockFormat | None
     compression: str
     strategy: str
 
+    @property
+    def is_deepseek(self) -> bool:
+        """DeepSeek-V3's FP8 layout (``weight`` + ``weight_scale_inv``), not
+        compressed-tensors'."""
+        return self.block is None
+
+    def block_format(self) -> BlockFormat:
+        """The block format of a compressed-tensors layout."""
+        assert self.block is not None, "fp8-blockwise is not a compressed-tensors layout"
+        return self.block
+
     def weight_args(self) -> dict[str, object]:
         """compressed-tensors' ``QuantizationArgs`` of the weights, as JSON."""
+        block = self.block_format()
         return {
-            "num_bits": 4 if self.block.is_fp4 else 8,
+            "num_bits": 4 if block.is_fp4 else 8,
             "type": "float",
             "symmetric": True,
-            "group_size": self.block.block_size,
+            "group_size": block.block_size,
             "strategy": self.strategy,
             "dynamic": False,
-            "scale_dtype": "torch.uint8" if self.block.is_mx else "torch.float8_e4m3fn",
+            "scale_dtype": "torch.uint8" if block.is_mx else "torch.float8_e4m3fn",
         }
 
     def input_args(self) -> dict[str, object]:
@@ -72,6 +90,7 @@ EXPORT_FORMATS: dict[str, ExportFormat] = {
         ExportFormat("nvfp4", BLOCK_FORMATS["nvfp4"], "nvfp4-pack-quantized", "tensor_group"),
         ExportFormat("mxfp8", BLOCK_FORMATS["mxfp8"], "mxfp8-quantized", "group"),
         ExportFormat("mxfp4", BLOCK_FORMATS["mxfp4"], "mxfp4-pack-quantized", "group"),
+        ExportFormat("fp8-blockwise", None, "fp8", ""),
     )
 }
 """The export formats by name."""

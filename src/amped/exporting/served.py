@@ -12,6 +12,8 @@ input dynamically, blocks along in_features, as the recipe trained:
 - NVFP4: a float32 tensor scale ``t = amax / (6 * 448)``, block scales
   ``e4m3(amax_block / 6 / t)`` (at least ``2 ** -6``), elements ``x / t / scale``;
 
+- FP8 blockwise (:class:`ServedBlockwiseLinear`): DeepSeek-V3's 1x128 input tiles;
+
 elements saturate to the element's range and round to nearest even. The GEMM multiplies
 the block values of both operands (exact in bfloat16) with float32 accumulation and, for
 NVFP4, scales the accumulator by the two tensor scales, as the block-scaled tensor-core
@@ -25,10 +27,11 @@ import torch
 from amped.exporting.formats import ExportFormat
 from amped.lowp.float8.gemm import gemm_dtype
 
-__all__ = ["ServedLinear", "round_e2m1"]
+__all__ = ["ServedBlockwiseLinear", "ServedLinear", "round_e2m1"]
 
 _E2M1_MAX = 6.0
 _E4M3_MAX = 448.0
+_TILE = 128  # DeepSeek-V3's tiles: 1x128 inputs, 128x128 weights
 
 
 def round_e2m1(v: torch.Tensor) -> torch.Tensor:
@@ -41,18 +44,17 @@ def round_e2m1(v: torch.Tensor) -> torch.Tensor:
 
 
 def _mx_values(x: torch.Tensor, fmt: ExportFormat) -> torch.Tensor:
-    blocks = x.to(torch.float32).unflatten(-1, (-1, fmt.block.block_size))
-    elem_max = fmt.block.elem_max
+    block = fmt.block_format()
+    blocks = x.to(torch.float32).unflatten(-1, (-1, block.block_size))
+    elem_max = block.elem_max
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     exponent = torch.ceil(torch.log2(amax / elem_max)).clamp(-127, 127)
     # a block of (near) zeros, amax below elem_max * 2**-127: kept at scale 2**-127
     # and not divided (as torchao and the MX recipes do), so its elements round to 0
     divisor = torch.where(exponent == -127, 1.0, torch.exp2(exponent))
     scaled = (blocks / divisor).clamp(-elem_max, elem_max)
-    if fmt.block.is_fp4:
-        rounded = round_e2m1(scaled)
-    else:
-        rounded = scaled.to(fmt.block.elem_dtype).to(torch.float32)
+    fp8 = not block.is_fp4
+    rounded = scaled.to(block.elem_dtype).float() if fp8 else round_e2m1(scaled)
     return (rounded * torch.exp2(exponent)).flatten(-2)
 
 
@@ -113,6 +115,78 @@ class ServedLinear(torch.nn.Module):
                     empty, values.to(dtype), weight.t(), beta=0, alpha=float(alpha)
                 ).to(x.dtype)
             out = out.reshape(*x.shape[:-1], out.shape[-1])
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+        return out
+
+
+def _blockwise_values(x: torch.Tensor, power_of_2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (2-D) cast to E4M3 in 1x128 tiles as DeepSeek-V3's recipe casts inputs:
+    ``scale = 448 / amax`` (float64 quotient, rounded to float32; amax at least 1e-12),
+    optionally rounded down to a power of two; elements ``e4m3(x * scale)`` saturated;
+    the stored ``scale_inv = 1 / scale`` (float32). Returns the elements (float32) and
+    ``scale_inv`` ``[rows, ceil(cols / 128)]``."""
+    cols = x.shape[1]
+    padded = torch.nn.functional.pad(x, (0, -cols % _TILE))
+    tiles = padded.unflatten(-1, (-1, _TILE))
+    amax = tiles.abs().amax(dim=-1, keepdim=True).to(torch.float64).clamp(min=1e-12)
+    scale = (_E4M3_MAX / amax).to(torch.float32)
+    if power_of_2:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    scaled = (tiles.to(torch.float32) * scale).clamp(-_E4M3_MAX, _E4M3_MAX)
+    elements = scaled.to(torch.float8_e4m3fn).to(torch.float32).flatten(-2)[:, :cols]
+    return elements, (1.0 / scale).squeeze(-1)
+
+
+class ServedBlockwiseLinear(torch.nn.Module):
+    """``y = x @ weight.T + bias`` as a blockwise FP8 kernel (DeepGEMM) computes it: the
+    input cast in 1x128 tiles (:func:`_blockwise_values`), then per block of 128 inner
+    indices a float32 partial product of the E4M3 values, scaled by the two tiles'
+    ``scale_inv`` product and accumulated in float32; rounded to the input's dtype once.
+
+    Args:
+        weight: the E4M3 values ``[out, in]`` in float32, read from the file.
+        scale_inv: the weight's ``weight_scale_inv`` ``[ceil(out / 128), ceil(in / 128)]``.
+        bias: the bias, or None.
+        power_of_2: the recipe's power-of-two scales for the inputs.
+    """
+
+    weight: torch.Tensor
+    scale_inv: torch.Tensor
+    bias: torch.Tensor | None
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scale_inv: torch.Tensor,
+        bias: torch.Tensor | None,
+        power_of_2: bool,
+    ) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)
+        self.register_buffer("scale_inv", scale_inv)
+        self.register_buffer("bias", bias)
+        self.power_of_2 = power_of_2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        device_type = x.device.type
+        if torch.is_autocast_enabled(device_type):
+            x = x.to(torch.get_autocast_dtype(device_type))
+        with torch.autocast(device_type, enabled=False):
+            x2 = x.reshape(-1, x.shape[-1])
+            values, x_scale_inv = _blockwise_values(x2, self.power_of_2)
+            weight_t = self.weight.t()  # [in, out]
+            n = weight_t.shape[1]
+            # the weight's scale per k-block and output column: [ceil(in / 128), out]
+            w_scale_inv = self.scale_inv.t().repeat_interleave(_TILE, dim=1)[:, :n]
+            out = torch.zeros(values.shape[0], n, dtype=torch.float32, device=x.device)
+            for block, start in enumerate(range(0, values.shape[1], _TILE)):
+                stop = start + _TILE
+                partial = values[:, start:stop] @ weight_t[start:stop]
+                out += partial * (
+                    x_scale_inv[:, block : block + 1] * w_scale_inv[block : block + 1]
+                )
+            out = out.to(x.dtype).reshape(*x.shape[:-1], n)
             if self.bias is not None:
                 out = out + self.bias.to(out.dtype)
         return out

@@ -57,3 +57,13 @@ def trained(model: torch.nn.Module, recipe: str, steps: int = 2) -> amped.TrainS
         setup.step()
         setup.zero_grad()
     return setup
+
+
+def mlp_task(
+    seed: int = 0,
+) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]], object]:
+    """:func:`mlp` as an amped task (``--model export_models:mlp_task``): random inputs
+    drawn from ``seed``, a squared-error loss."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = [(torch.randn(4, 64, generator=generator), torch.zeros(4, 32)) for _ in range(4)]
+    return mlp(), batches, torch.nn.functional.mse_loss

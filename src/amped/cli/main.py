@@ -1,5 +1,5 @@
-"""The ``amped`` command line: ``amped compare``, ``amped doctor`` and ``amped tune`` (also
-``python -m amped``).
+"""The ``amped`` command line: ``amped compare``, ``amped doctor``, ``amped tune`` and
+``amped export`` (also ``python -m amped``).
 
 User mistakes are one line on stderr, without a traceback; the exit codes are in
 :mod:`amped.cli.errors` and docs/robustness.md.
@@ -82,10 +82,15 @@ def _main(arguments: list[str]) -> int:
         if args.version:
             print(version_line())
             return EXIT_OK
-        if args.command not in ("compare", "doctor", "tune"):
+        if args.command not in ("compare", "doctor", "tune", "export"):
             raise UsageError(
-                "name a command: amped compare, amped doctor or amped tune (see amped --help)"
+                "name a command: amped compare, amped doctor, amped tune or amped export "
+                "(see amped --help)"
             )
+        if args.command == "export":  # plain text: no need for the extra
+            from amped.cli.export.command import run_export
+
+            return run_export(args)
         _check_extra(args.command)
         if args.command == "doctor":
             from amped.cli.doctor.command import (

@@ -201,10 +201,12 @@ def export(
         amped.exporting.check.ExportCheckError: the check failed; nothing was written.
 
     Example:
-        >>> import torch, amped, tempfile
-        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU())
+        >>> import tempfile, torch, amped
+        >>> layers = [torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)]
+        >>> model = torch.nn.Sequential(*layers)  # the first converts; the head stays
         >>> setup = amped.prepare(model, torch.optim.SGD(model.parameters()), "mxfp8")
-        >>> folder = amped.export(setup, tempfile.mkdtemp() + "/out", inputs=[torch.randn(2, 32)])
+        >>> out = tempfile.mkdtemp() + "/served"
+        >>> folder = amped.export(setup, out, inputs=[torch.randn(2, 64)])
         >>> sorted(p.name for p in folder.iterdir())
         ['config.json', 'model.safetensors']
     """

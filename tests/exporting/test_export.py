@@ -164,7 +164,8 @@ def test_another_format_is_a_requantization_refused_without_the_flag(tmp_path):
 def test_a_shape_the_format_cannot_hold_is_named_and_nothing_is_written(tmp_path):
     model = torch.nn.Sequential(torch.nn.Linear(80, 80), torch.nn.Linear(80, 16))
     setup = trained(model, "fp8-rowwise", steps=0)  # 80 = 5 x 16: no blocks of 32
-    with pytest.raises(ValueError, match=r"layer '0' cannot be stored.*\(80, 80\)"):
+    refused = pytest.raises(ValueError, match=r"layer '0' cannot be stored.*\(80, 80\)")
+    with refused, pytest.warns(UserWarning, match="Re-quantizing"):
         amped.export(setup, tmp_path / "out", "mxfp8", check=False, requantize=True)
     model = torch.nn.Sequential(torch.nn.Linear(64, 192), torch.nn.Linear(192, 16))
     setup = trained(model, "fp8-blockwise", steps=0)  # 192: one and a half 128-tiles

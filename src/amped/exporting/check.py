@@ -59,6 +59,7 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _under(tensors: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    """The tensors of module ``name`` itself (not of its children), by local name."""
     prefix = f"{name}."
     return {
         k[len(prefix) :]: v
@@ -105,6 +106,28 @@ def _read_deepseek(
     return served, rest
 
 
+def _nvfp4_layer(
+    local: dict[str, torch.Tensor], weight: torch.Tensor, cast: BlockTensor
+) -> tuple[bool, torch.Tensor, torch.Tensor]:
+    """NVFP4: whether compressed-tensors reads the grid (its unpacked elements, its
+    scales, its formula ``e * (scale / global_scale)``), the exact block values, and the
+    tensor scale the served forward takes (``1 / global_scale``)."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+
+    packed, scale = local["weight_packed"], local["weight_scale"]
+    rows, cols = packed.shape
+    elements = unpack_fp4_from_uint8(packed, rows, cols * 2, dtype=torch.float32)
+    global_scale = local["weight_global_scale"]
+    block_scale = scale.to(torch.float32).repeat_interleave(16, dim=1)
+    ok = (
+        _bitwise_equal(elements, cast.elements.to(torch.float32))
+        and _bitwise_equal(scale.view(torch.uint8), cast.scale_bits)
+        and _bitwise_equal(weight, (elements * (block_scale / global_scale)).to(weight.dtype))
+    )
+    values = elements * block_scale  # exact: 2 x 4 significant bits
+    return ok, values, (1.0 / global_scale).reshape(())
+
+
 def read_layers(
     folder: Path, grids: list[LayerGrid], fmt: ExportFormat
 ) -> tuple[dict[str, torch.nn.Module], dict[str, torch.Tensor], list[str]]:
@@ -114,7 +137,6 @@ def read_layers(
     if fmt.is_deepseek:
         return (*_read_deepseek(folder, grids), [])
     from compressed_tensors.compressors.base import BaseCompressor
-    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
 
@@ -122,7 +144,6 @@ def read_layers(
     parsed = QuantizationConfig.model_validate(config["quantization_config"])
     compressor = BaseCompressor.get_value_from_registry(parsed.format)
     tensors = load_file(str(folder / "model.safetensors"))
-    block = fmt.block_format()
     served: dict[str, torch.nn.Module] = {}
     inexact: list[str] = []
     for grid in grids:
@@ -131,25 +152,13 @@ def read_layers(
         weight = compressor.decompress(local, scheme)["weight"]
         cast = grid.weight
         assert isinstance(cast, BlockTensor)
-        tensor_scale = None
-        if block.is_mx:
-            values = weight
+        values, tensor_scale = weight, None  # MX: bfloat16 block values, exact
+        if fmt.block_format().is_mx:
             ok = _bitwise_equal(weight, cast.block_values(weight.dtype))
         else:
-            packed, scale = local["weight_packed"], local["weight_scale"]
-            rows, cols = packed.shape
-            elements = unpack_fp4_from_uint8(packed, rows, cols * 2, dtype=torch.float32)
-            global_scale = local["weight_global_scale"]
-            block_scale = scale.to(torch.float32).repeat_interleave(16, dim=1)
-            formula = elements * (block_scale / global_scale)
-            ok = (
-                _bitwise_equal(elements, cast.elements.to(torch.float32))
-                and _bitwise_equal(scale.view(torch.uint8), cast.scale_bits)
-                and _bitwise_equal(weight, formula.to(weight.dtype))
-            )
-            values = elements * block_scale  # exact: 2 x 4 significant bits
-            tensor_scale = (1.0 / global_scale).reshape(())
-            if not _bitwise_equal(tensor_scale, cast.tensor_scale.reshape(())):  # type: ignore[union-attr]
+            ok, values, tensor_scale = _nvfp4_layer(local, weight, cast)
+            assert cast.tensor_scale is not None  # NVFP4 casts have one
+            if not _bitwise_equal(tensor_scale, cast.tensor_scale.reshape(())):
                 inexact.append(grid.name)
         if not ok:
             raise ExportCheckError(

@@ -106,6 +106,22 @@ def test_transformers_loads_the_export_on_a_cpu(tmp_path, model_name, recipe):
 
 
 @pytest.mark.slow
+def test_an_nvfp4_tensor_scale_lost_in_its_reciprocal_warns_naming_the_layer(tmp_path):
+    amax = torch.tensor(1.0234375)  # t = amax / 2688, and 1 / (1 / t) != t in float32
+    tensor_scale = amax / (448.0 * 6.0)
+    assert 1.0 / (1.0 / tensor_scale.double()).float() != tensor_scale
+    model = mlp()
+    with torch.no_grad():
+        model[0].weight.clamp_(-1, 1)[0, 0] = amax
+    setup = amped.prepare(model, torch.optim.SGD(model.parameters()), "nvfp4")  # layer 0
+    batch = torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    # the model alone: a float32 forward, where one ulp of the scale shows in the logits
+    with pytest.warns(UserWarning, match=r"round-trip exactly for layers \['0'\]"):
+        folder = amped.export(setup.model, tmp_path / "out", inputs=[batch])
+    assert (folder / "model.safetensors").is_file()
+
+
+@pytest.mark.slow
 def test_the_check_refuses_a_file_off_the_grid(tmp_path):
     setup = trained(mlp(), "mxfp8", steps=1)
     folder = amped.export(setup, tmp_path / "out", inputs=[torch.randn(4, 64)])

@@ -37,6 +37,7 @@ ALLOWED: dict[str, set[str]] = {
     "tuning": _LIBRARY_BASE | {"recipes", "tasks", "doctor"},
     "comparison": _LIBRARY_BASE | {"recipes", "tasks", "doctor", "tuning"},
     "verification": _LIBRARY_BASE | {"recipes", "tasks"},
+    "exporting": _LIBRARY_BASE | {"recipes"},
     "integrations": _LIBRARY_BASE | {"recipes", "amped"},
     "cli": _LIBRARY_BASE
     | {
@@ -47,10 +48,12 @@ ALLOWED: dict[str, set[str]] = {
         "tuning",
         "comparison",
         "verification",
+        "exporting",
         "integrations",
         "amped",
     },
-    "amped": _LIBRARY_BASE | {"recipes", "tasks", "doctor", "tuning", "comparison", "verification"},
+    "amped": _LIBRARY_BASE
+    | {"recipes", "tasks", "doctor", "tuning", "comparison", "verification", "exporting"},
     "__main__": {"cli"},
 }
 """Package -> the amped packages its modules may import (its own always). ``amped`` is
@@ -67,6 +70,8 @@ THIRD_PARTY: dict[str, set[str]] = {
     "integrations": {"torch", "lightning", "pytorch_lightning", "accelerate", "transformers"},
     "cli": {"torch", "rich", "matplotlib"},
     "verification": {"torch", "torchao", "transformer_engine"},
+    # the file format, and the independent reader of the check (both imported when called)
+    "exporting": {"torch", "safetensors", "compressed_tensors"},
 }
 """Third-party packages each package may import; every other package: torch alone."""
 

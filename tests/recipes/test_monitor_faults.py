@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import amped
+import amped.lowp.float8.blockwise_linear
 import amped.lowp.float8.linear
 import amped.lowp.mx.block_linear
 from amped.lowp.float8.config import FLOAT8_CONFIGS
@@ -82,6 +83,8 @@ def _gemm_site(recipe: str) -> tuple[object, str]:
     """The module and name of the GEMM function the recipe's layers call."""
     if recipe in BLOCK_RECIPE_NAMES:
         return amped.lowp.mx.block_linear, "operand_mm"
+    if recipe == "fp8-blockwise":
+        return amped.lowp.float8.blockwise_linear, "blockwise_mm"
     return amped.lowp.float8.linear, "scaled_mm"
 
 

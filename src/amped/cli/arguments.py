@@ -12,6 +12,7 @@ from typing import NoReturn
 
 from amped.cli.errors import UsageError
 from amped.cli.out_dir import out_folder, seed
+from amped.exporting.formats import EXPORT_FORMATS
 from amped.recipes.registry import recipe_names
 from amped.tuning.tuner import DEFAULT_FORMATS
 
@@ -244,9 +245,59 @@ def _add_verify(verify: argparse.ArgumentParser) -> None:
     add("--traceback", action="store_true", help="print the traceback of a failure")
 
 
+_EXPORT = (
+    "write a trained checkpoint in the inference format of its recipe, checked",
+    "Build the model with --model, prepare it for --recipe, load --checkpoint (saved by "
+    "amped.checkpoint.save_checkpoint) and write OUT/ in the inference format of the "
+    "recipe (NVFP4, MXFP8, MXFP4 in compressed-tensors' layout; fp8-blockwise in "
+    "DeepSeek-V3's): each low-precision weight cast as its forward cast it, read back "
+    "with an independent reader and compared bit for bit, weights and logits.",
+)
+_EXPORT_EXIT = (
+    "exit status: 0 written and checked; 3 the check failed (nothing written); 2 bad "
+    "arguments, OUT exists without --force, a format the recipe did not train in without "
+    "--requantize, or a layer the format cannot hold; 1 the export failed"
+)
+
+
+def _add_export(export: argparse.ArgumentParser) -> None:
+    add = export.add_argument
+    add("out", metavar="OUT", help="the folder to write (its parent must exist)")
+    add("--checkpoint", required=True, metavar="PATH",
+        help="a checkpoint saved by amped.checkpoint.save_checkpoint, holding the "
+        "prepared model's state_dict (setup.model.state_dict())")  # fmt: skip
+    add("--key", default="model",
+        help="the checkpoint's entry holding the model state (default: model)")  # fmt: skip
+    add(
+        "--recipe",
+        required=True,
+        help="the recipe the model trained with (nvfp4, mxfp8, mxfp4, fp8-blockwise, ...)",
+    )
+    add("--model", default=None, metavar="MODULE:FACTORY",
+        help="task factory, as for amped compare, building the model as training did "
+        "(default: the built-in tiny GPT)")  # fmt: skip
+    add("--format", default=None, choices=sorted(EXPORT_FORMATS),
+        help="the inference format (default: the one the recipe trained in)")  # fmt: skip
+    add(
+        "--requantize",
+        action="store_true",
+        help="allow a format the recipe did not train in (a new grid, not the trained one)",
+    )
+    add("--force", action="store_true", help="replace OUT if it exists")
+    add("--no-check", action="store_true", help="write without reading the folder back")
+    add(
+        "--seed",
+        type=seed,
+        default=0,
+        help="the factory's seed (default: 0); the check's held-out batches use seed + 1",
+    )
+    add("--device", default=None, help="cpu, cuda or cuda:N (default: cpu)")
+    add("--traceback", action="store_true", help="print the traceback of a failure")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The ``amped`` parser with its ``compare``, ``doctor``, ``tune`` and ``verify``
-    commands."""
+    """The ``amped`` parser with its ``compare``, ``doctor``, ``tune``, ``verify`` and
+    ``export`` commands."""
     parser = _Parser(prog="amped", description="Mixed-precision training for PyTorch.")
     parser.add_argument("--version", action="store_true", help="print amped's version and exit")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
@@ -260,4 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help=_VERIFY[0], description=_VERIFY[1])
     verify.epilog = _VERIFY_EXIT
     _add_verify(verify)
+    export = commands.add_parser("export", help=_EXPORT[0], description=_EXPORT[1])
+    export.epilog = _EXPORT_EXIT
+    _add_export(export)
     return parser

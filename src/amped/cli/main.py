@@ -1,5 +1,5 @@
-"""The ``amped`` command line: ``amped compare``, ``amped doctor``, ``amped tune`` and
-``amped verify`` (also ``python -m amped``).
+"""The ``amped`` command line: ``amped compare``, ``amped doctor``, ``amped tune``,
+``amped verify`` and ``amped export`` (also ``python -m amped``).
 
 User mistakes are one line on stderr, without a traceback; the exit codes are in
 :mod:`amped.cli.errors` and docs/robustness.md.
@@ -82,11 +82,16 @@ def _main(arguments: list[str]) -> int:
         if args.version:
             print(version_line())
             return EXIT_OK
-        if args.command not in ("compare", "doctor", "tune", "verify"):
+        if args.command not in ("compare", "doctor", "tune", "verify", "export"):
             raise UsageError(
-                "name a command: amped compare, amped doctor, amped tune or amped verify "
+                "name a command: amped compare, amped doctor, amped tune, amped verify or "
+                "amped export "
                 "(see amped --help)"
             )
+        if args.command == "export":  # plain text: no need for the extra
+            from amped.cli.export.command import run_export
+
+            return run_export(args)
         _check_extra(args.command)
         if args.command == "doctor":
             from amped.cli.doctor.command import (

@@ -25,7 +25,9 @@ from amped.lowp.convert import (
     no_layer_error,
     plan_low_precision,
 )
-from amped.lowp.float8.cast import quantize, sqnr
+from amped.lowp.float8.blockwise import ACTIVATION_TILE, WEIGHT_TILE, quantize_blockwise
+from amped.lowp.float8.cast import Granularity, quantize, sqnr
+from amped.lowp.float8.config import CastRule
 from amped.lowp.mx.block_cast import quantize_block
 from amped.lowp.mx.block_config import BlockConfig
 from amped.policy import Policy
@@ -115,6 +117,20 @@ def _block_cast_stats(
     return tuple(stats)
 
 
+def _cast(
+    flat: torch.Tensor, rule: CastRule, role: str, power_of_2: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The FP8 values (float32) of ``flat`` cast by ``rule`` as the layer's forward casts
+    it, and the scale of each element (or of each row, or of the tensor)."""
+    if rule.granularity == "blockwise":
+        tile = WEIGHT_TILE if role == "weight" else ACTIVATION_TILE
+        bq = quantize_blockwise(flat, tile, dtype=rule.dtype, power_of_2=power_of_2)
+        return bq.data.float(), 1.0 / bq.scale_inv_per_element()
+    granularity: Granularity = "rowwise" if rule.granularity == "rowwise" else "tensorwise"
+    q = quantize(flat, rule.dtype, granularity, -1, power_of_2)
+    return q.data.float(), q.scale
+
+
 def _cast_stats(
     config: LowPrecisionConfig, x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor
 ) -> tuple[CastStat, ...]:
@@ -127,11 +143,10 @@ def _cast_stats(
         ("grad_output", grad, config.grad_output),
     ):
         flat = tensor.detach().reshape(-1, tensor.shape[-1]).float()
-        q = quantize(flat, rule.dtype, rule.granularity, -1, config.power_of_2)
+        data, scale = _cast(flat, rule, role, config.power_of_2)
         fp8_max = torch.finfo(rule.dtype).max
-        data = q.data.float()
         nonzero = flat != 0
-        peak = float((flat.abs() * q.scale).max())
+        peak = float((flat.abs() * scale).max())
         stats.append(
             CastStat(
                 role=role,
@@ -235,7 +250,7 @@ def diagnose_fp8(
     if chosen.fp8 is None:
         raise value_error(
             "diagnose_fp8 checks an FP8 or block recipe: fp8-tensorwise, fp8-rowwise, "
-            "fp8-rowwise-gw-hp, fp8-delayed, mxfp8, mxfp4 or nvfp4",
+            "fp8-rowwise-gw-hp, fp8-delayed, fp8-blockwise, mxfp8, mxfp4 or nvfp4",
             "recipe",
             recipe,
         )

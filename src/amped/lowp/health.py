@@ -24,6 +24,9 @@ without a sync:
   A dynamic scale is ``fp8_max / amax``: 0 for an inf amax, NaN for a NaN one; a
   delayed one is made NaN by :func:`amped.lowp.float8.delayed.propagate_nonfinite`. Rowwise:
   per row, so one bad row shows.
+- Blockwise FP8 (:class:`~amped.lowp.float8.blockwise.BlockwiseTensor`): each tile's
+  ``scale_inv``, bad unless ``0 < scale_inv < inf`` (an inf tile's scale is 0, its
+  ``scale_inv`` inf; a NaN tile's NaN): one bad tile shows.
 - MX (:class:`~amped.lowp.mx.block_cast.BlockTensor`, E8M0 scales): the scale bits, bad
   from the exponent an inf block takes (:func:`nonfinite_exponent`; a NaN block takes
   255, the E8M0 NaN). Under ``floor`` and ``rceil`` scales no finite block reaches it:
@@ -64,6 +67,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 
+from amped.lowp.float8.blockwise import BlockwiseTensor
 from amped.lowp.float8.cast import EPS, Float8Tensor
 from amped.lowp.mx.block_cast import BlockTensor, quantize_block
 from amped.lowp.mx.block_format import BlockFormat, ScaleMode
@@ -95,7 +99,7 @@ STATS = (
 )
 """The sampled counters of one GEMM, in this order (float32, summed; ``amax``: max)."""
 
-Operand = tuple[torch.Tensor | None, Float8Tensor | BlockTensor | None]
+Operand = tuple[torch.Tensor | None, Float8Tensor | BlockwiseTensor | BlockTensor | None]
 
 ProbeKind = Literal["scale", "exponent", "range"]
 
@@ -192,10 +196,14 @@ def nonfinite_exponent(fmt: BlockFormat, scale_mode: ScaleMode) -> int:
     return int(quantize_block(block, fmt, scale_mode).scale_bits[0])
 
 
-def _cast_probe(low: Float8Tensor | BlockTensor | None, scale_mode: ScaleMode) -> Probe | None:
+def _cast_probe(
+    low: Float8Tensor | BlockwiseTensor | BlockTensor | None, scale_mode: ScaleMode
+) -> Probe | None:
     """The probe of a quantized operand: data its cast computed (see the module)."""
     if isinstance(low, Float8Tensor):
         return Probe("scale", (low.scale,))
+    if isinstance(low, BlockwiseTensor):
+        return Probe("scale", (low.scale_inv,))
     if isinstance(low, BlockTensor):
         if low.tensor_scale is not None:  # NVFP4
             return Probe("scale", (low.tensor_scale,))
@@ -332,6 +340,13 @@ def _stats(
             if magnitude is not None:
                 amaxes.append(magnitude.amax())
             continue
+        if isinstance(low, BlockwiseTensor):
+            elements += low.shape.numel()
+            for stat, value in _blockwise_counts(magnitude, low).items():
+                add(stat, value)
+            if magnitude is not None:
+                amaxes.append(magnitude.amax())
+            continue
         # shape and dtype without the bytes, which a cast that wrote only values (every
         # emulated step) computes in a pass of their own when read (Float8Tensor.data)
         elements += low.shape.numel()
@@ -357,6 +372,28 @@ def _stats(
     row[STATS.index("elements")] = float(elements)
     row[-1] = torch.stack(amaxes).amax()
     return row
+
+
+def _blockwise_counts(
+    magnitude: torch.Tensor | None, low: BlockwiseTensor
+) -> dict[str, torch.Tensor]:
+    """The counts of one blockwise FP8 operand: scale clamps (a tile's scale at the
+    amax floor or below float32's normal range, as for a tensorwise scale), and with its
+    high-precision ``magnitude`` its non-zero, underflowed and saturated elements
+    (``|high| > fp8_max * scale_inv`` of its tile: beyond what the tile's E4M3 holds)."""
+    dtype_max = torch.finfo(low.data.dtype).max
+    scale = 1.0 / low.scale_inv
+    counts = {
+        "scale_clamps": torch.count_nonzero((scale >= dtype_max / EPS) | (scale <= 2.0**-126))
+    }
+    if magnitude is None or magnitude.shape != low.shape:
+        return counts
+    nonzero = _count_nonzero(magnitude)
+    counts["nonzero"] = nonzero
+    counts["underflow"] = (nonzero - _count_nonzero_fp8(low.data)).clamp(min=0)
+    limit = low.scale_inv_per_element() * dtype_max
+    counts["saturated"] = torch.count_nonzero(magnitude > limit)
+    return counts
 
 
 _SAME_SIZE_INT = {

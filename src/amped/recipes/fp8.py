@@ -2,8 +2,10 @@
 for everything else.
 
 ``fp8-tensorwise``, ``fp8-rowwise`` and ``fp8-rowwise-gw-hp`` are torchao's float8
-training recipes; ``fp8-delayed`` is Transformer Engine's delayed scaling (see
-:mod:`amped.lowp`). The block recipes ``mxfp8``, ``mxfp4`` and ``nvfp4`` cast with
+training recipes; ``fp8-delayed`` is Transformer Engine's delayed scaling;
+``fp8-blockwise`` is DeepSeek-V3's blockwise scaling (Transformer Engine's
+``Float8BlockScaling``: E4M3, 1x128 activation and gradient tiles, 128x128 weight
+tiles; see :mod:`amped.lowp`). The block recipes ``mxfp8``, ``mxfp4`` and ``nvfp4`` cast with
 per-block scales (:data:`amped.lowp.CONFIGS`); ``prepare(..., config=...)``
 takes a variant of the recipe's config, e.g. ``BLOCK_CONFIGS["nvfp4"].replace(
 hadamard=False)``. ``prepare`` builds the base recipe's setup first (``bf16-mixed`` by
@@ -57,6 +59,7 @@ _ALIASES = {
     "rowwise": (),
     "rowwise-gw-hp": (),
     "delayed": ("fp8-te",),
+    "blockwise": (),
 }
 
 FP8_RECIPE_NAMES = tuple(

@@ -59,6 +59,7 @@ PLAN_FORMATS = (
     "fp8-tensorwise",
     "fp8-rowwise",
     "fp8-rowwise-gw-hp",
+    "fp8-blockwise",
     "mxfp8",
     "mxfp4",
     "nvfp4",

@@ -34,6 +34,7 @@ SPEEDUPS: dict[str, dict[str, float]] = {
         "fp8-tensorwise": 2.0,
         "fp8-rowwise": 2.0,
         "fp8-rowwise-gw-hp": 5 / 3,  # one of its three GEMMs (grad_weight) stays bf16
+        "fp8-blockwise": 2.0,  # FP8 tensor cores; the per-block scaling is not counted
         "mxfp8": 2.0,
         "mxfp4": 4.0,
         "nvfp4": 4.0,
@@ -45,6 +46,7 @@ SPEEDUPS: dict[str, dict[str, float]] = {
         "fp8-tensorwise": 2.0,
         "fp8-rowwise": 2.0,
         "fp8-rowwise-gw-hp": 5 / 3,
+        "fp8-blockwise": 2.0,
         "mxfp8": 1.0,
         "mxfp4": 1.0,
         "nvfp4": 1.0,

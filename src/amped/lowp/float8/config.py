@@ -6,9 +6,15 @@ A linear layer runs three GEMMs, and each operand is cast by its own rule::
     grad_input  = grad_output @ weight          (backward)
     grad_weight = grad_output.T @ input         (backward)
 
-The four named configs (:data:`FLOAT8_CONFIGS`) follow torchao's float8 training recipes
-(tensorwise, rowwise, rowwise with a high-precision grad-weight GEMM) and Transformer
-Engine's delayed scaling.
+The named configs (:data:`FLOAT8_CONFIGS`) follow torchao's float8 training recipes
+(tensorwise, rowwise, rowwise with a high-precision grad-weight GEMM), Transformer
+Engine's delayed scaling, and DeepSeek-V3's blockwise scaling (Transformer Engine's
+``Float8BlockScaling``, torchao's ``blockwise_fp8_training``).
+
+A ``"blockwise"`` rule casts by tiles whose shape the operand's role sets
+(:mod:`amped.lowp.float8.blockwise`): input and grad_output in 1x128 tiles for the
+output and grad-input GEMMs and in 128x1 tiles for the grad-weight GEMM, the weight in
+128x128 tiles for both of its GEMMs. A config is blockwise in all of its rules or in none.
 """
 
 from __future__ import annotations
@@ -19,7 +25,10 @@ from typing import Literal
 import torch
 
 from amped._internal.errors import value_error
-from amped.lowp.float8.cast import Granularity, check_fp8_dtype, check_granularity
+from amped.lowp.float8.cast import check_fp8_dtype, check_granularity
+
+RuleGranularity = Literal["tensorwise", "rowwise", "blockwise"]
+"""How a :class:`CastRule` scales: one scale per tensor, per row, or per tile."""
 
 __all__ = ["FLOAT8_CONFIGS", "CastRule", "DelayedScaling", "Float8Config"]
 
@@ -32,11 +41,12 @@ class CastRule:
     """The FP8 dtype and scaling granularity of one GEMM operand."""
 
     dtype: torch.dtype = E4M3
-    granularity: Granularity = "tensorwise"
+    granularity: RuleGranularity = "tensorwise"
 
     def __post_init__(self) -> None:
         check_fp8_dtype(self.dtype)
-        check_granularity(self.granularity)
+        if self.granularity != "blockwise":
+            check_granularity(self.granularity)
 
     def __str__(self) -> str:
         return f"{str(self.dtype).removeprefix('torch.float8_')}/{self.granularity}"
@@ -114,7 +124,8 @@ class Float8Config:
             (input and weight in the output GEMM, grad_output in the grad-input GEMM).
         weight_for_grad_input: the weight's rule in the grad-input GEMM (default: ``weight``).
         grad_weight_hp: run the grad-weight GEMM in the layer's high precision.
-        power_of_2: round every scale down to a power of two.
+        power_of_2: round every scale down to a power of two (blockwise: Transformer
+            Engine's ``power_2_scale``; DeepSeek-V3 and torchao keep float32 scales).
         fast_accum_output: Hopper's fast accumulation for the output GEMM (GPU only).
         delayed: delayed (amax-history) scaling; tensorwise rules only.
     """
@@ -131,6 +142,17 @@ class Float8Config:
     def __post_init__(self) -> None:
         if self.weight_for_grad_input is None:
             object.__setattr__(self, "weight_for_grad_input", self.weight)
+        rules = (self.input, self.weight, self.grad_output, self.weight_for_grad_input)
+        blockwise = [r for r in rules if r is not None and r.granularity == "blockwise"]
+        if blockwise and (len(blockwise) != len(rules) or self.delayed is not None):
+            raise value_error(
+                "A blockwise config casts every operand by tiles (input, weight, "
+                "grad_output and weight_for_grad_input all 'blockwise', no delayed "
+                "scaling): each GEMM multiplies two operands tiled along its inner dim; "
+                "start from amped.lowp.CONFIGS['blockwise']",
+                "rules",
+                [str(r) for r in rules],
+            )
         if self.delayed is not None:
             rules = (self.input, self.weight, self.grad_output, self.weight_for_grad_input)
             rowwise = [r for r in rules if r is not None and r.granularity != "tensorwise"]
@@ -141,6 +163,11 @@ class Float8Config:
                     "rule",
                     rowwise[0],
                 )
+
+    @property
+    def blockwise(self) -> bool:
+        """Whether the rules scale per tile (:mod:`amped.lowp.float8.blockwise`)."""
+        return self.input.granularity == "blockwise"
 
     @property
     def w_gi(self) -> CastRule:
@@ -160,6 +187,7 @@ class Float8Config:
 
 
 _ROWWISE = CastRule(E4M3, "rowwise")
+_BLOCKWISE = CastRule(E4M3, "blockwise")
 
 FLOAT8_CONFIGS: dict[str, Float8Config] = {
     "tensorwise": Float8Config(),
@@ -173,5 +201,8 @@ FLOAT8_CONFIGS: dict[str, Float8Config] = {
         power_of_2=True,
     ),
     "delayed": Float8Config(delayed=DelayedScaling()),
+    "blockwise": Float8Config(_BLOCKWISE, _BLOCKWISE, _BLOCKWISE),
 }
-"""The scaling recipes by name: torchao's three dynamic ones and delayed scaling."""
+"""The scaling recipes by name: torchao's three dynamic ones, delayed scaling, and
+DeepSeek-V3's blockwise scaling (E4M3 everywhere, float32 scales; its power-of-two
+variant is ``dataclasses.replace(FLOAT8_CONFIGS["blockwise"], power_of_2=True)``)."""

@@ -61,6 +61,12 @@ def wire_refusal(config: Float8Config) -> str | None:
     rule in both (a rowwise cast of the grad-input GEMM scales each input feature by an
     amax over all output rows, across the shards, from the high-precision weight).
     """
+    if config.blockwise:
+        return (
+            "its weight is cast in 128x128 tiles, each with its own scale, and the FP8 "
+            "wire carries one scale per tensor; it all-gathers the weight in its dtype "
+            "and each rank casts the whole weight (the same bits)"
+        )
     if config.weight.granularity != "tensorwise":
         return (
             "its forward casts the weight rowwise and its backward casts it again along "

@@ -8,6 +8,9 @@ a quarter of a float32 copy; an emulating layer keeps the bfloat16 operand its c
 wrote instead, so its backward converts nothing); rowwise rules scale the backward
 operands along another dim, so those save the high-precision tensor and cast it again.
 
+A blockwise config (one scale per 1x128, 128x1 or 128x128 tile) runs its GEMMs in
+:mod:`amped.lowp.float8.blockwise_linear` instead.
+
 Bias is added after the GEMM in the output dtype. Under an autocast region the
 input is first cast to the region's dtype (bfloat16 for the FP8 recipes); the layer
 then runs with autocast off, so the policy never re-casts its float32 dequantization.
@@ -27,7 +30,15 @@ from amped.lowp.conv1d import (
     linear_forward,
     low_precision_class,
 )
-from amped.lowp.float8.cast import Float8Tensor, amax_of, quantize, quantize_rows_and_columns
+from amped.lowp.float8.blockwise_gemm import has_blockwise_scaled_mm
+from amped.lowp.float8.blockwise_linear import BlockwiseLinearFunction
+from amped.lowp.float8.cast import (
+    Float8Tensor,
+    Granularity,
+    amax_of,
+    quantize,
+    quantize_rows_and_columns,
+)
 from amped.lowp.float8.config import CastRule, Float8Config
 from amped.lowp.float8.delayed import (
     GRAD_OUTPUT,
@@ -180,7 +191,8 @@ class Float8Linear(torch.nn.Linear):
             linear: an ``nn.Linear`` or transformers ``Conv1D`` (exactly that class).
             config: the cast rules.
             emulate: force (True) or forbid (False) emulated GEMMs; default: emulate
-                where the device has no FP8 GEMM.
+                where the device has no FP8 GEMM (for a blockwise config: no blockwise
+                FP8 GEMM, :func:`~amped.lowp.float8.blockwise_gemm.has_blockwise_scaled_mm`).
         """
         if not is_linear_like(linear):
             raise type_error(
@@ -198,7 +210,8 @@ class Float8Linear(torch.nn.Linear):
             linear.__class__ = cls
         layer: Float8Linear = linear  # type: ignore[assignment]
         layer.fp8_config = config
-        layer.fp8_emulate = (not has_scaled_mm(device)) if emulate is None else emulate
+        has_kernel = has_blockwise_scaled_mm if config.blockwise else has_scaled_mm
+        layer.fp8_emulate = (not has_kernel(device)) if emulate is None else emulate
         layer.fp8_started = False
         if config.delayed is not None:
             n = config.delayed.history_len
@@ -231,7 +244,8 @@ class Float8Linear(torch.nn.Linear):
         values_dtype = gemm_dtype(out_dtype, x.device) if self.fp8_emulate else None
         power_of_2 = self.fp8_config.power_of_2
         if self.fp8_config.delayed is None or role is None:
-            return quantize(x, rule.dtype, rule.granularity, dim, power_of_2, None, values_dtype)
+            granularity: Granularity = "rowwise" if rule.granularity == "rowwise" else "tensorwise"
+            return quantize(x, rule.dtype, granularity, dim, power_of_2, None, values_dtype)
         scale = self.fp8_delayed_scale(amax_of(x).to(torch.float32), role)
         return quantize(x, rule.dtype, scale=scale, values_dtype=values_dtype)
 
@@ -268,6 +282,8 @@ class Float8Linear(torch.nn.Linear):
         return propagate_nonfinite(scale, amax)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.fp8_config.blockwise:  # amped.lowp.float8.blockwise_linear
+            return linear_forward(self, BlockwiseLinearFunction, input)
         return linear_forward(self, _Float8LinearFunction, input)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:

@@ -1,0 +1,1 @@
+"""``amped export``: write a trained checkpoint in the inference format of its recipe."""

@@ -52,7 +52,7 @@ ANCHORS = ("fp32: running", "fp32: complete", "bf16-mixed: complete")
 def _signal_trial(out: Path) -> subprocess.Popen[str]:
     old_pair(out)
     return subprocess.Popen(
-        compare_command("--recipes", "fp32,bf16", "--steps", "150", "--out", str(out)),
+        compare_command("--recipes", "fp32,bf16", "--steps", "60", "--out", str(out)),
         cwd=ROOT,
         env=ENV,
         stdout=subprocess.PIPE,
@@ -95,7 +95,7 @@ def _signal_at(
 @pytest.mark.slow
 def test_sigterm_and_sigint_at_random_moments(tmp_path):
     """Eight subprocesses, two at a time, each signalled at a random moment of its run
-    (~15 s): exit 130 (SIGINT) or 143 (SIGTERM) (0 if it had just finished), no
+    (a few seconds): exit 130 (SIGINT) or 143 (SIGTERM) (0 if it had just finished), no
     traceback, and a whole pair: the new one (partial or not) or, only after a second
     signal, the old one."""
     rng = random.Random(14)

@@ -11,7 +11,8 @@ held-out losses per seed:
   (:func:`amped.lowp.qat.fake_quantize_weights`), then quantized as PTQ's.
 
 The layers are those the format's recipe converts (the Transformer blocks' feed-forward
-Linears; NVFP4's recipe keeps its last one in bfloat16). The gap each leaves against
+Linears; NVFP4's recipe keeps its last one in bfloat16), or with ``--layers all-linear``
+every ``nn.Linear`` (the head and attention's output projections too). The gap each leaves against
 bf16 is printed per seed, with the means and the seed spread of the bf16 loss.
 
     python benchmarks/qat.py --format nvfp4 --steps 300 --qat-steps 100 --seeds 0 1 2 --threads 1
@@ -61,7 +62,17 @@ def _held_out(task: Any, setup: Any) -> float:
     return float(loss)
 
 
-def _trained(seed: int, steps: int, fmt: str, qat_steps: int) -> tuple[Any, Any, list[str]]:
+def _layers(model: torch.nn.Module, which: str) -> list[str] | None:
+    """None (the format's recipe's layers) or every nn.Linear the model calls (the head
+    included; attention's out_proj too, whose weight MultiheadAttention reads)."""
+    if which == "recipe":
+        return None
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+
+
+def _trained(
+    seed: int, steps: int, fmt: str, qat_steps: int, which: str = "recipe"
+) -> tuple[Any, Any, list[str]]:
     """The task and setup after ``steps`` steps of bf16-mixed, the last ``qat_steps`` with
     the format's layers fake-quantized (none for ``qat_steps=0``), and those layers.
     Runs with the same seed are the same up to the fake quantization (CPU: deterministic)."""
@@ -71,19 +82,19 @@ def _trained(seed: int, steps: int, fmt: str, qat_steps: int) -> tuple[Any, Any,
     _train(setup, batches, steps - qat_steps, task.loss_fn)
     layers: list[str] = []
     if qat_steps:
-        layers = fake_quantize_weights(setup.model, fmt)
+        layers = fake_quantize_weights(setup.model, fmt, _layers(setup.model, which))
         _train(setup, batches, qat_steps, task.loss_fn)
         remove_fake_quantization(setup.model)
     return task, setup, layers
 
 
-def run_seed(fmt: str, seed: int, steps: int, qat_steps: int) -> dict[str, Any]:
+def run_seed(fmt: str, seed: int, steps: int, qat_steps: int, which: str) -> dict[str, Any]:
     """Held-out losses: bf16, PTQ and QAT (see the module)."""
     task, setup, _ = _trained(seed, steps, fmt, 0)
     bf16 = _held_out(task, setup)
-    layers = quantize_weights_(setup.model, fmt)
+    layers = quantize_weights_(setup.model, fmt, _layers(setup.model, which))
     ptq = _held_out(task, setup)
-    task, setup, chosen = _trained(seed, steps, fmt, qat_steps)
+    task, setup, chosen = _trained(seed, steps, fmt, qat_steps, which)
     assert chosen == layers
     quantize_weights_(setup.model, fmt, chosen)
     qat = _held_out(task, setup)
@@ -97,14 +108,21 @@ def main() -> None:
     parser.add_argument("--qat-steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--layers",
+        choices=("recipe", "all-linear"),
+        default="recipe",
+        help="the format's recipe's layers, or every nn.Linear (head included)",
+    )
     parser.add_argument("--json", help="write the results to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"format={args.format} steps={args.steps} qat_steps={args.qat_steps} "
+    print(f"format={args.format} layers={args.layers} steps={args.steps} "
+          f"qat_steps={args.qat_steps} "
           f"seeds={args.seeds} threads={args.threads} load={os.getloadavg()}")  # fmt: skip
     results = {}
     for seed in args.seeds:
-        r = run_seed(args.format, seed, args.steps, args.qat_steps)
+        r = run_seed(args.format, seed, args.steps, args.qat_steps, args.layers)
         results[seed] = r
         print(f"seed {seed}: bf16 {r['bf16']:.4f}  PTQ {r['ptq']:.4f} "
               f"(gap {r['ptq'] - r['bf16']:+.4f})  QAT {r['qat']:.4f} "

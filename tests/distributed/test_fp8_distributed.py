@@ -147,6 +147,19 @@ def test_rowwise_keeps_bfloat16_on_the_wire_says_why_and_matches_one_process(wir
         assert _differing(run["params"], run["control"]["params"]) == []
 
 
+def test_blockwise_keeps_bfloat16_on_the_wire_says_why_and_matches_one_process(wire_ranks):
+    """fp8-blockwise under FSDP2: each rank casts the whole all-gathered weight in
+    128x128 tiles, the same bits as one process."""
+    for rank in wire_ranks:
+        run = rank["blockwise"]
+        assert len(run["warnings"]) == 1
+        assert "cast in 128x128 tiles" in run["warnings"][0]
+        assert run["wire_layers"] == []
+        assert {d for _, d in run["wire"]} == {"torch.bfloat16"}
+        assert _differing(run["params"], run["control"]["params"]) == []
+        assert run["losses"] == run["control"]["losses"]
+
+
 def test_under_a_mixed_precision_policy_the_wire_casts_what_the_layer_would_have(wire_ranks):
     """float32 shards that FSDP2 all-gathers as bfloat16: the wire casts the bfloat16
     value of the weight, so it trains as FSDP2 without the wire (all-gathering bfloat16

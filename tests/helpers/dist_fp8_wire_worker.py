@@ -10,8 +10,8 @@ results read by tests/distributed/test_fp8_distributed.py). :func:`scenarios` re
   wires) on the same model.
 - ``dcp/RECIPE``: weights and optimizer state saved with torch.distributed.checkpoint
   after 2 steps, loaded into a fresh setup, then both trained on.
-- ``rowwise``: ``fp8-rowwise`` on FSDP2: the warning ``prepare`` gives, the wire's
-  dtype, and the parameters against one process.
+- ``rowwise``, ``blockwise``: ``fp8-rowwise`` and ``fp8-blockwise`` on FSDP2: the
+  warning ``prepare`` gives, the wire's dtype, and the parameters against one process.
 - ``split/RECIPE``: each rank on its half of the batch, with the FP8 wire and with it
   taken away (the control).
 - ``mixed``: ``fp8-tensorwise`` on float32 shards all-gathered as bfloat16 by a
@@ -207,15 +207,17 @@ def split(recipe: str, rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def rowwise() -> dict[str, Any]:
+def kept_dtype(recipe: str) -> dict[str, Any]:
+    """A recipe whose weights keep their dtype on the wire (``fp8-rowwise``,
+    ``fp8-blockwise``): the warning, the wire's bytes, and one process's training."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        setup = prepared("fp8-rowwise", "bf16-pure", sharded=True)
+        setup = prepared(recipe, "bf16-pure", sharded=True)
     with GatherCounter() as counter:
         out = record(setup, train(setup, range(STEPS)))
     out["warnings"] = [str(w.message) for w in caught if w.category is UserWarning]
     out["wire"] = counter.calls
-    control = prepared("fp8-rowwise", "bf16-pure", sharded=False)
+    control = prepared(recipe, "bf16-pure", sharded=False)
     out["control"] = record(control, train(control, range(STEPS)))
     return out
 
@@ -331,8 +333,10 @@ def scenarios(rank: int, world: int, out: Path) -> dict[str, Any]:
     for recipe in ("bf16-pure", "bf16-mixed"):
         with clock(f"wire/{recipe}"):
             results[f"wire/{recipe}"] = wire(recipe, "bf16-pure")
-    with clock("rowwise"):
-        results["rowwise"] = rowwise()
+    for recipe in ("fp8-rowwise", "fp8-blockwise"):
+        name = recipe.removeprefix("fp8-")
+        with clock(name):
+            results[name] = kept_dtype(recipe)
     with clock("mixed"):
         results["mixed"] = {"wire": mixed(wire=True), "control": mixed(wire=False)}
     for recipe in FP8:

@@ -60,7 +60,13 @@ def _saved(recipe: str, base: str) -> dict:
 
 
 @pytest.mark.parametrize("base", FP8_BASES)
-@pytest.mark.parametrize("recipe", FP8_RECIPE_NAMES)
+@pytest.mark.parametrize(
+    "recipe",
+    [
+        pytest.param(r, marks=pytest.mark.slow) if r == "fp8-blockwise" else r
+        for r in FP8_RECIPE_NAMES
+    ],
+)
 def test_same_base_loads_bitwise_and_other_bases_are_refused(recipe, base):
     saved = _saved(recipe, base)
     assert saved["fp8"]["base"] == base

@@ -50,8 +50,9 @@ def _prepare(recipe, seed=0, opt="adamw", **kw):
 
 
 def test_fp8_recipes_are_opt_in():
-    assert list(OPT_IN_RECIPES) == ["bf16-pure-8bit", *FP8, "mxfp8", "mxfp4", "nvfp4"]
-    assert not set(FP8) & set(RECIPES)  # `amped compare` with no --recipes: unchanged
+    blocks = ["mxfp8", "mxfp4", "nvfp4"]
+    assert list(OPT_IN_RECIPES) == ["bf16-pure-8bit", *FP8, "fp8-blockwise", *blocks]
+    assert not {*FP8, "fp8-blockwise"} & set(RECIPES)  # `amped compare` with no --recipes
     assert resolve_recipe("FP8-TE").name == "fp8-delayed"
     pytest.importorskip("rich")
     from amped.comparison.setup import parse_recipes

@@ -181,10 +181,13 @@ def test_a_rule_wins_where_the_estimates_plan_failed_and_the_result_says_so() ->
     assert data["verification"]["arms"]["plan"] == data["verification"]["arms"]["rule"]
 
 
-def test_plan_from_tune_trains_bitwise_as_its_hand_written_module_filter() -> None:
-    result = amped.tune(_mlp_factory, formats=["fp8-rowwise"], steps=2, seeds=2, budget=1e9)
+@pytest.mark.parametrize(
+    "fmt", ["fp8-rowwise", pytest.param("fp8-blockwise", marks=pytest.mark.slow)]
+)
+def test_plan_from_tune_trains_bitwise_as_its_hand_written_module_filter(fmt: str) -> None:
+    result = amped.tune(_mlp_factory, formats=[fmt], steps=2, seeds=2, budget=1e9)
     lowered = result.plan.lowered()
-    assert lowered and set(lowered.values()) == {"fp8-rowwise"}
+    assert lowered and set(lowered.values()) == {fmt}
 
     def train(recipe: Any, **kwargs: Any) -> list[torch.Tensor]:
         task = build_task(_mlp_factory, 3, 4)
@@ -201,7 +204,7 @@ def test_plan_from_tune_trains_bitwise_as_its_hand_written_module_filter() -> No
         return losses + [p.detach() for p in model.parameters()]
 
     by_plan = train(result.plan)
-    by_filter = train("fp8-rowwise", module_filter=lambda m, name: name in lowered)
+    by_filter = train(fmt, module_filter=lambda m, name: name in lowered)
     assert all(torch.equal(a, b) for a, b in zip(by_plan, by_filter, strict=True))
 
 

@@ -27,7 +27,7 @@ from amped.lowp.float8.blockwise import (
     BlockwiseTensor,
     quantize_blockwise,
 )
-from amped.lowp.float8.blockwise_gemm import blockwise_mm
+from amped.lowp.float8.blockwise_gemm import blockwise_mm, has_blockwise_scaled_mm
 from amped.lowp.float8.config import CastRule
 
 U32 = 2.0**-24
@@ -134,3 +134,26 @@ def test_a_config_mixing_blockwise_with_other_rules_is_refused():
     with pytest.raises(ValueError, match="blockwise config casts every operand"):
         dataclasses.replace(CONFIGS["blockwise"], weight_for_grad_input=tensorwise)
     assert isinstance(CONFIGS["blockwise"], Float8Config) and CONFIGS["blockwise"].blockwise
+
+
+def test_the_kernel_is_opt_in_and_refused_without_the_gpu():
+    layer = Float8Linear.convert_(torch.nn.Linear(128, 128), CONFIGS["blockwise"])
+    assert layer.fp8_emulate  # the default everywhere: the kernel is asked for
+    with pytest.raises(ValueError, match="emulate=False with a blockwise config"):
+        Float8Linear.convert_(torch.nn.Linear(128, 128), CONFIGS["blockwise"], emulate=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and has_blockwise_scaled_mm(torch.device("cuda"))),
+    reason="needs a Hopper GPU with torch.nn.functional.scaled_mm",
+)
+@pytest.mark.parametrize("b_tile", [WEIGHT_TILE, COLUMN_TILE], ids=["weight", "columns"])
+def test_the_kernel_is_within_the_emulations_bound_on_hopper(b_tile):
+    """torch's blockwise kernel against float64 on the same operands: the emulation's
+    bound (float32 sums per block, then scaled). Not yet run on hardware."""
+    a = quantize_blockwise(_tensor(256, 384, 0).cuda(), ACTIVATION_TILE)
+    b = quantize_blockwise(_tensor(384, 256, 1).cuda(), b_tile)
+    out = blockwise_mm(a, b, torch.bfloat16, emulate=False)
+    cpu = [BlockwiseTensor(t.data.cpu(), t.scale_inv.cpu(), t.tile) for t in (a, b)]
+    assert_within_accumulation_bound(out.cpu(), *cpu)

@@ -28,8 +28,11 @@ the sums round.
 **Kernel** (CUDA, compute capability 9.x, every dim a multiple of 128, a torch with
 ``torch.nn.functional.scaled_mm``): ``scaled_mm`` with ``BlockWise1x128`` and
 ``BlockWise128x128`` scaling, the operands and scale layouts as torchao's
-``blockwise_fp8_training`` passes them. Not run here (no such GPU); the emulation is
-what the tests check.
+``blockwise_fp8_training`` passes them. It has not run yet (no Hopper GPU where it was
+written), so a layer uses it only when asked (``Float8Linear.convert_(...,
+emulate=False)``), and then only for GEMMs that :func:`kernel_fits`;
+tests/lowp/float8/test_fp8_blockwise_gemm.py holds it to the emulation's bound on a GPU
+that has it (marked ``gpu``).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 from amped._internal.errors import value_error
 from amped.lowp.float8.blockwise import BLOCK, BlockwiseTensor
 
-__all__ = ["blockwise_mm", "has_blockwise_scaled_mm"]
+__all__ = ["blockwise_mm", "has_blockwise_scaled_mm", "kernel_fits"]
 
 
 @functools.cache
@@ -58,6 +61,14 @@ def has_blockwise_scaled_mm(device: torch.device) -> bool:
     """Whether ``device`` runs the blockwise FP8 GEMM in hardware (Hopper, compute
     capability 9.x, with ``torch.nn.functional.scaled_mm``); elsewhere it is emulated."""
     return _has_kernel(device)
+
+
+def kernel_fits(a: BlockwiseTensor, b: BlockwiseTensor) -> bool:
+    """Whether the kernel takes these operands: a left operand in 1x128 tiles, every dim a
+    multiple of 128, on a device with the kernel (:func:`has_blockwise_scaled_mm`)."""
+    dims = (*a.shape, b.shape[1])
+    whole = a.tile == (1, BLOCK) and not any(d % BLOCK for d in dims)
+    return whole and has_blockwise_scaled_mm(a.data.device)
 
 
 def _check(a: BlockwiseTensor, b: BlockwiseTensor) -> None:
@@ -108,8 +119,7 @@ def _kernel(a: BlockwiseTensor, b: BlockwiseTensor, out_dtype: torch.dtype) -> t
     ``blockwise_fp8_training.linear`` passes (row-major ``a``, column-major ``b``; 1x128
     scales outer-dim-major; 128x128 scales K-major, the K-blocks padded to a multiple of 4)."""
     dims = (*a.shape, b.shape[1])
-    fits = a.tile == (1, BLOCK) and not any(d % BLOCK for d in dims)
-    if not fits or not has_blockwise_scaled_mm(a.data.device):
+    if not kernel_fits(a, b):
         raise RuntimeError(
             "The blockwise FP8 kernel needs a Hopper GPU (compute capability 9.x) with "
             f"torch.nn.functional.scaled_mm, every dim a multiple of {BLOCK} and a left "

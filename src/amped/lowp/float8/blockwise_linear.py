@@ -11,9 +11,9 @@ The weight's 128 x 128 tiles are the same in its two GEMMs, so its forward cast 
 saved and reused by the backward; input and grad_output are cast again along tokens for
 the grad-weight GEMM (the high-precision input is saved for that). ``grad_weight_hp``
 runs the grad-weight GEMM in high precision instead. Each GEMM is
-:func:`~amped.lowp.float8.blockwise_gemm.blockwise_mm` (emulated exactly where the
-device has no blockwise kernel), and reports to a health observer as the other FP8
-GEMMs do (:func:`amped.lowp.health.record_gemm`).
+:func:`~amped.lowp.float8.blockwise_gemm.blockwise_mm`, emulated exactly unless the layer
+was converted with ``emulate=False`` and the kernel takes its shapes, and reports to a
+health observer as the other FP8 GEMMs do (:func:`amped.lowp.health.record_gemm`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from amped.lowp.float8.blockwise import (
     BlockwiseTensor,
     quantize_blockwise,
 )
-from amped.lowp.float8.blockwise_gemm import blockwise_mm
+from amped.lowp.float8.blockwise_gemm import blockwise_mm, kernel_fits
 from amped.lowp.float8.gemm import high_precision_mm
 from amped.lowp.health import Operand, record_gemm
 
@@ -38,6 +38,15 @@ from amped.lowp.health import Operand, record_gemm
 Float8Linear = Any
 
 __all__ = ["BlockwiseLinearFunction"]
+
+
+def _mm(
+    layer: Float8Linear, a: BlockwiseTensor, b: BlockwiseTensor, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """The blockwise GEMM: the kernel where the layer may use it and it takes these
+    shapes, else the emulation."""
+    emulate = layer.fp8_emulate or not kernel_fits(a, b)
+    return blockwise_mm(a, b, out_dtype, emulate=emulate)
 
 
 def _cast(layer: Float8Linear, x: torch.Tensor, tile: tuple[int, int]) -> BlockwiseTensor:
@@ -59,7 +68,7 @@ class BlockwiseLinearFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         xq = _cast(layer, x2, ACTIVATION_TILE)
         wq = _cast(layer, weight, WEIGHT_TILE)
-        out = blockwise_mm(xq, wq.t(), x.dtype, emulate=layer.fp8_emulate)
+        out = _mm(layer, xq, wq.t(), x.dtype)
         operands: dict[str, Operand] = {"input": (x2, xq), "weight": (weight, wq)}
         record_gemm(layer, "forward", "output", out, operands)
         ctx.save_for_backward(x2, wq.data, wq.scale_inv)
@@ -75,7 +84,7 @@ class BlockwiseLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             goq = _cast_grad(layer, go, ACTIVATION_TILE)
             wq = BlockwiseTensor(w_data, w_scale_inv, WEIGHT_TILE)
-            grad_x = blockwise_mm(goq, wq, grad.dtype, emulate=layer.fp8_emulate)
+            grad_x = _mm(layer, goq, wq, grad.dtype)
             operands: dict[str, Operand] = {"grad_output": (go, goq), "weight": (None, wq)}
             record_gemm(layer, "grad_input", "grad_input", grad_x, operands)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
@@ -86,9 +95,7 @@ class BlockwiseLinearFunction(torch.autograd.Function):
             else:
                 go_columns = _cast_grad(layer, go, COLUMN_TILE)
                 x_columns = _cast(layer, x2, COLUMN_TILE)
-                grad_w = blockwise_mm(
-                    go_columns.t(), x_columns, grad.dtype, emulate=layer.fp8_emulate
-                )
+                grad_w = _mm(layer, go_columns.t(), x_columns, grad.dtype)
                 operands = {"grad_output": (go, go_columns), "input": (x2, x_columns)}
             record_gemm(layer, "grad_weight", "grad_weight", grad_w, operands)
             grad_w = grad_w.to(ctx.w_dtype)

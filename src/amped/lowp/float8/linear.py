@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from amped._internal.errors import type_error
+from amped._internal.errors import type_error, value_error
 from amped.lowp.conv1d import (
     is_conv1d,
     is_linear_like,
@@ -191,8 +191,10 @@ class Float8Linear(torch.nn.Linear):
             linear: an ``nn.Linear`` or transformers ``Conv1D`` (exactly that class).
             config: the cast rules.
             emulate: force (True) or forbid (False) emulated GEMMs; default: emulate
-                where the device has no FP8 GEMM (for a blockwise config: no blockwise
-                FP8 GEMM, :func:`~amped.lowp.float8.blockwise_gemm.has_blockwise_scaled_mm`).
+                where the device has no FP8 GEMM. A blockwise config emulates unless
+                given ``emulate=False`` (its kernel path, for Hopper GPUs,
+                :func:`~amped.lowp.float8.blockwise_gemm.has_blockwise_scaled_mm`, has not
+                been run yet).
         """
         if not is_linear_like(linear):
             raise type_error(
@@ -210,8 +212,17 @@ class Float8Linear(torch.nn.Linear):
             linear.__class__ = cls
         layer: Float8Linear = linear  # type: ignore[assignment]
         layer.fp8_config = config
-        has_kernel = has_blockwise_scaled_mm if config.blockwise else has_scaled_mm
-        layer.fp8_emulate = (not has_kernel(device)) if emulate is None else emulate
+        if config.blockwise:  # its kernel path is not validated yet: asked for only
+            layer.fp8_emulate = True if emulate is None else emulate
+            if not layer.fp8_emulate and not has_blockwise_scaled_mm(device):
+                raise value_error(
+                    "emulate=False with a blockwise config needs a Hopper GPU (compute "
+                    "capability 9.x) and torch.nn.functional.scaled_mm; emulate instead",
+                    "device",
+                    device,
+                )
+        else:
+            layer.fp8_emulate = (not has_scaled_mm(device)) if emulate is None else emulate
         layer.fp8_started = False
         if config.delayed is not None:
             n = config.delayed.history_len

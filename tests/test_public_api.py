@@ -84,7 +84,7 @@ SUBPACKAGE_EXPECTED = {
         "monitor",
         "prepare",
     },
-    "doctor": {"diagnose", "diagnose_fp8"},
+    "doctor": {"diagnose", "diagnose_low_precision"},
     "tasks": {"Task"},
     "tuning": {"tune"},
     "comparison": {"compare"},

@@ -62,8 +62,8 @@ class MasterSetup(TrainSetup):
         self.scaler.update()
         stepped = not self.scaler.last_step_skipped  # decided on the host: no sync
         self._after_step(stepped)
-        if self.fp8_layers is not None:
-            self.fp8_layers.update()
+        if self.low_precision_layers is not None:
+            self.low_precision_layers.update()
         return stepped
 
     def teardown(self) -> None:

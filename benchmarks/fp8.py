@@ -121,7 +121,7 @@ def run_cpu(args: argparse.Namespace, figures: dict | None = None) -> None:
             variants = {}
             for label, emulate in (("scaled_mm", False), ("emulated", True)):
                 ours = amped_model(base, scaling, emulate)
-                layers = [m for m in ours.modules() if hasattr(m, "fp8_config")]
+                layers = [m for m in ours.modules() if hasattr(m, "float8_config")]
                 update = (
                     (lambda layers=layers: update_delayed_scaling(layers))
                     if scaling == "delayed"
@@ -181,7 +181,7 @@ def run_gpu(
     bf16 = under_bf16(stepper(copy.deepcopy(base), x))
     for scaling in ("tensorwise", "rowwise", "rowwise-gw-hp", "delayed"):
         ours = amped_model(base, scaling, None)
-        layers_ = [m for m in ours.modules() if hasattr(m, "fp8_config")]
+        layers_ = [m for m in ours.modules() if hasattr(m, "float8_config")]
         update = (
             (lambda layers_=layers_: update_delayed_scaling(layers_))
             if scaling == "delayed"

@@ -40,7 +40,7 @@ from torch import nn
 
 import amped
 from amped.comparison.environment import cpu_name
-from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
+from amped.recipes.lowp import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 
 
 def _model(dim: int, layers: int) -> nn.Sequential:

@@ -11,6 +11,7 @@ import torch
 
 import amped
 import amped.checkpoint
+import amped.doctor
 import amped.fp8
 import amped.lowp
 import amped.optim
@@ -30,6 +31,12 @@ MOVED = [
     ("amped.scaling", "CheckpointError", amped.checkpoint.CheckpointError, "amped.checkpoint"),
     ("amped.scaling", "load_checkpoint", amped.checkpoint.load_checkpoint, "amped.checkpoint"),
     ("amped.scaling", "save_checkpoint", amped.checkpoint.save_checkpoint, "amped.checkpoint"),
+    (
+        "amped.doctor",
+        "diagnose_fp8",
+        amped.doctor.diagnose_low_precision,
+        "amped.doctor.diagnose_low_precision",
+    ),
 ]
 
 
@@ -42,9 +49,10 @@ def test_an_old_name_warns_and_gives_the_new_object(module, name, new, instead):
     assert old is new
 
 
-def test_an_unknown_name_is_still_an_attribute_error():
+@pytest.mark.parametrize("module", [amped.fp8, amped.doctor], ids=lambda m: m.__name__)
+def test_an_unknown_name_is_still_an_attribute_error(module):
     with pytest.raises(AttributeError, match="has no attribute 'nothing'"):
-        amped.fp8.nothing  # noqa: B018
+        module.nothing  # noqa: B018
 
 
 def _model() -> torch.nn.Module:
@@ -79,7 +87,8 @@ def test_prepare_takes_fp8_config_with_a_warning_and_config_without():
         else:
             setups.append(amped.prepare(model, optimizer, "nvfp4", config=config))
     for setup in setups:
-        assert {layer.block_config for layer in setup.fp8_layers.layers.values()} == {config}
+        layers = setup.low_precision_layers.layers.values()
+        assert {layer.block_config for layer in layers} == {config}
     model = _model()
     with (
         pytest.warns(DeprecationWarning),
@@ -92,3 +101,28 @@ def test_prepare_takes_fp8_config_with_a_warning_and_config_without():
             config=config,
             fp8_config=config,
         )
+
+
+def test_a_setups_old_attributes_warn_and_are_the_new_ones():
+    model = _model()
+    setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8-tensorwise")
+    layers, base = setup.low_precision_layers, setup.low_precision_base
+    assert layers is not None and base == "bf16-mixed"
+    with pytest.warns(DeprecationWarning, match="TrainSetup.low_precision_layers"):
+        assert setup.fp8_layers is layers
+    with pytest.warns(DeprecationWarning, match="TrainSetup.low_precision_base"):
+        assert setup.fp8_base == base
+    with pytest.warns(DeprecationWarning, match="TrainSetup.low_precision_layers"):
+        setup.fp8_layers = None
+    with pytest.warns(DeprecationWarning, match="TrainSetup.low_precision_base"):
+        setup.fp8_base = "bf16-master"
+    assert setup.low_precision_layers is None and setup.low_precision_base == "bf16-master"
+
+
+def test_float8_linears_old_config_attribute_warns_and_is_the_new_one():
+    layer = amped.lowp.Float8Linear.convert_(torch.nn.Linear(16, 16), FLOAT8_CONFIGS["rowwise"])
+    with pytest.warns(DeprecationWarning, match="Float8Linear.float8_config"):
+        assert layer.fp8_config is FLOAT8_CONFIGS["rowwise"]
+    with pytest.warns(DeprecationWarning, match="Float8Linear.float8_config"):
+        layer.fp8_config = FLOAT8_CONFIGS["tensorwise"]
+    assert layer.float8_config is FLOAT8_CONFIGS["tensorwise"]

@@ -86,7 +86,7 @@ SUBPACKAGE_EXPECTED = {
         "monitor",
         "prepare",
     },
-    "doctor": {"diagnose", "diagnose_fp8", "replay"},
+    "doctor": {"diagnose", "diagnose_low_precision", "replay"},
     "tasks": {"Task"},
     "tuning": {"tune"},
     "comparison": {"compare"},

@@ -256,8 +256,8 @@ class _PairNorm(nn.LayerNorm):
 
 def test_fp32_modules_cast_nested_inputs_as_custom_fwd_under_both_rules():
     """One float32 rule: the policy's ``"fp32"`` module rule and the O2 recipes' norm
-    hooks give a module its nested inputs in float32, as ``custom_fwd`` would, and the
-    recipes' hooks its keyword inputs too (global module hooks never receive those)."""
+    hooks give a module its nested and keyword inputs in float32, as ``custom_fwd``
+    would (tests/autocast_mode/test_float32_modules.py has more)."""
 
     @torch.amp.custom_fwd(device_type="cpu", cast_inputs=torch.float32)
     def oracle(ctx, pair, *, shift=None):  # (custom_fwd decorates a Function's forward)
@@ -269,10 +269,10 @@ def test_fp32_modules_cast_nested_inputs_as_custom_fwd_under_both_rules():
     pair = (x, [x][0])
     norm = _PairNorm(8)
     with amped.autocast("cpu", policy=_TORCH.with_module(_PairNorm, "fp32")):
-        norm(pair)
+        norm(pair, shift=x)
         with torch.autocast("cpu"):
-            expected = oracle(ctx, pair)
-    assert norm.seen == [*expected[:2], None] == [torch.float32, torch.float32, None]
+            expected = oracle(ctx, pair, shift=x)
+    assert norm.seen == expected == [torch.float32] * 3
 
     model = nn.Sequential(nn.Linear(8, 8))
     model.append(_PairNorm(8))

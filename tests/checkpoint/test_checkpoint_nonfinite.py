@@ -19,7 +19,7 @@ from torch import nn
 import amped
 from amped.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from amped.checkpoint.finite import first_nonfinite
-from amped.recipes.fp8 import FP8_RECIPE_NAMES
+from amped.recipes.lowp import FP8_RECIPE_NAMES
 
 
 def _model() -> nn.Sequential:

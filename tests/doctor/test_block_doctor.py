@@ -10,14 +10,14 @@ import torch.nn as nn
 from test_doctor_fp8 import Outlier, _inputs, _loss
 
 import amped
-from amped.doctor.fp8 import FP4_THRESHOLD_DB
+from amped.doctor.lowp import FP4_THRESHOLD_DB
 from amped.lowp.mx.block_linear import BlockLinear
 
 
 @pytest.mark.parametrize("recipe", ["mxfp8", "mxfp4", "nvfp4"])
 def test_names_the_layer_a_block_format_breaks_and_a_verified_policy_keeps_it_out(recipe):
     model = Outlier()
-    report = amped.doctor.diagnose_fp8(model, _inputs(), _loss, recipe)
+    report = amped.doctor.diagnose_low_precision(model, _inputs(), _loss, recipe)
     bad = report.layer("bad")
     assert bad.keep_in_bf16 and bad.worst_db < 5  # channel 0 flushes its block
     assert bad.casts[0].dtype == recipe and bad.casts[0].underflow > 0.1
@@ -27,7 +27,7 @@ def test_names_the_layer_a_block_format_breaks_and_a_verified_policy_keeps_it_ou
     setup = amped.prepare(
         model, torch.optim.SGD(model.parameters(), lr=0.01), recipe, policy=suggestion.policy
     )
-    assert "bad" not in setup.fp8_layers.names()
+    assert "bad" not in setup.low_precision_layers.names()
     assert not isinstance(model.bad, BlockLinear)
 
 
@@ -35,7 +35,7 @@ def test_names_the_layer_a_block_format_breaks_and_a_verified_policy_keeps_it_ou
 def test_a_healthy_model_gets_no_suggestion(recipe, threshold):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.Linear(128, 4))
-    report = amped.doctor.diagnose_fp8(model, torch.randn(32, 64), _loss, recipe)
+    report = amped.doctor.diagnose_low_precision(model, torch.randn(32, 64), _loss, recipe)
     assert report.threshold_db == threshold
     assert report.healthy and report.suggestion is None
     assert [s.name for s in report.layers] == ["0", "2"]

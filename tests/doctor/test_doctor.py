@@ -200,7 +200,7 @@ def test_import_and_plot_leave_matplotlib_and_torch_settings_alone():
 
 def test_exports_are_the_checks():
     # (their reports' types are private: reach them as what diagnose returns)
-    assert set(amped.doctor.__all__) == {"diagnose", "diagnose_fp8", "replay"}
+    assert set(amped.doctor.__all__) == {"diagnose", "diagnose_low_precision", "replay"}
     assert all(hasattr(amped.doctor, name) for name in amped.doctor.__all__)
 
 

@@ -39,7 +39,7 @@ def _loss(y: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-rowwise"])
 def test_names_the_layer_fp8_breaks_and_a_verified_policy_keeps_it_out(recipe):
     model = Outlier()
-    report = amped.doctor.diagnose_fp8(model, _inputs(), _loss, recipe)
+    report = amped.doctor.diagnose_low_precision(model, _inputs(), _loss, recipe)
     assert [s.name for s in report.layers] == ["bad", "good"]
     assert report.not_converted == ["head"]
     bad, good = report.layer("bad"), report.layer("good")
@@ -60,13 +60,13 @@ def test_names_the_layer_fp8_breaks_and_a_verified_policy_keeps_it_out(recipe):
     setup = amped.prepare(
         model, torch.optim.SGD(model.parameters(), lr=0.01), recipe, policy=suggestion.policy
     )
-    assert setup.fp8_layers.names() == ["good"]
+    assert setup.low_precision_layers.names() == ["good"]
 
 
 def test_a_healthy_model_gets_no_suggestion():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 128), nn.Linear(128, 4))
-    report = amped.doctor.diagnose_fp8(model, torch.randn(32, 64), _loss, "fp8-delayed")
+    report = amped.doctor.diagnose_low_precision(model, torch.randn(32, 64), _loss, "fp8-delayed")
     assert report.healthy and report.suggestion is None
     assert [s.name for s in report.layers] == ["0", "2"]
     assert all(s.worst_db >= 20 for s in report.layers)
@@ -75,4 +75,4 @@ def test_a_healthy_model_gets_no_suggestion():
 
 def test_refuses_a_recipe_that_is_not_fp8():
     with pytest.raises(ValueError, match="checks an FP8 or block recipe"):
-        amped.doctor.diagnose_fp8(Outlier(), _inputs(), _loss, "bf16-mixed")
+        amped.doctor.diagnose_low_precision(Outlier(), _inputs(), _loss, "bf16-mixed")

@@ -45,7 +45,7 @@ from amped.lowp.convert import convert_layers
 from amped.lowp.float8.config import FLOAT8_CONFIGS
 from amped.lowp.mx.block_config import BLOCK_CONFIGS
 from amped.optim.shards import fsdp_modules
-from amped.recipes.fp8_wire import wire_layers
+from amped.recipes.lowp_wire import wire_layers
 from amped.recipes.plan import PrecisionPlan
 
 STEPS = 3

@@ -45,16 +45,16 @@ def train(model, setup, rank: int) -> dict[str, list]:
     record: dict[str, list] = {"pending": [], "history": [], "scale": [], "loss": [], "reduces": []}
     counter = CountingAllReduce()
     dist.all_reduce = counter  # type: ignore[assignment]
-    update = setup.fp8_layers.update
+    update = setup.low_precision_layers.update
 
     def recording_update() -> None:
-        layers = setup.fp8_layers.layers.values()
+        layers = setup.low_precision_layers.layers.values()
         record["pending"].append([layer.fp8_pending.clone() for layer in layers])
         update()
         record["history"].append([layer.fp8_amax_history.clone() for layer in layers])
         record["scale"].append([layer.fp8_scale.clone() for layer in layers])
 
-    setup.fp8_layers.update = recording_update  # type: ignore[method-assign]
+    setup.low_precision_layers.update = recording_update  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(100 + rank)  # each rank its own data and amaxes
     for _ in range(STEPS):
         x = torch.randn(16, 32, generator=g) * (1 + 3 * rank)
@@ -90,7 +90,7 @@ def fsdp(rank: int) -> dict[str, list]:
         fully_shard(layer)
     fully_shard(model)
     setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8-delayed")
-    assert setup.fp8_layers.names() == ["0", "2"]
+    assert setup.low_precision_layers.names() == ["0", "2"]
     record = train(model, setup, rank)
     record["params"] = [p.full_tensor().detach().clone() for p in model.parameters()]
     return record

@@ -53,8 +53,8 @@ def record_run(
     task = tiny_gpt.build(batch_size=BATCH)
     model = task.model
     setup = amped.prepare(model, task.make_optimizer(model), recipe)
-    assert setup.fp8_layers is not None
-    name = list(dict(setup.fp8_layers.layers))[layer_index]
+    assert setup.low_precision_layers is not None
+    name = list(dict(setup.low_precision_layers.layers))[layer_index]
     layer = model.get_submodule(name)
     monitor = amped.monitor(setup, record=folder)
     step = {"now": 0}

@@ -69,7 +69,7 @@ def test_gpt2_from_transformers_trains_under_every_recipe(recipe):
     model = _gpt2()
     reference = copy.deepcopy(model)
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3), recipe)
-    converted = setup.fp8_layers.names()
+    converted = setup.low_precision_layers.names()
     expected = [f"transformer.h.{i}.{m}" for i in range(2)
                 for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]  # fmt: skip
     if recipe == "nvfp4":  # bf16_last=0.15: the last 2 of 8 stay in bfloat16

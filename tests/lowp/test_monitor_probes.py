@@ -27,7 +27,7 @@ from amped.lowp.float8.delayed import propagate_nonfinite
 from amped.lowp.health import Probe, any_nonfinite, probe_nonfinite, range_probe, record_gemm
 from amped.lowp.mx.block_cast import quantize_block
 from amped.lowp.mx.block_format import BLOCK_FORMATS, SCALE_MODES
-from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
+from amped.recipes.lowp import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 from amped.recipes.monitoring import NonFinite
 
 E4M3 = torch.float8_e4m3fn

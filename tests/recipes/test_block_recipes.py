@@ -60,11 +60,11 @@ def test_every_block_recipe_trains_on_every_base(recipe, base):
 
 
 def test_nvfp4_keeps_its_last_layers_in_bf16_unless_told_not_to():
-    assert _prepare("nvfp4").fp8_layers.names() == ["blocks.0", "blocks.1", "blocks.2"]
+    assert _prepare("nvfp4").low_precision_layers.names() == ["blocks.0", "blocks.1", "blocks.2"]
     full = BLOCK_CONFIGS["nvfp4"].replace(bf16_last=0.0)
-    names = _prepare("nvfp4", config=full).fp8_layers.names()
+    names = _prepare("nvfp4", config=full).low_precision_layers.names()
     assert names == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
-    assert _prepare("mxfp8").fp8_layers.names() == names
+    assert _prepare("mxfp8").low_precision_layers.names() == names
 
 
 @pytest.mark.parametrize("part", ["weight_2d", "stochastic_rounding", "hadamard"])
@@ -72,7 +72,9 @@ def test_each_nvfp4_part_switches_off_by_keyword_and_changes_training(part):
     data = _data(2)
     off = BLOCK_CONFIGS["nvfp4"].replace(**{part: False})
     setup = _prepare("nvfp4", config=off)
-    assert all(getattr(m.block_config, part) is False for m in setup.fp8_layers.layers.values())
+    assert all(
+        getattr(m.block_config, part) is False for m in setup.low_precision_layers.layers.values()
+    )
     full = _prepare("nvfp4")
     train(setup, data)
     train(full, data)

@@ -17,7 +17,7 @@ from test_recipes_checkpoint import _assert_same
 from torch import nn
 
 import amped
-from amped.recipes.fp8 import FP8_BASES, FP8_RECIPE_NAMES
+from amped.recipes.lowp import FP8_BASES, FP8_RECIPE_NAMES
 
 
 def _roundtrip(obj):

@@ -67,7 +67,7 @@ def test_each_recipe_trains_on_each_base(recipe, base):
     setup = _prepare(recipe, base=base)
     assert setup.recipe.name == recipe
     assert setup.recipe.weights == resolve_recipe(base).weights
-    assert setup.fp8_layers.names() == ["fc1", "fc2"]  # odd dims and the head stay out
+    assert setup.low_precision_layers.names() == ["fc1", "fc2"]  # odd dims and the head stay out
     assert isinstance(setup.model.fc1, Float8Linear) and type(setup.model.odd) is nn.Linear
     low = torch.float32 if base == "bf16-mixed" else torch.bfloat16
     assert setup.model.fc2.weight.dtype is low
@@ -94,12 +94,16 @@ def test_converted_layer_runs_fp8_with_autocast_off_inside():
 
 def test_module_filter_and_policy_module_rules_choose_the_layers():
     setup = _prepare("fp8-rowwise", module_filter=lambda m, name: name != "fc2")
-    assert setup.fp8_layers.names() == ["fc1", "odd", "head"]  # odd dims: the filter's call
+    assert setup.low_precision_layers.names() == [
+        "fc1",
+        "odd",
+        "head",
+    ]  # odd dims: the filter's call
     policy = amped.Policy.preset("torch", "cpu").with_module("fc1", "fp32")
     setup = _prepare("fp8-rowwise", policy=policy)
-    assert setup.fp8_layers.names() == ["fc2"]
+    assert setup.low_precision_layers.names() == ["fc2"]
     in_bf16 = amped.Policy.preset("torch", "cpu").with_module("fc2", "low")
-    assert _prepare("fp8-rowwise", policy=in_bf16).fp8_layers.names() == ["fc1"]
+    assert _prepare("fp8-rowwise", policy=in_bf16).low_precision_layers.names() == ["fc1"]
     with pytest.raises(ValueError, match=r"no nn\.Linear or Conv1D layer to convert"):
         _prepare("fp8-rowwise", policy=policy.with_module(nn.Linear, "skip"))
 
@@ -179,7 +183,7 @@ def test_prepare_adopts_layers_converted_beforehand_with_their_delayed_settings(
     model = Net()
     convert_layers(model, Float8Config(delayed=DelayedScaling(64, "most_recent", 1)), ["fc2"])
     setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), "fp8-delayed")
-    assert setup.fp8_layers.names() == ["fc2"]  # adopted, nothing else converted
+    assert setup.low_precision_layers.names() == ["fc2"]  # adopted, nothing else converted
     train(setup, _data(2))
     assert setup.model.fc2.fp8_amax_history.shape == (3, 64)
     assert int(setup.model.fc2.fp8_updates) == 2

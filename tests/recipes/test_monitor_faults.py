@@ -31,7 +31,7 @@ import amped.lowp.float8.linear
 import amped.lowp.mx.block_linear
 from amped.lowp.float8.config import FLOAT8_CONFIGS
 from amped.recipes import NonFiniteError
-from amped.recipes.fp8 import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
+from amped.recipes.lowp import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
 from amped.recipes.monitoring import NonFinite
 
 RECIPES = FP8_RECIPE_NAMES + BLOCK_RECIPE_NAMES
@@ -55,8 +55,8 @@ def _converted(recipe: str) -> tuple[str, ...]:
     kept out; nvfp4 also keeps its last layers in bfloat16)."""
     model = _model()
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters()), recipe)
-    assert setup.fp8_layers is not None
-    return tuple(sorted(dict(setup.fp8_layers.layers), key=int))
+    assert setup.low_precision_layers is not None
+    return tuple(sorted(dict(setup.low_precision_layers.layers), key=int))
 
 
 def _gemm_order(recipe: str) -> list[tuple[str, str]]:

@@ -105,7 +105,10 @@ def test_mixed_plan_converts_each_layer_to_its_format(tmp_path: Path) -> None:
     setup = amped.prepare(model, torch.optim.AdamW(model.parameters()), plan)
     assert isinstance(model[0], BlockLinear) and isinstance(model[2], Float8Linear)
     assert type(model[4]) is torch.nn.Linear
-    assert setup.fp8_layers is not None and setup.fp8_layers.names() == ["0", "2"]
+    assert setup.low_precision_layers is not None and setup.low_precision_layers.names() == [
+        "0",
+        "2",
+    ]
     assert setup.recipe.name == f"plan-{plan.digest()}"
     assert all(torch.isfinite(loss) for loss in _train(setup))
 

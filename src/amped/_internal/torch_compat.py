@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import sys
+from collections import OrderedDict
 from typing import Any
 
 import torch
@@ -182,6 +183,33 @@ def mark_config_changed(config: Any, name: str) -> None:
     cached hash and dict are rebuilt)."""
     config._hash_dirty_var.set(True)
     config._mark_get_dict_dirty(name)
+
+
+def mark_keywords(module: torch.nn.Module, hook_id: int, traced: bool) -> Any:
+    """Have the global forward pre-hook ``hook_id`` receive ``module``'s keyword inputs in
+    the module's current call; returns what :func:`unmark_keywords` takes.
+
+    ``register_module_forward_pre_hook`` takes no ``with_kwargs``, but
+    ``Module._call_impl`` asks the module's own table (``_forward_pre_hooks_with_kwargs``)
+    whether a pre-hook takes keywords just before calling it, global ones included, so a
+    mark set by an earlier global pre-hook counts in the same call. Eager, the mark is
+    an item of that table (a tenth of a microsecond); ``traced`` (Dynamo traces the
+    call), a new table: Dynamo traces setting a module's attribute, not an item of that
+    dict, and the old table put back leaves the module as Dynamo guarded it."""
+    table = module._forward_pre_hooks_with_kwargs
+    if traced:
+        module._forward_pre_hooks_with_kwargs = OrderedDict({**table, hook_id: True})
+    else:
+        table[hook_id] = True
+    return table
+
+
+def unmark_keywords(module: torch.nn.Module, hook_id: int, table: Any, traced: bool) -> None:
+    """Undo :func:`mark_keywords` (``table``: what it returned)."""
+    if traced:
+        module._forward_pre_hooks_with_kwargs = table
+    else:
+        table.pop(hook_id, None)
 
 
 # --- scaling ---

@@ -2,8 +2,11 @@
 open (docs/engine.md, "Module rules are module hooks"). ``"fp32"`` and ``"skip"`` run as
 ``torch.amp.custom_fwd`` runs a function; ``"low"`` sets the mode's low flag.
 
-:func:`float32_inputs` is the one rule for a module run in float32, which the O2
-recipes' own norm hooks (:mod:`amped.recipes.fp32_modules`) apply too.
+``"fp32"`` is the one float32-module rule (:mod:`.float32_modules`), which the O2
+recipes' norm hooks apply too. A global forward pre-hook receives no keyword inputs, so
+the rule takes two: the first decides and casts the positional inputs, and marks the
+module so that torch hands the second its keyword inputs in the same call
+(:func:`amped._internal.torch_compat.mark_keywords`); the second takes the mark off.
 """
 
 from __future__ import annotations
@@ -14,12 +17,18 @@ from typing import Any, cast
 import torch
 from torch.nn.modules import module as nn_module
 
-from amped._internal.trees import map_tensors
+from amped._internal.torch_compat import mark_keywords, unmark_keywords
 from amped.autocast_mode import compiling
+from amped.autocast_mode.float32_modules import (
+    autocast_off,
+    cast_on,
+    float32_inputs,
+    restore_autocast,
+)
 from amped.autocast_mode.state import STATE, kept
 from amped.policy import ModuleRule, Policy
 
-__all__ = ["float32_inputs", "hooks"]
+__all__ = ["hooks"]
 
 _is_compiling = compiling.tracing
 
@@ -69,34 +78,35 @@ def _pre_hook(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     rule = _rule_for(module, policies)
     if rule is None:
         return None
-    enabled = {dev: torch.is_autocast_enabled(dev) for dev in policies}
     if rule.precision == "low":  # (its region runs the mode: engine._choose_path)
+        enabled = {dev: torch.is_autocast_enabled(dev) for dev in policies}
         STATE.frames.append((module, ("low", enabled, STATE.mode.low)))
         STATE.mode.low = True
         return None
+    enabled = autocast_off(policies)
     STATE.frames.append((module, (rule.precision, enabled, None)))
-    if rule.precision == "fp32":
-        args = float32_inputs(args, [dev for dev, on in enabled.items() if on])
-    for dev in policies:
-        torch.set_autocast_enabled(dev, False)
-    return args if rule.precision == "fp32" else None
+    if rule.precision != "fp32":
+        return None
+    on = cast_on(enabled)
+    hook_id = hooks.keywords_id
+    if on and hook_id is not None:  # torch calls _keywords_hook with them, next
+        traced = _is_compiling()
+        STATE.keywords = (module, on, mark_keywords(module, hook_id, traced), traced)
+    return float32_inputs(args, on)
 
 
-def float32_inputs(inputs: Any, device_types: list[str]) -> Any:
-    """``inputs`` with each floating tensor (float64 aside) on one of ``device_types`` cast
-    to float32, in lists, tuples and dicts too: what
-    ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` does to a function's arguments.
-    ``device_types``: those where autocast is on (where it is off, a nested
-    ``autocast(enabled=False)`` or a ``"skip"`` rule around, nothing is cast, as under
-    ``custom_fwd``); the module then runs with autocast off for them."""
-    if not device_types:
-        return inputs
-
-    def cast(tensor: torch.Tensor) -> torch.Tensor:
-        floating = tensor.is_floating_point() and tensor.dtype is not torch.float64
-        return tensor.float() if floating and tensor.device.type in device_types else tensor
-
-    return map_tensors(cast, inputs)
+def _keywords_hook(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+) -> tuple[Any, Any] | None:
+    """The ``"fp32"`` rule's keyword inputs: torch calls this hook with them right after
+    :func:`_pre_hook` on a module it marked (without, on every other module)."""
+    pending = STATE.keywords
+    if kwargs is None or pending is None or pending[0] is not module:
+        return None
+    STATE.keywords = None
+    _, on, table, traced = pending
+    unmark_keywords(module, cast(int, hooks.keywords_id), table, traced)
+    return args, float32_inputs(kwargs, on)
 
 
 def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -111,17 +121,17 @@ def _post_hook(module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> N
         if STATE.mode is not None:
             STATE.mode.low = was_low
         return
-    for dev, was_enabled in enabled.items():
-        torch.set_autocast_enabled(dev, was_enabled)
+    restore_autocast(enabled)
 
 
 class _GlobalHooks:
-    """The two global module hooks, installed while any module-rule region is open."""
+    """The global module hooks, installed while any module-rule region is open."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._users = 0
         self._handles: list[Any] = []
+        self.keywords_id: int | None = None  # _keywords_hook's handle id, while installed
         self.traced = False  # a graph may hold them: they stay installed, idle
 
     def acquire(self) -> None:
@@ -138,12 +148,14 @@ class _GlobalHooks:
     def install(self) -> None:
         """Install the hooks if they are not installed (idle unless a region needs them)."""
         if not self._handles:
-            self._handles = [
-                # torch annotates the hook as returning None; returning new args is
-                # documented and supported.
-                nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook)),
-                nn_module.register_module_forward_hook(_post_hook, always_call=True),
-            ]
+            # torch annotates the hooks as returning None; returning new args is
+            # documented and supported. torch calls global pre-hooks in the order they
+            # were registered: _keywords_hook right after _pre_hook.
+            pre = nn_module.register_module_forward_pre_hook(cast(Any, _pre_hook))
+            keywords = nn_module.register_module_forward_pre_hook(cast(Any, _keywords_hook))
+            post = nn_module.register_module_forward_hook(_post_hook, always_call=True)
+            self._handles = [pre, keywords, post]
+            self.keywords_id = keywords.id
 
     def install_traced(self) -> None:
         """Install the hooks for a graph being traced: they stay installed."""
@@ -167,6 +179,7 @@ class _GlobalHooks:
                 for handle in self._handles:
                     handle.remove()
                 self._handles = []
+                self.keywords_id = None
 
 
 hooks = _GlobalHooks()

@@ -85,6 +85,9 @@ class EngineState(threading.local):
         self.aside = False  # compiling.outside_regions: a compile here is not the regions'
         self.frames: list[tuple[torch.nn.Module, Any]] = []  # module rules' open modules
         self.names: dict[int, str] = {}  # module id -> qualified name (name rules)
+        # an "fp32" module whose keyword inputs are cast next: the module, the device
+        # types to cast on, and its mark (module_hooks)
+        self.keywords: tuple[torch.nn.Module, list[str], Any, bool] | None = None
 
 
 STATE = EngineState()

@@ -19,7 +19,7 @@ HEALTH_EVERY = 50
 
 def attach_monitor(setup: TrainSetup) -> Monitor | None:
     """A monitor on ``setup`` if it has FP8 layers, else None."""
-    if setup.fp8_layers is None:
+    if setup.low_precision_layers is None:
         return None
     return monitor(setup, every=HEALTH_EVERY)
 

@@ -22,7 +22,7 @@ import torch
 
 from amped.lowp.convert import ModuleFilter, convert_layers, default_filter, explain_layers
 from amped.recipes import Recipe
-from amped.recipes.fp8 import recipe_config
+from amped.recipes.lowp import recipe_config
 from amped.tasks.errors import UsageError
 
 __all__ = ["Conversion", "LayerChoice", "dry_run", "parse_layer_patterns"]

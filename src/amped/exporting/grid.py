@@ -64,9 +64,9 @@ def trained_format(layer: Float8Linear | BlockLinear) -> str:
     """The name of the format ``layer`` trains in (``"nvfp4"``, ``"fp8-blockwise"`` ...)."""
     if isinstance(layer, BlockLinear):
         return layer.block_config.format.name
-    if layer.fp8_config.blockwise:
+    if layer.float8_config.blockwise:
         return "fp8-blockwise"
-    return f"fp8 ({layer.fp8_config})"
+    return f"fp8 ({layer.float8_config})"
 
 
 def gemm_weight(layer: torch.nn.Module) -> torch.Tensor:
@@ -89,7 +89,7 @@ def _refuse(name: str, fmt: ExportFormat, rule: str, shape: tuple[int, int]) -> 
 def _blockwise_grid(
     name: str, layer: Float8Linear | BlockLinear, weight: torch.Tensor, fmt: ExportFormat
 ) -> LayerGrid:
-    own = layer.fp8_config if isinstance(layer, Float8Linear) else None
+    own = layer.float8_config if isinstance(layer, Float8Linear) else None
     trained = own is not None and own.blockwise
     config: Float8Config = own if own is not None and trained else FLOAT8_CONFIGS["blockwise"]
     shape = (int(weight.shape[0]), int(weight.shape[1]))

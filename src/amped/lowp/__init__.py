@@ -6,7 +6,7 @@ NVFP4 (:mod:`.mx`), with what they share beside them.
   :func:`amped.monitor` reads;
 - :mod:`.conv1d`: transformers' ``Conv1D`` treated as a transposed Linear.
 
-Below the recipes layer; :mod:`amped.recipes.fp8` builds the ``fp8-*`` and block
+Below the recipes layer; :mod:`amped.recipes.lowp` builds the ``fp8-*`` and block
 recipes on it. Exported here is what converting a model needs: one conversion,
 :func:`convert_to_low_precision`, for every format, chosen by its config
 (:class:`Float8Config` or :class:`BlockConfig`; the named ones in :data:`CONFIGS`),

@@ -7,7 +7,7 @@
 :class:`amped.optim.CompensatedAdamW`), ``bf16-pure-8bit`` with 8-bit Adam moments;
 the optimizers themselves are :mod:`amped.optim`'s. ``fp8-*`` and the block recipes
 run the Linear GEMMs in a low-precision format of :mod:`amped.lowp` over a bfloat16
-base recipe (:mod:`.fp8`).
+base recipe (:mod:`.lowp`).
 :func:`prepare` (:mod:`.build`) sets any of them up; :func:`memory_report` counts
 what each holds (:mod:`.memory`); :func:`monitor` watches an FP8 setup's GEMMs
 (:mod:`.monitoring`). A :class:`PrecisionPlan` (:mod:`.plan`, chosen by ``amped.tune``)

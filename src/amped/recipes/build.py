@@ -11,7 +11,7 @@ from amped._internal.errors import type_error, value_error
 from amped.lowp.convert import LowPrecisionConfig, ModuleFilter
 from amped.optim.shards import check_placements, is_sharded, reshard
 from amped.policy import Policy
-from amped.recipes.fp8 import Fp8Plan
+from amped.recipes.lowp import LowPrecisionPlan
 from amped.recipes.o2 import build_master_setup
 from amped.recipes.plan import PrecisionPlan, apply_plan, check_plan
 from amped.recipes.pure import build_pure_setup
@@ -105,7 +105,7 @@ def prepare(
     plain = TrainSetup(chosen, model, optimizer, scaler, device_type, policy)
     if chosen.fp8 is None:
         return _build(plain)
-    fp8 = Fp8Plan.check(plain, base, module_filter, config)  # before anything changes
+    fp8 = LowPrecisionPlan.check(plain, base, module_filter, config)  # before anything changes
     return fp8.apply(_build(TrainSetup(fp8.base, model, optimizer, scaler, device_type, policy)))
 
 

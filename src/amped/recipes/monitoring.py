@@ -133,7 +133,7 @@ class Monitor:
         self.audit: list[str] = []
         self.sampled_steps = 0
         self._layers: dict[str, torch.nn.Module] = (
-            {} if setup.fp8_layers is None else dict(setup.fp8_layers.layers)
+            {} if setup.low_precision_layers is None else dict(setup.low_precision_layers.layers)
         )
         self._names = {id(layer): name for name, layer in self._layers.items()}
         # Per tensor reported this step, in the order the step ran them: (module, role,
@@ -293,7 +293,7 @@ class Monitor:
         if self.on_nonfinite == "raise":
             raise NonFiniteError(
                 f"{message}. Stopping before the optimizer step (on_nonfinite='raise'); "
-                "nothing was changed. amped.doctor.diagnose_fp8 finds the op and a fix."
+                "nothing was changed. amped.doctor.diagnose_low_precision finds the op and a fix."
             )
         if self.on_nonfinite == "warn" or not self._warned:
             action = "taken anyway (on_nonfinite='warn')"

@@ -6,9 +6,10 @@ copies (:class:`~amped.optim.master.MasterWeightOptimizer`, fused into one kerne
 chunk for Adam, AdamW and SGD). The forward pass runs under autocast with the user's
 policy, so ops the policy lists in float32 (losses, softmax on CUDA) still run in
 float32, and weights are never re-cast per step: they already have the low dtype. The
-norm layers the recipe adds run in float32 through forward hooks of their own
-(:mod:`amped.recipes.fp32_modules`), not through a rule of the region's policy, so the
-region is torch's C++ autocast wherever the user's policy is torch's.
+norm layers the recipe adds run in float32 by the one float32-module rule, through forward
+hooks of their own (:func:`amped.autocast_mode.float32_modules.run_in_float32`), not
+through a rule of the region's policy, so the region is torch's C++ autocast wherever
+the user's policy is torch's.
 
 Checkpoints hold the masters: ``state_dict()["model"]`` is a float32 state dict with
 the model's keys, which loads into a plain float32 model as it is.
@@ -23,9 +24,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from amped._internal.errors import value_error
+from amped.autocast_mode.float32_modules import run_in_float32
 from amped.optim.master import MasterWeightOptimizer, check_wrappable
 from amped.policy import Policy
-from amped.recipes.fp32_modules import run_in_float32
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import kept_in_fp32, lower_model_, with_norms_in_fp32
 
@@ -62,8 +63,8 @@ class MasterSetup(TrainSetup):
         self.scaler.update()
         stepped = not self.scaler.last_step_skipped  # decided on the host: no sync
         self._after_step(stepped)
-        if self.fp8_layers is not None:
-            self.fp8_layers.update()
+        if self.low_precision_layers is not None:
+            self.low_precision_layers.update()
         return stepped
 
     def teardown(self) -> None:

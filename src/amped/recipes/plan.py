@@ -17,7 +17,7 @@ into a setup of the same plan.
 Under FSDP2 convert first, as for the FP8 recipes: ``plan.convert(model)``, then
 ``fully_shard``, then ``prepare(model, optimizer, plan)``, which keeps the converted
 layers and has FSDP2 all-gather their weights in FP8 or FP4 where that is exact
-(:mod:`amped.recipes.fp8_wire`). ``fully_shard`` wraps a module's class, so a layer it
+(:mod:`amped.recipes.lowp_wire`). ``fully_shard`` wraps a module's class, so a layer it
 was applied to cannot be converted in place afterwards.
 """
 
@@ -43,7 +43,7 @@ from amped.lowp.float8.linear import Float8Linear
 from amped.lowp.mx.block_config import BLOCK_CONFIGS, BlockConfig
 from amped.lowp.mx.block_linear import BlockLinear
 from amped.optim.shards import fsdp_modules
-from amped.recipes.fp8_wire import install_fp8_wire
+from amped.recipes.lowp_wire import install_low_precision_wire
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import require_float32
@@ -119,7 +119,7 @@ def layer_ineligibility(module: torch.nn.Module | None, fmt: str) -> str | None:
     if module is None:
         return "the model has no module of that name"
     if isinstance(module, Float8Linear | BlockLinear):  # converted before fully_shard
-        own = module.block_config if isinstance(module, BlockLinear) else module.fp8_config
+        own = module.block_config if isinstance(module, BlockLinear) else module.float8_config
         if fmt == "bf16" or own != format_config(fmt):
             return (
                 f"it is converted already, with other rules ({own}); convert a model "
@@ -351,9 +351,9 @@ def apply_plan(plan: PrecisionPlan, setup: TrainSetup) -> TrainSetup:
     """
     converted = _convert(plan, setup.model)
     if converted is not None:
-        setup.fp8_layers = converted
-        setup.fp8_base = plan.base
-        install_fp8_wire(setup.model, converted)  # FSDP2: FP8 or FP4 weights on the wire
+        setup.low_precision_layers = converted
+        setup.low_precision_base = plan.base
+        install_low_precision_wire(setup.model, converted)  # FSDP2: FP8 or FP4 weights on the wire
     setup.recipe = plan_recipe(plan)
     return setup
 

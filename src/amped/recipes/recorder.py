@@ -173,7 +173,7 @@ def layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the small state a layer's casts read (see the module)."""
     if isinstance(layer, BlockLinear):
         return {"fp8_rng": layer.fp8_rng.detach().clone()}
-    if isinstance(layer, Float8Linear) and layer.fp8_config.delayed is not None:
+    if isinstance(layer, Float8Linear) and layer.float8_config.delayed is not None:
         started = torch.tensor(layer.fp8_started)
         return {
             "fp8_scale": layer.fp8_scale.detach().clone(),
@@ -301,5 +301,5 @@ class Recorder:
 def _config(layer: torch.nn.Module) -> Float8Config | BlockConfig:
     if isinstance(layer, BlockLinear):
         return layer.block_config
-    config: Float8Config = layer.fp8_config  # type: ignore[assignment]
+    config: Float8Config = layer.float8_config  # type: ignore[assignment]
     return config

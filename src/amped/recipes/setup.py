@@ -15,6 +15,7 @@ so one loop serves every recipe::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -32,6 +33,15 @@ from amped.scaling import GradScaler
 __all__ = ["TrainSetup", "check_recipe_state"]
 
 
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(
+        f"TrainSetup.{old} is deprecated and will be removed in the next release; "
+        f"use TrainSetup.{new}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
 class TrainSetup:
     """A model, the optimizer to step, the autocast region and the scaler of one recipe.
 
@@ -42,12 +52,14 @@ class TrainSetup:
         scaler: a :class:`~amped.GradScaler`, enabled only for loss-scaling recipes.
         device_type: where the model's parameters live.
         policy: the autocast policy (None for torch's default).
-        fp8_layers: for the FP8 recipes, the layers converted to FP8 (else None).
-        fp8_base: for the FP8 recipes, the name of the base recipe (else None).
+        low_precision_layers: for the FP8 and block recipes, the converted layers (else
+            None).
+        low_precision_base: for the FP8 and block recipes, the name of the base recipe
+            (else None).
     """
 
-    fp8_layers: LowPrecisionLayers | None = None
-    fp8_base: str | None = None
+    low_precision_layers: LowPrecisionLayers | None = None
+    low_precision_base: str | None = None
     monitor: Any = None  # an amped.recipes.monitoring.Monitor (amped.monitor attaches it)
 
     def __init__(
@@ -65,6 +77,31 @@ class TrainSetup:
         self.scaler = scaler
         self.device_type = device_type
         self.policy = policy
+
+    # rewrite: keep-start (the old spellings, deprecated)
+    @property
+    def fp8_layers(self) -> LowPrecisionLayers | None:
+        """Deprecated: :attr:`low_precision_layers` (removed in the next release)."""
+        _deprecated("fp8_layers", "low_precision_layers")
+        return self.low_precision_layers
+
+    @fp8_layers.setter
+    def fp8_layers(self, layers: LowPrecisionLayers | None) -> None:
+        _deprecated("fp8_layers", "low_precision_layers")
+        self.low_precision_layers = layers
+
+    @property
+    def fp8_base(self) -> str | None:
+        """Deprecated: :attr:`low_precision_base` (removed in the next release)."""
+        _deprecated("fp8_base", "low_precision_base")
+        return self.low_precision_base
+
+    @fp8_base.setter
+    def fp8_base(self, base: str | None) -> None:
+        _deprecated("fp8_base", "low_precision_base")
+        self.low_precision_base = base
+
+    # rewrite: keep-end
 
     # --- hooks for the weight-changing recipes (no-ops here) --------------------------
 
@@ -131,8 +168,8 @@ class TrainSetup:
         self.scaler.update()
         stepped = not self.scaler.last_step_skipped
         self._after_step(stepped)
-        if self.fp8_layers is not None:
-            self.fp8_layers.update()  # delayed scaling's histories and next scales
+        if self.low_precision_layers is not None:
+            self.low_precision_layers.update()  # delayed scaling's histories and next scales
         if monitor is not None:
             monitor.end_step()
         return stepped
@@ -221,8 +258,11 @@ class TrainSetup:
         """What a state this setup writes must match to load: the recipe's name, and for
         the FP8 recipes the base recipe and the FP8 config."""
         identity: dict[str, Any] = {"recipe": self.recipe.name}
-        if self.fp8_layers is not None:
-            identity["fp8"] = {"base": self.fp8_base, "config": str(self.fp8_layers.config)}
+        if self.low_precision_layers is not None:
+            identity["fp8"] = {
+                "base": self.low_precision_base,
+                "config": str(self.low_precision_layers.config),
+            }
         return identity
 
     def check_state(self, state: dict[str, Any]) -> None:

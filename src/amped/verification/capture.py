@@ -143,7 +143,7 @@ class _Capture:
             return
         (a_high, a_low), (b_high, b_low) = operands.values()
         a, b = from_amped(a_high, a_low), from_amped(b_high, b_low)
-        if hasattr(layer, "fp8_config") and role != "forward":
+        if hasattr(layer, "float8_config") and role != "forward":
             # lowp's Float8Linear passes grad_input's weight [out, in] and grad_weight's
             # operands [tokens, .]: the GEMM is A @ B there (its block layers pass A, B.T)
             a = transposed(a) if role == "grad_weight" else a
@@ -233,7 +233,7 @@ def capture(model: torch.nn.Module, names: list[str]) -> Iterator[dict[str, Laye
     observed: list[tuple[torch.nn.Module, Any]] = []
     for record in records.values():
         handles += _hooks(state, record)
-        if hasattr(record.module, "fp8_config") or hasattr(record.module, "block_config"):
+        if hasattr(record.module, "float8_config") or hasattr(record.module, "block_config"):
             observed.append((record.module, getattr(record.module, "fp8_observer", None)))
             record.module.fp8_observer = state  # type: ignore[assignment]
     try:

@@ -281,7 +281,7 @@ def test_operand_layouts_do_not_change_the_result():
 
 
 @pytest.mark.parametrize(
-    "module", ["amped.lowp.float8.cast", "amped.lowp.convert", "amped.doctor.fp8"], ids=lambda m: m
+    "module", ["amped.lowp.float8.cast", "amped.lowp.convert", "amped.doctor.lowp"], ids=lambda m: m
 )
 def test_docstring_examples_run(module):
     import doctest

@@ -33,7 +33,7 @@ def _setup(history_len: int, amax_compute: str) -> amped.recipes.TrainSetup:
 
 
 def _scales(setup) -> torch.Tensor:
-    return torch.stack([m.fp8_scale for m in setup.fp8_layers.layers.values()])
+    return torch.stack([m.fp8_scale for m in setup.low_precision_layers.layers.values()])
 
 
 def _train(setup, poison_step: int, poison) -> list[bool]:

@@ -1,4 +1,4 @@
-"""FP8 weights on the FSDP2 wire (amped.lowp.float8.fsdp_wire, amped.recipes.fp8_wire), in one
+"""FP8 weights on the FSDP2 wire (amped.lowp.float8.fsdp_wire, amped.recipes.lowp_wire), in one
 process: the gathered weight's semantics, the layer using it instead of casting again,
 the global amax, which recipes get the wire, and an FSDP2 group of one rank
 (tests/distributed/test_fp8_distributed.py runs 2 ranks: uneven shards, bytes on the wire, DCP)."""
@@ -25,7 +25,7 @@ from amped.lowp.float8.fsdp_wire import (
 )
 from amped.lowp.float8.gemm import scaled_mm
 from amped.lowp.mx.block_config import BLOCK_CONFIGS
-from amped.recipes.fp8_wire import wire_layers
+from amped.recipes.lowp_wire import wire_layers
 
 E4M3 = torch.float8_e4m3fn
 
@@ -223,7 +223,7 @@ def test_a_shard_fsdp2_replaces_on_taking_it_up_is_reported_not_assumed_wired(mo
     copy, which needs an accelerator): simulated here by a reset that does that."""
     from torch.distributed.fsdp import fully_shard
 
-    import amped.recipes.fp8_wire as fp8_wire
+    import amped.recipes.lowp_wire as fp8_wire
     from amped._internal.torch_compat import dtensor_local, set_dtensor_local
 
     original = fp8_wire.fsdp_reset_sharded_params

@@ -50,13 +50,13 @@ def _mm(
 
 
 def _cast(layer: Float8Linear, x: torch.Tensor, tile: tuple[int, int]) -> BlockwiseTensor:
-    cfg = layer.fp8_config
+    cfg = layer.float8_config
     rule = cfg.weight if tile == WEIGHT_TILE else cfg.input
     return quantize_blockwise(x, tile, dtype=rule.dtype, power_of_2=cfg.power_of_2)
 
 
 def _cast_grad(layer: Float8Linear, go: torch.Tensor, tile: tuple[int, int]) -> BlockwiseTensor:
-    cfg = layer.fp8_config
+    cfg = layer.float8_config
     return quantize_blockwise(go, tile, dtype=cfg.grad_output.dtype, power_of_2=cfg.power_of_2)
 
 
@@ -89,7 +89,7 @@ class BlockwiseLinearFunction(torch.autograd.Function):
             record_gemm(layer, "grad_input", "grad_input", grad_x, operands)
             grad_x = grad_x.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            if layer.fp8_config.grad_weight_hp:
+            if layer.float8_config.grad_weight_hp:
                 grad_w = high_precision_mm(go.t(), x2.to(go.dtype), layer.fp8_emulate)
                 operands = {"grad_output": (go, None), "input": (x2, None)}
             else:

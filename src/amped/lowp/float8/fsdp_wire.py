@@ -131,7 +131,7 @@ class WireShard(torch.Tensor):
         shard size and sent as bytes (uint8: every backend all-gathers it, and FSDP2
         packs the group's other parameters beside it as bytes too)."""
         layer: Any = module  # a Float8Linear (not imported: it imports this module)
-        config: Float8Config = layer.fp8_config
+        config: Float8Config = layer.float8_config
         dtype = config.weight.dtype
         shard = in_param_dtype(self, mp_policy)
         amax = global_amax(shard, mesh.get_group())

@@ -18,6 +18,7 @@ then runs with autocast off, so the policy never re-casts its float32 dequantiza
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -60,7 +61,7 @@ class _Float8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: Float8Linear) -> Any:
-        cfg = layer.fp8_config
+        cfg = layer.float8_config
         x2 = x.reshape(-1, x.shape[-1])
         xq = layer.fp8_cast(x2, cfg.input, INPUT, dim=-1, out_dtype=x.dtype)
         wq = gathered_fp8(
@@ -86,7 +87,7 @@ class _Float8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         layer: Float8Linear = ctx.layer
-        cfg = layer.fp8_config
+        cfg = layer.float8_config
         saved = list(ctx.saved_tensors)
         x_saved, saved = saved[: ctx.x_parts], saved[ctx.x_parts :]
         if ctx.reuse_x:
@@ -129,9 +130,9 @@ def _grad_output_casts(
     that GEMM does not run in FP8). Tensorwise: one cast for both. Rowwise: one scale per
     token for grad-input, one per output feature for grad-weight; both at once when both
     GEMMs run (two passes over grad_output instead of four), only the one needed else."""
-    rule, dtype = layer.fp8_config.grad_output, go.dtype
+    rule, dtype = layer.float8_config.grad_output, go.dtype
     needs_gi = ctx.needs_input_grad[0]
-    needs_gw = ctx.needs_input_grad[1] and not layer.fp8_config.grad_weight_hp
+    needs_gw = ctx.needs_input_grad[1] and not layer.float8_config.grad_weight_hp
     if rule.granularity == "tensorwise":
         goq = layer.fp8_cast(go, rule, GRAD_OUTPUT, dim=-1, out_dtype=dtype)
         return goq, goq
@@ -156,6 +157,19 @@ def _restored(parts: list[torch.Tensor], dequantized: bool, dtype: torch.dtype) 
     return Float8Tensor(None, parts[0], parts[1], dequantized, dtype)
 
 
+# rewrite: keep-start (the old spelling, deprecated)
+def _warn_fp8_config() -> None:
+    warnings.warn(
+        "Float8Linear.fp8_config is deprecated and will be removed in the next release; "
+        "use Float8Linear.float8_config",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
+
+# rewrite: keep-end
+
+
 class Float8Linear(torch.nn.Linear):
     """An ``nn.Linear`` that computes in FP8 (see :mod:`amped.lowp.float8.linear`).
 
@@ -166,13 +180,13 @@ class Float8Linear(torch.nn.Linear):
     (:mod:`amped.lowp.conv1d`).
 
     Attributes:
-        fp8_config: the :class:`~amped.lowp.Float8Config` of its casts.
+        float8_config: the :class:`~amped.lowp.Float8Config` of its casts.
         fp8_emulate: whether GEMMs are emulated (no FP8 GEMM on the device).
     """
 
     weight_transposed = False
     """True for a converted Conv1D, whose weight is stored ``[in, out]``."""
-    fp8_config: Float8Config
+    float8_config: Float8Config
     fp8_emulate: bool
     fp8_started: bool
     fp8_amax_history: torch.Tensor
@@ -211,7 +225,7 @@ class Float8Linear(torch.nn.Linear):
         else:
             linear.__class__ = cls
         layer: Float8Linear = linear  # type: ignore[assignment]
-        layer.fp8_config = config
+        layer.float8_config = config
         if config.blockwise:  # its kernel path is not validated yet: asked for only
             layer.fp8_emulate = True if emulate is None else emulate
             if not layer.fp8_emulate and not has_blockwise_scaled_mm(device):
@@ -239,11 +253,25 @@ class Float8Linear(torch.nn.Linear):
             layer.register_buffer("fp8_max", fp8_max, persistent=False)
         return layer
 
+    # rewrite: keep-start (the old spelling, deprecated)
+    @property
+    def fp8_config(self) -> Float8Config:
+        """Deprecated: :attr:`float8_config` (removed in the next release)."""
+        _warn_fp8_config()
+        return self.float8_config
+
+    @fp8_config.setter
+    def fp8_config(self, config: Float8Config) -> None:
+        _warn_fp8_config()
+        self.float8_config = config
+
+    # rewrite: keep-end
+
     @property
     def fp8_delayed(self) -> Any:
         """The :class:`~amped.lowp.float8.config.DelayedScaling` rule, or None for
         dynamic scaling."""
-        return self.fp8_config.delayed
+        return self.float8_config.delayed
 
     def fp8_cast(
         self, x: torch.Tensor, rule: CastRule, role: int | None, dim: int, out_dtype: torch.dtype
@@ -253,8 +281,8 @@ class Float8Linear(torch.nn.Linear):
         An emulating layer's cast also writes the GEMM's operand, the FP8 values in
         :func:`~amped.lowp.float8.gemm.gemm_dtype` (``.values``)."""
         values_dtype = gemm_dtype(out_dtype, x.device) if self.fp8_emulate else None
-        power_of_2 = self.fp8_config.power_of_2
-        if self.fp8_config.delayed is None or role is None:
+        power_of_2 = self.float8_config.power_of_2
+        if self.float8_config.delayed is None or role is None:
             granularity: Granularity = "rowwise" if rule.granularity == "rowwise" else "tensorwise"
             return quantize(x, rule.dtype, granularity, dim, power_of_2, None, values_dtype)
         scale = self.fp8_delayed_scale(amax_of(x).to(torch.float32), role)
@@ -266,7 +294,7 @@ class Float8Linear(torch.nn.Linear):
         """:meth:`fp8_cast` of a rowwise ``rule`` along ``dim=-1`` and ``dim=0`` at once
         (:func:`~amped.lowp.float8.cast.quantize_rows_and_columns`; dynamic scaling only)."""
         values_dtype = gemm_dtype(out_dtype, x.device) if self.fp8_emulate else None
-        power_of_2 = self.fp8_config.power_of_2
+        power_of_2 = self.float8_config.power_of_2
         return quantize_rows_and_columns(x, rule.dtype, power_of_2, values_dtype)
 
     @torch.no_grad()
@@ -279,7 +307,7 @@ class Float8Linear(torch.nn.Linear):
         In training mode the amax is recorded for the next update; a layer in eval mode
         casts with the current scales and records nothing.
         """
-        delayed = self.fp8_config.delayed
+        delayed = self.float8_config.delayed
         assert delayed is not None  # fp8_cast and the FSDP2 wire call it for delayed only
         if self.training:  # evaluation does not feed the history
             if self.fp8_pending.device != amax.device:  # the model moved
@@ -293,15 +321,15 @@ class Float8Linear(torch.nn.Linear):
         return propagate_nonfinite(scale, amax)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if self.fp8_config.blockwise:  # amped.lowp.float8.blockwise_linear
+        if self.float8_config.blockwise:  # amped.lowp.float8.blockwise_linear
             return linear_forward(self, BlockwiseLinearFunction, input)
         return linear_forward(self, _Float8LinearFunction, input)
 
     def _load_from_state_dict(self, state_dict: Any, prefix: str, *args: Any) -> None:
         super()._load_from_state_dict(state_dict, prefix, *args)
-        if self.fp8_config.delayed is not None:
+        if self.float8_config.delayed is not None:
             self.fp8_started = bool(self.fp8_updates > 0)
 
     def extra_repr(self) -> str:
         emulated = ", emulated" if self.fp8_emulate else ""
-        return f"{super().extra_repr()}, fp8={self.fp8_config}{emulated}"
+        return f"{super().extra_repr()}, fp8={self.float8_config}{emulated}"

@@ -1,4 +1,5 @@
-"""What :func:`amped.doctor.diagnose_fp8` found: per-layer FP8 error and cast statistics."""
+"""What :func:`amped.doctor.diagnose_low_precision` found: per-layer error of an FP8 or
+block recipe, and cast statistics."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from dataclasses import dataclass
 
 from amped.policy import Policy
 
-__all__ = ["CastStat", "Fp8LayerStat", "Fp8Report", "Fp8Suggestion"]
+__all__ = ["CastStat", "LowPrecisionLayerStat", "LowPrecisionReport", "LowPrecisionSuggestion"]
 
 ROLES = ("output", "grad_input", "grad_weight")
 
@@ -40,7 +41,7 @@ class CastStat:
 
 
 @dataclass(frozen=True)
-class Fp8LayerStat:
+class LowPrecisionLayerStat:
     """One Linear layer, run alone on the inputs and output gradients it saw in float32.
 
     ``sqnr_fp8`` and ``sqnr_bf16`` hold the SQNR (dB) of ``output``, ``grad_input`` and
@@ -62,7 +63,7 @@ class Fp8LayerStat:
 
 
 @dataclass(frozen=True)
-class Fp8Suggestion:
+class LowPrecisionSuggestion:
     """A policy that keeps layers in bfloat16 (module rules ``"low"``), re-run and checked.
 
     ``verified`` is True when none of ``keep`` converts under ``policy`` and the whole
@@ -84,23 +85,23 @@ class Fp8Suggestion:
 
 
 @dataclass
-class Fp8Report:
+class LowPrecisionReport:
     """Per converted layer what FP8 costs, the model's end-to-end error, and a fix."""
 
     recipe: str
     threshold_db: float
-    layers: list[Fp8LayerStat]
+    layers: list[LowPrecisionLayerStat]
     not_converted: list[str]
     model_sqnr: float
     model_sqnr_bf16: float
-    suggestion: Fp8Suggestion | None
+    suggestion: LowPrecisionSuggestion | None
 
     @property
     def healthy(self) -> bool:
         """True when every converted layer keeps ``threshold_db`` on all three GEMMs."""
         return not any(layer.keep_in_bf16 for layer in self.layers)
 
-    def layer(self, name: str) -> Fp8LayerStat:
+    def layer(self, name: str) -> LowPrecisionLayerStat:
         for stat in self.layers:
             if stat.name == name:
                 return stat

@@ -41,7 +41,7 @@ from amped.lowp.mx.block_linear import BlockLinear
 from amped.lowp.mx.fsdp_block_wire import BlockWireShard, block_wire_refusal
 from amped.optim.shards import fsdp_modules, is_sharded, reshard
 
-__all__ = ["install_fp8_wire", "wire_layers"]
+__all__ = ["install_low_precision_wire", "wire_layers"]
 
 _REPLACED = (
     "FSDP2 replaced its local shard when taking it up (CPUOffloadPolicy pins a copy), "
@@ -58,7 +58,7 @@ def _refusal(layer: Float8Linear | BlockLinear) -> str | None:
         world = layer.weight.device_mesh.size()  # type: ignore[attr-defined]
         rows = layer.weight.shape[0]
         return block_wire_refusal(layer.block_config, rows, world, layer.weight_transposed)
-    return wire_refusal(layer.fp8_config)
+    return wire_refusal(layer.float8_config)
 
 
 def _wire_class(layer: Float8Linear | BlockLinear) -> type[torch.Tensor]:
@@ -77,7 +77,9 @@ def wire_layers(model: torch.nn.Module) -> list[str]:
 
 
 @torch.no_grad()
-def install_fp8_wire(model: torch.nn.Module, layers: LowPrecisionLayers) -> dict[str, str]:
+def install_low_precision_wire(
+    model: torch.nn.Module, layers: LowPrecisionLayers
+) -> dict[str, str]:
     """Have FSDP2 all-gather the sharded weights of ``layers`` in FP8 where that is exact
     (see the module). Returns, by layer name, why each other sharded layer keeps its
     dtype on the wire (and warns with it); empty when nothing is sharded."""

@@ -1,5 +1,5 @@
-"""``amped.doctor.diagnose_fp8``: what an FP8 or block recipe (mxfp8, mxfp4, nvfp4) costs
-each Linear (or transformers Conv1D) layer of a model.
+"""``amped.doctor.diagnose_low_precision``: what an FP8 or block recipe (mxfp8, mxfp4,
+nvfp4) costs each Linear (or transformers Conv1D) layer of a model.
 
 Each layer is run alone on the input and output gradient it saw in a float32 step, so
 its SQNR measures its own error, not its inputs'; docs/fp8.md, "What the doctor says".
@@ -15,7 +15,12 @@ import torch
 
 from amped._internal.errors import value_error
 from amped.autocast_mode import autocast
-from amped.doctor.fp8_report import CastStat, Fp8LayerStat, Fp8Report, Fp8Suggestion
+from amped.doctor.lowp_report import (
+    CastStat,
+    LowPrecisionLayerStat,
+    LowPrecisionReport,
+    LowPrecisionSuggestion,
+)
 from amped.doctor.runs import model_output
 from amped.lowp.conv1d import is_conv1d, is_linear_like, linear_dims
 from amped.lowp.convert import (
@@ -31,11 +36,11 @@ from amped.lowp.float8.config import CastRule
 from amped.lowp.mx.block_cast import quantize_block
 from amped.lowp.mx.block_config import BlockConfig
 from amped.policy import Policy
-from amped.recipes.fp8 import recipe_config, ruled_modules
+from amped.recipes.lowp import recipe_config, ruled_modules
 from amped.recipes.registry import resolve_recipe
 from amped.tasks.task import call_model
 
-__all__ = ["diagnose_fp8"]
+__all__ = ["diagnose_low_precision"]
 
 DEFAULT_THRESHOLD_DB = 20.0
 """torchao's gate for an FP8 linear layer (10% L2 error); the recipes' tests use it too."""
@@ -167,7 +172,7 @@ def _layer_stat(
     x: torch.Tensor,
     grad: torch.Tensor,
     threshold: float,
-) -> Fp8LayerStat:
+) -> LowPrecisionLayerStat:
     exact = _local_run(linear, x, grad, low=False)
     bf16 = _local_run(linear, x, grad, low=True)
     fp8_layer = copy.deepcopy(torch.nn.Sequential(linear))
@@ -177,7 +182,7 @@ def _layer_stat(
     in_features, out_features = linear_dims(linear)
     weight = linear.weight
     assert isinstance(weight, torch.Tensor)
-    return Fp8LayerStat(
+    return LowPrecisionLayerStat(
         name=name,
         in_features=in_features,
         out_features=out_features,
@@ -208,7 +213,7 @@ def _model_sqnr(
     return sqnr(reference, out) if out is not None else float("nan")
 
 
-def diagnose_fp8(
+def diagnose_low_precision(
     model: torch.nn.Module,
     inputs: Any,
     loss_fn: Callable[[Any], torch.Tensor],
@@ -217,7 +222,7 @@ def diagnose_fp8(
     policy: Policy | None = None,
     module_filter: ModuleFilter | None = None,
     threshold_db: float | None = None,
-) -> Fp8Report:
+) -> LowPrecisionReport:
     """Measure what ``recipe`` costs each Linear layer of ``model`` and name those to keep out.
 
     ``model`` is not changed (the doctor works on copies). Layers are chosen as
@@ -242,14 +247,15 @@ def diagnose_fp8(
     Example:
         >>> import torch, amped
         >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
-        >>> report = amped.doctor.diagnose_fp8(model, torch.randn(8, 64), lambda y: y.sum())
+        >>> x = torch.randn(8, 64)
+        >>> report = amped.doctor.diagnose_low_precision(model, x, lambda y: y.sum())
         >>> [layer.name for layer in report.layers], report.healthy
         (['0'], True)
     """
     chosen = resolve_recipe(recipe)
     if chosen.fp8 is None:
         raise value_error(
-            "diagnose_fp8 checks an FP8 or block recipe: fp8-tensorwise, fp8-rowwise, "
+            "diagnose_low_precision checks an FP8 or block recipe: fp8-tensorwise, fp8-rowwise, "
             "fp8-rowwise-gw-hp, fp8-delayed, fp8-blockwise, mxfp8, mxfp4 or nvfp4",
             "recipe",
             recipe,
@@ -267,7 +273,7 @@ def diagnose_fp8(
     modules = dict(model.named_modules())
     layers = [_layer_stat(n, modules[n], config, *captured[n], threshold_db) for n in names]
     model_sqnr = _model_sqnr(model, inputs, reference, config, names, policy)
-    report = Fp8Report(
+    report = LowPrecisionReport(
         recipe=chosen.name,
         threshold_db=threshold_db,
         layers=layers,
@@ -293,7 +299,7 @@ def _suggest(
     policy: Policy | None,
     module_filter: ModuleFilter | None,
     before: float,
-) -> Fp8Suggestion:
+) -> LowPrecisionSuggestion:
     device_type = next(model.parameters()).device.type
     fixed = policy or Policy.preset("torch", device_type)
     for name in keep:
@@ -301,4 +307,4 @@ def _suggest(
     names = plan_low_precision(model, module_filter, ruled_modules(model, fixed), config)
     after = _model_sqnr(model, inputs, reference, config, names, fixed)
     verified = not set(keep) & set(names) and not after < before
-    return Fp8Suggestion(keep=keep, policy=fixed, model_sqnr=after, verified=verified)
+    return LowPrecisionSuggestion(keep=keep, policy=fixed, model_sqnr=after, verified=verified)

@@ -44,12 +44,18 @@ from amped.lowp.float8.config import FLOAT8_CONFIGS
 from amped.lowp.mx.block_config import BLOCK_CONFIGS, BlockConfig
 from amped.lowp.mx.block_linear import BlockLinear
 from amped.policy import Policy
-from amped.recipes.fp8_wire import install_fp8_wire
+from amped.recipes.lowp_wire import install_low_precision_wire
 from amped.recipes.registry import Recipe, register, resolve_recipe
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import require_float32, ruled_modules
 
-__all__ = ["BLOCK_RECIPE_NAMES", "FP8_BASES", "FP8_RECIPE_NAMES", "Fp8Plan", "recipe_config"]
+__all__ = [
+    "BLOCK_RECIPE_NAMES",
+    "FP8_BASES",
+    "FP8_RECIPE_NAMES",
+    "LowPrecisionPlan",
+    "recipe_config",
+]
 
 FP8_BASES = ("bf16-mixed", "bf16-master", "bf16-pure", "bf16-pure-sr")
 """Base recipes an FP8 recipe can keep its weights and optimizer state by."""
@@ -167,7 +173,7 @@ def _base_recipe(recipe: Recipe, base: str | Recipe | None) -> Recipe:
 def _same_rules(config: LowPrecisionConfig, layer: Float8Linear | BlockLinear) -> bool:
     if isinstance(layer, BlockLinear):
         return layer.block_config == config
-    own = layer.fp8_config
+    own = layer.float8_config
     if not isinstance(config, Float8Config) or (own.delayed is None) != (config.delayed is None):
         return False
     # Delayed scaling's own settings (history length, amax rule, margin) are free.
@@ -187,7 +193,7 @@ def _already_converted(
         return None
     for name, layer in layers.items():
         if not _same_rules(config, layer):
-            own = layer.block_config if isinstance(layer, BlockLinear) else layer.fp8_config
+            own = layer.block_config if isinstance(layer, BlockLinear) else layer.float8_config
             raise value_error(
                 f"Recipe {recipe.name!r} found layer {name!r} converted to FP8 with other "
                 "rules; convert with the recipe's config "
@@ -199,8 +205,8 @@ def _already_converted(
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Plan:
-    """What an FP8 recipe will do, checked before its base recipe changes anything.
+class LowPrecisionPlan:
+    """What an FP8 or block recipe will do, checked before its base recipe changes anything.
 
     :func:`~amped.prepare` calls :meth:`check`, builds the base recipe's setup, then
     :meth:`apply` converts the chosen Linear layers.
@@ -228,11 +234,13 @@ class Fp8Plan:
         base: str | Recipe | None,
         module_filter: ModuleFilter | None,
         config: LowPrecisionConfig | None = None,
-    ) -> Fp8Plan:
+    ) -> LowPrecisionPlan:
         """Refuse what ``plain.recipe`` cannot run (base, model, scaler, no layer to convert)."""
         recipe, model = plain.recipe, plain.model
         if recipe.fp8 is None:
-            raise value_error("Fp8Plan is for the FP8 recipes only", "recipe", recipe.name)
+            raise value_error(
+                "LowPrecisionPlan is for the FP8 and block recipes only", "recipe", recipe.name
+            )
         base_recipe = _base_recipe(recipe, base)
         _check_model(recipe, model, plain.device_type)
         if plain.scaler.is_enabled():
@@ -253,7 +261,7 @@ class Fp8Plan:
     def apply(self, setup: TrainSetup) -> TrainSetup:
         """Convert the chosen layers of the base recipe's ``setup``; returns ``setup`` with
         ``recipe`` the FP8 recipe (``weights`` and ``compensation`` the base's) and
-        ``fp8_layers`` the converted layers, which :meth:`~amped.recipes.TrainSetup.step`
+        ``low_precision_layers`` the converted layers, which :meth:`~amped.recipes.TrainSetup.step`
         updates."""
         assert self.recipe.fp8 is not None  # check() refused the others
         converted = self.converted
@@ -262,9 +270,9 @@ class Fp8Plan:
             keep = ruled_modules(model, self.policy) | ruled_modules(model, setup.policy)
             names = plan_low_precision(model, self.module_filter, keep, self.config)
             converted = convert_layers(model, self.config, names)
-        setup.fp8_layers = converted
-        install_fp8_wire(setup.model, converted)  # FSDP2: FP8 weights on the wire
-        setup.fp8_base = self.base.name
+        setup.low_precision_layers = converted
+        install_low_precision_wire(setup.model, converted)  # FSDP2: FP8 weights on the wire
+        setup.low_precision_base = self.base.name
         setup.recipe = dataclasses.replace(
             self.recipe, weights=self.base.weights, compensation=self.base.compensation
         )

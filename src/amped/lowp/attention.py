@@ -1,29 +1,31 @@
 """Low-precision attention you can train with: ``scaled_dot_product_attention`` with a
 format per matmul (:mod:`amped.lowp.attention_config`), emulated exactly on any device.
 
-The computation is tiled over query rows (``config.block_size`` per tile), as
-FlashAttention is, so the ``T x T`` score matrix is never held whole: each tile holds its
-rows' scores against every key, ``[B, H, block_size, T]``::
+The computation is tiled over query rows and keys (``config.block_size`` each,
+:mod:`amped.lowp.attention_tiling`), as FlashAttention is, so the ``T x T`` score matrix
+is never held whole: a tile's scores are ``[B, H, block_size, block_size]``::
 
-    forward, per tile:   S = scale * (Q·Kᵀ) + mask      float32
-                         m = rowmax(S);  lse = m + log(rowsum(exp(S - m)))
-                         P = exp(S - lse)               (lse saved, per row)
-                         O = P·V
-    backward, per tile:  S, P again from the saved lse (same casts, same bits)
-                         dP = dO·Vᵀ;  dS = P * (dP - rowsum(P * dP))
-                         dV += Pᵀ·dO;  dQ = scale * dS·K;  dK += scale * dSᵀ·Q
+    forward:   per query tile, over its key tiles (online softmax):
+                   S = scale * (Q·Kᵀ) + mask;  m, l = running rowmax, rowsum(exp(S - m))
+                   lse = m + log(l)                          (saved, per row)
+               then per key tile:  P = exp(S - lse);  O += P·V
+    backward:  per tile, S and P again from the saved lse (same casts, same bits):
+                   dP = dO·Vᵀ;  delta += rowsum(P * dP)      (a first pass)
+                   dS = P * (dP - delta)
+                   dV += Pᵀ·dO;  dQ += scale * dS·K;  dK += scale * dSᵀ·Q
 
-Softmax and its statistics are float32 (float64 for float64 input); so is every
-matmul, whose operands are the FP8 or MX values where a role is cast. A row that sees no
-key gets ``lse = +inf``, so its P is 0 and its output and gradients 0, as torch's SDPA
-gives. A scale computed over a whole score tensor (P or dS with ``"tensorwise"`` or
-``"head"`` scaling where no safe mask narrows it to a row) needs that tensor's amax
-first, so that pass runs twice (once for the amax).
+P is cast as the final softmax (``exp(S - lse)``), never a running one, so its casts
+are those of the whole P; a scale spanning every key of a row (P or dS in FP8 per row,
+head or tensor) takes one more pass for that row's amax first. Softmax and its
+statistics are float32 (float64 for float64 input); so is every matmul, whose operands
+are the FP8 or MX values where a role is cast. A row that sees no key gets
+``lse = +inf``, so its P is 0 and its output and gradients 0, as torch's SDPA gives.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from amped._internal.errors import type_error, value_error
 from amped.lowp.attention_cast import is_mx
 from amped.lowp.attention_config import MX_BLOCK, AttentionConfig, resolve_config
 from amped.lowp.attention_roles import Roles, Tile
+from amped.lowp.attention_tiling import Mask, online_lse
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -153,71 +156,22 @@ def _check(
             )
 
 
-class _Mask:
-    """Which keys each query row sees, and the float mask's bias, tile by tile."""
-
-    def __init__(
-        self, attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
-        dtype: torch.dtype,
-    ) -> None:  # fmt: skip
-        self.shape, self.is_causal = shape, is_causal
-        self.visible: torch.Tensor | None = None
-        self.bias: torch.Tensor | None = None
-        if attn_mask is None:
-            return
-        if attn_mask.dtype == torch.bool:
-            self.visible = None if bool(attn_mask.all()) else attn_mask.expand(shape)
-            return
-        self.bias = attn_mask.to(dtype).expand(shape)
-        # -inf masks, and so does the dtype's lowest value (masks built as
-        # finfo.min, which makes exp underflow to exactly 0 all the same)
-        masked = attn_mask <= torch.finfo(attn_mask.dtype).min
-        self.visible = ~masked.expand(shape) if bool(masked.any()) else None
-
-    @property
-    def masks(self) -> bool:
-        return self.is_causal or self.visible is not None
-
-    def tile(self, r0: int, r1: int) -> Tile:
-        """Rows ``r0:r1``; a causal mask and an ``attn_mask`` together mask what either
-        masks, as torch's default SDPA backend does (its math backend refuses both)."""
-        visible = None if self.visible is None else self.visible[:, :, r0:r1]
-        if self.is_causal:
-            b, h, _, tk = self.shape
-            rows = torch.arange(r0, r1).unsqueeze(1)
-            causal = (torch.arange(tk) <= rows).expand(b, h, r1 - r0, tk)
-            visible = causal if visible is None else causal & visible
-        return Tile(r0, r1, visible)
-
-    def logits(self, qk: torch.Tensor, scale: float, tile: Tile) -> torch.Tensor:
-        s = qk * scale
-        if self.bias is not None:
-            s = s + self.bias[:, :, tile.r0 : tile.r1]
-        if tile.visible is not None:
-            s = torch.where(tile.visible, s, -math.inf)
-        return s
-
-
-def _lse(s: torch.Tensor) -> torch.Tensor:
-    """Each row's log-sum-exp (``[B, H, rows, 1]``); +inf for a row that sees nothing."""
-    m = s.amax(dim=-1, keepdim=True)
-    empty = torch.isneginf(m)
-    m = torch.where(empty, 0, m)
-    return torch.where(empty, math.inf, m + torch.log(torch.exp(s - m).sum(-1, keepdim=True)))
-
-
-def _head_amax(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().abs().amax(dim=(2, 3), keepdim=True)
-
-
-def _needs_score_amax(cfg: AttentionConfig, role: str, per_row: bool) -> bool:
-    """Whether a role's score operand (P or dS) is FP8 scaled over whole heads or the
-    whole tensor, so its amax is needed before the role's first tile."""
+def _needs_row_amax(cfg: AttentionConfig, role: str) -> bool:
+    """Whether a role casts its score operand (P or dS) to FP8 scaled per row, head or
+    tensor: a scale whose amax spans every key, needed before the role's first tile."""
     rule = cfg.rule(role)
     if rule is None:
         return False
     fmt = rule.grad if role in ("dq", "dk") else rule.format
-    return not is_mx(fmt) and rule.scaling != "block" and not per_row
+    return not is_mx(fmt) and rule.scaling != "block"
+
+
+def _row_amax(blocks: Iterator[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Each row's amax over its key tiles' ``blocks`` (``[B, H, rows, 1]``)."""
+    amax = torch.zeros_like(like)
+    for x in blocks:
+        amax = torch.maximum(amax, x.detach().abs().amax(dim=-1, keepdim=True))
+    return amax
 
 
 def _expand_heads(x: torch.Tensor, heads: int, batch: int) -> torch.Tensor:
@@ -249,27 +203,32 @@ class _Attention(torch.autograd.Function):
         b, h, tq, _ = query.shape
         q = query.to(dtype)
         k, v = (_expand_heads(x.to(dtype), h, b) for x in (key, value))
-        mask = _Mask(attn_mask, is_causal, (b, h, tq, k.shape[2]), dtype)
+        mask = Mask(attn_mask, is_causal, (b, h, tq, k.shape[2]), dtype, cfg.block_size)
         roles = Roles(q, k, v, cfg)
-        per_row = cfg.causal_safe and mask.masks
-        tiles = [mask.tile(r, min(r + cfg.block_size, tq)) for r in range(0, tq, cfg.block_size)]
+        tiles = mask.query_tiles()
+
+        def logits(tile: Tile) -> Iterator[torch.Tensor]:
+            return (mask.logits(roles.s(kt), scale, kt) for kt in mask.key_tiles(tile))
+
+        def probs(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor]]:
+            rows = lse[:, :, tile.r0 : tile.r1]
+            for kt in mask.key_tiles(tile):
+                yield kt, torch.exp(mask.logits(roles.s(kt), scale, kt) - rows)
+
         lse = q.new_empty((b, h, tq, 1))
-        p_amax = q.new_zeros((b, h, 1, 1))
-        two_pass = _needs_score_amax(cfg, "o", per_row)
-        for tile in tiles if two_pass else ():
-            s = mask.logits(roles.s(tile), scale, tile)
-            lse[:, :, tile.r0 : tile.r1] = tile_lse = _lse(s)
-            p_amax = torch.maximum(p_amax, _head_amax(torch.exp(s - tile_lse)))
-        roles.score_amax["P"] = p_amax
-        out = q.new_empty((b, h, tq, v.shape[3]))
         for tile in tiles:
-            s = mask.logits(roles.s(tile), scale, tile)
-            if not two_pass:
-                lse[:, :, tile.r0 : tile.r1] = _lse(s)
-            p = torch.exp(s - lse[:, :, tile.r0 : tile.r1])
-            if not two_pass:
-                p_amax = torch.maximum(p_amax, _head_amax(p))
-            out[:, :, tile.r0 : tile.r1] = roles.o(p, tile)
+            lse[:, :, tile.r0 : tile.r1] = online_lse(logits(tile), lse[:, :, tile.r0 : tile.r1])
+        p_amax = None
+        if _needs_row_amax(cfg, "o") or _needs_row_amax(cfg, "dv"):
+            p_amax = q.new_empty((b, h, tq, 1))
+            for tile in tiles:
+                rows = p_amax[:, :, tile.r0 : tile.r1]
+                p_amax[:, :, tile.r0 : tile.r1] = _row_amax((p for _, p in probs(tile)), rows)
+            roles.score_amax["P"] = p_amax
+        out = q.new_zeros((b, h, tq, v.shape[3]))
+        for tile in tiles:
+            for kt, p in probs(tile):
+                out[:, :, tile.r0 : tile.r1] += roles.o(p, kt)
         ctx.save_for_backward(query, key, value, attn_mask, lse, p_amax)
         ctx.is_causal, ctx.scale, ctx.cfg = is_causal, scale, cfg
         return out.to(query.dtype)
@@ -283,28 +242,43 @@ class _Attention(torch.autograd.Function):
         q = query.to(dtype)
         k, v = (_expand_heads(x.to(dtype), h, b) for x in (key, value))
         do = grad_out.to(dtype)
-        mask = _Mask(attn_mask, ctx.is_causal, (b, h, tq, k.shape[2]), dtype)
+        mask = Mask(attn_mask, ctx.is_causal, (b, h, tq, k.shape[2]), dtype, cfg.block_size)
         roles = Roles(q, k, v, cfg)
-        roles.score_amax["P"] = p_amax
-        per_row = cfg.causal_safe and mask.masks
-        tiles = [mask.tile(r, min(r + cfg.block_size, tq)) for r in range(0, tq, cfg.block_size)]
+        if p_amax is not None:
+            roles.score_amax["P"] = p_amax
+        tiles = mask.query_tiles()
 
-        def scores(tile: Tile) -> tuple[torch.Tensor, torch.Tensor]:
-            s = mask.logits(roles.s(tile), scale, tile)
-            p = torch.exp(s - lse[:, :, tile.r0 : tile.r1])
-            dp = roles.dp(do, tile)
-            return p, p * (dp - (p * dp).sum(dim=-1, keepdim=True))
+        def scores(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor]]:
+            """Each key tile's P and dP, recomputed (the same casts, the same bits)."""
+            rows = lse[:, :, tile.r0 : tile.r1]
+            for kt in mask.key_tiles(tile):
+                p = torch.exp(mask.logits(roles.s(kt), scale, kt) - rows)
+                yield kt, p, roles.dp(do, kt)
 
-        if _needs_score_amax(cfg, "dq", per_row) or _needs_score_amax(cfg, "dk", False):
-            ds_amax = q.new_zeros((b, h, 1, 1))
-            for tile in tiles:
-                ds_amax = torch.maximum(ds_amax, _head_amax(scores(tile)[1]))
-            roles.score_amax["dS"] = ds_amax
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # delta = rowsum(P * dP) over every key, before any dS = P * (dP - delta)
+        delta = q.new_zeros((b, h, tq, 1))
         for tile in tiles:
-            p, ds = scores(tile)
-            dv += roles.dv(p, do, tile)
-            dq[:, :, tile.r0 : tile.r1] = roles.dq(ds, tile) * scale
-            dk += roles.dk(ds, tile) * scale
+            for _, p, dp in scores(tile):
+                delta[:, :, tile.r0 : tile.r1] += (p * dp).sum(dim=-1, keepdim=True)
+
+        def grad_scores(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor]]:
+            rows = delta[:, :, tile.r0 : tile.r1]
+            for kt, p, dp in scores(tile):
+                yield kt, p, p * (dp - rows)
+
+        if _needs_row_amax(cfg, "dq") or _needs_row_amax(cfg, "dk"):
+            ds_amax = q.new_empty((b, h, tq, 1))
+            for tile in tiles:
+                rows = ds_amax[:, :, tile.r0 : tile.r1]
+                blocks = (ds for _, _, ds in grad_scores(tile))
+                ds_amax[:, :, tile.r0 : tile.r1] = _row_amax(blocks, rows)
+            roles.score_amax["dS"] = ds_amax
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for tile in tiles:
+            for kt, p, ds in grad_scores(tile):
+                dv[:, :, kt.keys] += roles.dv(p, do, kt)
+                dq[:, :, tile.r0 : tile.r1] += roles.dq(ds, kt)
+                dk[:, :, kt.keys] += roles.dk(ds, kt) * scale
+        dq *= scale
         grads = (dq.to(query.dtype), _reduce_heads(dk, key), _reduce_heads(dv, value))
         return (*grads, None, None, None, None)

@@ -89,8 +89,10 @@ def test_what_cannot_convert_is_listed_with_the_reason():
     class Mixed(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+            self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)  # converts
+            self.kv = torch.nn.MultiheadAttention(16, 2, add_bias_kv=True)  # does not
 
     skipped = dict(convert_attention(Mixed(), "fp8"))
-    assert "not converted yet" in skipped["mha"]
+    assert sorted(skipped) == ["", "kv"]
+    assert "add_bias_kv" in skipped["kv"]
     assert "not a transformers model" in skipped[""]

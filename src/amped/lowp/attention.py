@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from amped._internal.errors import type_error, value_error
+from amped.autocast_mode import autocast
 from amped.lowp.attention_cast import is_mx
 from amped.lowp.attention_config import MX_BLOCK, AttentionConfig, resolve_config
 from amped.lowp.attention_roles import Roles, Tile
@@ -94,7 +95,14 @@ def _apply(
     is_causal: bool, scale: float | None, cfg: AttentionConfig,
 ) -> torch.Tensor:  # fmt: skip
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    out: torch.Tensor = _Attention.apply(query, key, value, attn_mask, is_causal, scale, cfg)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # as torch's autocast runs SDPA: Q, K, V in the region's dtype; then autocast
+        # off, so that no policy re-casts the emulation's float32 arithmetic
+        low = torch.get_autocast_dtype(device_type)
+        query, key, value = (x.to(low) for x in (query, key, value))
+    with autocast(device_type, enabled=False):
+        out: torch.Tensor = _Attention.apply(query, key, value, attn_mask, is_causal, scale, cfg)
     return out
 
 

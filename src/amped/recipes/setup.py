@@ -25,6 +25,7 @@ from amped.autocast_mode import autocast
 from amped.lowp.convert import LowPrecisionLayers
 from amped.optim.in_backward import in_backward
 from amped.policy import Policy
+from amped.recipes.attention import AttentionConversion
 from amped.recipes.registry import Recipe
 from amped.recipes.weights import Lowering, installed_on, restore_model_
 from amped.scaling import GradScaler
@@ -44,9 +45,12 @@ class TrainSetup:
         policy: the autocast policy (None for torch's default).
         fp8_layers: for the FP8 recipes, the layers converted to FP8 (else None).
         fp8_base: for the FP8 recipes, the name of the base recipe (else None).
+        attention: with ``prepare(..., attention=...)``, the attention config and the
+            attention modules it could not convert, with the reason (else None).
     """
 
     fp8_layers: LowPrecisionLayers | None = None
+    attention: AttentionConversion | None = None
     fp8_base: str | None = None
     monitor: Any = None  # an amped.recipes.monitoring.Monitor (amped.monitor attaches it)
 

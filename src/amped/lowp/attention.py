@@ -35,6 +35,7 @@ from amped._internal.errors import type_error, value_error
 from amped.autocast_mode import autocast
 from amped.lowp.attention_cast import is_mx
 from amped.lowp.attention_config import MX_BLOCK, AttentionConfig, resolve_config
+from amped.lowp.attention_dropout import Dropout
 from amped.lowp.attention_roles import Roles, Tile
 from amped.lowp.attention_tiling import Mask, online_lse
 
@@ -60,7 +61,9 @@ def scaled_dot_product_attention(
             torch takes them; float32, bfloat16, float16 or float64.
         attn_mask, is_causal, scale, enable_gqa: as torch's (a boolean mask: True
             attends; a float mask is added, ``-inf`` masks).
-        dropout_p: 0.0 only (dropout is not built yet).
+        dropout_p: as torch's: P is multiplied by ``keep / (1 - dropout_p)`` before
+            ``P·V``, the mask drawn from the default generator, the same in backward
+            (:mod:`amped.lowp.attention_dropout`). Set it 0 in evaluation.
         config: an :class:`~amped.lowp.attention_config.AttentionConfig` or a preset
             name (``"fp8"``, ``"fp8-forward"``, ``"fp8-all-but-ds"``, ``"mxfp8"``,
             ``"bf16"``: no casts).
@@ -73,7 +76,7 @@ def scaled_dot_product_attention(
             not broadcast to ``[batch, heads, q_len, k_len]``, mismatched dims, ...).
         ValueError: an MX format on ``s`` or ``dp`` with a head dim that is not a
             multiple of 32, or input that is not 3-D or 4-D.
-        NotImplementedError: ``dropout_p > 0``.
+        RuntimeError: ``dropout_p`` outside 0..1 (torch's error).
 
     Example:
         >>> import torch, amped
@@ -86,15 +89,17 @@ def scaled_dot_product_attention(
     if query.dim() == 3:
         mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
         q, k, v = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        return _apply(q, k, v, mask, is_causal, scale, cfg).squeeze(0)
-    return _apply(query, key, value, attn_mask, is_causal, scale, cfg)
+        return _apply(q, k, v, mask, dropout_p, is_causal, scale, cfg).squeeze(0)
+    return _apply(query, key, value, attn_mask, dropout_p, is_causal, scale, cfg)
 
 
 def _apply(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-    is_causal: bool, scale: float | None, cfg: AttentionConfig,
+    dropout_p: float, is_causal: bool, scale: float | None, cfg: AttentionConfig,
 ) -> torch.Tensor:  # fmt: skip
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
+    shape = (*query.shape[:-1], key.shape[-2])
+    drop = Dropout.draw(float(dropout_p), shape, query.device)
     device_type = query.device.type
     if torch.is_autocast_enabled(device_type):
         # as torch's autocast runs SDPA: Q, K, V in the region's dtype; then autocast
@@ -102,7 +107,9 @@ def _apply(
         low = torch.get_autocast_dtype(device_type)
         query, key, value = (x.to(low) for x in (query, key, value))
     with autocast(device_type, enabled=False):
-        out: torch.Tensor = _Attention.apply(query, key, value, attn_mask, is_causal, scale, cfg)
+        out: torch.Tensor = _Attention.apply(
+            query, key, value, attn_mask, is_causal, scale, cfg, drop
+        )
     return out
 
 
@@ -143,12 +150,6 @@ def _check(
         causal = is_causal and mask is None
         F.scaled_dot_product_attention(
             q, k, v, mask, dropout_p, causal, scale=scale, enable_gqa=enable_gqa
-        )
-    if dropout_p:
-        raise NotImplementedError(
-            "amped's attention has no dropout yet; pass dropout_p=0.0 (a model's "
-            f"attention dropout set to 0), or keep this attention in torch's SDPA. "
-            f"Received: dropout_p={dropout_p!r}"
         )
     head_dim = query.shape[-1]
     for role in ("s", "dp"):
@@ -206,6 +207,7 @@ class _Attention(torch.autograd.Function):
     def forward(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         attn_mask: torch.Tensor | None, is_causal: bool, scale: float, cfg: AttentionConfig,
+        drop: Dropout | None,
     ) -> torch.Tensor:  # fmt: skip
         dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         b, h, tq, _ = query.shape
@@ -219,9 +221,11 @@ class _Attention(torch.autograd.Function):
             return (mask.logits(roles.s(kt), scale, kt) for kt in mask.key_tiles(tile))
 
         def probs(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor]]:
+            """Each key tile's P, dropped out where dropout is on (O's operand)."""
             rows = lse[:, :, tile.r0 : tile.r1]
             for kt in mask.key_tiles(tile):
-                yield kt, torch.exp(mask.logits(roles.s(kt), scale, kt) - rows)
+                p = torch.exp(mask.logits(roles.s(kt), scale, kt) - rows)
+                yield kt, p if drop is None else drop.apply(p, kt)
 
         lse = q.new_empty((b, h, tq, 1))
         for tile in tiles:
@@ -238,13 +242,13 @@ class _Attention(torch.autograd.Function):
             for kt, p in probs(tile):
                 out[:, :, tile.r0 : tile.r1] += roles.o(p, kt)
         ctx.save_for_backward(query, key, value, attn_mask, lse, p_amax)
-        ctx.is_causal, ctx.scale, ctx.cfg = is_causal, scale, cfg
+        ctx.is_causal, ctx.scale, ctx.cfg, ctx.drop = is_causal, scale, cfg, drop
         return out.to(query.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         query, key, value, attn_mask, lse, p_amax = ctx.saved_tensors
-        cfg, scale = ctx.cfg, ctx.scale
+        cfg, scale, drop = ctx.cfg, ctx.scale, ctx.drop
         dtype = lse.dtype
         b, h, tq, _ = query.shape
         q = query.to(dtype)
@@ -256,23 +260,29 @@ class _Attention(torch.autograd.Function):
             roles.score_amax["P"] = p_amax
         tiles = mask.query_tiles()
 
-        def scores(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor]]:
-            """Each key tile's P and dP, recomputed (the same casts, the same bits)."""
+        def scores(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor, torch.Tensor]]:
+            """Each key tile's P, P dropped out (dV's operand) and dP (the gradient of P,
+            through the dropout), recomputed: the same casts and mask, the same bits."""
             rows = lse[:, :, tile.r0 : tile.r1]
             for kt in mask.key_tiles(tile):
                 p = torch.exp(mask.logits(roles.s(kt), scale, kt) - rows)
-                yield kt, p, roles.dp(do, kt)
+                dp = roles.dp(do, kt)
+                if drop is None:
+                    yield kt, p, p, dp
+                else:
+                    yield kt, p, drop.apply(p, kt), drop.apply(dp, kt)
 
         # delta = rowsum(P * dP) over every key, before any dS = P * (dP - delta)
         delta = q.new_zeros((b, h, tq, 1))
         for tile in tiles:
-            for _, p, dp in scores(tile):
+            for _, p, _, dp in scores(tile):
                 delta[:, :, tile.r0 : tile.r1] += (p * dp).sum(dim=-1, keepdim=True)
 
         def grad_scores(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor]]:
+            """Each key tile's dropped-out P and dS."""
             rows = delta[:, :, tile.r0 : tile.r1]
-            for kt, p, dp in scores(tile):
-                yield kt, p, p * (dp - rows)
+            for kt, p, p_drop, dp in scores(tile):
+                yield kt, p_drop, p * (dp - rows)
 
         if _needs_row_amax(cfg, "dq") or _needs_row_amax(cfg, "dk"):
             ds_amax = q.new_empty((b, h, tq, 1))
@@ -289,4 +299,4 @@ class _Attention(torch.autograd.Function):
                 dk[:, :, kt.keys] += roles.dk(ds, kt) * scale
         dq *= scale
         grads = (dq.to(query.dtype), _reduce_heads(dk, key), _reduce_heads(dv, value))
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None)

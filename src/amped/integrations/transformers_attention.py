@@ -61,7 +61,16 @@ def attention_forward(
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     out = scaled_dot_product_attention(
-        query, key, value, attention_mask, dropout, causal, scaling, gqa, config=config
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout,
+        causal,
+        scaling,
+        gqa,
+        config=config,
+        layer=module,
     )
     return out.transpose(1, 2).contiguous(), None
 

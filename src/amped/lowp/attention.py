@@ -36,6 +36,7 @@ from amped.autocast_mode import autocast
 from amped.lowp.attention_cast import is_mx
 from amped.lowp.attention_config import MX_BLOCK, AttentionConfig, resolve_config
 from amped.lowp.attention_dropout import Dropout
+from amped.lowp.attention_health import RoleHealth
 from amped.lowp.attention_roles import Roles, Tile
 from amped.lowp.attention_tiling import Mask, online_lse
 
@@ -53,6 +54,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     config: str | AttentionConfig = "fp8",
+    layer: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with each matmul in its format.
 
@@ -67,6 +69,9 @@ def scaled_dot_product_attention(
         config: an :class:`~amped.lowp.attention_config.AttentionConfig` or a preset
             name (``"fp8"``, ``"fp8-forward"``, ``"fp8-all-but-ds"``, ``"mxfp8"``,
             ``"bf16"``: no casts).
+        layer: the module this attention belongs to, if any: an observer attached to it
+            (:func:`amped.monitor`) gets each role's health
+            (:mod:`amped.lowp.attention_health`).
 
     Returns:
         The attention output in ``query``'s dtype; differentiable in all three inputs.
@@ -89,13 +94,14 @@ def scaled_dot_product_attention(
     if query.dim() == 3:
         mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
         q, k, v = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        return _apply(q, k, v, mask, dropout_p, is_causal, scale, cfg).squeeze(0)
-    return _apply(query, key, value, attn_mask, dropout_p, is_causal, scale, cfg)
+        return _apply(q, k, v, mask, dropout_p, is_causal, scale, cfg, layer).squeeze(0)
+    return _apply(query, key, value, attn_mask, dropout_p, is_causal, scale, cfg, layer)
 
 
 def _apply(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     dropout_p: float, is_causal: bool, scale: float | None, cfg: AttentionConfig,
+    layer: torch.nn.Module | None,
 ) -> torch.Tensor:  # fmt: skip
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
     shape = (*query.shape[:-1], key.shape[-2])
@@ -108,7 +114,7 @@ def _apply(
         query, key, value = (x.to(low) for x in (query, key, value))
     with autocast(device_type, enabled=False):
         out: torch.Tensor = _Attention.apply(
-            query, key, value, attn_mask, is_causal, scale, cfg, drop
+            query, key, value, attn_mask, is_causal, scale, cfg, drop, layer
         )
     return out
 
@@ -207,24 +213,24 @@ class _Attention(torch.autograd.Function):
     def forward(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         attn_mask: torch.Tensor | None, is_causal: bool, scale: float, cfg: AttentionConfig,
-        drop: Dropout | None,
+        drop: Dropout | None, layer: torch.nn.Module | None,
     ) -> torch.Tensor:  # fmt: skip
         dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         b, h, tq, _ = query.shape
         q = query.to(dtype)
         k, v = (_expand_heads(x.to(dtype), h, b) for x in (key, value))
         mask = Mask(attn_mask, is_causal, (b, h, tq, k.shape[2]), dtype, cfg.block_size)
-        roles = Roles(q, k, v, cfg)
+        roles = Roles(q, k, v, cfg, RoleHealth(layer))
         tiles = mask.query_tiles()
 
         def logits(tile: Tile) -> Iterator[torch.Tensor]:
-            return (mask.logits(roles.s(kt), scale, kt) for kt in mask.key_tiles(tile))
+            return (mask.logits(roles.run("s", kt), scale, kt) for kt in mask.key_tiles(tile))
 
         def probs(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor]]:
             """Each key tile's P, dropped out where dropout is on (O's operand)."""
             rows = lse[:, :, tile.r0 : tile.r1]
             for kt in mask.key_tiles(tile):
-                p = torch.exp(mask.logits(roles.s(kt), scale, kt) - rows)
+                p = torch.exp(mask.logits(roles.run("s", kt), scale, kt) - rows)
                 yield kt, p if drop is None else drop.apply(p, kt)
 
         lse = q.new_empty((b, h, tq, 1))
@@ -240,9 +246,11 @@ class _Attention(torch.autograd.Function):
         out = q.new_zeros((b, h, tq, v.shape[3]))
         for tile in tiles:
             for kt, p in probs(tile):
-                out[:, :, tile.r0 : tile.r1] += roles.o(p, kt)
+                out[:, :, tile.r0 : tile.r1] += roles.run("o", kt, p)
         ctx.save_for_backward(query, key, value, attn_mask, lse, p_amax)
         ctx.is_causal, ctx.scale, ctx.cfg, ctx.drop = is_causal, scale, cfg, drop
+        ctx.layer = layer
+        roles.health.report(("s", "o"))
         return out.to(query.dtype)
 
     @staticmethod
@@ -255,7 +263,7 @@ class _Attention(torch.autograd.Function):
         k, v = (_expand_heads(x.to(dtype), h, b) for x in (key, value))
         do = grad_out.to(dtype)
         mask = Mask(attn_mask, ctx.is_causal, (b, h, tq, k.shape[2]), dtype, cfg.block_size)
-        roles = Roles(q, k, v, cfg)
+        roles = Roles(q, k, v, cfg, RoleHealth(ctx.layer))
         if p_amax is not None:
             roles.score_amax["P"] = p_amax
         tiles = mask.query_tiles()
@@ -265,8 +273,8 @@ class _Attention(torch.autograd.Function):
             through the dropout), recomputed: the same casts and mask, the same bits."""
             rows = lse[:, :, tile.r0 : tile.r1]
             for kt in mask.key_tiles(tile):
-                p = torch.exp(mask.logits(roles.s(kt), scale, kt) - rows)
-                dp = roles.dp(do, kt)
+                p = torch.exp(mask.logits(roles.run("s", kt), scale, kt) - rows)
+                dp = roles.run("dp", kt, do)
                 if drop is None:
                     yield kt, p, p, dp
                 else:
@@ -294,9 +302,10 @@ class _Attention(torch.autograd.Function):
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for tile in tiles:
             for kt, p, ds in grad_scores(tile):
-                dv[:, :, kt.keys] += roles.dv(p, do, kt)
-                dq[:, :, tile.r0 : tile.r1] += roles.dq(ds, kt)
-                dk[:, :, kt.keys] += roles.dk(ds, kt) * scale
+                dv[:, :, kt.keys] += roles.run("dv", kt, p, do)
+                dq[:, :, tile.r0 : tile.r1] += roles.run("dq", kt, ds)
+                dk[:, :, kt.keys] += roles.run("dk", kt, ds) * scale
         dq *= scale
+        roles.health.report(("s", "dp", "dv", "dq", "dk"))
         grads = (dq.to(query.dtype), _reduce_heads(dk, key), _reduce_heads(dv, value))
-        return (*grads, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)

@@ -60,7 +60,7 @@ class LowPrecisionMultiheadAttention(torch.nn.MultiheadAttention):
             mask = None
         dropout = self.dropout if self.training else 0.0
         out = scaled_dot_product_attention(
-            q, k, v, mask, dropout, causal, config=self.attention_config
+            q, k, v, mask, dropout, causal, config=self.attention_config, layer=self
         )
         out = self.out_proj(out.transpose(1, 2).flatten(2))
         if unbatched:

@@ -26,6 +26,7 @@ from amped.lowp.attention_cast import (
     operand_cast,
 )
 from amped.lowp.attention_config import AttentionCast, AttentionConfig
+from amped.lowp.attention_health import RoleHealth
 
 __all__ = ["Roles", "Tile"]
 
@@ -49,10 +50,13 @@ class Roles:
     """The matmuls of one attention call (see the module doc)."""
 
     def __init__(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttentionConfig
-    ) -> None:
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: AttentionConfig,
+        health: RoleHealth | None = None,
+    ) -> None:  # fmt: skip
         self.q, self.k, self.v = q, k, v
         self.config = config
+        self.health = RoleHealth(None) if health is None else health
+        self._role = ""  # the role running: its casts are counted under it
         self.dtype = q.dtype
         self._casts: dict[tuple[str, str, str, bool], torch.Tensor] = {}
         # "P" / "dS": each row's amax over every key, [B, H, T, 1] (a head's: the max
@@ -70,10 +74,12 @@ class Roles:
         mx = is_mx(fmt)
         key = (name, fmt, "" if mx else scaling, inner_t and mx)
         if key not in self._casts:
+            high = x.mT if inner_t and mx else x
             if mx:
-                cast = mx_cast(x.mT if inner_t else x, fmt)
+                cast = mx_cast(high, fmt)
             else:
                 cast = operand_cast(x, fmt, scaling, self.config.block_size)
+            self.health.cast(self._role, high, cast)
             self._casts[key] = cast.to(self.dtype)
         return self._casts[key]
 
@@ -88,7 +94,9 @@ class Roles:
         query-indexed output is scaled on its own: other rows' scores depend on keys
         this row cannot see."""
         if is_mx(fmt):
-            return mx_cast(x.mT if t else x, fmt).to(self.dtype)
+            cast = mx_cast(x.mT if t else x, fmt)
+            self.health.cast(self._role, x.mT if t else x, cast)
+            return cast.to(self.dtype)
         per_row = self._safe(tile) and not t
         amax = None
         if rule.scaling != "block":
@@ -98,6 +106,7 @@ class Roles:
             if rule.scaling == "tensorwise":
                 amax = amax.amax(dim=(0, 1), keepdim=True)
         cast = operand_cast(x, fmt, rule.scaling, self.config.block_size, per_row, amax)
+        self.health.cast(self._role, x, cast)
         return (cast.mT if t else cast).to(self.dtype)
 
     def _key_groups(
@@ -110,10 +119,11 @@ class Roles:
         if key not in self._groups:
             self._groups = {k: g for k, g in self._groups.items() if k[0] == tile.r0}
             block = self.config.block_size
-            self._groups[key] = [
-                (rows, cast.to(self.dtype))
-                for rows, cast in fp8_key_groups(keys, tile.visible, fmt, scaling, block)
-            ]
+            groups = fp8_key_groups(keys, tile.visible, fmt, scaling, block)
+            for rows, cast in groups if self.health.on else ():
+                union = tile.visible.index_select(2, rows).any(dim=2).unsqueeze(-1)
+                self.health.cast(self._role, torch.where(union, keys, 0), cast)
+            self._groups[key] = [(rows, cast.to(self.dtype)) for rows, cast in groups]
         return self._groups[key]
 
     def _keys_outer(
@@ -156,6 +166,14 @@ class Roles:
         out = a.new_empty((*a.shape[:-1], keys.shape[3]))
         for rows, cast in self._key_groups(name, keys, fmt, rule.scaling, tile):
             out[:, :, rows] = a.index_select(2, rows) @ cast[:, :, cols]
+        return out
+
+    def run(self, role: str, tile: Tile, *args: torch.Tensor) -> torch.Tensor:
+        """Role ``role`` (``"s"``, ``"o"``, ...) on ``tile``: the method of that name, its
+        casts and output reported to the call's :class:`RoleHealth`."""
+        self._role = role
+        out: torch.Tensor = getattr(self, role)(*args, tile)
+        self.health.output(role, out)
         return out
 
     def s(self, tile: Tile) -> torch.Tensor:

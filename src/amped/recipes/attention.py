@@ -19,9 +19,17 @@ from dataclasses import dataclass
 import torch
 
 from amped.lowp.attention_config import AttentionConfig, resolve_config
-from amped.lowp.attention_modules import convert_multihead_attention
+from amped.lowp.attention_modules import (
+    LowPrecisionMultiheadAttention,
+    convert_multihead_attention,
+)
 
-__all__ = ["AttentionConversion", "convert_model_attention", "is_transformers_model"]
+__all__ = [
+    "AttentionConversion",
+    "attention_modules",
+    "convert_model_attention",
+    "is_transformers_model",
+]
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,20 @@ def is_transformers_model(model: torch.nn.Module) -> bool:
         cls.__name__ == "PreTrainedModel" and cls.__module__.startswith("transformers.")
         for cls in type(model).__mro__
     )
+
+
+def attention_modules(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The modules of a converted model that may run amped's attention, by name: each
+    ``LowPrecisionMultiheadAttention``, and in a transformers model each module whose
+    class name ends in ``Attention`` (those that call the attention registry pass
+    themselves to it; a wrapper around one never reports)."""
+    transformers = is_transformers_model(model)
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, LowPrecisionMultiheadAttention)
+        or (transformers and type(m).__name__.endswith("Attention"))
+    }
 
 
 def convert_model_attention(

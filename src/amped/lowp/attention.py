@@ -71,7 +71,8 @@ def scaled_dot_product_attention(
             ``"bf16"``: no casts).
         layer: the module this attention belongs to, if any: an observer attached to it
             (:func:`amped.monitor`) gets each role's health
-            (:mod:`amped.lowp.attention_health`).
+            (:mod:`amped.lowp.attention_health`), and a ``layer.attention_recorder``
+            (:func:`amped.doctor.attention.diagnose_attention`) the call's inputs and output.
 
     Returns:
         The attention output in ``query``'s dtype; differentiable in all three inputs.
@@ -94,8 +95,15 @@ def scaled_dot_product_attention(
     if query.dim() == 3:
         mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
         q, k, v = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        return _apply(q, k, v, mask, dropout_p, is_causal, scale, cfg, layer).squeeze(0)
-    return _apply(query, key, value, attn_mask, dropout_p, is_causal, scale, cfg, layer)
+        out = _apply(q, k, v, mask, dropout_p, is_causal, scale, cfg, layer).squeeze(0)
+    else:
+        out = _apply(query, key, value, attn_mask, dropout_p, is_causal, scale, cfg, layer)
+    recorder = None if layer is None else getattr(layer, "attention_recorder", None)
+    if recorder is not None:  # amped.doctor's capture of a step's attention inputs
+        arguments = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        recorder(layer, (query, key, value), arguments, out)
+    return out
 
 
 def _apply(

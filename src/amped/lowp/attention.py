@@ -227,7 +227,8 @@ class _Attention(torch.autograd.Function):
         b, h, tq, _ = query.shape
         q = query.to(dtype)
         k, v = (_expand_heads(x.to(dtype), h, b) for x in (key, value))
-        mask = Mask(attn_mask, is_causal, (b, h, tq, k.shape[2]), dtype, cfg.block_size)
+        shape = (b, h, tq, k.shape[2])
+        mask = Mask(attn_mask, is_causal, shape, dtype, cfg.block_size, q.device)
         roles = Roles(q, k, v, cfg, RoleHealth(layer))
         tiles = mask.query_tiles()
 
@@ -242,19 +243,27 @@ class _Attention(torch.autograd.Function):
                 yield kt, p if drop is None else drop.apply(p, kt)
 
         lse = q.new_empty((b, h, tq, 1))
-        for tile in tiles:
-            lse[:, :, tile.r0 : tile.r1] = online_lse(logits(tile), lse[:, :, tile.r0 : tile.r1])
         p_amax = None
         if _needs_row_amax(cfg, "o") or _needs_row_amax(cfg, "dv"):
-            p_amax = q.new_empty((b, h, tq, 1))
-            for tile in tiles:
-                rows = p_amax[:, :, tile.r0 : tile.r1]
-                p_amax[:, :, tile.r0 : tile.r1] = _row_amax((p for _, p in probs(tile)), rows)
-            roles.score_amax["P"] = p_amax
+            p_amax = roles.score_amax["P"] = q.new_empty((b, h, tq, 1))  # filled per tile
         out = q.new_zeros((b, h, tq, v.shape[3]))
-        for tile in tiles:
+
+        def output(tile: Tile) -> None:
             for kt, p in probs(tile):
                 out[:, :, tile.r0 : tile.r1] += roles.run("o", kt, p)
+
+        # each tile's passes one after the other, so its causal-safe casts of K and V
+        # are made once; unless O's P takes a head's amax, known after every tile
+        whole = _needs_row_amax(cfg, "o") and not (cfg.causal_safe and mask.masks)
+        for tile in tiles:
+            rows = slice(tile.r0, tile.r1)
+            lse[:, :, rows] = online_lse(logits(tile), lse[:, :, rows])
+            if p_amax is not None:
+                p_amax[:, :, rows] = _row_amax((p for _, p in probs(tile)), p_amax[:, :, rows])
+            if not whole:
+                output(tile)
+        for tile in tiles if whole else ():
+            output(tile)
         ctx.save_for_backward(query, key, value, attn_mask, lse, p_amax)
         ctx.is_causal, ctx.scale, ctx.cfg, ctx.drop = is_causal, scale, cfg, drop
         ctx.layer = layer
@@ -270,7 +279,8 @@ class _Attention(torch.autograd.Function):
         q = query.to(dtype)
         k, v = (_expand_heads(x.to(dtype), h, b) for x in (key, value))
         do = grad_out.to(dtype)
-        mask = Mask(attn_mask, ctx.is_causal, (b, h, tq, k.shape[2]), dtype, cfg.block_size)
+        shape = (b, h, tq, k.shape[2])
+        mask = Mask(attn_mask, ctx.is_causal, shape, dtype, cfg.block_size, q.device)
         roles = Roles(q, k, v, cfg, RoleHealth(ctx.layer))
         if p_amax is not None:
             roles.score_amax["P"] = p_amax
@@ -288,11 +298,7 @@ class _Attention(torch.autograd.Function):
                 else:
                     yield kt, p, drop.apply(p, kt), drop.apply(dp, kt)
 
-        # delta = rowsum(P * dP) over every key, before any dS = P * (dP - delta)
         delta = q.new_zeros((b, h, tq, 1))
-        for tile in tiles:
-            for _, p, _, dp in scores(tile):
-                delta[:, :, tile.r0 : tile.r1] += (p * dp).sum(dim=-1, keepdim=True)
 
         def grad_scores(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor]]:
             """Each key tile's dropped-out P and dS."""
@@ -300,19 +306,32 @@ class _Attention(torch.autograd.Function):
             for kt, p, p_drop, dp in scores(tile):
                 yield kt, p_drop, p * (dp - rows)
 
+        ds_amax = None
         if _needs_row_amax(cfg, "dq") or _needs_row_amax(cfg, "dk"):
-            ds_amax = q.new_empty((b, h, tq, 1))
-            for tile in tiles:
-                rows = ds_amax[:, :, tile.r0 : tile.r1]
-                blocks = (ds for _, _, ds in grad_scores(tile))
-                ds_amax[:, :, tile.r0 : tile.r1] = _row_amax(blocks, rows)
-            roles.score_amax["dS"] = ds_amax
+            ds_amax = roles.score_amax["dS"] = q.new_empty((b, h, tq, 1))  # filled per tile
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for tile in tiles:
+
+        def gradients(tile: Tile) -> None:
             for kt, p, ds in grad_scores(tile):
                 dv[:, :, kt.keys] += roles.run("dv", kt, p, do)
                 dq[:, :, tile.r0 : tile.r1] += roles.run("dq", kt, ds)
                 dk[:, :, kt.keys] += roles.run("dk", kt, ds) * scale
+
+        # per tile, as in forward; unless dS takes a head's amax (dK's always does)
+        per_row = cfg.causal_safe and mask.masks
+        whole = _needs_row_amax(cfg, "dk") or (_needs_row_amax(cfg, "dq") and not per_row)
+        for tile in tiles:
+            rows = slice(tile.r0, tile.r1)
+            # delta = rowsum(P * dP) over every key, before any dS = P * (dP - delta)
+            for _, p, _, dp in scores(tile):
+                delta[:, :, rows] += (p * dp).sum(dim=-1, keepdim=True)
+            if ds_amax is not None:
+                blocks = (ds for _, _, ds in grad_scores(tile))
+                ds_amax[:, :, rows] = _row_amax(blocks, ds_amax[:, :, rows])
+            if not whole:
+                gradients(tile)
+        for tile in tiles if whole else ():
+            gradients(tile)
         dq *= scale
         roles.health.report(("s", "dp", "dv", "dq", "dk"))
         grads = (dq.to(query.dtype), _reduce_heads(dk, key), _reduce_heads(dv, value))

@@ -26,9 +26,9 @@ class Mask:
 
     def __init__(
         self, attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
-        dtype: torch.dtype, block: int,
+        dtype: torch.dtype, block: int, device: torch.device,
     ) -> None:  # fmt: skip
-        self.shape, self.is_causal, self.block = shape, is_causal, block
+        self.shape, self.is_causal, self.block, self.device = shape, is_causal, block, device
         self.visible: torch.Tensor | None = None
         self.bias: torch.Tensor | None = None
         if attn_mask is None:
@@ -57,8 +57,9 @@ class Mask:
         visible = None if self.visible is None else self.visible[:, :, r0:r1]
         if self.is_causal:
             b, h, _, tk = self.shape
-            rows = torch.arange(r0, r1).unsqueeze(1)
-            causal = (torch.arange(tk) <= rows).expand(b, h, r1 - r0, tk)
+            device = self.device
+            rows = torch.arange(r0, r1, device=device).unsqueeze(1)
+            causal = (torch.arange(tk, device=device) <= rows).expand(b, h, r1 - r0, tk)
             visible = causal if visible is None else causal & visible
         return Tile(r0, r1, visible)
 

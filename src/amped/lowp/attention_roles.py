@@ -14,13 +14,15 @@ visible positions only as they are.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import torch
 
 from amped.lowp.attention_cast import (
-    fp8_key_groups,
     is_mx,
+    key_groups,
+    keys_cast,
     mx_cast,
     mx_keys_inner_matmul,
     operand_cast,
@@ -62,8 +64,7 @@ class Roles:
         # "P" / "dS": each row's amax over every key, [B, H, T, 1] (a head's: the max
         # over its rows), given before the role's first tile
         self.score_amax: dict[str, torch.Tensor] = {}
-        self._groups: dict[tuple[int, str, str, str], list[tuple[torch.Tensor, torch.Tensor]]]
-        self._groups = {}
+        self._groups: dict[tuple[int, str, str, str], list[Any]] = {}
 
     def _whole(
         self, name: str, x: torch.Tensor, fmt: str, scaling: str, inner_t: bool
@@ -111,20 +112,28 @@ class Roles:
 
     def _key_groups(
         self, name: str, keys: torch.Tensor, fmt: str, scaling: str, tile: Tile
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:func:`fp8_key_groups` of the tile's query rows, cast once for all its key
-        tiles (only the current query tile's are kept)."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """:func:`key_groups` of the tile's query rows, found once for all its key tiles
+        (only the current query tile's are kept)."""
         assert tile.visible is not None
         key = (tile.r0, name, fmt, scaling)
         if key not in self._groups:
             self._groups = {k: g for k, g in self._groups.items() if k[0] == tile.r0}
             block = self.config.block_size
-            groups = fp8_key_groups(keys, tile.visible, fmt, scaling, block)
-            for rows, cast in groups if self.health.on else ():
-                union = tile.visible.index_select(2, rows).any(dim=2).unsqueeze(-1)
-                self.health.cast(self._role, torch.where(union, keys, 0), cast)
-            self._groups[key] = [(rows, cast.to(self.dtype)) for rows, cast in groups]
+            self._groups[key] = key_groups(keys, tile.visible, fmt, scaling, block)
         return self._groups[key]
+
+    def _group_casts(
+        self, name: str, keys: torch.Tensor, fmt: str, scaling: str, tile: Tile
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Each group's rows and its cast of the tile's keys (a slice of the group's whole
+        cast: its scales come from all of the group's visible keys)."""
+        cols = tile.keys
+        for rows, seen, amax in self._key_groups(name, keys, fmt, scaling, tile):
+            part = keys[:, :, cols]
+            cast = keys_cast(part, seen[:, :, cols], fmt, scaling, self.config.block_size, amax)
+            self.health.cast(self._role, torch.where(seen[:, :, cols], part, 0), cast)
+            yield rows, cast.to(self.dtype)
 
     def _keys_outer(
         self,
@@ -139,8 +148,8 @@ class Roles:
         cols = tile.keys
         if self._safe(tile) and not is_mx(fmt):
             out = a.new_empty((*a.shape[:-1], keys[:, :, cols].shape[2]))
-            for rows, cast in self._key_groups(name, keys, fmt, rule.scaling, tile):
-                out[:, :, rows] = a.index_select(2, rows) @ cast[:, :, cols].mT
+            for rows, cast in self._group_casts(name, keys, fmt, rule.scaling, tile):
+                out[:, :, rows] = a.index_select(2, rows) @ cast.mT
             return out
         return a @ self._whole(name, keys, fmt, rule.scaling, False)[:, :, cols].mT
 
@@ -164,8 +173,8 @@ class Roles:
             visible = tile.visible[..., cols]
             return mx_keys_inner_matmul(a, keys[:, :, cols], common, visible, fmt)
         out = a.new_empty((*a.shape[:-1], keys.shape[3]))
-        for rows, cast in self._key_groups(name, keys, fmt, rule.scaling, tile):
-            out[:, :, rows] = a.index_select(2, rows) @ cast[:, :, cols]
+        for rows, cast in self._group_casts(name, keys, fmt, rule.scaling, tile):
+            out[:, :, rows] = a.index_select(2, rows) @ cast
         return out
 
     def run(self, role: str, tile: Tile, *args: torch.Tensor) -> torch.Tensor:

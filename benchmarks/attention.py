@@ -1,11 +1,13 @@
 """Low-precision attention, measured three ways (each a subcommand):
 - ``sqnr``: each role's SQNR against float32 on a tiny GPT-2's own activations;
 - ``timing``: forward + backward time against torch's bf16 SDPA;
-- ``convergence``: held-out loss of a tiny GPT-2 per attention config and seed.
+- ``convergence``: held-out loss of a tiny GPT-2 per attention config and seed;
+- ``memory``: forward + backward peak memory against sequence length (and SDPA math's).
 
     PYTHONPATH=src python benchmarks/attention.py sqnr --threads 1
     PYTHONPATH=src python benchmarks/attention.py timing --threads 1 --seq 1024
     PYTHONPATH=src python benchmarks/attention.py convergence --steps 300 --seeds 0 1 2 --threads 1
+    PYTHONPATH=src python benchmarks/attention.py memory --seqs 1024 2048 4096 8192
 """
 
 from __future__ import annotations
@@ -270,7 +272,84 @@ def convergence_main(argv: list[str]) -> None:
         print(f"| {config} | {cells} | {mean:.4f} | {verdict} |")
 
 
-COMMANDS = {"sqnr": sqnr_main, "timing": timing_main, "convergence": convergence_main}
+MEMORY_DOC = """Peak memory of forward + backward against the sequence length T.
+
+4 heads, head dim 64, batch 1, causal, float32. The peak is the process's resident
+high-water mark, reset just before the call (``/proc/self/clear_refs``, Linux), less the
+resident memory before it, in a fresh subprocess per measurement (the method of
+tests/lowp/test_attention_memory.py). Tiled over query rows and keys, amped's attention
+holds O(T) (its inputs, outputs, gradients and per-row statistics) besides a tile's
+scores; torch's SDPA math backend holds the T x T scores, their softmax and gradient.
+
+    PYTHONPATH=src python benchmarks/attention.py memory [--seqs 1024 2048 4096 8192]
+"""
+MEMORY_WORKER = r"""
+import json, sys, torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+import amped
+
+which, seq = sys.argv[1], int(sys.argv[2])
+torch.set_num_threads(1)
+g = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 4, seq, 64, generator=g).requires_grad_() for _ in range(3))
+grad = torch.randn(1, 4, seq, 64, generator=g)
+
+def rss(field):
+    for line in open("/proc/self/status"):
+        if line.startswith(field):
+            return int(line.split()[1]) * 1024
+
+before = rss("VmRSS")
+open("/proc/self/clear_refs", "w").write("5")  # reset the high-water mark
+if which == "sdpa-math":
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+else:
+    out = amped.scaled_dot_product_attention(q, k, v, is_causal=True, config=which)
+out.backward(grad)
+print(json.dumps({"peak": rss("VmHWM") - before}))
+"""
+
+
+def _peak_mib(which: str, seq: int) -> float:
+    import json
+    import subprocess
+
+    out = subprocess.run(
+        [sys.executable, "-c", MEMORY_WORKER, which, str(seq)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak"] / 2**20
+
+
+def memory_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(
+        prog="attention.py memory", description=MEMORY_DOC.split("\n")[0]
+    )
+    parser.add_argument("--seqs", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--configs", nargs="+", default=["bf16", "fp8"])
+    # torch's SDPA math backend holds T x T: measured up to this T
+    parser.add_argument("--math-up-to", type=int, default=4096)
+    args = parser.parse_args(argv)
+    sides = ["sdpa-math", *args.configs]
+    print("peak MiB, forward + backward; 4 heads, head dim 64, batch 1, causal, float32")
+    print("| T | " + " | ".join(sides) + " |")
+    print("|---|" + "---|" * len(sides))
+    for seq in args.seqs:
+        cells = []
+        for side in sides:
+            skip = side == "sdpa-math" and seq > args.math_up_to
+            cells.append("-" if skip else f"{_peak_mib(side, seq):.0f}")
+        print(f"| {seq} | " + " | ".join(cells) + " |", flush=True)
+
+
+COMMANDS = {
+    "sqnr": sqnr_main,
+    "timing": timing_main,
+    "convergence": convergence_main,
+    "memory": memory_main,
+}
 
 
 def main() -> None:

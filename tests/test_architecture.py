@@ -62,9 +62,15 @@ the root package (``amped/__init__.py``, the public face: ``import amped`` or
 ``fp8`` is the deprecated alias of ``lowp``; ``scaling`` imports ``checkpoint`` only for
 the checkpoint names it still re-exports, deprecated."""
 
-UPWARD_ALLOWED = {("amped.doctor.report", "amped.cli.doctor.html")}
-"""The one import against the graph: ``Report.save_html`` imports the CLI's page renderer
-when called (its plot needs matplotlib, which only the CLI may import)."""
+UPWARD_ALLOWED = {
+    ("amped.doctor.report", "amped.cli.doctor.html"),
+    ("amped.recipes.attention", "amped.integrations.transformers_attention"),
+}
+"""The imports against the graph, each lazy: ``Report.save_html`` imports the CLI's page
+renderer when called (its plot needs matplotlib, which only the CLI may import);
+``prepare(..., attention=...)`` imports the transformers attention conversion when the
+model is a transformers model (its registry needs transformers, which only the
+integrations may import)."""
 
 THIRD_PARTY: dict[str, set[str]] = {
     "integrations": {"torch", "lightning", "pytorch_lightning", "accelerate", "transformers"},

@@ -107,3 +107,43 @@ def test_the_docstring_example_runs():
 
     result = doctest.testmod(api, optionflags=doctest.ELLIPSIS)
     assert result.attempted and not result.failed
+
+
+@pytest.mark.slow
+def test_an_attention_config_runs_in_every_recipe_on_the_tiny_gpt(tmp_path):
+    # the built-in tiny GPT's attention is nn.MultiheadAttention (its encoder layers)
+    result = amped.compare("fp32,bf16", steps=2, max_time=None, threads=1,
+                           peak_memory="in-process", attention="fp8-all-but-ds")  # fmt: skip
+    assert validate(json.loads(result.save(tmp_path / "results.json").read_text())) == []
+    assert result.config["attention"] == "fp8-all-but-ds"
+    assert result.attention == {"config": "s:e4m3/head,o:e4m3/head,dv:e4m3/head,grad=e5m2,"
+                                "dp:e4m3/head,grad=e5m2", "not_converted": []}  # fmt: skip
+    assert {r["status"] for r in result.recipes} == {"complete"}
+    assert result.command[-2:] == ["--attention", "fp8-all-but-ds"]  # repeats it
+    from amped.cli.compare.summary import footnotes
+
+    assert any(
+        line.startswith("attention: s:e4m3/head,") and "every module converted" in line
+        for line in footnotes(result.to_dict())
+    )
+    assert result.command[-2:] == ["--attention", "fp8-all-but-ds"]  # repeats it
+    from amped.cli.compare.summary import footnotes
+
+    assert any(
+        line.startswith("attention: s:e4m3/head,") and "every module converted" in line
+        for line in footnotes(result.to_dict())
+    )
+
+
+def test_an_attention_config_lists_what_it_could_not_convert():
+    from amped.comparison.setup import make_config
+
+    threads = torch.get_num_threads()
+    kwargs = dict(recipes="fp32", model=cli_factories.good, steps=1, batch_size=None,
+                  device="cpu", seed=0, max_time=None, threads=threads,
+                  isolate_memory=False)  # fmt: skip
+    config = make_config(**kwargs, attention="fp8")  # checked before any training
+    ((name, why),) = config.attention_conversion.not_converted
+    assert name == "" and "no nn.MultiheadAttention" in why
+    with pytest.raises(ValueError, match="--attention: config is an AttentionConfig or one of"):
+        make_config(**kwargs, attention="fp9")

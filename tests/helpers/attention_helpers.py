@@ -10,8 +10,11 @@ bound of the exact result, so they differ by at most the sum of the two. With
 implementation:
 
 - ``S``: ``eS = γ(D + 2)·scale·(|Q|·|K|ᵀ)`` (D products, two scalings);
-- ``P`` relative: ``δP = 2·max_k eS + γ(Tk) + 4u`` (its own S error, the log-sum-exp's,
-  which averages the row's S errors and sums Tk terms, and exp/log/division roundings);
+- ``P`` relative: ``δP = 2·max_k eS + γ(Tk) + 4u + 3u·⌈Tk/32⌉`` (its own S error, the
+  log-sum-exp's, which averages the row's S errors and sums Tk terms, exp/log/division
+  roundings, and amped's online softmax: its running sum is rescaled by
+  ``exp(m_old - m_new)`` at most once per key tile of at least 32 keys, each an exp, a
+  subtraction and a product of at most 1u);
 - ``O``: ``(γ(Tk) + δP)·(P·|V|)``; ``dV``: ``(γ(Tq) + δP)·(Pᵀ·|dO|)``;
 - ``dP``: ``eP = γ(D)·(|dO|·|V|ᵀ)``; the row sum ``Δ = Σ P·dP``:
   ``eΔ = (γ(Tk) + δP)·Σ P·|dP| + Σ P·eP``;
@@ -80,7 +83,8 @@ def reassociation_bound(q, k, v, grad_out, attn_mask=None, is_causal=False, bf16
     p = _probs(q, ke, attn_mask, is_causal, scale)
     seen = p > 0
     e_s = gamma(d + 2) * scale * (q.abs() @ ke.abs().mT)
-    d_p = 2 * torch.where(seen, e_s, 0).amax(-1, keepdim=True) + gamma(tk) + 4 * U
+    rescales = 3 * U * math.ceil(tk / 32)  # amped's online softmax, one per key tile
+    d_p = 2 * torch.where(seen, e_s, 0).amax(-1, keepdim=True) + gamma(tk) + 4 * U + rescales
     out = (gamma(tk) + d_p) * (p @ ve.abs())
     dv = (gamma(tq) + d_p.amax()) * (p.mT @ do.abs())
     dp = do @ ve.mT

@@ -83,9 +83,10 @@ def test_a_head_dim_not_divisible_by_the_mx_block_names_the_fix(role):
     assert amped.scaled_dot_product_attention(q, k, v, config=other).shape == q.shape
 
 
-def test_dropout_is_refused_with_the_fix():
-    with pytest.raises(NotImplementedError, match=r"dropout_p=0\.0"):
-        amped.scaled_dot_product_attention(*_qkv(), dropout_p=0.1)
+@pytest.mark.parametrize("p", [-0.1, 1.5])
+def test_a_dropout_outside_0_to_1_is_refused(p):
+    with pytest.raises(RuntimeError, match=r"dropout probability has to be between 0 and 1"):
+        amped.scaled_dot_product_attention(*_qkv(), dropout_p=p)
 
 
 @pytest.mark.parametrize("bad", ["name", "type", "block_size", "format", "scaling"])

@@ -78,19 +78,39 @@ def test_fp8_attention_is_cast_and_trains(kind):
     assert grads and all(bool(g.isfinite().all()) for g in grads)
 
 
-def test_attention_dropout_is_refused_naming_the_fix():
-    model = _model("gpt2").train()  # attn_pdrop 0.1
+def test_attention_dropout_runs_in_training_and_follows_the_seed():
+    torch.manual_seed(0)
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=2,
+        n_positions=64,
+        vocab_size=97,
+        attn_pdrop=0.1,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    )  # only attention's
+    model = GPT2LMHeadModel(cfg)
     convert_attention(model, "fp8")
-    with pytest.raises(NotImplementedError, match="dropout"):
-        _output(model, *_batch())
+    model.train()
+    outs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        outs.append(_output(model, *_batch()))
+    assert torch.equal(outs[0], outs[1])  # the same seed draws the same mask
+    assert not torch.equal(outs[0], outs[2])  # another seed, another mask
+    outs[2].float().pow(2).mean().backward()
+    assert all(bool(p.grad.isfinite().all()) for p in model.parameters() if p.grad is not None)
 
 
 def test_what_cannot_convert_is_listed_with_the_reason():
     class Mixed(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+            self.mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)  # converts
+            self.kv = torch.nn.MultiheadAttention(16, 2, add_bias_kv=True)  # does not
 
     skipped = dict(convert_attention(Mixed(), "fp8"))
-    assert "not converted yet" in skipped["mha"]
+    assert sorted(skipped) == ["", "kv"]
+    assert "add_bias_kv" in skipped["kv"]
     assert "not a transformers model" in skipped[""]

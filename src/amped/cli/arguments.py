@@ -13,6 +13,7 @@ from typing import NoReturn
 from amped.cli.errors import UsageError
 from amped.cli.out_dir import out_folder, seed
 from amped.exporting.formats import EXPORT_FORMATS
+from amped.lowp.attention_config import ATTENTION_CONFIGS
 from amped.recipes.registry import recipe_names
 from amped.tuning.tuner import DEFAULT_FORMATS
 
@@ -129,6 +130,10 @@ def _add_compare(compare: argparse.ArgumentParser) -> None:
         help=f"train steps per recipe (default: {DEFAULT_STEPS})")  # fmt: skip
     _add_task_arguments(compare, "cpu, cuda or cuda:N (default: cuda if available)", DEFAULT_OUT)
     _add_layer_arguments(compare, "the FP8 and block recipes convert")
+    add("--attention", default=None, metavar="CONFIG",
+        help="run every recipe's attention (nn.MultiheadAttention, a transformers "
+        "model's) through amped's low-precision attention in this config: "
+        f"{', '.join(sorted(ATTENTION_CONFIGS))} (default: attention as it is)")  # fmt: skip
     add("--max-time", type=seconds, default=DEFAULT_MAX_TIME, metavar="SECONDS",
         help="bound the whole comparison, memory probes included (not the warm-up: "
         "each recipe's first steps and compiles), by SECONDS: estimate "

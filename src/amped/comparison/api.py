@@ -42,6 +42,7 @@ def compare(
     peak_memory: str | None = None,
     module_filter: str | None = None,
     exclude: str | None = None,
+    attention: str | None = None,
     observer: Observer | None = None,
 ) -> CompareResult:
     """Train one task once per recipe (fp32 first) and compare speed, memory and loss.
@@ -72,6 +73,10 @@ def compare(
             expression or comma-separated names (``--module-filter``); None: every
             layer the recipe's config admits.
         exclude: layers they must leave alone, in the same form (``--exclude``).
+        attention: every recipe's attention in this low-precision attention config (a
+            preset of :data:`amped.lowp.attention_config.ATTENTION_CONFIGS`,
+            ``--attention``): ``amped.prepare(..., attention=...)``; what it could not
+            convert is in ``results.json``'s ``attention``. None: attention as it is.
         observer: an :class:`~amped.comparison.run.Observer` told of each phase and step
             (a progress display).
 
@@ -116,6 +121,7 @@ def compare(
             isolate_memory=own,
             module_filter=module_filter,
             exclude=exclude,
+            attention=attention,
         )
         if peak_memory is None:
             config = replace(config, isolate_memory=config.factory.reloadable)
@@ -183,4 +189,6 @@ def _command(
     if threads is not None:
         command += ["--threads", str(threads)]
     command += ["--peak-memory", "own-process" if config.isolate_memory else "in-process"]
+    if config.attention is not None:
+        command += ["--attention", config.attention]
     return command

@@ -74,6 +74,7 @@ def probe_recipe(
         "steps": PROBE_STEPS,
         "module_filter": config.layers.module_filter,
         "exclude": config.layers.exclude,
+        "attention": config.attention,
     }
     # The child sees the modules this process sees (a factory importable by name here).
     path = os.pathsep.join(p for p in sys.path if p and os.path.isdir(p))
@@ -151,7 +152,7 @@ def _measure(request: dict[str, Any]) -> dict[str, Any]:
     before = _status_kib("VmRSS")
     reset = _reset_peak()
     layers = LayerChoice(request["module_filter"], request["exclude"])
-    setup = prepare(model, task.optimizer(model), run.recipe, layers)
+    setup = prepare(model, task.optimizer(model), run.recipe, layers, request.get("attention"))
     sampler = PeakMemory(device)  # unused samples: the kernel's peak is the measure
     for _ in range(request["steps"]):
         batch = next(batches, None)

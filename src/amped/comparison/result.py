@@ -32,6 +32,8 @@ class CompareResult:
         config: the arguments, as used (``task``, ``recipes``, ``steps``, ...).
         conversion: per FP8 or block recipe, which layers its dry run converts and why
             each other one stays in high precision.
+        attention: with ``--attention``, its config and the attention modules it could
+            not convert, with the reason (None without it).
         environment: amped, torch, Python, the device and the CPU.
         machine: the CPU load while it ran (None off the CPU).
         task: the task's name, description and details.
@@ -54,6 +56,7 @@ class CompareResult:
     wall_s: float
     config: dict[str, Any]
     conversion: dict[str, Any]
+    attention: dict[str, Any] | None
     environment: dict[str, Any]
     machine: dict[str, Any] | None
     task: dict[str, Any] | None

@@ -22,6 +22,7 @@ from amped.comparison.timing import (
     step_stats,
 )
 from amped.comparison.warmup import WARMUP_STEPS
+from amped.recipes.attention import AttentionConversion
 
 __all__ = ["LOSS_WINDOW", "SCHEMA_ID", "SLOW_RATIO", "divergence", "dumps", "to_dict"]
 
@@ -84,8 +85,10 @@ def to_dict(
             "peak_memory": _peak_memory(comparison),
             "module_filter": config.layers.module_filter,
             "exclude": config.layers.exclude,
+            "attention": config.attention,
         },
         "conversion": {c.recipe: c.as_dict() for c in config.conversions},
+        "attention": _attention(config.attention_conversion),
         "environment": environment,
         "machine": comparison.machine,
         "task": comparison.task,
@@ -98,6 +101,16 @@ def to_dict(
         "common_step": common,
         "identical_losses": identical_losses(comparison.runs),
         "recipes": [_recipe(run, baseline, compare, base_stats, common) for run in comparison.runs],
+    }
+
+
+def _attention(conversion: AttentionConversion | None) -> dict[str, Any] | None:
+    """``--attention``: its config, and the attention modules it could not convert."""
+    if conversion is None:
+        return None
+    return {
+        "config": str(conversion.config),
+        "not_converted": [{"module": n, "reason": why} for n, why in conversion.not_converted],
     }
 
 

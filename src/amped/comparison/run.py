@@ -23,6 +23,7 @@ from amped.comparison.layers import Conversion, LayerChoice
 from amped.comparison.timing import step_stats
 from amped.recipes import Recipe, TrainSetup
 from amped.recipes import prepare as prepare_recipe
+from amped.recipes.attention import AttentionConversion
 from amped.tasks.errors import UsageError
 from amped.tasks.factory import TaskFactory
 from amped.tasks.task import Task, call_model, check_loss, count_samples, to_device
@@ -71,6 +72,8 @@ class CompareConfig:
     threads_source: str | None = None  # who chose them: --threads, the task, torch
     layers: LayerChoice = field(default_factory=LayerChoice)  # --module-filter, --exclude
     conversions: tuple[Conversion, ...] = ()  # the FP8/block recipes' dry run
+    attention: str | None = None  # --attention: every recipe's attention in this config
+    attention_conversion: AttentionConversion | None = None  # its dry run on the model
 
 
 @dataclass
@@ -198,7 +201,7 @@ def _train(
     )
     run.task = describe_task(task, config.factory.spec)
     model = task.model.to(config.device)
-    setup = prepare(model, task.optimizer(model), run.recipe, config.layers)
+    setup = prepare(model, task.optimizer(model), run.recipe, config.layers, config.attention)
     health = attach_monitor(setup)
     peak = PeakMemory(config.device)
     peak.start()
@@ -225,14 +228,15 @@ def _train(
 
 
 def prepare(
-    model: torch.nn.Module, optimizer: Any, recipe: Recipe, layers: LayerChoice
-) -> TrainSetup:
+    model: torch.nn.Module, optimizer: Any, recipe: Recipe, layers: LayerChoice,
+    attention: str | None = None,
+) -> TrainSetup:  # fmt: skip
     """:func:`amped.prepare`, with the layers ``--module-filter``/``--exclude`` chose
-    for an FP8 or block recipe."""
+    for an FP8 or block recipe, and ``--attention``'s config for the attention."""
     chosen = layers.filter_for(model, recipe)
     if chosen is None:
-        return prepare_recipe(model, optimizer, recipe)
-    return prepare_recipe(model, optimizer, recipe, module_filter=chosen)
+        return prepare_recipe(model, optimizer, recipe, attention=attention)
+    return prepare_recipe(model, optimizer, recipe, module_filter=chosen, attention=attention)
 
 
 def _train_step(

@@ -7,6 +7,7 @@ and :func:`amped.compare` share these checks and their messages.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -18,7 +19,9 @@ from amped.comparison.environment import default_device, resolve_device
 from amped.comparison.layers import LayerChoice, dry_run
 from amped.comparison.run import CompareConfig
 from amped.comparison.timing import CpuLoad
+from amped.lowp.attention_config import resolve_config
 from amped.recipes import Recipe
+from amped.recipes.attention import convert_model_attention
 from amped.recipes.registry import RECIPES, resolve_recipe
 from amped.tasks.errors import UsageError
 from amped.tasks.factory import as_factory
@@ -78,6 +81,7 @@ def make_config(
     isolate_memory: bool,
     module_filter: str | None = None,
     exclude: str | None = None,
+    attention: str | None = None,
 ) -> CompareConfig:
     """Check every argument, and build the task once (which also checks its contract).
 
@@ -90,6 +94,14 @@ def make_config(
     task = factory.check(batch_size=batch_size, seed=seed, device=resolved)
     layers = LayerChoice(module_filter, exclude)
     conversions = dry_run(task.model, chosen, layers)  # every recipe checked on the model
+    attention_conversion = None
+    if attention is not None:  # the conversion on a copy: what converts, what does not
+        try:
+            attention_config = resolve_config(attention)
+        except ValueError as error:
+            raise UsageError(f"--attention: {error}") from None
+        model = copy.deepcopy(task.model)
+        attention_conversion = convert_model_attention(model, attention_config)
     count, source = choose_threads(threads, task.threads, resolved)
     torch.set_num_threads(count)
     return CompareConfig(
@@ -105,6 +117,8 @@ def make_config(
         threads_source=source,
         layers=layers,
         conversions=tuple(conversions),
+        attention=attention,
+        attention_conversion=attention_conversion,
     )
 
 

@@ -10,10 +10,9 @@ switches the model to it::
     from amped.integrations.transformers_attention import convert_attention
     not_converted = convert_attention(model, "fp8")   # [(module name, why), ...]
 
-GPT-2, Llama (GQA included) and BERT dispatch so; a model that does not, and every
-``nn.MultiheadAttention``, is listed with the reason instead. The layers' dropout must
-be 0 (``model.eval()``, or ``attn_pdrop=0`` / ``attention_dropout=0``): amped's
-attention has no dropout yet and says so when called with it.
+GPT-2, Llama (GQA included) and BERT dispatch so; a model that does not is listed with
+the reason instead. Its ``nn.MultiheadAttention`` modules convert too
+(:func:`amped.lowp.attention_modules.convert_multihead_attention`).
 
 Requires ``transformers``; ``import amped`` never imports it.
 """
@@ -29,6 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from amped.lowp.attention import scaled_dot_product_attention
 from amped.lowp.attention_config import AttentionConfig, resolve_config
+from amped.lowp.attention_modules import convert_multihead_attention
 
 __all__ = ["attention_forward", "convert_attention", "implementation_name"]
 
@@ -61,7 +61,16 @@ def attention_forward(
         key, value = key[:, :, :q_length], value[:, :, :q_length]
     gqa = getattr(module, "num_key_value_groups", 1) > 1
     out = scaled_dot_product_attention(
-        query, key, value, attention_mask, dropout, causal, scaling, gqa, config=config
+        query,
+        key,
+        value,
+        attention_mask,
+        dropout,
+        causal,
+        scaling,
+        gqa,
+        config=config,
+        layer=module,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -90,13 +99,7 @@ def convert_attention(
         (empty: every attention layer converted).
     """
     cfg = resolve_config(config)
-    skipped = [
-        (name, "nn.MultiheadAttention is not converted yet (its fused projections call "
-         "torch's attention directly); keep it, or write its attention with "
-         "amped.scaled_dot_product_attention")
-        for name, module in model.named_modules()
-        if isinstance(module, torch.nn.MultiheadAttention)
-    ]  # fmt: skip
+    skipped = convert_multihead_attention(model, cfg)
     if not isinstance(model, PreTrainedModel):
         return [*skipped, ("", "not a transformers model: call "
                            "amped.scaled_dot_product_attention from its attention")]  # fmt: skip

@@ -1,38 +1,44 @@
 """Low-precision attention you can train with: ``scaled_dot_product_attention`` with a
 format per matmul (:mod:`amped.lowp.attention_config`), emulated exactly on any device.
 
-The computation is tiled over query rows (``config.block_size`` per tile), as
-FlashAttention is, so the ``T x T`` score matrix is never held whole: each tile holds its
-rows' scores against every key, ``[B, H, block_size, T]``::
+The computation is tiled over query rows and keys (``config.block_size`` each,
+:mod:`amped.lowp.attention_tiling`), as FlashAttention is, so the ``T x T`` score matrix
+is never held whole: a tile's scores are ``[B, H, block_size, block_size]``::
 
-    forward, per tile:   S = scale * (Q·Kᵀ) + mask      float32
-                         m = rowmax(S);  lse = m + log(rowsum(exp(S - m)))
-                         P = exp(S - lse)               (lse saved, per row)
-                         O = P·V
-    backward, per tile:  S, P again from the saved lse (same casts, same bits)
-                         dP = dO·Vᵀ;  dS = P * (dP - rowsum(P * dP))
-                         dV += Pᵀ·dO;  dQ = scale * dS·K;  dK += scale * dSᵀ·Q
+    forward:   per query tile, over its key tiles (online softmax):
+                   S = scale * (Q·Kᵀ) + mask;  m, l = running rowmax, rowsum(exp(S - m))
+                   lse = m + log(l)                          (saved, per row)
+               then per key tile:  P = exp(S - lse);  O += P·V
+    backward:  per tile, S and P again from the saved lse (same casts, same bits):
+                   dP = dO·Vᵀ;  delta += rowsum(P * dP)      (a first pass)
+                   dS = P * (dP - delta)
+                   dV += Pᵀ·dO;  dQ += scale * dS·K;  dK += scale * dSᵀ·Q
 
-Softmax and its statistics are float32 (float64 for float64 input); so is every
-matmul, whose operands are the FP8 or MX values where a role is cast. A row that sees no
-key gets ``lse = +inf``, so its P is 0 and its output and gradients 0, as torch's SDPA
-gives. A scale computed over a whole score tensor (P or dS with ``"tensorwise"`` or
-``"head"`` scaling where no safe mask narrows it to a row) needs that tensor's amax
-first, so that pass runs twice (once for the amax).
+P is cast as the final softmax (``exp(S - lse)``), never a running one, so its casts
+are those of the whole P; a scale spanning every key of a row (P or dS in FP8 per row,
+head or tensor) takes one more pass for that row's amax first. Softmax and its
+statistics are float32 (float64 for float64 input); so is every matmul, whose operands
+are the FP8 or MX values where a role is cast. A row that sees no key gets
+``lse = +inf``, so its P is 0 and its output and gradients 0, as torch's SDPA gives.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from amped._internal.errors import type_error, value_error
+from amped.autocast_mode import autocast
 from amped.lowp.attention_cast import is_mx
 from amped.lowp.attention_config import MX_BLOCK, AttentionConfig, resolve_config
+from amped.lowp.attention_dropout import Dropout
+from amped.lowp.attention_health import RoleHealth
 from amped.lowp.attention_roles import Roles, Tile
+from amped.lowp.attention_tiling import Mask, online_lse
 
 __all__ = ["scaled_dot_product_attention"]
 
@@ -48,6 +54,7 @@ def scaled_dot_product_attention(
     enable_gqa: bool = False,
     *,
     config: str | AttentionConfig = "fp8",
+    layer: torch.nn.Module | None = None,
 ) -> torch.Tensor:
     """``torch.nn.functional.scaled_dot_product_attention`` with each matmul in its format.
 
@@ -56,10 +63,16 @@ def scaled_dot_product_attention(
             torch takes them; float32, bfloat16, float16 or float64.
         attn_mask, is_causal, scale, enable_gqa: as torch's (a boolean mask: True
             attends; a float mask is added, ``-inf`` masks).
-        dropout_p: 0.0 only (dropout is not built yet).
+        dropout_p: as torch's: P is multiplied by ``keep / (1 - dropout_p)`` before
+            ``P·V``, the mask drawn from the default generator, the same in backward
+            (:mod:`amped.lowp.attention_dropout`). Set it 0 in evaluation.
         config: an :class:`~amped.lowp.attention_config.AttentionConfig` or a preset
             name (``"fp8"``, ``"fp8-forward"``, ``"fp8-all-but-ds"``, ``"mxfp8"``,
             ``"bf16"``: no casts).
+        layer: the module this attention belongs to, if any: an observer attached to it
+            (:func:`amped.monitor`) gets each role's health
+            (:mod:`amped.lowp.attention_health`), and a ``layer.attention_recorder``
+            (:func:`amped.doctor.attention.diagnose_attention`) the call's inputs and output.
 
     Returns:
         The attention output in ``query``'s dtype; differentiable in all three inputs.
@@ -69,7 +82,7 @@ def scaled_dot_product_attention(
             not broadcast to ``[batch, heads, q_len, k_len]``, mismatched dims, ...).
         ValueError: an MX format on ``s`` or ``dp`` with a head dim that is not a
             multiple of 32, or input that is not 3-D or 4-D.
-        NotImplementedError: ``dropout_p > 0``.
+        RuntimeError: ``dropout_p`` outside 0..1 (torch's error).
 
     Example:
         >>> import torch, amped
@@ -82,16 +95,35 @@ def scaled_dot_product_attention(
     if query.dim() == 3:
         mask = attn_mask if attn_mask is None or attn_mask.dim() < 3 else attn_mask.unsqueeze(0)
         q, k, v = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
-        return _apply(q, k, v, mask, is_causal, scale, cfg).squeeze(0)
-    return _apply(query, key, value, attn_mask, is_causal, scale, cfg)
+        out = _apply(q, k, v, mask, dropout_p, is_causal, scale, cfg, layer).squeeze(0)
+    else:
+        out = _apply(query, key, value, attn_mask, dropout_p, is_causal, scale, cfg, layer)
+    recorder = None if layer is None else getattr(layer, "attention_recorder", None)
+    if recorder is not None:  # amped.doctor's capture of a step's attention inputs
+        arguments = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        recorder(layer, (query, key, value), arguments, out)
+    return out
 
 
 def _apply(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-    is_causal: bool, scale: float | None, cfg: AttentionConfig,
+    dropout_p: float, is_causal: bool, scale: float | None, cfg: AttentionConfig,
+    layer: torch.nn.Module | None,
 ) -> torch.Tensor:  # fmt: skip
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else float(scale)
-    out: torch.Tensor = _Attention.apply(query, key, value, attn_mask, is_causal, scale, cfg)
+    shape = (*query.shape[:-1], key.shape[-2])
+    drop = Dropout.draw(float(dropout_p), shape, query.device)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        # as torch's autocast runs SDPA: Q, K, V in the region's dtype; then autocast
+        # off, so that no policy re-casts the emulation's float32 arithmetic
+        low = torch.get_autocast_dtype(device_type)
+        query, key, value = (x.to(low) for x in (query, key, value))
+    with autocast(device_type, enabled=False):
+        out: torch.Tensor = _Attention.apply(
+            query, key, value, attn_mask, is_causal, scale, cfg, drop, layer
+        )
     return out
 
 
@@ -133,12 +165,6 @@ def _check(
         F.scaled_dot_product_attention(
             q, k, v, mask, dropout_p, causal, scale=scale, enable_gqa=enable_gqa
         )
-    if dropout_p:
-        raise NotImplementedError(
-            "amped's attention has no dropout yet; pass dropout_p=0.0 (a model's "
-            f"attention dropout set to 0), or keep this attention in torch's SDPA. "
-            f"Received: dropout_p={dropout_p!r}"
-        )
     head_dim = query.shape[-1]
     for role in ("s", "dp"):
         rule = cfg.rule(role)
@@ -153,71 +179,22 @@ def _check(
             )
 
 
-class _Mask:
-    """Which keys each query row sees, and the float mask's bias, tile by tile."""
-
-    def __init__(
-        self, attn_mask: torch.Tensor | None, is_causal: bool, shape: tuple[int, ...],
-        dtype: torch.dtype,
-    ) -> None:  # fmt: skip
-        self.shape, self.is_causal = shape, is_causal
-        self.visible: torch.Tensor | None = None
-        self.bias: torch.Tensor | None = None
-        if attn_mask is None:
-            return
-        if attn_mask.dtype == torch.bool:
-            self.visible = None if bool(attn_mask.all()) else attn_mask.expand(shape)
-            return
-        self.bias = attn_mask.to(dtype).expand(shape)
-        # -inf masks, and so does the dtype's lowest value (masks built as
-        # finfo.min, which makes exp underflow to exactly 0 all the same)
-        masked = attn_mask <= torch.finfo(attn_mask.dtype).min
-        self.visible = ~masked.expand(shape) if bool(masked.any()) else None
-
-    @property
-    def masks(self) -> bool:
-        return self.is_causal or self.visible is not None
-
-    def tile(self, r0: int, r1: int) -> Tile:
-        """Rows ``r0:r1``; a causal mask and an ``attn_mask`` together mask what either
-        masks, as torch's default SDPA backend does (its math backend refuses both)."""
-        visible = None if self.visible is None else self.visible[:, :, r0:r1]
-        if self.is_causal:
-            b, h, _, tk = self.shape
-            rows = torch.arange(r0, r1).unsqueeze(1)
-            causal = (torch.arange(tk) <= rows).expand(b, h, r1 - r0, tk)
-            visible = causal if visible is None else causal & visible
-        return Tile(r0, r1, visible)
-
-    def logits(self, qk: torch.Tensor, scale: float, tile: Tile) -> torch.Tensor:
-        s = qk * scale
-        if self.bias is not None:
-            s = s + self.bias[:, :, tile.r0 : tile.r1]
-        if tile.visible is not None:
-            s = torch.where(tile.visible, s, -math.inf)
-        return s
-
-
-def _lse(s: torch.Tensor) -> torch.Tensor:
-    """Each row's log-sum-exp (``[B, H, rows, 1]``); +inf for a row that sees nothing."""
-    m = s.amax(dim=-1, keepdim=True)
-    empty = torch.isneginf(m)
-    m = torch.where(empty, 0, m)
-    return torch.where(empty, math.inf, m + torch.log(torch.exp(s - m).sum(-1, keepdim=True)))
-
-
-def _head_amax(x: torch.Tensor) -> torch.Tensor:
-    return x.detach().abs().amax(dim=(2, 3), keepdim=True)
-
-
-def _needs_score_amax(cfg: AttentionConfig, role: str, per_row: bool) -> bool:
-    """Whether a role's score operand (P or dS) is FP8 scaled over whole heads or the
-    whole tensor, so its amax is needed before the role's first tile."""
+def _needs_row_amax(cfg: AttentionConfig, role: str) -> bool:
+    """Whether a role casts its score operand (P or dS) to FP8 scaled per row, head or
+    tensor: a scale whose amax spans every key, needed before the role's first tile."""
     rule = cfg.rule(role)
     if rule is None:
         return False
     fmt = rule.grad if role in ("dq", "dk") else rule.format
-    return not is_mx(fmt) and rule.scaling != "block" and not per_row
+    return not is_mx(fmt) and rule.scaling != "block"
+
+
+def _row_amax(blocks: Iterator[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """Each row's amax over its key tiles' ``blocks`` (``[B, H, rows, 1]``)."""
+    amax = torch.zeros_like(like)
+    for x in blocks:
+        amax = torch.maximum(amax, x.detach().abs().amax(dim=-1, keepdim=True))
+    return amax
 
 
 def _expand_heads(x: torch.Tensor, heads: int, batch: int) -> torch.Tensor:
@@ -244,67 +221,118 @@ class _Attention(torch.autograd.Function):
     def forward(
         ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         attn_mask: torch.Tensor | None, is_causal: bool, scale: float, cfg: AttentionConfig,
+        drop: Dropout | None, layer: torch.nn.Module | None,
     ) -> torch.Tensor:  # fmt: skip
         dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
         b, h, tq, _ = query.shape
         q = query.to(dtype)
         k, v = (_expand_heads(x.to(dtype), h, b) for x in (key, value))
-        mask = _Mask(attn_mask, is_causal, (b, h, tq, k.shape[2]), dtype)
-        roles = Roles(q, k, v, cfg)
-        per_row = cfg.causal_safe and mask.masks
-        tiles = [mask.tile(r, min(r + cfg.block_size, tq)) for r in range(0, tq, cfg.block_size)]
+        shape = (b, h, tq, k.shape[2])
+        mask = Mask(attn_mask, is_causal, shape, dtype, cfg.block_size, q.device)
+        roles = Roles(q, k, v, cfg, RoleHealth(layer))
+        tiles = mask.query_tiles()
+
+        def logits(tile: Tile) -> Iterator[torch.Tensor]:
+            return (mask.logits(roles.run("s", kt), scale, kt) for kt in mask.key_tiles(tile))
+
+        def probs(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor]]:
+            """Each key tile's P, dropped out where dropout is on (O's operand)."""
+            rows = lse[:, :, tile.r0 : tile.r1]
+            for kt in mask.key_tiles(tile):
+                p = torch.exp(mask.logits(roles.run("s", kt), scale, kt) - rows)
+                yield kt, p if drop is None else drop.apply(p, kt)
+
         lse = q.new_empty((b, h, tq, 1))
-        p_amax = q.new_zeros((b, h, 1, 1))
-        two_pass = _needs_score_amax(cfg, "o", per_row)
-        for tile in tiles if two_pass else ():
-            s = mask.logits(roles.s(tile), scale, tile)
-            lse[:, :, tile.r0 : tile.r1] = tile_lse = _lse(s)
-            p_amax = torch.maximum(p_amax, _head_amax(torch.exp(s - tile_lse)))
-        roles.score_amax["P"] = p_amax
-        out = q.new_empty((b, h, tq, v.shape[3]))
+        p_amax = None
+        if _needs_row_amax(cfg, "o") or _needs_row_amax(cfg, "dv"):
+            p_amax = roles.score_amax["P"] = q.new_empty((b, h, tq, 1))  # filled per tile
+        out = q.new_zeros((b, h, tq, v.shape[3]))
+
+        def output(tile: Tile) -> None:
+            for kt, p in probs(tile):
+                out[:, :, tile.r0 : tile.r1] += roles.run("o", kt, p)
+
+        # each tile's passes one after the other, so its causal-safe casts of K and V
+        # are made once; unless O's P takes a head's amax, known after every tile
+        whole = _needs_row_amax(cfg, "o") and not (cfg.causal_safe and mask.masks)
         for tile in tiles:
-            s = mask.logits(roles.s(tile), scale, tile)
-            if not two_pass:
-                lse[:, :, tile.r0 : tile.r1] = _lse(s)
-            p = torch.exp(s - lse[:, :, tile.r0 : tile.r1])
-            if not two_pass:
-                p_amax = torch.maximum(p_amax, _head_amax(p))
-            out[:, :, tile.r0 : tile.r1] = roles.o(p, tile)
+            rows = slice(tile.r0, tile.r1)
+            lse[:, :, rows] = online_lse(logits(tile), lse[:, :, rows])
+            if p_amax is not None:
+                p_amax[:, :, rows] = _row_amax((p for _, p in probs(tile)), p_amax[:, :, rows])
+            if not whole:
+                output(tile)
+        for tile in tiles if whole else ():
+            output(tile)
         ctx.save_for_backward(query, key, value, attn_mask, lse, p_amax)
-        ctx.is_causal, ctx.scale, ctx.cfg = is_causal, scale, cfg
+        ctx.is_causal, ctx.scale, ctx.cfg, ctx.drop = is_causal, scale, cfg, drop
+        ctx.layer = layer
+        roles.health.report(("s", "o"))
         return out.to(query.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
         query, key, value, attn_mask, lse, p_amax = ctx.saved_tensors
-        cfg, scale = ctx.cfg, ctx.scale
+        cfg, scale, drop = ctx.cfg, ctx.scale, ctx.drop
         dtype = lse.dtype
         b, h, tq, _ = query.shape
         q = query.to(dtype)
         k, v = (_expand_heads(x.to(dtype), h, b) for x in (key, value))
         do = grad_out.to(dtype)
-        mask = _Mask(attn_mask, ctx.is_causal, (b, h, tq, k.shape[2]), dtype)
-        roles = Roles(q, k, v, cfg)
-        roles.score_amax["P"] = p_amax
+        shape = (b, h, tq, k.shape[2])
+        mask = Mask(attn_mask, ctx.is_causal, shape, dtype, cfg.block_size, q.device)
+        roles = Roles(q, k, v, cfg, RoleHealth(ctx.layer))
+        if p_amax is not None:
+            roles.score_amax["P"] = p_amax
+        tiles = mask.query_tiles()
+
+        def scores(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor, torch.Tensor]]:
+            """Each key tile's P, P dropped out (dV's operand) and dP (the gradient of P,
+            through the dropout), recomputed: the same casts and mask, the same bits."""
+            rows = lse[:, :, tile.r0 : tile.r1]
+            for kt in mask.key_tiles(tile):
+                p = torch.exp(mask.logits(roles.run("s", kt), scale, kt) - rows)
+                dp = roles.run("dp", kt, do)
+                if drop is None:
+                    yield kt, p, p, dp
+                else:
+                    yield kt, p, drop.apply(p, kt), drop.apply(dp, kt)
+
+        delta = q.new_zeros((b, h, tq, 1))
+
+        def grad_scores(tile: Tile) -> Iterator[tuple[Tile, torch.Tensor, torch.Tensor]]:
+            """Each key tile's dropped-out P and dS."""
+            rows = delta[:, :, tile.r0 : tile.r1]
+            for kt, p, p_drop, dp in scores(tile):
+                yield kt, p_drop, p * (dp - rows)
+
+        ds_amax = None
+        if _needs_row_amax(cfg, "dq") or _needs_row_amax(cfg, "dk"):
+            ds_amax = roles.score_amax["dS"] = q.new_empty((b, h, tq, 1))  # filled per tile
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+        def gradients(tile: Tile) -> None:
+            for kt, p, ds in grad_scores(tile):
+                dv[:, :, kt.keys] += roles.run("dv", kt, p, do)
+                dq[:, :, tile.r0 : tile.r1] += roles.run("dq", kt, ds)
+                dk[:, :, kt.keys] += roles.run("dk", kt, ds) * scale
+
+        # per tile, as in forward; unless dS takes a head's amax (dK's always does)
         per_row = cfg.causal_safe and mask.masks
-        tiles = [mask.tile(r, min(r + cfg.block_size, tq)) for r in range(0, tq, cfg.block_size)]
-
-        def scores(tile: Tile) -> tuple[torch.Tensor, torch.Tensor]:
-            s = mask.logits(roles.s(tile), scale, tile)
-            p = torch.exp(s - lse[:, :, tile.r0 : tile.r1])
-            dp = roles.dp(do, tile)
-            return p, p * (dp - (p * dp).sum(dim=-1, keepdim=True))
-
-        if _needs_score_amax(cfg, "dq", per_row) or _needs_score_amax(cfg, "dk", False):
-            ds_amax = q.new_zeros((b, h, 1, 1))
-            for tile in tiles:
-                ds_amax = torch.maximum(ds_amax, _head_amax(scores(tile)[1]))
-            roles.score_amax["dS"] = ds_amax
-        dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        whole = _needs_row_amax(cfg, "dk") or (_needs_row_amax(cfg, "dq") and not per_row)
         for tile in tiles:
-            p, ds = scores(tile)
-            dv += roles.dv(p, do, tile)
-            dq[:, :, tile.r0 : tile.r1] = roles.dq(ds, tile) * scale
-            dk += roles.dk(ds, tile) * scale
+            rows = slice(tile.r0, tile.r1)
+            # delta = rowsum(P * dP) over every key, before any dS = P * (dP - delta)
+            for _, p, _, dp in scores(tile):
+                delta[:, :, rows] += (p * dp).sum(dim=-1, keepdim=True)
+            if ds_amax is not None:
+                blocks = (ds for _, _, ds in grad_scores(tile))
+                ds_amax[:, :, rows] = _row_amax(blocks, ds_amax[:, :, rows])
+            if not whole:
+                gradients(tile)
+        for tile in tiles if whole else ():
+            gradients(tile)
+        dq *= scale
+        roles.health.report(("s", "dp", "dv", "dq", "dk"))
         grads = (dq.to(query.dtype), _reduce_heads(dk, key), _reduce_heads(dv, value))
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)

@@ -39,6 +39,8 @@ __all__ = [
     "fp8_cast",
     "fp8_key_groups",
     "is_mx",
+    "key_groups",
+    "keys_cast",
     "mx_cast",
     "mx_keys_inner_matmul",
     "operand_cast",
@@ -133,21 +135,50 @@ def _row_key_amax(
     return amax.movedim(2, 0).flatten(1)
 
 
-def fp8_key_groups(
+def key_groups(
     keys: torch.Tensor, visible: torch.Tensor, fmt: str, scaling: str, block: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The causal-safe FP8 casts of ``keys`` (K or V, ``[B, H, Tk, D]``) for a tile's rows:
-    ``(rows, values)`` pairs, ``values`` the cast of ``keys`` with every key none of
-    ``rows`` sees set to 0, whose scales are those of each row's own visible keys."""
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """The causal-safe FP8 casts of ``keys`` (K or V, ``[B, H, Tk, D]``) for a tile's rows,
+    as ``(rows, seen, amax)``: the cast for ``rows`` is :func:`keys_cast` of ``keys``
+    with every key not in ``seen`` (``[B, H, Tk, 1]``, the keys some row of ``rows``
+    sees) set to 0, whose scales are those of each row's own visible keys. ``amax``:
+    the region amax of a ``"tensorwise"`` or ``"head"`` cast (None for ``"block"``,
+    whose regions of ``block`` keys a key tile aligned at ``block`` holds whole), so
+    that any slice of keys casts as the whole would (:func:`keys_cast`)."""
     scale = amax_to_scale(_row_key_amax(keys, visible, scaling, block), _FP8[fmt], True)
     _, group = torch.unique(scale, dim=0, return_inverse=True)
+    per_key = keys.detach().abs().amax(dim=3, keepdim=True)  # [B, H, Tk, 1]
     out = []
     for g in range(int(group.max()) + 1):
         rows = (group == g).nonzero().flatten()
-        union = visible.index_select(2, rows).any(dim=2).unsqueeze(-1)  # [B, H, Tk, 1]
-        seen = torch.where(union, keys, 0)
-        out.append((rows, operand_cast(seen, fmt, scaling, block)))
+        seen = visible.index_select(2, rows).any(dim=2).unsqueeze(-1)  # [B, H, Tk, 1]
+        amax = None
+        if scaling != "block":  # the amax of where(seen, keys, 0), per region
+            amax = torch.where(seen, per_key, 0).amax(dim=(2, 3), keepdim=True)
+            if scaling == "tensorwise":
+                amax = amax.amax(dim=(0, 1), keepdim=True)
+        out.append((rows, seen, amax))
     return out
+
+
+def keys_cast(
+    keys: torch.Tensor, seen: torch.Tensor, fmt: str, scaling: str, block: int,
+    amax: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
+    """The cast of one of :func:`key_groups` (``keys`` and ``seen`` may be a slice of
+    keys aligned at ``block``: the same values as that slice of the whole cast)."""
+    return operand_cast(torch.where(seen, keys, 0), fmt, scaling, block, amax=amax)
+
+
+def fp8_key_groups(
+    keys: torch.Tensor, visible: torch.Tensor, fmt: str, scaling: str, block: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`key_groups` cast whole: ``(rows, values)`` pairs, ``values`` the cast of
+    ``keys`` with every key none of ``rows`` sees set to 0."""
+    return [
+        (rows, keys_cast(keys, seen, fmt, scaling, block, amax))
+        for rows, seen, amax in key_groups(keys, visible, fmt, scaling, block)
+    ]
 
 
 def mx_keys_inner_matmul(

@@ -8,9 +8,11 @@ import warnings
 import torch
 
 from amped._internal.errors import type_error, value_error
+from amped.lowp.attention_config import AttentionConfig, resolve_config
 from amped.lowp.convert import LowPrecisionConfig, ModuleFilter
 from amped.optim.shards import check_placements, is_sharded, reshard
 from amped.policy import Policy
+from amped.recipes.attention import convert_model_attention
 from amped.recipes.lowp import LowPrecisionPlan
 from amped.recipes.o2 import build_master_setup
 from amped.recipes.plan import PrecisionPlan, apply_plan, check_plan
@@ -34,6 +36,7 @@ def prepare(
     module_filter: ModuleFilter | None = None,
     config: LowPrecisionConfig | None = None,
     fp8_config: LowPrecisionConfig | None = None,
+    attention: str | AttentionConfig | None = None,
 ) -> TrainSetup:
     """Turn ``model`` and ``optimizer`` into a :class:`TrainSetup` for ``recipe``.
 
@@ -62,6 +65,12 @@ def prepare(
         config: FP8 and block recipes only: a variant of the recipe's config to use
             instead, e.g. ``amped.lowp.CONFIGS["nvfp4"].replace(hadamard=False)``.
         fp8_config: deprecated spelling of ``config`` (warns; removed next release).
+        attention: any recipe: run the model's attention through
+            :func:`amped.scaled_dot_product_attention` with this config (a preset name,
+            e.g. ``"fp8"``, or an :class:`~amped.lowp.AttentionConfig`): every
+            ``nn.MultiheadAttention`` and a transformers model's attention layers
+            convert; ``setup.attention`` lists those that did not, and why
+            (:class:`~amped.recipes.attention.AttentionConversion`).
 
     Raises:
         ValueError: an unknown recipe, a model on several device types, an optimizer
@@ -79,7 +88,24 @@ def prepare(
         >>> setup.step()
         True
     """
-    config = _config_argument(config, fp8_config)
+    attention_config = None if attention is None else resolve_config(attention)  # first
+    setup = _prepare(model, optimizer, recipe, policy, scaler, base, module_filter,
+                     _config_argument(config, fp8_config))  # fmt: skip
+    if attention_config is not None:
+        setup.attention = convert_model_attention(setup.model, attention_config)
+    return setup
+
+
+def _prepare(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    recipe: str | Recipe | PrecisionPlan | os.PathLike[str],
+    policy: Policy | str | None,
+    scaler: GradScaler | None,
+    base: str | Recipe | None,
+    module_filter: ModuleFilter | None,
+    config: LowPrecisionConfig | None,
+) -> TrainSetup:
     if isinstance(recipe, os.PathLike) or (isinstance(recipe, str) and recipe.endswith(".json")):
         recipe = PrecisionPlan.load(recipe)
     if isinstance(recipe, PrecisionPlan):

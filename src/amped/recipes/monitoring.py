@@ -9,6 +9,10 @@ consults it::
     monitor.read()       # {layer: {role: {"nonfinite": ..., "underflow": ...}}}, one sync
     monitor.first_nonfinite   # NonFinite(step=..., module=..., role=..., tensor=...) or None
 
+Under ``prepare(..., attention=...)`` the converted attention modules report the same
+way, per attention role (``attn.s``, ``attn.o``, ``attn.dv``, ``attn.dp``, ``attn.dq``,
+``attn.dk``: :mod:`amped.lowp.attention_health`).
+
 Every step, each FP8 layer leaves, per GEMM role (forward, grad_input, grad_weight),
 a probe per operand and output (:mod:`amped.lowp.health`: an operand's is data its
 cast computed anyway, an output's is made by :func:`~amped.lowp.health.range_probe`,
@@ -58,14 +62,19 @@ import torch
 
 from amped._internal.errors import value_error
 from amped._internal.source import describe, user_frame
+from amped.lowp.attention_config import ROLES as ATTENTION_ROLES
+from amped.lowp.attention_health import PREFIX
 from amped.lowp.health import ROLES, STATS, Probe, any_nonfinite, probe_nonfinite, range_probe
 from amped.optim.in_backward import set_monitored
+from amped.recipes.attention import attention_modules
 from amped.recipes.recorder import SPIKE_K, Recorder
 from amped.recipes.setup import TrainSetup
 
 __all__ = ["Monitor", "NonFinite", "NonFiniteError", "monitor"]
 
 _MODES = ("skip", "warn", "raise")
+_ORDER = (*ROLES, *(PREFIX + role for role in ATTENTION_ROLES))  # as a step runs them
+_FORWARD = ("forward", PREFIX + "s", PREFIX + "o")
 
 
 class NonFiniteError(RuntimeError):
@@ -80,7 +89,9 @@ class NonFinite:
         step: the setup's step index (0 for the first ``setup.step()``).
         module: the layer's qualified name in the model, or ``None`` when no FP8 GEMM
             flagged and only the gradients held it (the value arose elsewhere).
-        role: ``"forward"``, ``"grad_input"`` or ``"grad_weight"`` (None likewise).
+        role: ``"forward"``, ``"grad_input"`` or ``"grad_weight"``; for an attention
+            module its role, ``"attn.s"``, ``"attn.o"``, ``"attn.dv"``, ...
+            (:mod:`amped.lowp.attention_health`); None likewise.
         tensor: which tensor of that GEMM: ``"input"``, ``"weight"``, ``"output"``,
             ``"grad_output"``, ``"grad_input"``, ``"grad_weight"``; ``"gradients"`` for
             the optimizer's gradients.
@@ -135,7 +146,10 @@ class Monitor:
         self._layers: dict[str, torch.nn.Module] = (
             {} if setup.low_precision_layers is None else dict(setup.low_precision_layers.layers)
         )
-        self._names = {id(layer): name for name, layer in self._layers.items()}
+        # the attention modules of prepare(..., attention=...): their roles report too
+        self._attention = {} if setup.attention is None else attention_modules(setup.model)
+        observed = {**self._layers, **self._attention}
+        self._names = {id(layer): name for name, layer in observed.items()}
         # Per tensor reported this step, in the order the step ran them: (module, role,
         # tensor, its probe).
         self._events: list[tuple[str, str, str, Probe]] = []
@@ -145,7 +159,7 @@ class Monitor:
         # function): found by walking frames, the text read only for a report.
         self._callers: dict[str, tuple[str, int, str] | None] = {}
         self._warned = False
-        for layer in self._layers.values():
+        for layer in observed.values():
             layer.fp8_observer = self  # type: ignore[assignment]
         self._unprobed = self._unprobed_parameters()
         self.recorder: Recorder | None = None
@@ -165,7 +179,7 @@ class Monitor:
     ) -> None:
         """A layer's GEMM of this step: its probes and, on a sampled step, its counters."""
         name = self._names.get(id(layer), type(layer).__name__)
-        if role == "forward":  # backward runs in autograd's engine: no user frame there
+        if role in _FORWARD:  # backward runs in autograd's engine: no user frame there
             self._callers[name] = user_frame()
         for tensor, probe in probes:
             self._events.append((name, role, tensor, probe))
@@ -372,7 +386,7 @@ class Monitor:
             entry["saturation_fraction"] = entry["saturated"] / max(entry["elements"], 1.0)
             out.setdefault(name, {})[role] = entry
         for roles in out.values():  # the order a step runs them
-            ordered = {role: roles[role] for role in ROLES if role in roles}
+            ordered = {role: roles[role] for role in _ORDER if role in roles}
             roles.clear()
             roles.update(ordered)
         return out
@@ -392,7 +406,7 @@ class Monitor:
 
     def detach(self) -> None:
         """Stop monitoring: the layers and the setup forget this monitor."""
-        for layer in self._layers.values():
+        for layer in (*self._layers.values(), *self._attention.values()):
             if getattr(layer, "fp8_observer", None) is self:
                 layer.fp8_observer = None  # type: ignore[assignment]
         if self.setup.monitor is self:

@@ -26,6 +26,7 @@ from amped.autocast_mode import autocast
 from amped.lowp.convert import LowPrecisionLayers
 from amped.optim.in_backward import in_backward
 from amped.policy import Policy
+from amped.recipes.attention import AttentionConversion
 from amped.recipes.registry import Recipe
 from amped.recipes.weights import Lowering, installed_on, restore_model_
 from amped.scaling import GradScaler
@@ -56,10 +57,13 @@ class TrainSetup:
             None).
         low_precision_base: for the FP8 and block recipes, the name of the base recipe
             (else None).
+        attention: with ``prepare(..., attention=...)``, the attention config and the
+            attention modules it could not convert, with the reason (else None).
     """
 
     low_precision_layers: LowPrecisionLayers | None = None
     low_precision_base: str | None = None
+    attention: AttentionConversion | None = None
     monitor: Any = None  # an amped.recipes.monitoring.Monitor (amped.monitor attaches it)
 
     def __init__(

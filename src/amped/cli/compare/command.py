@@ -46,6 +46,7 @@ def _config(args: argparse.Namespace) -> CompareConfig:
         isolate_memory=args.peak_memory == "own-process",
         module_filter=args.module_filter,
         exclude=args.exclude,
+        attention=args.attention,
     )
 
 

@@ -189,6 +189,12 @@ def footnotes(results: dict[str, Any]) -> list[str]:
         lines.append(f"×fp32, range: not given: {speed['reason']}")
     else:
         lines.append("×fp32: samples/s over fp32's; range: what the two IQRs allow")
+    attention = results.get("attention")
+    if attention:
+        left = "; ".join(f"{m['module'] or 'the model'}: {m['reason']}"
+                         for m in attention["not_converted"])  # fmt: skip
+        status = f"; not converted: {left}" if left else ", every module converted"
+        lines.append(f"attention: {attention['config']} in every recipe{status}")
     if config.get("threads"):
         lines.append(
             f"threads: {config['threads']} for every recipe ({config.get('threads_source')})"

@@ -10,7 +10,7 @@ writes one JSON file (rewritten after every part, so a killed run leaves what it
 - ``op_lists``: ``tests/autocast_mode/test_autocast_op_lists.py::test_cuda_lists_match_torch``.
 - ``gpu_tests``: every other ``-m gpu`` test, in the test files that mark any.
 - ``recipes``, ``fp8``, ``autocast_overhead``, ``scaler_overhead``: ``benchmarks/*.py``
-  with ``--device cuda`` (fp8: its GPU part) and ``--json``.
+  with ``--device cuda`` (fp8: ``fp8.py step --gpu-only``, its GPU part) and ``--json``.
 
 A part that fails or runs out of time is recorded (status, exit code, output tail) and
 the next part runs; the run stops starting parts once ``--total`` seconds are spent.

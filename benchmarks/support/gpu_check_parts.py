@@ -40,16 +40,16 @@ BUDGETS = {
 # The benchmarks' arguments on CUDA, and in the dry run (CPU, their smallest settings).
 # recipes on CUDA: 64 x 64 tokens (GPT-2 tiny's 64 positions), so the GPU has work, and
 # fp16-master against fp16 O1 too (the fused master step's Triton kernels, both dtypes);
-# fp8 on CUDA: fp8.py's large layers (d=8192, 16384 tokens), 2 blocks to fit the budget.
+# fp8 on CUDA: fp8.py step's large layers (d=8192, 16384 tokens), 2 blocks to fit the budget.
 CUDA_ARGS = {
     "recipes": "--device cuda --repeats 10 --warmup 3 --batch 64 --seq 64 --fp16",
-    "fp8": "--gpu-only --gpu-layers 2 --gpu-repeats 5 --gpu-steps 3",
+    "fp8": "step --gpu-only --gpu-layers 2 --gpu-repeats 5 --gpu-steps 3",
     "autocast_overhead": "--device cuda --repeats 15 --no-compile",
     "scaler_overhead": "--device cuda --repeats 15 --iterations 10",
 }
 DRY_ARGS = {
     "recipes": "--device cpu --repeats 1 --warmup 1 --batch 1 --seq 8 --models encoder",
-    "fp8": "--repeats 1 --steps 1 --dim 16 --layers 1 --tokens 16 --gpu-dim 16 "
+    "fp8": "step --repeats 1 --steps 1 --dim 16 --layers 1 --tokens 16 --gpu-dim 16 "
     "--gpu-layers 1 --gpu-tokens 16 --gpu-repeats 1 --gpu-steps 1",
     "autocast_overhead": "--device cpu --repeats 1 --models cnn --no-compile --calls 50",
     "scaler_overhead": "--device cpu --repeats 1 --iterations 1",

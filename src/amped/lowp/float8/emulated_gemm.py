@@ -29,7 +29,7 @@ float32 GEMM followed by a scale rounds once where the bfloat16 one rounds twice
    (``torch.ops.mkldnn._is_mkldnn_bf16_supported()``, which ``ONEDNN_MAX_CPU_ISA``
    caps) *and* the CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX;
    any Arm CPU oneDNN accepts); float32 otherwise. So ``ONEDNN_MAX_CPU_ISA=AVX2``
-   (how benchmarks/emulation_vs_torchao.py emulates an AVX2 machine) chooses float32.
+   (how ``benchmarks/fp8.py layers --isa avx2`` emulates an AVX2 machine) chooses float32.
    A CUDA device takes bfloat16 from compute capability 8.0 on; other devices
    bfloat16.
 

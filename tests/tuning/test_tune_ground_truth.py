@@ -1,6 +1,6 @@
 """Ground truth for ``amped.tune``, by training.
 
-On the tiny GPT-2 of benchmarks/tune_ground_truth.py (4 blocks, width 64, random init,
+On the tiny GPT-2 of `benchmarks/tune.py ground-truth` (4 blocks, width 64, random init,
 outlier channels in chosen LayerNorms, pretrained in bf16; docs/decisions/008):
 
 - tune's per-layer loss-change estimate, averaged over the seeds' models, ranks the
@@ -9,7 +9,7 @@ outlier channels in chosen LayerNorms, pretrained in bf16; docs/decisions/008):
   first/last-N rule within the same budget, at no larger a trained loss gap.
 
 Both read one ground truth: benchmarks/results/tune_ground_truth.json, the 51 paired runs
-of `python benchmarks/tune_ground_truth.py` (3 minutes on an idle core: too long for the
+of `python benchmarks/tune.py ground-truth` (3 minutes on an idle core: too long for the
 suite). A spot check retrains three of its figures (seed 0: bf16-mixed, the most sensitive
 layer, and one whose true change is noise) and fails when the saved truth is no longer
 what training gives: then rerun the benchmark. Slow: about 1.5 minutes of training on an
@@ -39,16 +39,17 @@ SAVED_TRUTH = BENCHMARKS / "results" / "tune_ground_truth.json"
 
 
 def _load(name):
+    """benchmarks/support/``name``.py, the experiments' code that benchmarks/tune.py runs."""
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, BENCHMARKS / "support" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
 
 
-gt = _load("tune_ground_truth")
-vs = _load("tune_vs_rule")
+gt = _load("tune_truth")
+vs = _load("tune_rules")
 SETTINGS = gt.Settings()
 SPEARMAN_TARGET = 0.7  # a strong rank agreement; the noise layers alone move it by 0.2
 # Loss budgets of the comparison (loss units, as tune's budget), between the noise of a
@@ -57,7 +58,7 @@ SPEARMAN_TARGET = 0.7  # a strong rank agreement; the noise layers alone move it
 # At 0.002 the estimate alone lowers fewer FLOPs than the best rule (61.5% against 69.2%;
 # docs/benchmarks.md); the verification rounds reach the rule's plan.
 # The suite runs the tighter budget, where the estimate alone fell short of the rule; at
-# 0.005 both choose the same plan (benchmarks/tune_vs_rule.py runs both).
+# 0.005 both choose the same plan (`benchmarks/tune.py vs-rule` runs both).
 BUDGETS = [0.002]
 
 
@@ -79,10 +80,10 @@ def truth(one_thread):
         # hold only where they were trained.
         pytest.skip(
             f"the saved ground truth was trained on {measured_on!r}, not on this CPU "
-            f"({cpu_name()!r}): rerun python benchmarks/tune_ground_truth.py here"
+            f"({cpu_name()!r}): rerun python benchmarks/tune.py ground-truth here"
         )
     settings = json.loads(json.dumps(dataclasses.asdict(SETTINGS)))  # tuples as lists
-    assert saved["settings"] == settings, "rerun benchmarks/tune_ground_truth.py"
+    assert saved["settings"] == settings, "rerun python benchmarks/tune.py ground-truth"
     return saved["ground_truth"]
 
 

@@ -1,58 +1,21 @@
-"""``amped tune``'s plan against the best "first N / last M layers in bf16" rule, by training.
+"""``amped tune``'s plan against the best first/last-N rule: the comparison of
+``benchmarks/tune.py vs-rule``.
 
-For each task, with one format (``--fmt``, default mxfp4) and a loss budget:
-
-1. the per-layer ground truth: one-layer-at-a-time paired A/B runs, 3 seeds
-   (:mod:`tune_ground_truth`; the tiny GPT-2's is read back from its JSON when the
-   settings match);
-2. the tuned plan: ``amped.tune(factory, formats=[fmt], budget=..., steps=..., seeds=3)``'s
-   plan after its own verification rounds (what a user gets), or with
-   ``--measure-only`` its knapsack choice from the measurement alone;
-3. the best rules *by the ground truth*: over every (N, M), lowering layers N .. L-M-1 to
-   ``fmt``, those whose summed ground-truth loss change is within the budget, the most
-   GEMM FLOPs first (ties: the smaller change). This is the rule an engineer with the
-   one-at-a-time runs in hand would pick, a stronger peer than tune's own rule, which is
-   picked by tune's estimate;
-4. like with like: each of those rules in turn (at most 3) goes through the same
-   verification as tune's plan (tune's own ``verify_arm``: the same seeds, steps, paired
-   bfloat16-mixed arm and final-loss window; passed when its gap is within the budget)
-   until one passes; that one "meets the same budget". The tuned plan's gap is tune's own
-   verified arm (or, with ``--measure-only``, its choice trained the same way). A rule
-   tune trained as one of its candidates is not trained again: its runs (the same plan,
-   seeds and steps) are read from tune's rounds.
-
-The JSON also records where tune's plan came from (``tune_source``: the estimate or a
-rule) and the estimate's own plan with its gap (``tune_estimate_plan``).
-
-GEMM FLOPs are counted from the layers' shapes (every layer sees the same rows, so a
-layer's share is in * out over the sum), independently of tune's count.
-
-Tasks: ``gpt2`` (the ground-truth model: a tiny GPT-2 with outlier channels, pretrained
-in bf16, then ``steps`` steps) and ``builtin`` (``amped compare``'s task, its
-:class:`~amped.tasks.tiny_gpt.TinyGPT` from random init, ``--builtin-steps`` steps).
-
-The built-in task's ground truth is read back from ``--builtin-truth-json`` when there.
-
-Usage:
-    python benchmarks/tune_vs_rule.py [--tasks gpt2,builtin] [--budget-gpt2 0.002]
-                                      [--budget-builtin 0.002] [--measure-only] [--threads 1]
+:func:`compare` tunes, then verifies the best rules by the ground truth in turn until
+one passes, judging both by tune's own verification; :func:`one_at_a_time` is the
+paired per-layer ground truth on any factory (the built-in task's), :class:`Builtin`
+``amped compare``'s task as a factory. Imported by ``benchmarks/tune.py`` and
+tests/tuning/test_tune_ground_truth.py; never run alone.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
 import statistics
-import time
 from collections.abc import Callable
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import torch
-import tune_ground_truth as gt
 from torch import nn
 
 import amped
@@ -130,7 +93,7 @@ def train_plan(factory: Factory, plan: PrecisionPlan, seed: int, last_k: int) ->
 def one_at_a_time(
     factory: Factory, names: list[str], fmt: str, seeds: tuple[int, ...], last_k: int
 ) -> dict[str, dict[str, Any]]:
-    """The paired per-layer ground truth on any factory (as :func:`gt.ground_truth`)."""
+    """The paired per-layer ground truth on any factory (as ``tune_truth.ground_truth``)."""
     bf16 = PrecisionPlan("bf16-mixed", dict.fromkeys(names, "bf16"))
     base = {s: train_plan(factory, bf16, s, last_k) for s in seeds}
     truth = {}
@@ -256,67 +219,3 @@ def compare(
           f"{out.get('tune_estimate_plan')}")  # fmt: skip
     out["tune_rounds"] = result.rounds
     return out
-
-
-def _saved_truth(path: Path, task: str, fmt: str, check: dict[str, Any]) -> Any:
-    """A ground truth saved earlier for this task and format, if its settings match."""
-    if not path.is_file():
-        return None
-    data = json.loads(path.read_text())
-    if task == "gpt2":
-        settings = data.get("settings", {})
-        same = settings.get("fmt") == fmt and settings.get("outliers") == check
-        return data["ground_truth"] if same else None
-    entry = data.get(task, {})
-    return entry.get("truth") if entry.get("format") == fmt else None
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--tasks", default="gpt2,builtin")
-    parser.add_argument("--fmt", default="mxfp4")
-    parser.add_argument("--budget-gpt2", type=float, default=0.002)
-    parser.add_argument("--budget-builtin", type=float, default=0.002)
-    parser.add_argument("--builtin-steps", type=int, default=100)
-    parser.add_argument("--truth-json", default="benchmarks/results/tune_ground_truth.json")
-    parser.add_argument(
-        "--builtin-truth-json", default="benchmarks/results/tune_vs_rule_builtin_0.005.json"
-    )
-    parser.add_argument(
-        "--measure-only", action="store_true",
-        help="the tuned plan from tune's measurement alone (no verification rounds)",
-    )  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=4, help="tune's verification rounds")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default="benchmarks/results/tune_vs_rule.json")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    cpu = platform.processor() or platform.machine()
-    print(f"torch {torch.__version__}, {cpu}, threads {args.threads}, load {os.getloadavg()}")
-    began = time.perf_counter()
-    results: dict[str, Any] = {}
-    s = gt.Settings(fmt=args.fmt)
-    for task in args.tasks.split(","):
-        if task == "gpt2":
-            truth = _saved_truth(Path(args.truth_json), task, s.fmt, s.outliers)
-            verify = None if args.measure_only else s.steps
-            results[task] = compare(task, gt.factory(s), truth, s.fmt, args.budget_gpt2,
-                                    s.seeds, s.steps, verify, rounds=args.rounds)  # fmt: skip
-        else:
-            truth = _saved_truth(Path(args.builtin_truth_json), task, args.fmt, {})
-            verify = None if args.measure_only else args.builtin_steps
-            results[task] = compare(task, Builtin(args.builtin_steps), truth, args.fmt,
-                                    args.budget_builtin, (0, 1, 2), args.builtin_steps, verify,
-                                    rounds=args.rounds)  # fmt: skip
-    seconds = time.perf_counter() - began
-    results["machine"] = {"cpu": cpu, "threads": args.threads, "load_after": os.getloadavg(),
-                          "seconds": seconds}  # fmt: skip
-    print(f"\n{seconds:.0f} s; load {os.getloadavg()}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -1,51 +1,23 @@
-"""Ground truth for ``amped tune``: each layer's loss change, measured by training.
+"""The ground-truth experiment of ``benchmarks/tune.py``: each layer's loss change by training.
 
-The model is a tiny transformers GPT-2 (4 blocks, width 64, 4 heads, context 32, a byte
-vocabulary, random init; nothing downloaded) learning Python standard-library source
-(the bytes of ``amped compare``'s built-in task, :mod:`amped.tasks.tiny_gpt`).
-
-Per seed, the model first trains ``pretrain_steps`` steps in bfloat16-mixed (shared by
-every run of that seed). Then, for each eligible linear layer, a paired A/B: the same
-pretrained weights and the same batches train ``steps`` more steps once with only that
-layer in ``fmt`` (``amped.prepare(..., fmt, module_filter=lambda m, name: name == that)``)
-and once all in bfloat16-mixed. The layer's loss change is the mean over seeds of the
-paired difference of the final loss (the mean training loss of the last ``last_k``
-steps); its spread is the sample standard deviation of those differences over seeds.
-
-**Why it is built this way** (the runs behind it: docs/decisions/008):
-
-- From random init, the first few hundred steps of this GPT-2 cross loss plateaus; where a
-  run leaves one shifts by tens of steps when a single layer's rounding changes, so paired
-  differences after 40-60 steps were dominated by that (+-0.1 to +-0.7 in loss, sign
-  flipping between seeds). A bfloat16 pretraining shared by both arms, then a short run
-  at a lower learning rate, keeps the pair on one smooth trajectory.
-- A block format's natural error on this model moves the final loss by about 0.1%, not
-  beyond the seed-to-seed spread for most layers. So the layers get real differences by
-  design: ``outliers`` multiplies a few channels (every 32nd, one per MX block) of chosen
-  LayerNorm weights, so the linear layer after that norm sees an input whose block
-  maximum flushes its neighbours towards zero in MXFP4 (E2M1 elements: 0.5 is the
-  smallest nonzero step at a block scale of the maximum / 6). Both arms carry the same
-  outliers; only the format differs.
-
-Usage:
-    python benchmarks/tune_ground_truth.py [--seeds 0,1,2] [--threads 1] [--no-outliers]
-                                           [--json benchmarks/results/tune_ground_truth.json]
+A tiny transformers GPT-2 (:class:`Settings`: 4 blocks, width 64, outlier channels in
+chosen LayerNorms) pretrained in bfloat16-mixed per seed, then paired A/B runs with one
+layer in ``fmt`` against all in bfloat16-mixed (:func:`ground_truth`); ``amped.tune``'s
+estimates on the same models (:func:`tune_estimates`) and Spearman's rank correlation
+(:func:`spearman`). Why it is built this way: ``benchmarks/tune.py``'s docstring and
+docs/decisions/008. Imported by ``benchmarks/tune.py`` (both subcommands) and
+tests/tuning/test_tune_ground_truth.py; never run alone.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
-import os
-import platform
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cache
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import amped
-from amped.comparison.environment import cpu_name
 from amped.tasks import tiny_gpt as default_task
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -266,52 +237,3 @@ def spearman(a: list[float], b: list[float]) -> float:
     var_a = sum((x - ma) ** 2 for x in ra)
     var_b = sum((y - mb) ** 2 for y in rb)
     return cov / (var_a * var_b) ** 0.5
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--fmt", default="mxfp4")
-    parser.add_argument("--steps", type=int, default=Settings.steps)
-    parser.add_argument("--lr", type=float, default=Settings.lr)
-    parser.add_argument("--pretrain-steps", type=int, default=Settings.pretrain_steps)
-    parser.add_argument("--no-outliers", action="store_true")
-    parser.add_argument("--no-tune", action="store_true", help="skip amped.tune's ranking")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--json", default="benchmarks/results/tune_ground_truth.json")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    s = Settings(
-        fmt=args.fmt, steps=args.steps, lr=args.lr, pretrain_steps=args.pretrain_steps,
-        seeds=tuple(int(x) for x in args.seeds.split(",")),
-        outliers={} if args.no_outliers else dict(OUTLIERS),
-    )  # fmt: skip
-    cpu = platform.processor() or platform.machine()
-    print(f"torch {torch.__version__}, {cpu}, threads {args.threads}, load {os.getloadavg()}")
-    print(f"settings: {dataclasses.asdict(s)}")
-    began = time.perf_counter()
-    truth = ground_truth(s)
-    separated = [n for n, t in truth.items() if abs(t["mean"]) > t["spread"]]
-    print(f"{len(separated)} of {len(truth)} layers' mean change exceeds its seed spread")
-    result: dict[str, Any] = {"settings": dataclasses.asdict(s), "ground_truth": truth}
-    if not args.no_tune:
-        per_seed = [tune_estimates(s, seed) for seed in s.seeds]
-        names = list(truth)
-        mean_estimate = {n: statistics.mean(e[n] for e in per_seed) for n in names}
-        rho_first = spearman([per_seed[0][n] for n in names], [truth[n]["mean"] for n in names])
-        rho_mean = spearman([mean_estimate[n] for n in names], [truth[n]["mean"] for n in names])
-        print(f"Spearman, tune on seed {s.seeds[0]}: {rho_first:.3f}; seeds' mean: {rho_mean:.3f}")
-        result["tune"] = {"estimates": per_seed, "spearman_first_seed": rho_first,
-                          "spearman_mean_estimate": rho_mean}  # fmt: skip
-    seconds = time.perf_counter() - began
-    result["machine"] = {"cpu": cpu, "cpu_model": cpu_name(), "threads": args.threads,
-                         "load_after": os.getloadavg(), "seconds": seconds}  # fmt: skip
-    print(f"{seconds:.0f} s; load {os.getloadavg()}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-
-
-if __name__ == "__main__":
-    main()

@@ -22,9 +22,9 @@ pytest.importorskip("matplotlib")
 
 from results_schema import validate
 
-from amped.cli.compare.summary import GROUPS, loss_decimals
 from amped.cli.main import main
 from amped.comparison.findings import findings, warnings
+from amped.comparison.summary import GROUPS, loss_decimals
 from amped.comparison.timing import MIN_TIMED_STEPS, cores_available, speed_blocker
 
 # Timing-sensitive: under `pytest -n 2 --dist loadgroup` one worker runs every test of

@@ -20,10 +20,10 @@ from rich.console import Console
 
 from amped.cli.compare.progress import LineProgress, RichProgress
 from amped.cli.compare.report import render_html
-from amped.cli.compare.summary import findings, rows
 from amped.comparison.compare import run_comparison
 from amped.comparison.results import to_dict
 from amped.comparison.run import CompareConfig
+from amped.comparison.summary import findings, rows
 from amped.recipes.registry import resolve_recipe
 from amped.tasks.factory import load_factory
 

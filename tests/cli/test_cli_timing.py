@@ -18,10 +18,10 @@ pytest.importorskip("matplotlib")
 
 from rich.console import Console
 
-from amped.cli.compare.summary import loss_decimals
 from amped.cli.compare.table import print_summary
 from amped.cli.main import main
 from amped.comparison.findings import findings, warnings
+from amped.comparison.summary import loss_decimals
 from amped.comparison.timing import CpuLoad, clear_winner, cores_available, ratio_range, step_stats
 
 # Timing-sensitive: under `pytest -n 2 --dist loadgroup` one worker runs every test of

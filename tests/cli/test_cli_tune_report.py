@@ -22,8 +22,8 @@ from amped._internal.jsonio import from_json
 from amped.cli.tune.command import exit_code
 from amped.cli.tune.plots import sensitivity_chart
 from amped.cli.tune.report import render_html, write_report
-from amped.cli.tune.summary import headline, layer_rows, outcome, round_rows, verification_rows
 from amped.cli.tune.table import layer_tables, print_tune
+from amped.tuning.summary import headline, layer_rows, outcome, round_rows, verification_rows
 
 CONTEXT = {"task": "tiny-gpt", "device": "cpu", "created": "2026-12-01T18:00:00+00:00",
            "command": ["amped", "tune", "--formats", "fp8-rowwise,nvfp4"]}  # fmt: skip

@@ -120,14 +120,14 @@ def test_an_attention_config_runs_in_every_recipe_on_the_tiny_gpt(tmp_path):
                                 "dp:e4m3/head,grad=e5m2", "not_converted": []}  # fmt: skip
     assert {r["status"] for r in result.recipes} == {"complete"}
     assert result.command[-2:] == ["--attention", "fp8-all-but-ds"]  # repeats it
-    from amped.cli.compare.summary import footnotes
+    from amped.comparison.summary import footnotes
 
     assert any(
         line.startswith("attention: s:e4m3/head,") and "every module converted" in line
         for line in footnotes(result.to_dict())
     )
     assert result.command[-2:] == ["--attention", "fp8-all-but-ds"]  # repeats it
-    from amped.cli.compare.summary import footnotes
+    from amped.comparison.summary import footnotes
 
     assert any(
         line.startswith("attention: s:e4m3/head,") and "every module converted" in line

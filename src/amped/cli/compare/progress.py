@@ -21,9 +21,9 @@ from rich.progress import (
 )
 
 from amped._internal.stats import median
-from amped.cli.compare.summary import loss_decimals
 from amped.cli.width import wrap
 from amped.comparison.run import LOSS_WINDOW, Observer, RecipeRun, final_loss
+from amped.comparison.summary import loss_decimals
 from amped.comparison.warmup import Warmup, expected
 
 __all__ = ["LineProgress", "RichProgress"]

@@ -15,7 +15,7 @@ from typing import Any
 
 from amped._internal.files import write_files
 from amped.cli import plots
-from amped.cli.compare import summary
+from amped.comparison import summary
 from amped.comparison.findings import warnings
 from amped.comparison.results import dumps
 

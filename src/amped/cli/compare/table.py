@@ -16,7 +16,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from amped.cli.compare import summary
+from amped.comparison import summary
 from amped.comparison.findings import warnings
 
 __all__ = ["build_tables", "print_summary"]

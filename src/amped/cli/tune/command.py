@@ -25,7 +25,6 @@ from amped.cli.errors import EXIT_NO_PLAN, EXIT_OK, RunError, UsageError
 from amped.cli.out_dir import resolve_out
 from amped.cli.tune.progress import TuneLines, TuneProgress
 from amped.cli.tune.report import write_report
-from amped.cli.tune.summary import outcome
 from amped.cli.tune.table import print_tune
 from amped.cli.width import wrap
 from amped.comparison import interrupt
@@ -38,6 +37,7 @@ from amped.recipes.plan import PrecisionPlan
 from amped.tasks.factory import DEFAULT_FACTORY, TaskFactory, load_factory
 from amped.tasks.task import Task
 from amped.tuning.measure import eligible_layers
+from amped.tuning.summary import outcome
 from amped.tuning.tuner import DEFAULT_FORMATS, REFERENCE_DIVERGED
 from amped.tuning.verify import train_losses
 

@@ -14,7 +14,7 @@ from typing import Any
 from matplotlib.figure import Figure
 
 from amped.cli.plots import figure_png
-from amped.cli.tune.summary import candidate_formats
+from amped.tuning.summary import candidate_formats
 
 __all__ = ["BF16_COLOUR", "format_colours", "sensitivity_chart"]
 

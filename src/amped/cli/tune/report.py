@@ -17,9 +17,9 @@ from typing import Any
 
 from amped._internal.files import write_files
 from amped.cli.compare.report import REPORT_CSS
-from amped.cli.tune import summary as tune_summary
 from amped.cli.tune.plots import format_colours, sensitivity_chart
 from amped.comparison.results import dumps
+from amped.tuning import summary as tune_summary
 
 __all__ = ["render_html", "write_report"]
 

@@ -17,7 +17,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from amped.cli.tune import summary as tune_summary
+from amped.tuning import summary as tune_summary
 
 __all__ = ["PIPE_WIDTH", "layer_tables", "print_tune", "verification_table"]
 

@@ -1,9 +1,9 @@
 """What ``amped tune`` shows, as text: the per-layer rows, the verification rows and the
 outcome, read from the ``tuned.json`` document alone.
 
-The terminal table (:mod:`amped.cli.tune.table`) and the HTML report
-(:mod:`amped.cli.tune.report`) both render these, so they show the same figures, and a
-report can be rebuilt from a saved ``tuned.json``.
+``amped tune``'s terminal table and HTML report both render these, so they show the
+same figures, and a report can be rebuilt from a saved ``tuned.json``; nothing here
+imports rich or matplotlib.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """What a reader sees first: the comparison table's cells and footnotes, as text (the
 findings are in :mod:`amped.comparison.findings`).
 
-Works on the ``results.json`` document alone, so the console table and the HTML report
-show the same figures, and a report can be rebuilt from a saved ``results.json``.
+Works on the ``results.json`` document alone, so ``amped compare``'s console table and
+HTML report show the same figures, and a report can be rebuilt from a saved
+``results.json``; nothing here imports rich or matplotlib.
 """
 
 from __future__ import annotations

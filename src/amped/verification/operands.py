@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from amped.lowp.float8.blockwise import BlockwiseTensor
 from amped.lowp.float8.cast import Float8Tensor
 from amped.lowp.mx.block_cast import BlockTensor
 
@@ -113,8 +114,15 @@ def _block(cast: BlockTensor) -> Operand:
     return Operand(element, f"block{block}", scale_format, elements, scale, cast.tensor_scale)
 
 
-def from_amped(high: torch.Tensor | None, low: Float8Tensor | BlockTensor | None) -> Operand:
-    """An operand amped's layer reported to its observer (``lowp.health.record_gemm``)."""
+def from_amped(
+    high: torch.Tensor | None, low: Float8Tensor | BlockwiseTensor | BlockTensor | None
+) -> Operand:
+    """An operand amped's layer reported to its observer (``lowp.health.record_gemm``).
+    Blockwise FP8 (``fp8-blockwise``) is not read: :func:`amped.verify` refuses it first."""
+    if isinstance(low, BlockwiseTensor):
+        raise ValueError(
+            "verify does not read fp8-blockwise's 128-tile casts; verify another recipe"
+        )
     if isinstance(low, Float8Tensor):
         return _fp8(low.data, low.scale)
     if isinstance(low, BlockTensor):

@@ -23,6 +23,16 @@ from amped.lowp.float8.emulated_gemm import set_emulated_gemm
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def pytest_configure(config):
+    # Under pytest-xdist each worker takes its share of the cores for torch's own threads:
+    # two workers of two threads each on two cores oversubscribe them, and OpenMP's
+    # spinning threads then wait on each other. (Subprocesses a test starts choose their
+    # own threads; a test that sets torch's threads puts them back.)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
 # Under pytest-xdist (`pytest -n 2`), a test marked ``alone`` runs while no other test
 # does: it takes an exclusive lock that every other test takes shared, so it waits for
 # the other worker's current test and holds the next one back. For the tests that time

@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 from fp8_helpers import forced_emulated_gemm
+from repo_paths import ROOT
 
 from amped.lowp.convert import convert_layers
 from amped.lowp.float8.cast import quantize, sqnr
@@ -18,7 +19,7 @@ from amped.lowp.float8.config import FLOAT8_CONFIGS
 from amped.lowp.float8.emulated_gemm import ENV_VAR, emulated_gemm, set_emulated_gemm
 from amped.lowp.mx.block_config import BLOCK_CONFIGS
 
-SRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+SRC = str(ROOT / "src")  # the tree under test, not an installed amped
 
 
 @pytest.fixture

@@ -30,7 +30,12 @@ from amped.lowp.mx.hadamard import (
 NVFP4 = BLOCK_FORMATS["nvfp4"]
 E2M1 = ELEMENTS[torch.float4_e2m1fn_x2]
 UNBIASED_ULPS = 0.02  # mean error within 2% of an ulp; round-to-nearest is off by up to 1/2
-DRAWS = 400
+# Draws of each stochastic cast: with 1024 copies of a value, 102,400 roundings, whose
+# mean has a standard deviation of at most 0.16% of an ulp (a Bernoulli's sqrt(p(1-p)/n)
+# <= 0.5/320): the 2% gate is 12 standard deviations, and a bias of 2% of an ulp or more
+# (round-to-nearest's is 10% or more at every fraction tested) still fails.
+DRAWS = 100
+COPIES = 1024
 
 
 @pytest.mark.parametrize("shape", [(16, 16), (64, 128), (256, 48)])
@@ -57,15 +62,15 @@ def _ulp(x):
 
 @pytest.mark.parametrize("fraction", [0.1, 0.25, 0.5, 0.8])
 def test_stochastic_rounding_is_unbiased(fraction):
-    """Every point between two E2M1 neighbours, 4096 copies x 400 draws: the mean is
+    """Every point between two E2M1 neighbours, 1024 copies x 100 draws: the mean is
     within 2% of the local ulp of the value (the mean's standard deviation is below
-    0.04% of an ulp), where round-to-nearest is off by up to half an ulp."""
+    0.16% of an ulp), where round-to-nearest is off by up to half an ulp."""
     lo = torch.tensor(E2M1_VALUES[:-1])
     x = lo + fraction * (torch.tensor(E2M1_VALUES[1:]) - lo)
-    x = torch.cat([x, -x]).repeat(4096)  # 14 values x 4096 copies
+    x = torch.cat([x, -x]).repeat(COPIES)  # 14 values x COPIES
     g = torch.Generator().manual_seed(0)
     mean = sum(round_stochastic_(x.clone(), E2M1, g) for _ in range(DRAWS)) / DRAWS
-    per_value = ((mean - x) / _ulp(x)).view(4096, 14).mean(0)
+    per_value = ((mean - x) / _ulp(x)).view(COPIES, 14).mean(0)
     error = per_value.abs().max().item()
     assert error <= UNBIASED_ULPS
     nearest = ((round_nearest_(x.clone(), E2M1) - x) / _ulp(x)).abs().max().item()

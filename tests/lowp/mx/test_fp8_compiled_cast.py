@@ -93,17 +93,30 @@ def _compile_case(case, dtype, threads):
     return operands, compiled_cast.compiles(x)
 
 
-@pytest.fixture(scope="module")
-def compiled_operands():
-    """Every case's compiled operands, {(case, dtype): ({special: operand}, compiled)}.
+def _job(kind, *args):
+    """In a worker process: one of the module's compiling jobs (see ``compiled_jobs``)."""
+    jobs = {"case": _compile_case, "step": _compiled_step, "region": _cast_in_a_region}
+    return jobs[kind](*args)
 
-    Each kernel is a cold compile of seconds, one at a time in a process: two worker
-    processes share them (tests/helpers/two_processes.py), the same function, shapes, dtypes
-    and thread count as here.
-    """
+
+@pytest.fixture(scope="module")
+def compiled_jobs():
+    """The module's compiled results, {(kind, ...): result}: each case's operands, each
+    recipe's step and the cast in a region, computed in one pair of worker processes
+    (tests/helpers/two_processes.py; one pair, not one per fixture: each worker's start
+    imports torch and amped), with the same functions, shapes, dtypes and thread count
+    as here. Each kernel is a cold compile of seconds, one at a time in a process."""
     threads = torch.get_num_threads()
-    cases = {(case, dtype): (case, dtype, threads) for case in CASES for dtype in DTYPES.values()}
-    return run_in_two_processes(_compile_case, cases)
+    jobs = {("case", c, d): ("case", c, d, threads) for c in CASES for d in DTYPES.values()}
+    jobs |= {("step", *s): ("step", *s, threads) for s in STEP_RECIPES}
+    jobs["region",] = ("region", threads)  # last: it counts the threads its worker starts
+    return run_in_two_processes(_job, jobs)
+
+
+@pytest.fixture(scope="module")
+def compiled_operands(compiled_jobs):
+    """Every case's compiled operands, {(case, dtype): ({special: operand}, compiled)}."""
+    return {key[1:]: value for key, value in compiled_jobs.items() if key[0] == "case"}
 
 
 @pytest.mark.slow
@@ -257,11 +270,10 @@ STEP_RECIPES += [("mxfp8", "float32"), ("tensorwise", "float32")]
 
 
 @pytest.fixture(scope="module")
-def compiled_steps():
-    """Each recipe's compiled step, {(recipe, gemm): (tensors, compiled)}, in two worker
-    processes (tests/helpers/two_processes.py): some ten kernels a recipe, each a cold compile."""
-    threads = torch.get_num_threads()
-    return run_in_two_processes(_compiled_step, {s: (*s, threads) for s in STEP_RECIPES})
+def compiled_steps(compiled_jobs):
+    """Each recipe's compiled step, {(recipe, gemm): (tensors, compiled)}: some ten
+    kernels a recipe."""
+    return {key[1:]: value for key, value in compiled_jobs.items() if key[0] == "step"}
 
 
 @pytest.mark.slow
@@ -282,10 +294,10 @@ def test_a_training_step_with_compiled_casts_is_bitwise_the_eager_step(
 
 
 def _cast_in_a_region(threads):
-    """In a fresh process: a block cast compiled inside a ``"strict"`` region (the
+    """In a worker process: a block cast compiled inside a ``"strict"`` region (the
     ``KERNELS`` path), its bits and the eager ones, the paths around it, and the threads
     started meanwhile (Inductor's own helper threads are started first, by two unrelated
-    compiles)."""
+    compiles, should this worker not have compiled yet)."""
     import threading
 
     import amped
@@ -301,17 +313,22 @@ def _cast_in_a_region(threads):
         started.append(thread.name)
         start(thread)
 
-    threading.Thread.start = counting  # (this process's own: it ends with the job)
-    x = _suite((32, 160), torch.bfloat16, seed=6)  # a shape no other test compiles
-    policy = amped.Policy.preset("strict", "cpu")
-    with amped.autocast("cpu", policy=policy):
-        paths = [current_path("cpu")]
-        compiled = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
-        again = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
-        paths.append(current_path("cpu"))
-    with amped.autocast("cpu", policy=policy):
-        paths.append(current_path("cpu"))
-    ok = compiled_cast.compiles(x)
+    threading.Thread.start = counting  # (this worker's own, until the job ends)
+    try:
+        x = _suite((32, 160), torch.bfloat16, seed=6)  # a shape no other test compiles
+        policy = amped.Policy.preset("strict", "cpu")
+        kernels = compiled_cast.compiled_kernels()
+        with amped.autocast("cpu", policy=policy):
+            paths = [current_path("cpu")]
+            compiled = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
+            again = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
+            paths.append(current_path("cpu"))
+        with amped.autocast("cpu", policy=policy):
+            paths.append(current_path("cpu"))
+    finally:
+        threading.Thread.start = start
+    # a kernel compiled in the region (not one this worker's earlier jobs left)
+    ok = compiled_cast.compiles(x) and compiled_cast.compiled_kernels() == kernels + 1
     testing.CASTS = "eager"
     eager = block_operand(x, BLOCK_FORMATS["mxfp8"]).values
     bits = [t.reshape(-1).view(torch.uint8) for t in (compiled, again, eager)]
@@ -319,11 +336,9 @@ def _cast_in_a_region(threads):
 
 
 @pytest.mark.slow
-def test_a_cast_compiled_inside_a_region_starts_no_thread_and_leaves_its_path():
+def test_a_cast_compiled_inside_a_region_starts_no_thread_and_leaves_its_path(compiled_jobs):
     """The kernel compiles and runs on the calling thread, apart from its region."""
-    threads = torch.get_num_threads()
-    job = run_in_two_processes(_cast_in_a_region, {0: (threads,)})[0]
-    started, paths, (compiled, again, eager), ok = job
+    started, paths, (compiled, again, eager), ok = compiled_jobs["region",]
     assert ok and started == []
     assert paths == ["KERNELS"] * 3
     assert torch.equal(compiled, eager) and torch.equal(again, eager)

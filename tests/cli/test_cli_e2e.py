@@ -92,6 +92,9 @@ def test_report_is_one_file_with_embedded_plots(default_run):
 def test_example_factory_runs(tmp_path):
     spec = "examples/compare_factory.py:build"
     args = ("--model", spec, "--recipes", "fp32,bf16", "--steps", "3", "--max-time", "0")
+    # This interpreter loads the example by its path already; own-process probes of a
+    # factory file are tested in test_cli_timing.py.
+    args += ("--peak-memory", "in-process")
     result = _amped(*args, "--out", str(tmp_path), "--no-progress")
     assert result.returncode == 0, result.stderr
     results = json.loads((tmp_path / "results.json").read_text())

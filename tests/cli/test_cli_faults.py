@@ -40,6 +40,11 @@ from amped.cli.main import main
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
 
+# The runs that train measure peaks in process: an own-process probe is one more
+# interpreter per recipe, and no fault here is about the probe.
+IN_PROCESS = ("--peak-memory", "in-process")
+RUN = (*TINY, *IN_PROCESS)
+
 # --- the factory contract, checked before training ------------------------------
 
 
@@ -75,7 +80,7 @@ def test_systemexit_from_doctor_factory_exits_2(capsys, tmp_path):
 @pytest.mark.slow
 def test_nan_from_step_one_is_flagged_with_exit_3(capsys, tmp_path):
     out = tmp_path / "out"
-    args = [*TINY, "--model", f"{FACTORIES}:nan_loss", "--recipes", "fp32,bf16", "--steps", "4"]
+    args = [*RUN, "--model", f"{FACTORIES}:nan_loss", "--recipes", "fp32,bf16", "--steps", "4"]
     code = main(["compare", *args, "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 3
@@ -93,7 +98,7 @@ def test_nan_from_step_one_is_flagged_with_exit_3(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_healthy_run_is_not_diverged(capsys, tmp_path):
-    args = [*TINY, "--recipes", "fp32", "--steps", "3", "--json", "--out", str(tmp_path)]
+    args = [*RUN, "--recipes", "fp32", "--steps", "3", "--json", "--out", str(tmp_path)]
     assert main(["compare", *args]) == 0
     recipe = json.loads(capsys.readouterr().out)["recipes"][0]
     assert recipe["diverged"] is False and recipe["diverged_at_step"] is None
@@ -102,7 +107,7 @@ def test_healthy_run_is_not_diverged(capsys, tmp_path):
 @pytest.mark.slow
 def test_bytes_per_param_counts_optimizer_state_when_first_steps_are_skipped(capsys, tmp_path):
     spec = f"{FACTORIES}:overflows_first"
-    args = [*TINY, "--model", spec, "--recipes", "fp32,fp16", "--steps", "14", "--json"]
+    args = [*RUN, "--model", spec, "--recipes", "fp32,fp16", "--steps", "14", "--json"]
     assert main(["compare", *args, "--out", str(tmp_path)]) == 0
     fp32, fp16 = json.loads(capsys.readouterr().out)["recipes"]
     assert fp16["skipped_steps"] >= 2  # the first steps did overflow
@@ -143,7 +148,7 @@ def test_write_error_keeps_the_old_pair_and_no_temporaries(capsys, tmp_path, mon
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(files.os, "fsync", full)
-    code = main(["compare", *TINY, "--recipes", "fp32", "--steps", "2", "--out", str(out)])
+    code = main(["compare", *RUN, "--recipes", "fp32", "--steps", "2", "--out", str(out)])
     assert code == 1
     line = error_line(capsys.readouterr().err)
     assert "Could not write the report" in line and "No space left on device" in line
@@ -222,7 +227,7 @@ def test_full_disk_exits_1_with_the_old_pair_kept(tmp_path):
     out, seen = tmp_path / "out", tmp_path / "seen"
     out.mkdir()
     seen.mkdir()
-    command = compare_command("--recipes", "fp32", "--steps", "3", "--out", str(out))
+    command = compare_command("--recipes", "fp32", "--steps", "3", *IN_PROCESS, "--out", str(out))
     result = _in_tmpfs(out, "size=64k", command, copy_to=seen)
     assert result.returncode == 1, result.stderr
     line = error_line(result.stderr)
@@ -252,7 +257,7 @@ def test_file_size_limit_exits_1_with_the_old_pair_kept(tmp_path):
         resource.setrlimit(resource.RLIMIT_FSIZE, (60_000, 60_000))
 
     result = subprocess.run(
-        compare_command("--recipes", "fp32", "--steps", "3", "--out", str(out)),
+        compare_command("--recipes", "fp32", "--steps", "3", *IN_PROCESS, "--out", str(out)),
         capture_output=True,
         text=True,
         timeout=300,

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from repo_paths import HELPERS, ROOT
+from repo_paths import HELPERS
 
 pytest.importorskip("rich")
 pytest.importorskip("matplotlib")
@@ -147,24 +146,22 @@ def _burn(seconds: float) -> None:
 
 
 @pytest.mark.slow
-def test_compare_on_a_busy_machine_warns_and_shows_the_spread(tmp_path):
+def test_compare_on_a_busy_machine_warns_and_shows_the_spread(tmp_path, capsys, monkeypatch):
+    # In process (stdout captured, as piped: 80 columns): what is shown is the run's.
+    monkeypatch.delenv("COLUMNS", raising=False)
     spinners = [_spin() for _ in range(cores_available() + 2)]
-    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
     try:
-        result = subprocess.run(
-            [sys.executable, "-m", "amped", "compare", "--model", f"{FACTORIES}:good",
-             "--recipes", "fp32,bf16", "--steps", "40", "--max-time", "0", "--threads", "1",
-             "--peak-memory", "in-process", "--no-progress", "--out", str(tmp_path)],
-            capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
-        )  # fmt: skip
+        code = main(["compare", "--model", f"{FACTORIES}:good", "--recipes", "fp32,bf16",
+                     "--steps", "40", "--max-time", "0", "--threads", "1", "--peak-memory",
+                     "in-process", "--no-progress", "--out", str(tmp_path)])  # fmt: skip
     finally:
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-    assert result.returncode == 0, result.stderr
+    assert code == 0
+    out = capsys.readouterr().out
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["machine"]["busy"] is True
-    out = result.stdout
     assert "warning: Busy machine: other processes used" in " ".join(out.split())
     assert "IQR" in out and "range" in out
     for recipe in results["recipes"]:

@@ -307,14 +307,13 @@ def test_the_script_tunes_a_factory_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_builtin_task_is_tuned(tmp_path):
-    """No --model: compare's built-in tiny GPT, its transformer layers and head."""
-    result = subprocess.run(
-        [*LAUNCH, "tune", "--formats", "fp8-rowwise", "--steps", "2", "--seeds", "2",
-         "--budget", "1.0", "--no-progress", "--out", str(tmp_path)],
-        capture_output=True, text=True, cwd=tmp_path, env=ENV, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+def test_the_builtin_task_is_tuned(capsys, tmp_path, monkeypatch):
+    """No --model: compare's built-in tiny GPT, its transformer layers and head (in
+    process, from a folder holding no factory)."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _tune(capsys, tmp_path, "--formats", "fp8-rowwise", "--steps", "2",
+                         "--seeds", "2", "--budget", "1.0", "--no-progress")  # fmt: skip
+    assert code == 0, err
     tuned = _document(tmp_path)
     assert tuned["schema"] == "amped.tune/1"
     assert "head" in tuned["layers"] and "blocks.layers.0.linear1" in tuned["layers"]

@@ -203,9 +203,10 @@ class Sleepy(nn.Linear):
 
 
 def sleepy(batch_size: int = 16, seed: int = 0):
-    """Steps of seconds: 1.5 s in float32, 0.75 s under autocast."""
+    """Steps of half a second: 0.5 s in float32, 0.25 s under autocast (long against
+    a process's start-up, so a probe cannot fit a third of a 10 s budget)."""
     _, batches, loss_fn = good(batch_size, seed)
-    return Sleepy(1.5), batches, loss_fn
+    return Sleepy(0.5), batches, loss_fn
 
 
 def sleepy_fast(batch_size: int = 16, seed: int = 0):
@@ -231,10 +232,15 @@ class FirstLowStepSlow(Sleepy):
         return super().forward(x)
 
 
+SLOW_FIRST_S = 5.0
+"""The extra seconds of :func:`sleepy_fast_slow_first`'s first bf16 step."""
+
+
 def sleepy_fast_slow_first(batch_size: int = 16, seed: int = 0):
-    """:func:`sleepy_fast` whose first bf16 step in a process takes 20 s more."""
+    """:func:`sleepy_fast` whose first bf16 step in a process takes
+    :data:`SLOW_FIRST_S` more."""
     _, batches, loss_fn = good(batch_size, seed)
-    return FirstLowStepSlow(0.06, 20.0), batches, loss_fn
+    return FirstLowStepSlow(0.06, SLOW_FIRST_S), batches, loss_fn
 
 
 TRAINING_FORWARDS = [0]  # forwards with gradients on, by the models below

@@ -92,13 +92,28 @@ def _compile_scaling(scaling, threads):
     return casts, compiled_cast.compiles(x)
 
 
+def _job(kind, *args):
+    """In a worker process: one of the module's compiling jobs (see ``compiled_jobs``)."""
+    jobs = {"scaling": _compile_scaling, "unsafe": _casts_under_unsafe_flags}
+    return jobs[kind](*args)
+
+
 @pytest.fixture(scope="module")
-def compiled_casts():
-    """Each scaling's compiled casts, {scaling: (casts, compiled)}, in two worker
-    processes (tests/helpers/two_processes.py): each kernel is a cold compile of seconds, one at
-    a time in a process. The same function, shapes, dtypes and thread count as here."""
+def compiled_jobs():
+    """The module's worker results, {(kind, ...): result}, in one pair of worker processes
+    (tests/helpers/two_processes.py; one pair for both kinds: each worker's start imports
+    torch and amped): each kernel is a cold compile of seconds, one at a time in a
+    process. The same functions, shapes, dtypes and thread count as here."""
     threads = torch.get_num_threads()
-    return run_in_two_processes(_compile_scaling, {s: (s, threads) for s in SCALINGS})
+    jobs = {("scaling", s): ("scaling", s, threads) for s in SCALINGS}
+    jobs["unsafe",] = ("unsafe",)
+    return run_in_two_processes(_job, jobs)
+
+
+@pytest.fixture(scope="module")
+def compiled_casts(compiled_jobs):
+    """Each scaling's compiled casts, {scaling: (casts, compiled)}."""
+    return {key[1]: value for key, value in compiled_jobs.items() if key[0] == "scaling"}
 
 
 @pytest.mark.slow
@@ -157,29 +172,35 @@ def test_compiled_emulated_gemm_is_the_eager_one_bitwise(granularity, out_dtype,
     assert compiled.abs().max() > 0
 
 
-def _casts_in_this_process():
-    """In a worker process: e4m3 and e5m2 tensorwise GEMM operands, compiled and eager."""
+def _casts_under_unsafe_flags():
+    """In a worker process: e4m3 and e5m2 tensorwise GEMM operands, compiled (a shape no
+    other job compiles) under Inductor's unsafe C++ flags, and eager."""
+    from torch._inductor import config
+
     testing.CASTS = "compiled"
     x = _suite((40, 104), torch.float32, special=False, seed=3) * 100
     out = {}
-    for fp8 in (E4M3, E5M2):
-        compiled = quantize(x, fp8, "tensorwise", -1, False, None, torch.float32).values
-        with testing.casts("eager"):
-            eager = quantize(x, fp8, "tensorwise", -1, False, None, torch.float32).values
-        out[fp8] = compiled, eager
+    # What TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1 and
+    # TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast set: these defaults
+    # (torch/_inductor/config.py reads the variables there, and nowhere else).
+    unsafe = {"cpp.enable_unsafe_math_opt_flag": True}
+    unsafe["cpp.enable_floating_point_contract_flag"] = "fast"
+    with config.patch(unsafe):
+        for fp8 in (E4M3, E5M2):
+            compiled = quantize(x, fp8, "tensorwise", -1, False, None, torch.float32).values
+            with testing.casts("eager"):
+                eager = quantize(x, fp8, "tensorwise", -1, False, None, torch.float32).values
+            out[fp8] = compiled, eager
     return out
 
 
 @pytest.mark.slow
-def test_unsafe_math_flags_of_the_environment_do_not_reach_the_cast_kernels(monkeypatch):
+def test_unsafe_math_flags_of_the_environment_do_not_reach_the_cast_kernels(compiled_jobs):
     """``TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG`` (and the FMA contraction flag) set
     Inductor's C++ flags for a whole process; either lets the C++ compiler fold the casts'
     rounding arithmetic (amped.lowp.float8.cast.fp8_grid) into other bits, so the cast kernels are
-    compiled with both off whatever the environment says (a worker process that inherits
-    the variable)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "1")
-    monkeypatch.setenv("TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG", "fast")
-    casts = run_in_two_processes(_casts_in_this_process, {"unsafe": ()})["unsafe"]
+    compiled with both off whatever the environment (Inductor's config defaults) says."""
+    casts = compiled_jobs["unsafe",]
     for compiled, eager in casts.values():
         assert _same(compiled, eager)
         assert compiled.abs().max() > 0

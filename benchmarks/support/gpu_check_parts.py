@@ -37,7 +37,8 @@ BUDGETS = {
     "autocast_overhead": 75,
     "scaler_overhead": 45,
 }
-# The benchmarks' arguments on CUDA, and in the dry run (CPU, their smallest settings).
+# The benchmarks' arguments on CUDA, and in the dry run (CPU, their smallest settings,
+# one thread each: two parts run side by side).
 # recipes on CUDA: 64 x 64 tokens (GPT-2 tiny's 64 positions), so the GPU has work, and
 # fp16-master against fp16 O1 too (the fused master step's Triton kernels, both dtypes);
 # fp8 on CUDA: fp8.py step's large layers (d=8192, 16384 tokens), 2 blocks to fit the budget.
@@ -48,8 +49,8 @@ CUDA_ARGS = {
     "scaler_overhead": "--device cuda --repeats 15 --iterations 10",
 }
 DRY_ARGS = {
-    "recipes": "--device cpu --repeats 1 --warmup 1 --batch 1 --seq 8 --models encoder",
-    "fp8": "step --repeats 1 --steps 1 --dim 16 --layers 1 --tokens 16 --gpu-dim 16 "
+    "recipes": "--device cpu --threads 1 --repeats 1 --warmup 1 --batch 1 --seq 8 --models encoder",
+    "fp8": "step --threads 1 --repeats 1 --steps 1 --dim 16 --layers 1 --tokens 16 --gpu-dim 16 "
     "--gpu-layers 1 --gpu-tokens 16 --gpu-repeats 1 --gpu-steps 1",
     "autocast_overhead": "--device cpu --repeats 1 --models cnn --no-compile --calls 50",
     "scaler_overhead": "--device cpu --repeats 1 --iterations 1",

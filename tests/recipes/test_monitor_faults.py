@@ -1,11 +1,11 @@
 """Seeded fault injection: the monitor names the first non-finite, skips or stops there.
 
 Grid: every FP8 and block recipe (mxfp8, mxfp4, nvfp4) x every converted layer x
-every GEMM role it runs x {inf, NaN} x the step of the fault. The fault is an inf or
-NaN written into one element (chosen by a seeded generator) of one low-precision
-GEMM's output (``scaled_mm`` of Float8Linear, ``operand_mm`` of BlockLinear), at one
-step: the forward output of a layer, the grad_input or the grad_weight it computes.
-Must hold in 100% of cases:
+every GEMM role it runs, each with {inf, NaN} and each step of the fault (paired, see
+``_grid``). The fault is an inf or NaN written into one element (chosen by a seeded
+generator) of one low-precision GEMM's output (``scaled_mm`` of Float8Linear,
+``operand_mm`` of BlockLinear), at one step: the forward output of a layer, the
+grad_input or the grad_weight it computes. Must hold in 100% of cases:
 
 - the monitor's first non-finite is exactly (step, layer, role, that output);
 - ``on_nonfinite="skip"``: only that step is skipped, and no parameter or optimizer
@@ -147,11 +147,16 @@ def _run(monkeypatch, recipe, base, position, value, step, mode):
 
 
 def _grid(recipe: str, steps=(0, 2)):
+    """(position, value, step) cases: every GEMM call gets both values and every step,
+    paired so that the values alternate over the positions (inf at the first step on one,
+    NaN on the next): each (position, value), (position, step) and (value, step) pair
+    occurs, in half the runs of the full product. The detection does not depend on
+    which pair of value and step meets a position: it is ``isfinite`` on each output."""
+    values = (math.inf, math.nan)
     return [
-        (position, value, step)
+        (position, values[(position + i) % 2], step)
         for position in range(len(_gemm_order(recipe)))
-        for value in (math.inf, math.nan)
-        for step in steps
+        for i, step in enumerate(steps)
     ]
 
 
@@ -174,9 +179,9 @@ def _check_skip(monkeypatch, recipe, base, grid) -> int:
 @pytest.mark.filterwarnings("ignore:amped.monitor:RuntimeWarning")
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "mxfp8"])
 def test_fault_grid_skip_names_the_first_non_finite(monkeypatch, recipe):
-    grid = _grid(recipe, steps=(2,))
+    grid = _grid(recipe, steps=(2,))  # inf and NaN alternate over the GEMM calls
     if recipe in BLOCK_RECIPE_NAMES:  # the emulated block casts are slow: inf faults only
-        grid = [case for case in grid if case[1] == math.inf]
+        grid = [(position, math.inf, step) for position, _, step in grid]
     assert _check_skip(monkeypatch, recipe, "bf16-mixed", grid) == len(grid)  # 100%
 
 

@@ -179,9 +179,15 @@ def _check_skip(monkeypatch, recipe, base, grid) -> int:
 @pytest.mark.filterwarnings("ignore:amped.monitor:RuntimeWarning")
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "mxfp8"])
 def test_fault_grid_skip_names_the_first_non_finite(monkeypatch, recipe):
-    grid = _grid(recipe, steps=(2,))  # inf and NaN alternate over the GEMM calls
-    if recipe in BLOCK_RECIPE_NAMES:  # the emulated block casts are slow: inf faults only
-        grid = [(position, math.inf, step) for position, _, step in grid]
+    """The fast subset's share of the grid: the first GEMM call of each role (forward,
+    grad_input, grad_weight) at step 2; test_full_fault_grid_skip runs every call."""
+    firsts = {}
+    for position, (_, role) in enumerate(_gemm_order(recipe)):
+        firsts.setdefault(role, position)
+    # inf and NaN alternate; the emulated block casts are slow: inf faults only there
+    values = (math.inf,) if recipe in BLOCK_RECIPE_NAMES else (math.inf, math.nan)
+    grid = [(p, values[i % len(values)], 2) for i, p in enumerate(firsts.values())]
+    assert len(grid) == 3
     assert _check_skip(monkeypatch, recipe, "bf16-mixed", grid) == len(grid)  # 100%
 
 
@@ -205,7 +211,9 @@ def test_full_fault_grid_skip(monkeypatch, recipe, base):
 @pytest.mark.parametrize(
     "recipe",
     [
-        pytest.param(r, marks=pytest.mark.slow) if r in ("mxfp4", "nvfp4", "fp8-blockwise") else r
+        pytest.param(r, marks=pytest.mark.slow)
+        if r in ("mxfp4", "nvfp4", "fp8-blockwise", "mxfp8", "fp8-delayed")
+        else r
         for r in RECIPES
     ],
 )

@@ -8,7 +8,9 @@ The convention, for everyone who writes docs:
 - The blocks of one file run in order, in one namespace, in a fresh Python process
   whose working directory is an empty temporary folder (so a block may use what an
   earlier block of the same file defined, and anything it writes is thrown away).
-  They run on the CPU, with one torch thread, and must download nothing.
+  They run on the CPU, with one torch thread, and must download nothing. (The process
+  is a fork of one that has imported torch and amped and run nothing: importing them
+  once, not once per file, is most of what running every file costs.)
 - Each block must finish in :data:`BLOCK_LIMIT_S` seconds (a few seconds on an idle
   machine; the limit leaves room for a busy one).
 - A block that cannot run here (it needs several processes, a GPU, a user's data)
@@ -29,24 +31,44 @@ from pathlib import Path
 import pytest
 from repo_paths import ROOT
 
+pytestmark = pytest.mark.xdist_group("docs")  # one worker runs every doc's blocks
+
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 BLOCK_LIMIT_S = 30.0
 _FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```\s*$", re.MULTILINE | re.DOTALL)
 
+# One process imports torch and amped, then forks a child per file (``jobs``: the
+# file's blocks, an empty working folder, files for its output): the child runs the
+# blocks, printing a JSON line after each, and is killed by SIGALRM past its limit.
 _RUNNER = r"""
-import json, sys, time
+import json, os, signal, sys, time, traceback
 import torch
 torch.set_num_threads(1)
-blocks = json.loads(sys.stdin.read())
-namespace = {"__name__": "__doc__"}
-for line, code in blocks:
-    began = time.monotonic()
-    try:
-        exec(compile(code, f"block at line {line}", "exec"), namespace)
-    except BaseException as error:
-        print(json.dumps({"line": line, "error": f"{type(error).__name__}: {error}"}))
-        raise
-    print(json.dumps({"line": line, "seconds": time.monotonic() - began}), flush=True)
+import amped
+for job in json.loads(sys.stdin.read()):
+    pid = os.fork()
+    if pid == 0:
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(job[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        os.chdir(job["cwd"])
+        signal.alarm(job["limit_s"])
+        namespace = {"__name__": "__doc__"}
+        code = 0
+        for line, block in job["blocks"]:
+            began = time.monotonic()
+            try:
+                exec(compile(block, f"block at line {line}", "exec"), namespace)
+            except BaseException as error:
+                print(json.dumps({"line": line, "error": f"{type(error).__name__}: {error}"}))
+                traceback.print_exc()
+                code = 1
+                break
+            print(json.dumps({"line": line, "seconds": time.monotonic() - began}), flush=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    print(json.dumps({"id": job["id"], "returncode": code}), flush=True)
 """
 
 
@@ -87,30 +109,55 @@ def test_every_doc_is_found():
     assert "README.md" in names and "docs/results-schema.md" in names
 
 
+@pytest.fixture(scope="module")
+def doc_runs(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
+    """Every doc's runnable blocks, run once: {doc id: (exit code, stdout, stderr)}."""
+    root = tmp_path_factory.mktemp("docs")
+    jobs = []
+    for index, path in enumerate(DOCS):
+        run, _ = _python(path)
+        if run:
+            cwd = root / str(index)
+            cwd.mkdir()
+            job = {"id": _id(path), "blocks": run, "cwd": str(cwd)}
+            job["limit_s"] = int(BLOCK_LIMIT_S * len(run) + 30)
+            job["stdout"], job["stderr"] = str(cwd) + ".out", str(cwd) + ".err"
+            jobs.append(job)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _path(), "MPLBACKEND": "Agg"}
+    result = subprocess.run(
+        [sys.executable, "-c", _RUNNER],
+        input=json.dumps(jobs),
+        capture_output=True,
+        text=True,
+        cwd=root,
+        env=env,
+        timeout=sum(job["limit_s"] for job in jobs) + 30,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    codes = {r["id"]: r["returncode"] for r in map(json.loads, result.stdout.splitlines())}
+    output = {
+        job["id"]: [Path(job[name]).read_text() for name in ("stdout", "stderr")] for job in jobs
+    }
+    return {id_: (codes[id_], *output[id_]) for id_ in output}
+
+
+def _id(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("path", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
-def test_python_blocks_run(path, tmp_path):
+@pytest.mark.parametrize("path", DOCS, ids=_id)
+def test_python_blocks_run(path, doc_runs):
     run, skipped = _python(path)
     for line, reason, code in skipped:
         assert re.match(r"no-run: \S", reason), f"{path.name}:{line}: no-run needs a reason"
         compile(code, f"{path.name}:{line}", "exec")
     if not run:
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": _path(), "MPLBACKEND": "Agg"}
-    result = subprocess.run(
-        [sys.executable, "-c", _RUNNER],
-        input=json.dumps(run),
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env=env,
-        timeout=BLOCK_LIMIT_S * len(run) + 30,
-    )
-    reports = [json.loads(x) for x in result.stdout.splitlines() if x.startswith('{"line"')]
+    returncode, stdout, stderr = doc_runs[_id(path)]
+    reports = [json.loads(x) for x in stdout.splitlines() if x.startswith('{"line"')]
     failed = [r for r in reports if "error" in r]
-    assert result.returncode == 0 and not failed, (
-        f"{path.name}: {failed or ''}\n{result.stderr[-3000:]}"
-    )
+    assert returncode == 0 and not failed, f"{path.name}: {failed or ''}\n{stderr[-3000:]}"
     slow = [r for r in reports if r["seconds"] > BLOCK_LIMIT_S]
     assert not slow, f"{path.name}: blocks over {BLOCK_LIMIT_S} s: {slow}"
     assert len(reports) == len(run)

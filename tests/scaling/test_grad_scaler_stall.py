@@ -56,7 +56,9 @@ def _burst(model, scaler, optimizer) -> None:
         _step(model, scaler, optimizer, step, poison=True)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "adam-fused"])
+@pytest.mark.parametrize(
+    "fused", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["sgd", "adam-fused"]
+)
 def test_burst_then_params_move_within_50_clean_steps_with_one_warning(fused: bool) -> None:
     model = _model()
     if fused:
@@ -266,6 +268,7 @@ def _fused_adam_step(on_stall: str):
     return model, lambda step, poison: _step(model, scaler, optimizer, step, poison), scaler
 
 
+@pytest.mark.slow  # fast: the warn case without fused Adam, and fused Adam raising
 def test_torch_fused_adam_warns_once_in_warn_mode() -> None:
     model, run_step, scaler = _fused_adam_step("warn")
     _, stalls = _run_burst_then_clean(run_step, model.parameters)
@@ -300,6 +303,7 @@ def test_partial_stall_with_a_float32_head_recovers_within_50_steps_with_one_war
     assert setup.scaler.get_scale() > 1.0
 
 
+@pytest.mark.slow  # the fast subset keeps the recovering case
 def test_partial_stall_is_reported_in_warn_mode() -> None:
     setup = _head_in_fp32_setup("warn")
     body = setup.model[0].weight

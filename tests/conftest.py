@@ -23,6 +23,26 @@ from amped.lowp.float8.emulated_gemm import set_emulated_gemm
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    """``--dist loadgroup``: send each ``xdist_group`` to one worker.
+
+    pytest-xdist (3.8) names a test's group by appending ``@group`` to ``item._nodeid``,
+    which pytest 9 no longer reads (the id is ``item._id``): every group was silently
+    split over the workers, and a module fixture ran once per worker. This appends it
+    where pytest 9 reads it (the workers and the scheduler then see the same ids)."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    from _pytest.nodeid import NodeId
+
+    for item in items:
+        names = {m.args[0] if m.args else m.kwargs.get("name", "default")
+                 for m in item.iter_markers("xdist_group")}  # fmt: skip
+        suffix = "@" + "_".join(sorted(map(str, names)))
+        if names and not item.nodeid.endswith(suffix):
+            item._id = NodeId.parse(item.nodeid + suffix)
+
+
 # Under pytest-xdist (`pytest -n 2`), a test marked ``alone`` runs while no other test
 # does: it takes an exclusive lock that every other test takes shared, so it waits for
 # the other worker's current test and holds the next one back. For the tests that time

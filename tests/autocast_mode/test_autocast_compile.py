@@ -108,14 +108,6 @@ def assert_close(got, expected, tolerance):
         torch.testing.assert_close(g, e, **tolerance)
 
 
-@pytest.mark.parametrize("where", ["outside", "inside"])
-@pytest.mark.parametrize("name", list(POLICIES))
-def test_aot_eager_is_bitwise_eager(name, where):
-    policy = POLICIES[name]
-    expected = forward_backward(policy, where, backend=None)
-    assert_close(forward_backward(policy, where, backend="aot_eager"), expected, BITWISE)
-
-
 def attention(layer: str) -> nn.Module:
     torch.manual_seed(0)
     if layer == "encoder-layer":
@@ -188,13 +180,16 @@ def test_inductor_within_bfloat16_rounding(name, where):
 
 @pytest.mark.parametrize("where", ["outside", "inside"])
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_each_step_reuses_the_graph(name, where):
-    # A training loop opens a new region each step: the graph compiled at the first must
-    # serve every later one (hooks gone or filled caches would be guard failures: a
-    # recompile each step, then eager after Dynamo's recompile limit), also with an
-    # eager region (an evaluation pass) between steps. As in a process that never
-    # compiled before: the compile itself moves the regions off the fast path.
+def test_aot_eager_is_bitwise_eager_and_each_step_reuses_the_graph(name, where):
+    # aot_eager runs the traced graph op by op: the first step's output and gradients
+    # equal eager ones bitwise. And a training loop opens a new region each step: the
+    # graph compiled at the first must serve every later one (hooks gone or filled
+    # caches would be guard failures: a recompile each step, then eager after Dynamo's
+    # recompile limit), also with an eager region (an evaluation pass) between steps. As
+    # in a process that never compiled before: the compile itself moves the regions off
+    # the fast path. (One compile serves both checks.)
     policy = POLICIES[name]
+    expected = forward_backward(policy, where, backend=None)
     torch._dynamo.reset()
     torch.manual_seed(0)
     model, graphs = Net(), []
@@ -205,17 +200,20 @@ def test_each_step_reuses_the_graph(name, where):
 
     def backend(gm, example_inputs):
         graphs.append(gm)
-        return gm.forward
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     fn = torch.compile(model if where == "outside" else inside, backend=backend, fullgraph=True)
-    for _ in range(4):
+    for step in range(4):
         region = amped.autocast("cpu", policy=policy)
         with region if where == "outside" else contextlib.nullcontext():
             out = fn(X)
         out.backward()
+        if step == 0:
+            first = out.detach(), [p.grad.clone() for p in model.parameters()]
         with torch.no_grad(), amped.autocast("cpu", policy=policy):
             model(X)  # eagerly
     assert len(graphs) == 1
+    assert_close(first, expected, BITWISE)
 
 
 @pytest.mark.parametrize("where", ["outside", "inside"])

@@ -37,6 +37,7 @@ FACTORY = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # a whole `amped compare` (report and plots included): 5 s
 def test_compare_notes_the_fp8_recipes_gemm_health(tmp_path, capsys):
     factory = tmp_path / "fp8_task.py"
     factory.write_text(FACTORY)

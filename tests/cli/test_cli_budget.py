@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from repo_paths import HELPERS, ROOT
 
 pytest.importorskip("rich")
@@ -257,7 +258,10 @@ def test_wide_spread_warning_names_its_recipes_widest_first():
 @pytest.mark.slow
 @pytest.mark.skipif(cores_available() < 2, reason="needs 2 cores: torch's default is then 2")
 def test_a_busy_machine_at_the_start_gets_one_thread_and_says_so(tmp_path, capsys):
-    # In process: the thread count is chosen where the run starts, in either.
+    # In process: the thread count is chosen where the run starts, in either. The run
+    # starts from torch's default (a pytest-xdist worker runs on its share of the cores).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cores_available())
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in range(cores_available() + 1)]  # fmt: skip
     try:
@@ -270,6 +274,7 @@ def test_a_busy_machine_at_the_start_gets_one_thread_and_says_so(tmp_path, capsy
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
+        torch.set_num_threads(threads)
     out = " ".join(capsys.readouterr().out.split())
     results = json.loads((tmp_path / "results.json").read_text())
     assert validate(results) == []

@@ -63,12 +63,17 @@ def test_a_chosen_layer_the_format_cannot_run_exits_2_naming_it(tmp_path, capsys
             {"0": "dims not multiples of 32", "4": "the output head (the last Linear/Conv1D)"},
             id="default",
         ),
-        pytest.param(("--exclude", "3"), ["1"], {"3": "excluded"}, id="exclude"),
+        # (each case trains two recipes: names-and-exclude covers both flags in the fast
+        # subset, these two the full suite)
+        pytest.param(
+            ("--exclude", "3"), ["1"], {"3": "excluded"}, id="exclude", marks=pytest.mark.slow
+        ),
         pytest.param(
             ("--module-filter", r"[1-3]"),
             ["1", "3"],
             {"0": "not chosen by the module filter"},
             id="regex",
+            marks=pytest.mark.slow,
         ),
         pytest.param(
             ("--module-filter", "3,1", "--exclude", "1"),
@@ -91,6 +96,7 @@ def test_module_filter_and_exclude_choose_the_converted_layers(
     assert [r["steps_done"] for r in results["recipes"]] == [2, 2]
 
 
+@pytest.mark.slow
 def test_the_filter_reaches_the_trained_model(tmp_path, capsys):
     # Excluding every convertible layer leaves mxfp8 training as bf16-mixed does: the
     # same losses, bit for bit; converting them does not.

@@ -10,12 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rich import box
 from rich.console import Console
 from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from amped.cli.width import table as width_table
 from amped.comparison import summary
 from amped.comparison.findings import warnings
 
@@ -32,8 +32,7 @@ def build_tables(results: dict[str, Any]) -> list[Table]:
     tables = []
     for index, (group, keys) in enumerate(summary.GROUPS):
         heading = f"{title}\n{group}" if index == 0 else group
-        table = Table(title=heading, title_justify="left", header_style="bold",
-                      box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)  # fmt: skip
+        table = width_table(heading)
         for key in keys:
             table.add_column(
                 headers[key],

@@ -11,7 +11,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -19,6 +18,7 @@ from amped._internal.files import write_files
 from amped.cli.doctor.html import doctor_html
 from amped.cli.errors import EXIT_OK, EXIT_UNFIXED, RunError, UsageError
 from amped.cli.out_dir import resolve_out
+from amped.cli.width import table as width_table
 from amped.cli.width import wrap
 from amped.comparison.dtypes import parse_low_dtype
 from amped.comparison.environment import default_device, resolve_device
@@ -107,14 +107,7 @@ def doctor_table(report: Report, rows: int = 12, width: int = 80) -> Table:
     keeps its end, after an ellipsis, on a narrow terminal; ``doctor.json`` has it whole).
     """
     where = f"{report.dtype} on {report.device_type}"
-    table = Table(
-        title=f"amped doctor: {where}, policy {report.policy.name!r}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        header_style="bold",
-        pad_edge=False,
-        collapse_padding=True,
-    )
+    table = width_table(f"amped doctor: {where}, policy {report.policy.name!r}")
     worst = sorted(report.ops, key=lambda o: (-(o.n_inf + o.n_nan), -(o.underflow or 0.0), -o.amax))
     cells = [_cells(op) for op in sorted(worst[:rows], key=lambda o: o.index)]
     headers = ("module", "op", "dtype", "max |x|", "inf", "NaN", "underflow", "SQNR dB")

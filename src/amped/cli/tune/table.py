@@ -13,20 +13,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from amped.cli.width import table as width_table
 from amped.tuning import summary as tune_summary
 
 __all__ = ["PIPE_WIDTH", "layer_tables", "print_tune", "verification_table"]
 
 PIPE_WIDTH = 80
-
-
-def _table(title: str) -> Table:
-    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, header_style="bold",
-                 pad_edge=False, collapse_padding=True)  # fmt: skip
 
 
 def _shorten(name: str, room: int) -> str:
@@ -55,7 +50,7 @@ def layer_tables(tuned: dict[str, Any], width: int = 80) -> list[Table]:
     tables = []
     for index, group in enumerate(groups):
         part = f" ({index + 1}/{len(groups)})" if len(groups) > 1 else ""
-        table = _table(f"amped tune, base {tuned['base']}: per layer{part}")
+        table = width_table(f"amped tune, base {tuned['base']}: per layer{part}")
         table.add_column("layer", no_wrap=True, min_width=room, max_width=room)
         table.add_column("FLOPs", justify="right", no_wrap=True, min_width=flops)
         for key in [*group, "choice"]:
@@ -78,7 +73,7 @@ def verification_table(tuned: dict[str, Any]) -> Table:
     columns up to 3 seeds.)"""
     rows = tune_summary.verification_rows(tuned)
     verification = tuned["verification"]
-    table = _table(
+    table = width_table(
         f"Verification: final train loss after {verification['steps']} steps, "
         f"{len(verification['seeds'])} seeds"
     )
@@ -101,7 +96,7 @@ def rounds_table(tuned: dict[str, Any]) -> Table:
     """The verification rounds along the estimate's order of plans, then the rule
     candidates, in the order trained; failed rounds red, the plan kept marked."""
     rows = tune_summary.round_rows(tuned)
-    table = _table("Rounds: the estimate's plans, then the rules that could beat the best")
+    table = width_table("Rounds: the estimate's plans, then the rules that could beat the best")
     for key in ("round", "source", "lowered", "formats", "estimate", "gap", "verdict", "chosen"):
         # The formats wrap (at their commas) where 80 columns are too few; the rest not.
         table.add_column(key, justify="left" if key in ("formats", "verdict", "chosen") else

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -22,6 +21,7 @@ from amped._internal.files import write_files
 from amped.cli.errors import EXIT_FLAGGED, EXIT_OK, RunError, UsageError
 from amped.cli.out_dir import resolve_out
 from amped.cli.verify.html import verify_html
+from amped.cli.width import table as width_table
 from amped.cli.width import wrap
 from amped.comparison.environment import default_device, resolve_device
 from amped.tasks.factory import DEFAULT_FACTORY, load_factory
@@ -85,14 +85,7 @@ def verify_table(report: VerifyReport, width: int = 80) -> Table:
     """One row per GEMM: layer, role, each operand's format, whether the casts are the
     reference's bit for bit, the worst error over its bound, and a flag mark. Sized for
     ``width`` columns: a long layer name keeps its end after an ellipsis."""
-    table = Table(
-        title=f"amped verify: {report.backend} against {report.recipe}",
-        title_justify="left",
-        box=box.SIMPLE_HEAD,
-        header_style="bold",
-        pad_edge=False,
-        collapse_padding=True,
-    )
+    table = width_table(f"amped verify: {report.backend} against {report.recipe}")
     flagged = {(f.layer, f.role) for f in report.flags}
     rows = []
     for g in report.gemms:

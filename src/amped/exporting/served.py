@@ -69,6 +69,15 @@ def _nvfp4_values(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (round_e2m1(scaled) * scale).flatten(-2), tensor_scale
 
 
+def _in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as an autocast region on its device casts a Linear's input (as it is where
+    autocast is off); the layer then runs with autocast off, as the training layer did."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return x.to(torch.get_autocast_dtype(device_type))
+    return x
+
+
 class ServedLinear(torch.nn.Module):
     """``y = x @ weight.T + bias`` with ``x`` quantized per the format (see the module).
 
@@ -98,8 +107,7 @@ class ServedLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            x = x.to(torch.get_autocast_dtype(device_type))
+        x = _in_autocast_dtype(x)
         with torch.autocast(device_type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             dtype = gemm_dtype(x.dtype, x.device)
@@ -170,8 +178,7 @@ class ServedBlockwiseLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device_type = x.device.type
-        if torch.is_autocast_enabled(device_type):
-            x = x.to(torch.get_autocast_dtype(device_type))
+        x = _in_autocast_dtype(x)
         with torch.autocast(device_type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             values, x_scale_inv = _blockwise_values(x2, self.power_of_2)

@@ -118,11 +118,8 @@ def from_amped(
     high: torch.Tensor | None, low: Float8Tensor | BlockwiseTensor | BlockTensor | None
 ) -> Operand:
     """An operand amped's layer reported to its observer (``lowp.health.record_gemm``).
-    Blockwise FP8 (``fp8-blockwise``) is not read: :func:`amped.verify` refuses it first."""
-    if isinstance(low, BlockwiseTensor):
-        raise ValueError(
-            "verify does not read fp8-blockwise's 128-tile casts; verify another recipe"
-        )
+    Never blockwise FP8: :func:`amped.verify` refuses ``fp8-blockwise`` first."""
+    assert not isinstance(low, BlockwiseTensor)
     if isinstance(low, Float8Tensor):
         return _fp8(low.data, low.scale)
     if isinstance(low, BlockTensor):

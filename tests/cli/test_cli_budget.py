@@ -121,12 +121,15 @@ def test_a_slow_first_step_is_warm_up_and_cuts_no_step(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.alone  # the load it measures under is its own (tests/conftest.py)
-def test_every_step_estimate_is_within_2x_of_the_measured_median_under_load(tmp_path):
+def test_every_step_estimate_is_within_4x_of_the_measured_median_under_load(tmp_path):
     # The built-in task and every default recipe, with another process spinning on a
-    # core: an estimate that held a compile or a first step would be many times the
-    # median (48.6 s against 0.29 s, once); load moves both by the same factor. Both
-    # are medians (of the timing steps, of the training steps), so 12 steps, a few
-    # stalls among them, still tell a 2x band from such an estimate.
+    # core: an estimate that held a compile or a first step is 20-170x the median
+    # (48.6 s, 19.5 s and 9.7 s against 0.29-0.47 s, once). Both are medians (of the
+    # timing steps, of the training steps), so a few stalls do not move them, but a
+    # shared machine's speed does between the plan and the training: a clean-clone CI
+    # run measured every recipe's estimate at 0.63-2.16x its median, where this machine
+    # idle gives 0.94-1.2x. A 4x band holds that and still fails every estimate that
+    # held a compile.
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
@@ -145,7 +148,7 @@ def test_every_step_estimate_is_within_2x_of_the_measured_median_under_load(tmp_
     medians = {r["name"]: r["timing"]["median_s"] for r in results["recipes"]}
     assert set(estimates) == set(medians), (estimates, medians)
     ratios = {name: estimates[name] / medians[name] for name in medians}
-    assert all(0.5 <= ratio <= 2 for ratio in ratios.values()), ratios
+    assert all(0.25 <= ratio <= 4 for ratio in ratios.values()), ratios
 
 
 def _cells(page: str) -> list[dict[str, str]]:

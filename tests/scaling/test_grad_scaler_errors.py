@@ -8,9 +8,10 @@ import re
 
 import pytest
 import torch
+from scaler_helpers import BackoffOnly
 
 import amped
-from amped.scaling import Bounded, DynamicScale, Hysteresis, StaticScale
+from amped.scaling.strategies import Bounded, DynamicScale, Hysteresis, StaticScale
 
 BAD_VALUES = {
     "init_scale-zero": (dict(init_scale=0.0), "init_scale=0.0 (of type float)"),
@@ -90,9 +91,12 @@ def scaler(**kwargs):
 
 # strategy= and the strategy wrappers: (what to call, the error, its message).
 BAD_STRATEGIES = {
-    "with-hysteresis": (scaler(strategy=DynamicScale(), hysteresis=2), ValueError, "replaces"),
-    "with-static": (scaler(strategy=StaticScale(), dynamic=False), ValueError, "replaces"),
-    "with-bound": (scaler(strategy=DynamicScale(), min_scale=1.0), ValueError, "replaces"),
+    "with-static": (scaler(strategy=StaticScale(), dynamic=False), ValueError, "one of the two"),
+    "bound-above-own": (
+        scaler(strategy=BackoffOnly(), max_scale=1024.0),
+        ValueError,
+        "init_scale=65536.0",
+    ),
     "a-class": (scaler(strategy=DynamicScale), TypeError, r"strategy=DynamicScale\(\)"),
     "a-string": (scaler(strategy="dynamic"), TypeError, "strategy='dynamic' "),
     "init-above-bound": (

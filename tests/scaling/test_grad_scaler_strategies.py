@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from scaler_helpers import BackoffOnly
 
 import amped
-from amped.scaling import Bounded, DynamicScale, Hysteresis, StaticScale
+from amped.scaling.strategies import Bounded, DynamicScale, Hysteresis, StaticScale
 
 FLAGS = st.lists(st.booleans(), min_size=1, max_size=40)
 
@@ -213,6 +213,19 @@ def test_a_strategy_of_ones_own() -> None:
     assert scales == [64.0, 32.0, 32.0, 32.0, 16.0, 8.0, 8.0]
     assert skipped == flags
     assert scaler.state_dict()["amped"]["counters"] == {"overflows": 3}
+
+
+def test_keywords_wrap_a_strategy_of_ones_own() -> None:
+    # BackoffOnly halves on every overflow and never grows; hysteresis=2 tolerates the
+    # first overflow of a streak, min_scale=16 stops the backoff there.
+    flags = [True, False, True, True, True, True, False]
+    scaler = amped.GradScaler(
+        "cpu", init_scale=64.0, strategy=BackoffOnly(), hysteresis=2, min_scale=16.0
+    )
+    assert scaler.strategy == Bounded(Hysteresis(BackoffOnly(), 2), min_scale=16.0)
+    scales, skipped = drive(scaler, flags)
+    assert scales == [64.0, 64.0, 64.0, 32.0, 16.0, 16.0, 16.0]
+    assert skipped == flags
 
 
 def test_wrappers_compose_in_any_order() -> None:

@@ -81,9 +81,10 @@ class GradScaler:
         growth_interval: clean iterations in a row before the scale grows; >= 1.
         enabled: if False, every method is a pass-through (``step`` just calls
             ``optimizer.step``), so one loop serves fp32, bf16 and fp16.
-        strategy: keyword-only. A :class:`~amped.scaling.ScaleStrategy` that moves the
-            scale (default: torch's rule, :class:`~amped.scaling.DynamicScale`). Give
-            either this or the four keywords below, which compose one.
+        strategy: keyword-only. A :class:`~amped.scaling.ScaleStrategy` of your own
+            that moves the scale (default: torch's rule). ``hysteresis``, ``min_scale``
+            and ``max_scale`` wrap it as they wrap torch's rule; :attr:`strategy` is
+            the composition.
         dynamic: keyword-only. False fixes the scale at ``init_scale`` (steps with
             inf/NaN gradients are still skipped).
         hysteresis: keyword-only. Back off only on the ``hysteresis``-th overflow in

@@ -29,16 +29,17 @@ written by a user, can reach a scale whose reciprocal overflows.
 lets you change them between iterations), so they are passed to every update as
 :class:`GrowthFactors` rather than frozen into the strategy.
 
-Pass a strategy as ``GradScaler(strategy=...)``, or let the scaler's keyword arguments
-compose one (:func:`make_strategy`); both give the same object.
+The scaler's keyword arguments compose the strategy (:func:`make_strategy`) around
+torch's rule, or around a strategy of the user's own given as ``strategy=`` (a
+:class:`ScaleStrategy` subclass). The public names are :class:`ScaleStrategy` (the
+contract) and the keywords; the built-in strategies are what ``GradScaler.strategy``
+hands back, importable here for ``isinstance`` and equality.
 
 Example:
     >>> import amped
-    >>> from amped.scaling import Bounded, DynamicScale, Hysteresis
-    >>> strategy = Bounded(Hysteresis(DynamicScale(), hysteresis=2), min_scale=1.0)
-    >>> amped.GradScaler("cpu", strategy=strategy).strategy == strategy
-    True
-    >>> amped.GradScaler("cpu", hysteresis=2, min_scale=1.0).strategy == strategy
+    >>> from amped.scaling.strategies import Bounded, DynamicScale, Hysteresis
+    >>> scaler = amped.GradScaler("cpu", hysteresis=2, min_scale=1.0)
+    >>> scaler.strategy == Bounded(Hysteresis(DynamicScale(), hysteresis=2), min_scale=1.0)
     True
 """
 
@@ -214,19 +215,23 @@ class Bounded(ScaleStrategy):
 
 def make_strategy(
     *,
+    base: ScaleStrategy | None = None,
     dynamic: object = True,
     hysteresis: object = 1,
     min_scale: object = None,
     max_scale: object = None,
 ) -> ScaleStrategy:
-    """Compose the strategy that :class:`amped.GradScaler`'s keyword arguments describe.
+    """Compose the strategy that :class:`amped.GradScaler`'s keyword arguments describe,
+    around ``base`` (a strategy of the user's own; default: :class:`DynamicScale`, or
+    :class:`StaticScale` for ``dynamic=False``).
 
-    Only what is asked for is wrapped, so the defaults give the bare
-    :class:`DynamicScale` and torch's numbers.
+    Only what is asked for is wrapped, so the defaults give the bare ``base`` (torch's
+    numbers without one).
 
     Raises:
         TypeError, ValueError: an argument of the wrong type or value, or
-            ``dynamic=False`` with a hysteresis or a bound (which would do nothing).
+            ``dynamic=False`` with a hysteresis, a bound or a ``base`` (which would do
+            nothing, or contradict it).
     """
     checked_hysteresis = check_int("hysteresis", hysteresis, minimum=1, rule=_HYSTERESIS_RULE)
     low = check_scale_bound("min_scale", min_scale)
@@ -240,8 +245,15 @@ def make_strategy(
                 "dynamic",
                 dynamic,
             )
+        if base is not None:
+            raise value_error(
+                "dynamic=False fixes the scale, and strategy= gives a strategy of your own "
+                "that moves it: pass one of the two",
+                "dynamic",
+                dynamic,
+            )
         return StaticScale()
-    strategy: ScaleStrategy = DynamicScale()
+    strategy = DynamicScale() if base is None else base
     if checked_hysteresis > 1:
         strategy = Hysteresis(strategy, checked_hysteresis)
     if low is not None or high is not None:
@@ -271,22 +283,11 @@ def describe_strategy(strategy: ScaleStrategy) -> dict[str, object] | None:
 def choose_strategy(
     strategy: object, keywords: Mapping[str, object], init_scale: float
 ) -> ScaleStrategy:
-    """A scaler's strategy: ``strategy`` (a :class:`ScaleStrategy` or None) or, if None,
-    the one its ``keywords`` (:func:`make_strategy`'s) compose; ``init_scale`` must lie
-    inside the outermost bounds."""
-    if strategy is None:
-        chosen = make_strategy(**keywords)
-    else:
-        chosen = check_strategy("strategy", strategy)
-        given = {k: v for k, v in keywords.items() if v != KEYWORD_DEFAULTS[k]}
-        if given:
-            raise value_error(
-                f"strategy= replaces the keywords {sorted(given)} (given {given}); pass "
-                "either a strategy or those keywords, e.g. strategy=Bounded(DynamicScale(), "
-                "min_scale=1.0) instead of min_scale=1.0",
-                "strategy",
-                strategy,
-            )
+    """A scaler's strategy: the one its ``keywords`` (:func:`make_strategy`'s) compose
+    around ``strategy`` (a :class:`ScaleStrategy` of the user's own, or None for torch's
+    rule); ``init_scale`` must lie inside the outermost bounds."""
+    base = None if strategy is None else check_strategy("strategy", strategy)
+    chosen = make_strategy(base=base, **keywords)
     if isinstance(chosen, Bounded):
         low, high = chosen.min_scale, chosen.max_scale
         if (low is not None and init_scale < low) or (high is not None and init_scale > high):
@@ -306,8 +307,9 @@ def check_strategy(name: str, value: object) -> ScaleStrategy:
     if isinstance(value, type) and issubclass(value, ScaleStrategy):
         hint = f"; pass an instance, e.g. {name}={value.__name__}()"
     raise type_error(
-        f"`{name}` must be a ScaleStrategy such as DynamicScale(), StaticScale(), "
-        f"Hysteresis(...) or Bounded(...){hint}",
+        f"`{name}` must be a ScaleStrategy instance: a subclass of "
+        "amped.scaling.ScaleStrategy of your own, or another scaler's `.strategy` (torch's "
+        f"rule, hysteresis and bounds are GradScaler's keywords){hint}",
         name,
         value,
     )

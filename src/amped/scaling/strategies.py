@@ -214,8 +214,9 @@ class Bounded(ScaleStrategy):
 
 
 def make_strategy(
-    *,
     base: ScaleStrategy | None = None,
+    /,
+    *,
     dynamic: object = True,
     hysteresis: object = 1,
     min_scale: object = None,
@@ -287,7 +288,7 @@ def choose_strategy(
     around ``strategy`` (a :class:`ScaleStrategy` of the user's own, or None for torch's
     rule); ``init_scale`` must lie inside the outermost bounds."""
     base = None if strategy is None else check_strategy("strategy", strategy)
-    chosen = make_strategy(base=base, **keywords)
+    chosen = make_strategy(base, **keywords)
     if isinstance(chosen, Bounded):
         low, high = chosen.min_scale, chosen.max_scale
         if (low is not None and init_scale < low) or (high is not None and init_scale > high):

@@ -1,5 +1,5 @@
 """The monitor where users see it: amped compare's notes, the Lightning callback, and
-amped's Accelerate Accelerator (its trackers)."""
+amped's Accelerate Accelerator (its trackers), each with the flight recorder."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import amped
 from amped.cli.main import main
 
 
@@ -69,10 +70,10 @@ def test_lightning_callback_logs_the_counters(tmp_path):
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.01)
 
-    data = torch.utils.data.DataLoader(
-        torch.utils.data.TensorDataset(torch.randn(64, 64)), batch_size=16
-    )
-    callback = HealthCallback(every=2)
+    inputs = torch.randn(64, 64)
+    inputs[16 * 2 + 3, 5] = float("inf")  # the third batch's forward cast meets an inf
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(inputs), batch_size=16)
+    callback = HealthCallback(every=2, record=tmp_path / "bundles")
     trainer = L.Trainer(
         max_steps=4,
         accelerator="cpu",
@@ -88,8 +89,13 @@ def test_lightning_callback_logs_the_counters(tmp_path):
     trainer.fit(Module(), data)
     logged = trainer.logged_metrics
     assert "amped/net.0/forward/underflow_fraction" in logged
-    assert float(logged["amped/nonfinite_steps"]) == 0.0
     assert callback.monitor is not None and callback.monitor.sampled_steps == 2
+    assert float(logged["amped/nonfinite_steps"]) == 1.0
+    # The flight recorder went with it: the step's bundle replays to the same inf.
+    (bundle,) = callback.monitor.recorder.bundles
+    assert bundle.name == "step2-nonfinite"
+    replayed = amped.doctor.replay(bundle)
+    assert replayed.reproduced and replayed.replayed["module"] == "net.0"
 
 
 def test_accelerate_tracker_gets_the_counters(tmp_path):
@@ -121,14 +127,21 @@ def test_accelerate_tracker_gets_the_counters(tmp_path):
         acc.init_trackers("run")
         net = _fp8_net()
         net, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.01))
-        health = acc.monitor(every=1)
-        for _ in range(2):
-            acc.backward(net(torch.randn(8, 64)).float().pow(2).mean())
+        health = acc.monitor(every=1, record=tmp_path / "bundles")
+        for step in range(3):
+            x = torch.randn(8, 64)
+            x[3, 5] = float("inf") if step == 2 else x[3, 5]
+            acc.backward(net(x).float().pow(2).mean())
             opt.step()
             opt.zero_grad()
-        metrics = acc.log_health(step=2)
+        metrics = acc.log_health(step=3)
         tracker = acc.get_tracker("recorder", unwrap=True)
-        assert tracker.logged[-1] == (2, metrics)
-        assert "amped/0/grad_weight/amax" in metrics and health.step == 2
+        assert tracker.logged[-1] == (3, metrics)
+        assert "amped/0/grad_weight/amax" in metrics and health.step == 3
+        # The flight recorder went with it: the step's bundle replays to the same inf.
+        (bundle,) = health.recorder.bundles
+        assert bundle.name == "step2-nonfinite"
+        replayed = amped.doctor.replay(bundle)
+        assert replayed.reproduced and replayed.replayed["module"] == "0"
     finally:
         reset_accelerate_state()

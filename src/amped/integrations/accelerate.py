@@ -38,6 +38,7 @@ import functools
 import os
 import re
 from collections.abc import Generator
+from pathlib import Path
 from types import MethodType
 from typing import Any
 
@@ -129,15 +130,23 @@ class Accelerator(accelerate.Accelerator):
         self.health: Monitor | None = None
 
     def monitor(
-        self, every: int = 50, *, on_nonfinite: str = "skip", strict: bool = False
+        self,
+        every: int = 50,
+        *,
+        on_nonfinite: str = "skip",
+        strict: bool = False,
+        record: str | Path | None = None,
     ) -> Monitor:
         """Attach :func:`amped.monitor` to the prepared setup (after :meth:`prepare`);
-        :meth:`log_health` then sends its counters to the trackers."""
+        :meth:`log_health` then sends its counters to the trackers. ``record``: a folder
+        for the flight recorder's replay bundles (``amped.monitor``'s ``record=``)."""
         if self.setup is None:
             raise RuntimeError(
                 "monitor() needs a prepared model and optimizer; call prepare first."
             )
-        self.health = monitor(self.setup, every, on_nonfinite=on_nonfinite, strict=strict)
+        self.health = monitor(
+            self.setup, every, on_nonfinite=on_nonfinite, strict=strict, record=record
+        )
         return self.health
 
     def log_health(self, step: int | None = None) -> dict[str, float]:

@@ -15,6 +15,7 @@ audit, ``read()``).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -33,10 +34,19 @@ class HealthCallback(pl.Callback):
         every: sample the counters (and log them) every this many optimizer steps.
         on_nonfinite: ``"skip"`` (default), ``"warn"`` or ``"raise"``.
         strict: make a failed audit fatal.
+        record: a folder for the flight recorder's replay bundles (``amped.monitor``'s
+            ``record=``; :func:`amped.doctor.replay` reruns one).
     """
 
-    def __init__(self, every: int = 50, on_nonfinite: str = "skip", strict: bool = False) -> None:
+    def __init__(
+        self,
+        every: int = 50,
+        on_nonfinite: str = "skip",
+        strict: bool = False,
+        record: str | Path | None = None,
+    ) -> None:
         self.every, self.on_nonfinite, self.strict = every, on_nonfinite, strict
+        self.record = record
         self.monitor: Monitor | None = None
         self._logged_at = -1
 
@@ -44,7 +54,11 @@ class HealthCallback(pl.Callback):
         setup = getattr(trainer.precision_plugin, "setup", None)
         if self.monitor is None and setup is not None:
             self.monitor = monitor(
-                setup, self.every, on_nonfinite=self.on_nonfinite, strict=self.strict
+                setup,
+                self.every,
+                on_nonfinite=self.on_nonfinite,
+                strict=self.strict,
+                record=self.record,
             )
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:

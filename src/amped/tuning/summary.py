@@ -14,6 +14,8 @@ from typing import Any, Literal
 __all__ = [
     "DASH",
     "Outcome",
+    "attention_rows",
+    "attention_text",
     "candidate_formats",
     "format_estimate",
     "format_flops",
@@ -123,6 +125,8 @@ def headline(tuned: dict[str, Any]) -> str:
         f"{_budget(tuned)}; {len(tuned['rounds'])} verification round(s)."
     )
     plan = tuned["verification"]["arms"]["plan"]
+    if tuned.get("attention_tuning") is not None:
+        text = f"{text} {attention_text(tuned)}"
     if state == "incomplete":
         return f"{text} Verification incomplete: --max-time ran out, so the plan does not pass."
     verdict = "passed" if state == "passed" else "FAILED"
@@ -130,6 +134,40 @@ def headline(tuned: dict[str, Any]) -> str:
         f"{text} Verification {verdict}: the plan's mean final loss is {plan['gap']:+.4g} "
         f"from bf16-mixed's over the seeds. {source_text(tuned)}"
     )
+
+
+def attention_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
+    """With ``tune(..., attention=...)``, one row per attention role tried, in the order
+    the tuner lowers them (the most accurate first): ``role``, ``rule`` tried, ``flops``,
+    ``sqnr`` (the worst of out, dQ, dK, dV over the modules, dB), ``estimate`` and
+    ``choice`` (the rule kept, or ``bf16``); none when attention was not tuned."""
+    section = tuned.get("attention_tuning")
+    if section is None:
+        return []
+    rows = []
+    for role in section["order"]:
+        figures = section["roles"][role]
+        rows.append({
+            "role": role,
+            "rule": figures["rule"],
+            "flops": format_flops(figures["flops"]),
+            "sqnr": f"{_sqnr(min(figures['sqnr'].values()))} dB",
+            "estimate": format_estimate(figures["loss_change_estimate"]),
+            "choice": figures["rule"] if figures["chosen"] else "bf16",
+        })  # fmt: skip
+    return rows
+
+
+def attention_text(tuned: dict[str, Any]) -> str:
+    """One sentence: the attention roles lowered and those kept in bf16, or why none."""
+    section = tuned["attention_tuning"]
+    roles = section["roles"]
+    low = [r for r in section["order"] if roles[r]["chosen"]]
+    kept = [r for r in section["order"] if not roles[r]["chosen"]]
+    if not low:
+        return f"Attention: no role lowered ({section['reason']})."
+    rest = f"; {', '.join(kept)} in bf16" if kept else ""
+    return f"Attention: {', '.join(low)} lowered ({section['chosen']}){rest}."
 
 
 def source_text(tuned: dict[str, Any]) -> str:
@@ -214,17 +252,27 @@ def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
         layers = entry["layers"]
         low = sum(1 for f in layers.values() if f != "bf16")
         verdict = "passed" if entry["passed"] else "FAILED"
+        formats = _format_counts(layers)
+        attention = entry.get("attention")  # absent in tuned.json before attention tuning
+        if attention is not None:
+            formats += f", attention {attention.count(':')} roles"
+        chosen = layers == tuned["layers"] and attention == _chosen_attention(tuned)
         rows.append({
             "round": str(number),
             "source": entry.get("source", "estimate"),
             "lowered": f"{low}/{len(layers)} ({lowered_share(tuned, layers):.0%})",
-            "formats": _format_counts(layers),
+            "formats": formats,
             "estimate": format_estimate(entry["estimate"]),
             "gap": _number(entry["gap"], "+.4f"),
             "verdict": verdict if entry["completed"] else "incomplete",
-            "chosen": "<- plan" if layers == tuned["layers"] else "",
+            "chosen": "<- plan" if chosen else "",
         })  # fmt: skip
     return rows
+
+
+def _chosen_attention(tuned: dict[str, Any]) -> str | None:
+    section = tuned.get("attention_tuning")
+    return None if section is None else section["chosen"]
 
 
 def _format_counts(layers: dict[str, str]) -> str:

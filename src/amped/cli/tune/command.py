@@ -192,6 +192,7 @@ def _run(
             max_time=args.max_time or None,
             progress=progress,
             module_filter=LayerChoice(args.module_filter, args.exclude).by_name(),
+            attention=args.attention,
         )
     except KeyboardInterrupt:
         raise

@@ -102,8 +102,14 @@ def _flops(call: AttentionCall, role: str) -> int:
     return 2 * batch * q.shape[-3] * q.shape[-2] * k.shape[-2] * dim
 
 
+Outputs = tuple[torch.Tensor, ...]  # out, dQ, dK, dV
+
+
 def _measure_role(
-    role: str, config: AttentionConfig, batches: list[dict[str, AttentionCall]]
+    role: str,
+    config: AttentionConfig,
+    batches: list[dict[str, AttentionCall]],
+    references: list[dict[str, Outputs]],
 ) -> RoleMeasurement:
     alone = ATTENTION_CONFIGS["bf16"].replace(**{role: config.rule(role)},
                                               causal_safe=config.causal_safe,
@@ -114,10 +120,9 @@ def _measure_role(
     sums = {m: [] for m in modules}  # type: dict[str, list[float]]
     squares = {m: [] for m in modules}  # type: dict[str, list[float]]
     flops = 0
-    for calls in batches:
+    for calls, reference in zip(batches, references, strict=True):
         for name in modules:
-            call = calls[name]
-            off = attention_outputs(call, ATTENTION_CONFIGS["bf16"])
+            call, off = calls[name], reference[name]
             low = attention_outputs(call, alone)
             for key, ref, got in zip(OUTPUTS, off, low, strict=True):
                 signal[name][key] += float(ref.double().square().sum())
@@ -181,7 +186,10 @@ def measure_attention(
             "not converted",
             not_converted or "no attention module called",
         )
-    return [_measure_role(r, config, recorded) for r in config.rules()], not_converted
+    off = ATTENTION_CONFIGS["bf16"]
+    references = [{n: attention_outputs(c, off) for n, c in calls.items()} for calls in recorded]
+    measured = [_measure_role(r, config, recorded, references) for r in config.rules()]
+    return measured, not_converted
 
 
 def role_order(measured: list[RoleMeasurement]) -> list[RoleMeasurement]:

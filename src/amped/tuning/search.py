@@ -83,14 +83,15 @@ def source_of(choice: Choice) -> str:
 
 def round_entry(candidate: Candidate, reference: Arm, budget: float) -> dict[str, Any]:
     """One ``rounds`` entry of a trained plan: ``source``, ``index`` (None here),
-    ``layers``, ``attention`` (its spelling, or None), ``estimate``, ``gap``,
+    ``layers``, ``attention`` (its spelling; only for a plan with one), ``estimate``, ``gap``,
     ``final_losses``, ``passed``, ``completed``."""
     choice, arm = candidate.choice, candidate.arm
+    attention = {} if choice.attention is None else {"attention": str(choice.attention)}
     return {
         "source": candidate.source,
         "index": None,
         "layers": dict(choice.layers),
-        "attention": None if choice.attention is None else str(choice.attention),
+        **attention,
         "estimate": choice.estimate,
         "gap": arm.gap(reference),
         "final_losses": list(arm.final_losses),

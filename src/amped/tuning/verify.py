@@ -98,9 +98,10 @@ class Arm:
         return self.completed and math.isfinite(gap) and gap <= budget
 
     def to_dict(self, reference: Arm, budget: float) -> dict[str, Any]:
+        attention = {} if self.attention is None else {"attention": str(self.attention)}
         return {
             "layers": self.layers,
-            "attention": None if self.attention is None else str(self.attention),
+            **attention,
             "final_losses": self.final_losses,
             "mean": self.mean,
             "spread": self.spread,

@@ -151,11 +151,17 @@ def attention_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
             "role": role,
             "rule": figures["rule"],
             "flops": format_flops(figures["flops"]),
-            "sqnr": f"{_sqnr(min(figures['sqnr'].values()))} dB",
+            "sqnr": f"{_sqnr(_worst(figures['sqnr'].values()))} dB",
             "estimate": format_estimate(figures["loss_change_estimate"]),
             "choice": figures["rule"] if figures["chosen"] else "bf16",
         })  # fmt: skip
     return rows
+
+
+def _worst(values: Any) -> float | None:
+    """The lowest SQNR; a saved tuned.json spells infinities ``"inf"`` and NaN null."""
+    numbers = [float(v) for v in values if v is not None]
+    return min(numbers) if numbers else None
 
 
 def attention_text(tuned: dict[str, Any]) -> str:
@@ -230,7 +236,7 @@ def verification_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
         row = {
             "arm": name,
             "lowered": f"{low}/{len(layers)} ({lowered_share(tuned, layers):.0%})",
-            "formats": _format_counts(layers),
+            "formats": _format_counts(layers) + _roles_count(arm.get("attention")),
         }
         losses = list(arm["final_losses"])
         for index, seed in enumerate(verification["seeds"]):
@@ -244,7 +250,8 @@ def verification_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
 def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
     """One row per verification round, in the order trained: ``round``, ``source``
     (``estimate`` or the rule), ``lowered`` (layers and FLOPs), ``formats`` (how many
-    layers each format lowers, most first), ``estimate`` (summed),
+    layers each format lowers, most first, then the attention roles lowered),
+    ``estimate`` (summed),
     ``gap`` to bf16-mixed and ``verdict`` (``passed``, ``FAILED`` or ``incomplete``);
     ``chosen`` marks the plan kept."""
     rows = []
@@ -252,10 +259,8 @@ def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
         layers = entry["layers"]
         low = sum(1 for f in layers.values() if f != "bf16")
         verdict = "passed" if entry["passed"] else "FAILED"
-        formats = _format_counts(layers)
         attention = entry.get("attention")  # absent in tuned.json before attention tuning
-        if attention is not None:
-            formats += f", attention {attention.count(':')} roles"
+        formats = _format_counts(layers) + _roles_count(attention)
         chosen = layers == tuned["layers"] and attention == _chosen_attention(tuned)
         rows.append({
             "round": str(number),
@@ -268,6 +273,12 @@ def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
             "chosen": "<- plan" if chosen else "",
         })  # fmt: skip
     return rows
+
+
+def _roles_count(attention: str | None) -> str:
+    """``, attention 5``: the attention roles a plan lowers (its config's spelling
+    names each as ``role:rule``); empty for a plan without an attention config."""
+    return "" if attention is None else f", attention {attention.count(':')}"
 
 
 def _chosen_attention(tuned: dict[str, Any]) -> str | None:

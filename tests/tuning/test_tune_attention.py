@@ -206,3 +206,13 @@ def test_prepare_refuses_an_attention_argument_beside_a_plans_own() -> None:
     plan = PrecisionPlan("bf16-mixed", {}, KEPT)
     with pytest.raises(ValueError, match="carries its own attention config"):
         amped.prepare(model, torch.optim.AdamW(model.parameters()), plan, attention="fp8")
+
+
+@pytest.mark.slow
+def test_no_mxfp8_role_is_lowered_for_hopper_and_the_result_says_why() -> None:
+    result = amped.tune(attention_task, formats=["fp8-rowwise"], steps=1, seeds=1,
+                        budget=1.0, attention="mxfp8", target="hopper", rounds=1)  # fmt: skip
+    assert result.plan.attention is None and result.plan.lowered()
+    assert result.attention is not None and "no role of" in result.attention["reason"]
+    assert not any(r["source"] == "attention" for r in result.rounds)
+    assert result.to_dict()["schema"] == "amped.tune/1"

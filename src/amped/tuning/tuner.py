@@ -167,6 +167,8 @@ def _with_attention(
     entries = [entry | {"source": "attention"} for entry in found.rounds]
     if found.arm.passed(reference, budget):
         return Candidate(plan.source, found.choice, found.arm), entries, None
+    if not found.arm.completed:
+        return plan, entries, "max_time ran out before a set of roles finished its verification"
     return plan, entries, "every set of roles trained failed its verification"
 
 

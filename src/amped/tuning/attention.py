@@ -25,6 +25,7 @@ rounds as the Linear plans (:func:`amped.tuning.search.search_path`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -117,8 +118,8 @@ def _measure_role(
     modules = list(batches[0])
     signal = {m: dict.fromkeys(OUTPUTS, 0.0) for m in modules}
     noise = {m: dict.fromkeys(OUTPUTS, 0.0) for m in modules}
-    sums = {m: [] for m in modules}  # type: dict[str, list[float]]
-    squares = {m: [] for m in modules}  # type: dict[str, list[float]]
+    sums: dict[str, list[float]] = {m: [] for m in modules}  # per batch: sum of d_row
+    squares: dict[str, list[float]] = {m: [] for m in modules}  # (N / 2) * sum of d_row^2
     flops = 0
     for calls, reference in zip(batches, references, strict=True):
         for name in modules:
@@ -142,10 +143,10 @@ def _measure_role(
 
 def _db(signal: float, noise: float) -> float:
     if noise == 0:
-        return float("inf")
+        return math.inf
     if signal == 0:
-        return float("-inf")
-    return 10 * float(torch.tensor(signal / noise, dtype=torch.float64).log10())
+        return -math.inf
+    return 10 * math.log10(signal / noise)
 
 
 def _loss_on(loss_fn: Callable[[Any, Any], torch.Tensor], targets: Any) -> Callable[[Any], Any]:

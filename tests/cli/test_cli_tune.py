@@ -118,6 +118,12 @@ def test_a_model_with_no_eligible_layer_is_one_line(capsys, tmp_path):
     assert "0: its dims 10x6 are not multiples of 16" in line  # each layer, and why
 
 
+def test_attention_for_a_model_without_attention_is_one_line(capsys, tmp_path):
+    line = _usage_line(capsys, tmp_path / "r", *TINY, "--attention", "fp8")
+    assert "--attention tunes the attention amped converts" in line
+    assert "no nn.MultiheadAttention and not a transformers model" in line
+
+
 def test_excluding_every_eligible_layer_is_one_line_naming_the_flags(capsys, tmp_path):
     line = _usage_line(capsys, tmp_path / "r", *TINY, "--module-filter", "[02]",
                        "--exclude", "0,2")  # fmt: skip

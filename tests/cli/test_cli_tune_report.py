@@ -23,7 +23,14 @@ from amped.cli.tune.command import exit_code
 from amped.cli.tune.plots import sensitivity_chart
 from amped.cli.tune.report import render_html, write_report
 from amped.cli.tune.table import layer_tables, print_tune
-from amped.tuning.summary import headline, layer_rows, outcome, round_rows, verification_rows
+from amped.tuning.summary import (
+    attention_rows,
+    headline,
+    layer_rows,
+    outcome,
+    round_rows,
+    verification_rows,
+)
 
 CONTEXT = {"task": "tiny-gpt", "device": "cpu", "created": "2026-12-01T18:00:00+00:00",
            "command": ["amped", "tune", "--formats", "fp8-rowwise,nvfp4"]}  # fmt: skip
@@ -240,3 +247,23 @@ def test_the_pair_is_written_and_tuned_json_is_the_document(tmp_path):
     assert (json_path.name, html_path.name) == ("tuned.json", "tune.html")
     assert from_json(json_path.read_text()) == tuned
     assert "No plan meets the budget" in html_path.read_text()
+
+
+def test_the_attention_roles_are_shown_in_the_order_lowered_with_the_roles_kept():
+    tuned = tune_fixture.with_attention()
+    rows = attention_rows(tuned)
+    assert [(r["role"], r["sqnr"], r["choice"]) for r in rows] == [
+        ("o", "30 dB", "mxfp8/head"), ("dv", "29 dB", "mxfp8/head"), ("s", "1 dB", "bf16")
+    ]  # fmt: skip
+    assert "Attention: o, dv lowered (o:mxfp8/head,dv:mxfp8/head); s in bf16." in headline(tuned)
+    assert [r["chosen"] for r in round_rows(tuned)] == ["", "", "<- plan"]
+    assert round_rows(tuned)[2]["formats"] == "fp8-rowwise 2, nvfp4 2, attention 2"
+    assert "Attention roles, in the order they are lowered" in _printed(tuned)
+    page = render_html(tuned, CONTEXT)
+    assert "<h2>Attention roles</h2>" in page and "s in bf16" in page
+
+
+def test_a_document_without_attention_shows_no_attention_table():
+    tuned = tune_fixture.passed()
+    assert attention_rows(tuned) == []
+    assert "Attention" not in _printed(tuned) and "Attention roles" not in render_html(tuned, {})

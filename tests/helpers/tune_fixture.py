@@ -199,3 +199,47 @@ def six_formats() -> dict[str, Any]:
     tuned["measurements"][LONG_NAME] = tuned["measurements"].pop("head")
     tuned["layers"][LONG_NAME] = tuned["layers"].pop("head")
     return tuned
+
+
+_ROLES = {  # role: (worst SQNR dB as tuned.json writes it, estimate, chosen)
+    "s": ({"out": 1.1, "dq": 5.2, "dk": 4.0, "dv": 3.9}, 2.6e-4, False),
+    "o": ({"out": 29.8, "dq": "inf", "dk": "inf", "dv": "inf"}, 2.0e-6, True),
+    "dv": ({"out": "inf", "dq": "inf", "dk": "inf", "dv": 28.7}, 0.0, True),
+}
+ATTENTION_KEPT = "o:mxfp8/head,dv:mxfp8/head"
+
+
+def with_attention() -> dict[str, Any]:
+    """The passed document tuned with ``attention="mxfp8"`` over three roles, read back
+    from JSON (infinities as ``"inf"``): ``s`` failed its round and stays bf16."""
+    document = passed()
+    roles = {
+        role: {"rule": "mxfp8/head", "flops": 524288, "sqnr": sqnr,
+               "loss_change_estimate": estimate, "loss_change_coherent": estimate,
+               "loss_change_second_order": 0.0, "chosen": chosen}
+        for role, (sqnr, estimate, chosen) in _ROLES.items()
+    }  # fmt: skip
+    document["attention_tuning"] = {
+        "config": "s:mxfp8/head,o:mxfp8/head,dv:mxfp8/head",
+        "target": "blackwell",
+        "speedups": dict.fromkeys(_ROLES, 2.0),
+        "order": ["o", "dv", "s"],
+        "roles": roles,
+        "chosen": ATTENTION_KEPT,
+        "reason": None,
+        "not_converted": [],
+    }
+    document["schema"] = "amped.tune/2"
+    document["attention"] = dict.fromkeys(("s", "dp", "dq", "dk")) | {
+        "o": "mxfp8/head", "dv": "mxfp8/head", "causal_safe": True, "block_size": 128
+    }  # fmt: skip
+    plan = document["verification"]["arms"]["plan"] | {"attention": ATTENTION_KEPT}
+    document["verification"]["arms"]["plan"] = plan
+    every = "s:mxfp8/head," + ATTENTION_KEPT
+    document["rounds"] = [
+        _round(5, PLAN, 0.0072, 0.0047),
+        _round(3, PLAN, 0.0075, 0.0213) | {"source": "attention", "attention": every,
+                                           "passed": False},
+        _round(2, PLAN, 0.0072, 0.0049) | {"source": "attention", "attention": ATTENTION_KEPT},
+    ]  # fmt: skip
+    return document

@@ -211,6 +211,11 @@ def _add_tune(tune: argparse.ArgumentParser) -> None:
         "the budget by the estimate, each later one moves along the estimate's order (a "
         "bisection); 1 verifies that first plan only (default: "
         f"{DEFAULT_TUNE_ROUNDS})")  # fmt: skip
+    add("--attention", default=None, metavar="FORMAT",
+        choices=sorted(name for name in ATTENTION_CONFIGS if name != "bf16"),
+        help="also tune the attention: the format to try in each role ("
+        f"{', '.join(sorted(n for n in ATTENTION_CONFIGS if n != 'bf16'))}); roles that "
+        "fail the budget or the verification stay bf16 (default: attention as it is)")  # fmt: skip
     _add_layer_arguments(tune, "tune may lower")
     _add_task_arguments(tune, "cpu, cuda or cuda:N (default: cuda if available)", DEFAULT_TUNE_OUT)
     add("--max-time", type=seconds, default=DEFAULT_TUNE_MAX_TIME, metavar="SECONDS",

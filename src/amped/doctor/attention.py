@@ -25,9 +25,26 @@ from amped.lowp.float8.cast import sqnr
 from amped.recipes.attention import attention_modules, convert_model_attention
 from amped.tasks.task import call_model
 
-__all__ = ["AttentionReport", "diagnose_attention"]
+__all__ = [
+    "AttentionCall",
+    "AttentionReport",
+    "attention_outputs",
+    "capture_attention",
+    "diagnose_attention",
+]
 
 OUTPUTS = ("out", "dq", "dk", "dv")
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention module's call in the recorded step: its float32 Q, K, V, the SDPA
+    arguments (``attn_mask``, ``is_causal``, ...; ``dropout_p`` as called) and the
+    output gradient dO."""
+
+    qkv: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    arguments: dict[str, Any]
+    grad_out: torch.Tensor
 
 
 @dataclass
@@ -81,6 +98,18 @@ def diagnose_attention(
         ['all', 'dk', 'dp', 'dq', 'dv', 'o', 's']
     """
     cfg = resolve_config(config)
+    calls, not_converted = capture_attention(model, inputs, loss_fn)
+    sqnr_by_module = {name: _role_sqnr(cfg, call) for name, call in calls.items()}
+    return AttentionReport(str(cfg), sqnr_by_module, not_converted)
+
+
+def capture_attention(
+    model: torch.nn.Module, inputs: Any, loss_fn: Callable[[Any], torch.Tensor]
+) -> tuple[dict[str, AttentionCall], list[tuple[str, str]]]:
+    """Each attention module's call in one float32 step of a copy of ``model`` in
+    ``eval()`` mode, its attention converted with every role off (module doc), and the
+    attention modules that did not convert, ``(name, reason)``. A module called more
+    than once keeps its last call; one that got no output gradient is left out."""
     reference = copy.deepcopy(model).eval()
     conversion = convert_model_attention(reference, ATTENTION_CONFIGS["bf16"])
     captured: dict[str, tuple[tuple[torch.Tensor, ...], dict[str, Any], list[torch.Tensor]]] = {}
@@ -98,27 +127,23 @@ def diagnose_attention(
     for module in attention_modules(reference).values():
         module.attention_recorder = record  # type: ignore[assignment]
     loss_fn(call_model(reference, inputs)).backward()
-    sqnr_by_module = {
-        name: _role_sqnr(cfg, tensors, arguments, grads[0])
+    calls = {
+        name: AttentionCall(tensors, arguments, grads[0])  # type: ignore[arg-type]
         for name, (tensors, arguments, grads) in captured.items()
         if grads
     }
-    return AttentionReport(str(cfg), sqnr_by_module, list(conversion.not_converted))
+    return calls, list(conversion.not_converted)
 
 
-def _role_sqnr(
-    cfg: AttentionConfig, qkv: tuple[torch.Tensor, ...], arguments: dict[str, Any],
-    grad_out: torch.Tensor,
-) -> dict[str, dict[str, float]]:  # fmt: skip
+def _role_sqnr(cfg: AttentionConfig, call: AttentionCall) -> dict[str, dict[str, float]]:
     """Each cast role of ``cfg`` alone, then all: SQNR of (out, dq, dk, dv)."""
-    kwargs = {**arguments, "dropout_p": 0.0}
-    off = _run(qkv, grad_out, kwargs, ATTENTION_CONFIGS["bf16"])
+    off = attention_outputs(call, ATTENTION_CONFIGS["bf16"])
     every_off = {r: None for r in cfg.rules()}
     configs = {role: cfg.replace(**{**every_off, role: rule}) for role, rule in cfg.rules().items()}
     configs["all"] = cfg
     out = {}
     for role, one in configs.items():
-        ran = _run(qkv, grad_out, kwargs, one)
+        ran = attention_outputs(call, one)
         out[role] = {
             name: math.inf if torch.equal(a, b) else float(sqnr(b, a))
             for name, a, b in zip(OUTPUTS, ran, off, strict=True)
@@ -126,12 +151,11 @@ def _role_sqnr(
     return out
 
 
-def _run(
-    qkv: tuple[torch.Tensor, ...], grad_out: torch.Tensor, kwargs: dict[str, Any],
-    cfg: AttentionConfig,
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    q, k, v = (x.clone().requires_grad_() for x in qkv)
+def attention_outputs(call: AttentionCall, cfg: AttentionConfig) -> tuple[torch.Tensor, ...]:
+    """``(out, dQ, dK, dV)`` of ``call`` re-run in ``cfg``, without dropout."""
+    q, k, v = (x.clone().requires_grad_() for x in call.qkv)
+    kwargs = {**call.arguments, "dropout_p": 0.0}
     out = scaled_dot_product_attention(q, k, v, **kwargs, config=cfg)
-    out.backward(grad_out.to(out.dtype))
+    out.backward(call.grad_out.to(out.dtype))
     assert q.grad is not None and k.grad is not None and v.grad is not None
     return out.detach(), q.grad, k.grad, v.grad

@@ -156,6 +156,45 @@ class AttentionConfig:
         """A copy with ``changes`` (e.g. ``dq=None, dk=None``), checked again."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def to_dict(self) -> dict[str, object]:
+        """Every role's spelling (None: not cast), ``causal_safe`` and ``block_size``: a
+        JSON object that :meth:`from_dict` reads back to an equal config."""
+        roles: dict[str, object] = {
+            r: None if (c := self.rule(r)) is None else str(c) for r in ROLES
+        }
+        return roles | {"causal_safe": self.causal_safe, "block_size": self.block_size}
+
+    @classmethod
+    def from_dict(cls, data: object) -> AttentionConfig:
+        """The config :meth:`to_dict` wrote.
+
+        Raises:
+            ValueError: ``data`` is not an object with exactly the keys :meth:`to_dict`
+                writes, a role is not a rule's spelling or null, ``causal_safe`` not a
+                bool, or ``block_size`` not a multiple of 32; the message says which.
+        """
+        keys = (*ROLES, "causal_safe", "block_size")
+        if not isinstance(data, dict) or set(data) != set(keys):
+            got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+            raise value_error(
+                f"An attention config is written as an object with the keys {list(keys)}",
+                "keys",
+                got,
+            )
+        rules = {}
+        for role in ROLES:
+            text = data[role]
+            if text is not None and not isinstance(text, str):
+                raise value_error(
+                    f"Attention role {role!r} is a rule's spelling (e.g. 'e4m3/head') or null",
+                    role,
+                    text,
+                )
+            rules[role] = None if text is None else AttentionCast.parse(text)
+        if not isinstance(data["causal_safe"], bool):
+            raise value_error("causal_safe is true or false", "causal_safe", data["causal_safe"])
+        return cls(**rules, causal_safe=data["causal_safe"], block_size=data["block_size"])
+
     def __str__(self) -> str:
         parts = [f"{role}:{rule}" for role, rule in self.rules().items()] or ["off"]
         if not self.causal_safe:

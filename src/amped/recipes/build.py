@@ -54,7 +54,8 @@ def prepare(
         recipe: a recipe name or alias (see :data:`amped.recipes.registry.RECIPES`), or
             a per-layer plan: a :class:`~amped.recipes.plan.PrecisionPlan`, or the path of
             a ``tuned.json`` written by ``amped.tune`` (a ``pathlib.Path``, or a string
-            ending in ``.json``); see docs/tune.md.
+            ending in ``.json``); see docs/tune.md. A plan's attention config, when it
+            has one, is applied as ``attention=`` applies it.
         policy: the autocast policy (an :class:`amped.Policy` or preset name).
         scaler: a GradScaler to use instead of the recipe's default one.
         base: FP8 recipes only: the recipe that keeps weights and optimizer state
@@ -89,6 +90,19 @@ def prepare(
         True
     """
     attention_config = None if attention is None else resolve_config(attention)  # first
+    if isinstance(recipe, os.PathLike) or (isinstance(recipe, str) and recipe.endswith(".json")):
+        recipe = PrecisionPlan.load(recipe)
+    if (
+        attention_config is not None
+        and isinstance(recipe, PrecisionPlan)
+        and recipe.attention is not None
+    ):
+        raise value_error(
+            f"The plan carries its own attention config ({recipe.attention}), which prepare "
+            "applies; pass attention= only with a recipe name or a plan without one",
+            "attention",
+            attention,
+        )
     setup = _prepare(model, optimizer, recipe, policy, scaler, base, module_filter,
                      _config_argument(config, fp8_config))  # fmt: skip
     if attention_config is not None:
@@ -99,15 +113,13 @@ def prepare(
 def _prepare(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    recipe: str | Recipe | PrecisionPlan | os.PathLike[str],
+    recipe: str | Recipe | PrecisionPlan,
     policy: Policy | str | None,
     scaler: GradScaler | None,
     base: str | Recipe | None,
     module_filter: ModuleFilter | None,
     config: LowPrecisionConfig | None,
 ) -> TrainSetup:
-    if isinstance(recipe, os.PathLike) or (isinstance(recipe, str) and recipe.endswith(".json")):
-        recipe = PrecisionPlan.load(recipe)
     if isinstance(recipe, PrecisionPlan):
         return _prepare_plan(model, optimizer, recipe, policy, scaler, base, module_filter, config)
     chosen = resolve_recipe(recipe)

@@ -36,6 +36,7 @@ import torch
 
 from amped._internal.errors import type_error, value_error
 from amped._internal.jsonio import from_json, to_json
+from amped.lowp.attention_config import AttentionConfig, resolve_config
 from amped.lowp.conv1d import is_linear_like, linear_dims
 from amped.lowp.convert import LowPrecisionConfig, LowPrecisionLayers, convert_layers
 from amped.lowp.float8.config import FLOAT8_CONFIGS
@@ -43,16 +44,29 @@ from amped.lowp.float8.linear import Float8Linear
 from amped.lowp.mx.block_config import BLOCK_CONFIGS, BlockConfig
 from amped.lowp.mx.block_linear import BlockLinear
 from amped.optim.shards import fsdp_modules
+from amped.recipes.attention import convert_model_attention
 from amped.recipes.lowp_wire import install_low_precision_wire
 from amped.recipes.registry import Recipe, resolve_recipe
 from amped.recipes.setup import TrainSetup
 from amped.recipes.weights import require_float32
 from amped.scaling import GradScaler
 
-__all__ = ["PLAN_FORMATS", "PLAN_SCHEMA", "PrecisionPlan", "format_config", "format_multiple"]
+__all__ = [
+    "PLAN_FORMATS",
+    "PLAN_SCHEMA",
+    "PLAN_SCHEMA_ATTENTION",
+    "PrecisionPlan",
+    "format_config",
+    "format_multiple",
+]
 
 PLAN_SCHEMA = "amped.tune/1"
-"""The ``"schema"`` of a tuned.json; :meth:`PrecisionPlan.load` reads this one only."""
+"""The ``"schema"`` of a tuned.json whose plan has no attention config."""
+
+PLAN_SCHEMA_ATTENTION = "amped.tune/2"
+"""The ``"schema"`` of a tuned.json whose plan carries an attention config (its
+``"attention"`` key): a reader that knows only ``amped.tune/1`` refuses it rather than
+dropping the attention. :meth:`PrecisionPlan.load` reads both."""
 
 PLAN_FORMATS = (
     "bf16",
@@ -110,6 +124,22 @@ def _file_error(message: str, name: str, value: Any) -> ValueError:
     )
 
 
+def _attention_entry(entry: Any) -> AttentionConfig | None:
+    """A tuned.json's ``"attention"``: None (absent or null) or a config's object."""
+    if entry is None:
+        return None
+    try:
+        return AttentionConfig.from_dict(entry)
+    except ValueError as error:
+        raise _file_error(
+            'its "attention" is null or an attention config object (AttentionConfig.to_dict: '
+            f"each of the roles s, o, dv, dp, dq, dk a rule such as 'e4m3/head' or null, "
+            f"causal_safe, block_size), but {error}",
+            "attention",
+            entry,
+        ) from None
+
+
 def _is_fsdp_module(module: torch.nn.Module) -> bool:
     return any(m is module for m in fsdp_modules(module))
 
@@ -144,20 +174,26 @@ def layer_ineligibility(module: torch.nn.Module | None, fmt: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionPlan:
-    """A format per Linear layer over one base recipe.
+    """A format per Linear layer over one base recipe, and optionally an attention config.
 
     Attributes:
         base: the recipe that keeps weights and optimizer state and runs everything
             else (``bf16-mixed``, ``bf16-master``, ``bf16-pure``, ``bf16-pure-sr``).
         layers: module name -> format (one of :data:`PLAN_FORMATS`), in model order.
+        attention: the config the model's attention runs in, as
+            ``prepare(..., attention=config)`` converts it (a preset name is stored
+            resolved); None: the attention is left as it is.
     """
 
     base: str
     layers: Mapping[str, str]
+    attention: AttentionConfig | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, Mapping):
             raise type_error("layers maps module names to formats", "layers", self.layers)
+        if self.attention is not None:
+            object.__setattr__(self, "attention", resolve_config(self.attention))
         chosen = resolve_recipe(self.base)
         if chosen.name not in PLAN_BASES:
             raise value_error(f"A plan's base is one of {', '.join(PLAN_BASES)}", "base", self.base)
@@ -181,17 +217,29 @@ class PrecisionPlan:
         return {name: fmt for name, fmt in self.layers.items() if fmt != "bf16"}
 
     def to_dict(self) -> dict[str, Any]:
-        """``{"schema", "base", "layers"}``: the plan part of a tuned.json."""
-        return {"schema": PLAN_SCHEMA, "base": self.base, "layers": dict(self.layers)}
+        """``{"schema", "base", "layers"}``: the plan part of a tuned.json; with an
+        attention config also ``"attention"`` (:meth:`AttentionConfig.to_dict`), under
+        :data:`PLAN_SCHEMA_ATTENTION`."""
+        if self.attention is None:
+            return {"schema": PLAN_SCHEMA, "base": self.base, "layers": dict(self.layers)}
+        return {
+            "schema": PLAN_SCHEMA_ATTENTION,
+            "base": self.base,
+            "layers": dict(self.layers),
+            "attention": self.attention.to_dict(),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> PrecisionPlan:
-        """The plan of a tuned.json's content (its other keys are ignored)."""
-        if not isinstance(data, Mapping) or data.get("schema") != PLAN_SCHEMA:
+        """The plan of a tuned.json's content (its other keys are ignored); a missing or
+        null ``"attention"`` is no attention config (tuned.json files written before
+        attention was tuned have none)."""
+        schemas = (PLAN_SCHEMA, PLAN_SCHEMA_ATTENTION)
+        if not isinstance(data, Mapping) or data.get("schema") not in schemas:
             schema = data.get("schema") if isinstance(data, Mapping) else None
             raise value_error(
-                f"A plan is read from a tuned.json with schema {PLAN_SCHEMA!r} (written by "
-                "amped.tune or `amped tune`)",
+                f"A plan is read from a tuned.json with schema {PLAN_SCHEMA!r} or "
+                f"{PLAN_SCHEMA_ATTENTION!r} (written by amped.tune or `amped tune`)",
                 "schema",
                 schema,
             )
@@ -212,7 +260,7 @@ class PrecisionPlan:
                     "format",
                     fmt,
                 )
-        return cls(base, layers)
+        return cls(base, layers, _attention_entry(data.get("attention")))
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write :meth:`to_dict` as JSON to ``path``; returns the path."""
@@ -286,7 +334,10 @@ class PrecisionPlan:
 
     def digest(self) -> str:
         """Eight hex digits naming this plan (its base and layers)."""
-        text = json.dumps([self.base, sorted(self.layers.items())])
+        parts: list[Any] = [self.base, sorted(self.layers.items())]
+        if self.attention is not None:  # plans without one keep their earlier digest
+            parts.append(self.attention.to_dict())
+        text = json.dumps(parts)
         return hashlib.sha256(text.encode()).hexdigest()[:8]
 
 
@@ -354,6 +405,8 @@ def apply_plan(plan: PrecisionPlan, setup: TrainSetup) -> TrainSetup:
         setup.low_precision_layers = converted
         setup.low_precision_base = plan.base
         install_low_precision_wire(setup.model, converted)  # FSDP2: FP8 or FP4 weights on the wire
+    if plan.attention is not None:  # as prepare(..., attention=plan.attention) converts
+        setup.attention = convert_model_attention(setup.model, plan.attention)
     setup.recipe = plan_recipe(plan)
     return setup
 

@@ -2,6 +2,8 @@
 
 - :mod:`.task`: the factory contract, on the library side;
 - :mod:`.measure`: per-layer, per-format shadow measurements;
+- :mod:`.attention`: per-role attention measurements and the roles' order of plans
+  (``tune(..., attention=...)``);
 - :mod:`.choose`: the estimate's order of plans, the first/last-N rule, the format
   speed table;
 - :mod:`.verify`: paired training runs of a plan (an arm);

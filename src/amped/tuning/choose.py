@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass
 
 from amped._internal.errors import value_error
+from amped.lowp.attention_config import AttentionConfig
 from amped.tuning.measure import LayerMeasurement
 
 __all__ = [
@@ -73,6 +74,7 @@ class Choice:
     first: int | None = None  # for a rule: the first N eligible layers kept in bf16
     last: int | None = None  # and the last M
     format: str | None = None  # and the one format the rest run in
+    attention: AttentionConfig | None = None  # the attention roles lowered (None: as it is)
 
 
 def _options(m: LayerMeasurement, speed: dict[str, float]) -> list[tuple[str, float, float]]:

@@ -1,5 +1,6 @@
 """``TuneResult``: what ``amped.tune`` found, and the tuned.json it writes
-(``"schema": "amped.tune/1"``; docs/tune.md, "Output").
+(``"schema": "amped.tune/1"``, ``"amped.tune/2"`` when the plan has an attention config;
+docs/tune.md, "Output").
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from amped._internal.files import write_files
 from amped._internal.jsonio import to_json
-from amped.recipes.plan import PLAN_SCHEMA, PrecisionPlan
+from amped.recipes.plan import PrecisionPlan
 from amped.tuning.choose import Choice
 from amped.tuning.measure import LayerMeasurement
 from amped.tuning.verify import Arm
@@ -47,6 +48,10 @@ class TuneResult:
             every entry says its ``source``; empty when no plan fits the budget.
         source: where the plan came from: ``"estimate"`` or
             ``"rule: first N/last M, <format>"``.
+        attention: with ``tune(..., attention=...)``, what was tried on the attention
+            roles (tuned.json's ``"attention_tuning"``: the config tried, each role's
+            measurement and whether it was kept, the roles' order, the config kept and
+            why none was, when none was); None when attention was not tuned.
     """
 
     plan: PrecisionPlan
@@ -61,6 +66,7 @@ class TuneResult:
     settings: dict[str, Any]
     rounds: list[dict[str, Any]] = field(default_factory=list)
     source: str = "estimate"
+    attention: dict[str, Any] | None = None
 
     @property
     def passed(self) -> bool:
@@ -72,9 +78,7 @@ class TuneResult:
         """The content of tuned.json (non-finite numbers as amped's JSON writes them)."""
         reference = self.arms["bf16-mixed"]
         return {
-            "schema": PLAN_SCHEMA,
-            "base": self.plan.base,
-            "layers": dict(self.plan.layers),
+            **self.plan.to_dict(),  # schema, base, layers and the attention config
             "passed": self.passed,
             "source": self.source,
             "reason": self.reason,
@@ -103,6 +107,7 @@ class TuneResult:
             },
             "rounds": copy.deepcopy(self.rounds),
             "passes": self.passes,
+            "attention_tuning": copy.deepcopy(self.attention),
         }
 
     def save(self, path: str | os.PathLike[str]) -> Path:

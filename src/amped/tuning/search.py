@@ -83,12 +83,15 @@ def source_of(choice: Choice) -> str:
 
 def round_entry(candidate: Candidate, reference: Arm, budget: float) -> dict[str, Any]:
     """One ``rounds`` entry of a trained plan: ``source``, ``index`` (None here),
-    ``layers``, ``estimate``, ``gap``, ``final_losses``, ``passed``, ``completed``."""
+    ``layers``, ``attention`` (its spelling; only for a plan with one), ``estimate``, ``gap``,
+    ``final_losses``, ``passed``, ``completed``."""
     choice, arm = candidate.choice, candidate.arm
+    attention = {} if choice.attention is None else {"attention": str(choice.attention)}
     return {
         "source": candidate.source,
         "index": None,
         "layers": dict(choice.layers),
+        **attention,
         "estimate": choice.estimate,
         "gap": arm.gap(reference),
         "final_losses": list(arm.final_losses),
@@ -178,14 +181,15 @@ def train_choice(
     deadline: float | None,
     tick: Callable[[], None],
 ) -> Arm:
-    """Train ``choice`` as arm ``name``, or reuse an arm that trained the same layers (the
-    all-bf16 plan computes exactly what bf16-mixed does)."""
+    """Train ``choice`` as arm ``name``, or reuse an arm that trained the same layers and
+    attention (the all-bf16 plan computes exactly what bf16-mixed does)."""
     for arm in trained:
-        if arm.layers == choice.layers:
+        if arm.layers == choice.layers and arm.attention == choice.attention:
             for _ in seeds:
                 tick()
-            return Arm(name, dict(choice.layers), list(arm.final_losses), arm.completed)
-    plan = PrecisionPlan("bf16-mixed", choice.layers)
+            return Arm(name, dict(choice.layers), list(arm.final_losses), arm.completed,
+                       choice.attention)  # fmt: skip
+    plan = PrecisionPlan("bf16-mixed", choice.layers, choice.attention)
     arm = verify_arm(name, factory, plan, seeds, steps, deadline, tick)
     trained.append(arm)
     return arm

@@ -14,6 +14,8 @@ from typing import Any, Literal
 __all__ = [
     "DASH",
     "Outcome",
+    "attention_rows",
+    "attention_text",
     "candidate_formats",
     "format_estimate",
     "format_flops",
@@ -123,6 +125,8 @@ def headline(tuned: dict[str, Any]) -> str:
         f"{_budget(tuned)}; {len(tuned['rounds'])} verification round(s)."
     )
     plan = tuned["verification"]["arms"]["plan"]
+    if tuned.get("attention_tuning") is not None:
+        text = f"{text} {attention_text(tuned)}"
     if state == "incomplete":
         return f"{text} Verification incomplete: --max-time ran out, so the plan does not pass."
     verdict = "passed" if state == "passed" else "FAILED"
@@ -130,6 +134,46 @@ def headline(tuned: dict[str, Any]) -> str:
         f"{text} Verification {verdict}: the plan's mean final loss is {plan['gap']:+.4g} "
         f"from bf16-mixed's over the seeds. {source_text(tuned)}"
     )
+
+
+def attention_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
+    """With ``tune(..., attention=...)``, one row per attention role tried, in the order
+    the tuner lowers them (the most accurate first): ``role``, ``rule`` tried, ``flops``,
+    ``sqnr`` (the worst of out, dQ, dK, dV over the modules, dB), ``estimate`` and
+    ``choice`` (the rule kept, or ``bf16``); none when attention was not tuned."""
+    section = tuned.get("attention_tuning")
+    if section is None:
+        return []
+    rows = []
+    for role in section["order"]:
+        figures = section["roles"][role]
+        rows.append({
+            "role": role,
+            "rule": figures["rule"],
+            "flops": format_flops(figures["flops"]),
+            "sqnr": f"{_sqnr(_worst(figures['sqnr'].values()))} dB",
+            "estimate": format_estimate(figures["loss_change_estimate"]),
+            "choice": figures["rule"] if figures["chosen"] else "bf16",
+        })  # fmt: skip
+    return rows
+
+
+def _worst(values: Any) -> float | None:
+    """The lowest SQNR; a saved tuned.json spells infinities ``"inf"`` and NaN null."""
+    numbers = [float(v) for v in values if v is not None]
+    return min(numbers) if numbers else None
+
+
+def attention_text(tuned: dict[str, Any]) -> str:
+    """One sentence: the attention roles lowered and those kept in bf16, or why none."""
+    section = tuned["attention_tuning"]
+    roles = section["roles"]
+    low = [r for r in section["order"] if roles[r]["chosen"]]
+    kept = [r for r in section["order"] if not roles[r]["chosen"]]
+    if not low:
+        return f"Attention: no role lowered ({section['reason']})."
+    rest = f"; {', '.join(kept)} in bf16" if kept else ""
+    return f"Attention: {', '.join(low)} lowered ({section['chosen']}){rest}."
 
 
 def source_text(tuned: dict[str, Any]) -> str:
@@ -192,7 +236,7 @@ def verification_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
         row = {
             "arm": name,
             "lowered": f"{low}/{len(layers)} ({lowered_share(tuned, layers):.0%})",
-            "formats": _format_counts(layers),
+            "formats": _format_counts(layers) + _roles_count(arm.get("attention")),
         }
         losses = list(arm["final_losses"])
         for index, seed in enumerate(verification["seeds"]):
@@ -206,7 +250,8 @@ def verification_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
 def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
     """One row per verification round, in the order trained: ``round``, ``source``
     (``estimate`` or the rule), ``lowered`` (layers and FLOPs), ``formats`` (how many
-    layers each format lowers, most first), ``estimate`` (summed),
+    layers each format lowers, most first, then the attention roles lowered),
+    ``estimate`` (summed),
     ``gap`` to bf16-mixed and ``verdict`` (``passed``, ``FAILED`` or ``incomplete``);
     ``chosen`` marks the plan kept."""
     rows = []
@@ -214,17 +259,31 @@ def round_rows(tuned: dict[str, Any]) -> list[dict[str, str]]:
         layers = entry["layers"]
         low = sum(1 for f in layers.values() if f != "bf16")
         verdict = "passed" if entry["passed"] else "FAILED"
+        attention = entry.get("attention")  # absent in tuned.json before attention tuning
+        formats = _format_counts(layers) + _roles_count(attention)
+        chosen = layers == tuned["layers"] and attention == _chosen_attention(tuned)
         rows.append({
             "round": str(number),
             "source": entry.get("source", "estimate"),
             "lowered": f"{low}/{len(layers)} ({lowered_share(tuned, layers):.0%})",
-            "formats": _format_counts(layers),
+            "formats": formats,
             "estimate": format_estimate(entry["estimate"]),
             "gap": _number(entry["gap"], "+.4f"),
             "verdict": verdict if entry["completed"] else "incomplete",
-            "chosen": "<- plan" if layers == tuned["layers"] else "",
+            "chosen": "<- plan" if chosen else "",
         })  # fmt: skip
     return rows
+
+
+def _roles_count(attention: str | None) -> str:
+    """``, attention 5``: the attention roles a plan lowers (its config's spelling
+    names each as ``role:rule``); empty for a plan without an attention config."""
+    return "" if attention is None else f", attention {attention.count(':')}"
+
+
+def _chosen_attention(tuned: dict[str, Any]) -> str | None:
+    section = tuned.get("attention_tuning")
+    return None if section is None else section["chosen"]
 
 
 def _format_counts(layers: dict[str, str]) -> str:

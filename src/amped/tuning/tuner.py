@@ -12,8 +12,16 @@ from typing import Any
 import torch
 
 from amped._internal.errors import type_error, value_error
+from amped.lowp.attention_config import AttentionConfig, resolve_config
 from amped.lowp.conv1d import linear_dims
 from amped.recipes.plan import PLAN_FORMATS, PrecisionPlan
+from amped.tuning.attention import (
+    RoleMeasurement,
+    attention_speedup,
+    measure_attention,
+    role_order,
+    role_path,
+)
 from amped.tuning.choose import SPEEDUPS, Choice, plan_path, rule_plans, speedups, within
 from amped.tuning.measure import LayerMeasurement, eligible_layers, measure
 from amped.tuning.result import TuneResult
@@ -94,7 +102,7 @@ def _no_layer_error(model: Any, refused: dict[str, str], formats: list[str]) -> 
 
 
 def _reason(choice: Choice, measured: list[LayerMeasurement], budget: float) -> str | None:
-    if any(fmt != "bf16" for fmt in choice.layers.values()):
+    if choice.attention is not None or any(fmt != "bf16" for fmt in choice.layers.values()):
         return None
     costs = [fm.loss_change_estimate for m in measured for fm in m.formats.values()]
     cheapest = min(costs) if costs else math.inf
@@ -121,7 +129,47 @@ def _diverged_reason(reference: Arm, seeds: list[int], steps: int) -> str | None
 
 
 def _renamed(arm: Arm, name: str) -> Arm:
-    return Arm(name, dict(arm.layers), list(arm.final_losses), arm.completed)
+    return Arm(name, dict(arm.layers), list(arm.final_losses), arm.completed, arm.attention)
+
+
+def _with_attention(
+    plan: Candidate,
+    roles: list[RoleMeasurement],
+    config: AttentionConfig,
+    target: str,
+    rounds: int,
+    train: Callable[[Choice], Arm],
+    reference: Arm,
+    budget: float,
+) -> tuple[Candidate, list[dict[str, Any]], str | None]:
+    """The attention roles lowered on top of the Linear ``plan`` kept (docs/tune.md,
+    "Attention roles"): the plan kept after them, the rounds trained, and why no role
+    is lowered (None when some are)."""
+    if not plan.arm.completed or not plan.arm.passed(reference, budget):
+        return plan, [], (
+            "not tried: the plan of the Linear layers did not pass its verification, and "
+            "roles are tried on top of a plan that passed"
+        )  # fmt: skip
+    path = role_path(roles, config, plan.choice, target)
+    if len(path) == 1:
+        return plan, [], f"no role of {config} has a speed-up over bf16 on {target}"
+    # what the Linear plan's estimate leaves of the budget (all of it for a plan over
+    # the budget by the estimate, a rule that training passed)
+    room = budget - plan.choice.estimate if plan.choice.estimate <= budget else budget
+    first = max(i for i, c in enumerate(path) if c.estimate - plan.choice.estimate <= room)
+    if first == 0:
+        cheapest = min(path[1:], key=lambda c: c.estimate).estimate - plan.choice.estimate
+        return plan, [], (
+            f"no role fits the budget: the first role's estimated loss change is "
+            f"{cheapest:.3g}, the budget leaves {room:.3g} after the Linear layers"
+        )  # fmt: skip
+    found = search_path(path, first, rounds, train, reference, budget)
+    entries = [entry | {"source": "attention"} for entry in found.rounds]
+    if found.arm.passed(reference, budget):
+        return Candidate(plan.source, found.choice, found.arm), entries, None
+    if not found.arm.completed:
+        return plan, entries, "max_time ran out before a set of roles finished its verification"
+    return plan, entries, "every set of roles trained failed its verification"
 
 
 def _with_rules(
@@ -177,6 +225,7 @@ def tune(
     measure_batches: int = 2,
     rounds: int = 4,
     module_filter: Callable[[torch.nn.Module, str], bool] | None = None,
+    attention: str | AttentionConfig | None = None,
 ) -> TuneResult:
     """Measure each eligible layer in each format, choose a per-layer plan, verify it.
 
@@ -205,6 +254,12 @@ def tune(
             at most one rule.
         module_filter: ``filter(layer, qualified_name) -> bool``: the layers that may be
             lowered (default: every eligible one); the others stay in bf16.
+        attention: the attention format to try in each role (a preset name such as
+            ``"fp8"`` or ``"mxfp8"``, or an :class:`~amped.lowp.AttentionConfig`; its
+            cast roles are the candidates). None (the default): attention is not tuned.
+            Each role is measured, the roles ordered, and the plans lowering more of
+            them on top of the Linear plan kept verified by the same rounds
+            (docs/tune.md, "Attention roles"); ``.plan.attention`` holds the roles kept.
 
     Returns:
         A :class:`TuneResult`: ``.plan`` (the verified plan that passed with the most
@@ -213,8 +268,9 @@ def tune(
         writes tuned.json.
 
     Raises:
-        ValueError: an unknown format or target, a negative budget, bad counts, or a model
-            with no eligible layer.
+        ValueError: an unknown format or target, a negative budget, bad counts, a model
+            with no eligible layer, or ``attention`` given for a model without attention
+            amped converts.
         TypeError: a factory that breaks the contract.
 
     Example:
@@ -240,6 +296,7 @@ def tune(
     if max_time is not None and not (isinstance(max_time, numbers.Real) and max_time > 0):
         raise value_error("max_time is a number of seconds > 0, or None", "max_time", max_time)
     deadline = None if max_time is None else start + float(max_time)
+    attention_config = None if attention is None else resolve_config(attention)
 
     task = build_task(factory, seed, measure_batches)
     eligible, refused = eligible_layers(task.model, chosen_formats, set())
@@ -250,6 +307,12 @@ def tune(
             refused[name] = "not chosen by module_filter"
     if not eligible:
         raise _no_layer_error(task.model, refused, chosen_formats)
+    roles: list[RoleMeasurement] = []
+    not_converted: list[tuple[str, str]] = []
+    if attention_config is not None:  # first: refuses a model without attention
+        roles, not_converted = measure_attention(
+            task.model, task.batches, task.loss_fn, attention_config
+        )
     measured, count = measure(task.model, eligible, task.batches, task.loss_fn, progress)
     del task
 
@@ -294,6 +357,22 @@ def tune(
         found.rounds + [round_entry(c, reference, budget_value) for c in rule_arms],
     )
     rule = _best_rule_tried(rule_arms, reference, budget_value)
+    attention_section = None
+    if attention_config is not None:
+        if diverged:
+            attention_rounds: list[dict[str, Any]] = []
+            attention_reason: str | None = "not tried: the bf16 reference diverged"
+        else:
+            chosen, attention_rounds, attention_reason = _with_attention(
+                chosen, roles, attention_config, target, rounds, train, reference,
+                budget_value,
+            )  # fmt: skip
+        rounds_run += attention_rounds
+        attention_section = _attention_section(
+            attention_config, roles, chosen.choice.attention, attention_reason, not_converted,
+            target,
+        )  # fmt: skip
+        choice = chosen.choice
     arms = {
         "bf16-mixed": reference,
         "plan": _renamed(chosen.arm, "plan"),
@@ -303,6 +382,7 @@ def tune(
         arms["rule"] = _renamed(rule.arm, "rule")
     settings = {
         "formats": chosen_formats,
+        "attention": None if attention_config is None else str(attention_config),
         "target": target,
         "speedups": {f: SPEEDUPS[target][f] for f in ["bf16", *chosen_formats]},
         "steps": steps,
@@ -319,7 +399,7 @@ def tune(
     passes["training_steps"] = {n: len(a.final_losses) * steps for n, a in arms.items()}
     passes["training_steps"]["total"] = sum(len(a.final_losses) for a in trained) * steps
     reason = diverged or _reason(choice, measured, budget_value)
-    plan = PrecisionPlan("bf16-mixed", choice.layers)
+    plan = PrecisionPlan("bf16-mixed", choice.layers, choice.attention)
     return TuneResult(
         plan,
         measured,
@@ -333,4 +413,27 @@ def tune(
         settings,
         rounds_run,
         chosen.source,
+        attention_section,
     )
+
+
+def _attention_section(
+    config: AttentionConfig,
+    roles: list[RoleMeasurement],
+    chosen: AttentionConfig | None,
+    reason: str | None,
+    not_converted: list[tuple[str, str]],
+    target: str,
+) -> dict[str, Any]:
+    """tuned.json's ``"attention_tuning"``: what was tried, measured and kept."""
+    kept = {} if chosen is None else chosen.rules()
+    return {
+        "config": str(config),
+        "target": target,
+        "speedups": {m.role: attention_speedup(config.rules()[m.role], target) for m in roles},
+        "order": [m.role for m in role_order(roles)],
+        "roles": {m.role: m.to_dict() | {"chosen": m.role in kept} for m in roles},
+        "chosen": None if chosen is None else str(chosen),
+        "reason": reason,
+        "not_converted": [list(item) for item in not_converted],
+    }

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from amped.lowp.attention_config import AttentionConfig
 from amped.recipes import prepare
 from amped.recipes.plan import PrecisionPlan
 from amped.tasks.task import call_model
@@ -64,12 +65,14 @@ class Arm:
         layers: its formats per layer.
         final_losses: per seed (see :func:`final_loss`).
         completed: False when ``max_time`` ran out before every seed trained.
+        attention: the plan's attention config (None: the attention as it is).
     """
 
     name: str
     layers: dict[str, str]
     final_losses: list[float]
     completed: bool = True
+    attention: AttentionConfig | None = None
 
     @property
     def mean(self) -> float:
@@ -95,8 +98,10 @@ class Arm:
         return self.completed and math.isfinite(gap) and gap <= budget
 
     def to_dict(self, reference: Arm, budget: float) -> dict[str, Any]:
+        attention = {} if self.attention is None else {"attention": str(self.attention)}
         return {
             "layers": self.layers,
+            **attention,
             "final_losses": self.final_losses,
             "mean": self.mean,
             "spread": self.spread,
@@ -120,9 +125,9 @@ def verify_arm(
     finals: list[float] = []
     for seed in seeds:
         if deadline is not None and time.monotonic() > deadline:
-            return Arm(name, dict(plan.layers), finals, completed=False)
+            return Arm(name, dict(plan.layers), finals, False, plan.attention)
         with torch.random.fork_rng(devices=[]):
             finals.append(final_loss(train_losses(factory, plan, seed, steps)))
         if progress is not None:
             progress()
-    return Arm(name, dict(plan.layers), finals)
+    return Arm(name, dict(plan.layers), finals, True, plan.attention)

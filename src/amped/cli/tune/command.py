@@ -1,7 +1,8 @@
 """``amped tune`` from parsed arguments to exit code: check, tune, report, print.
 
 Every argument is checked before anything is measured (formats, device, the factory
-and its task, that the model has a layer to tune, the report folder), so a mistake
+and its task, that the model has a layer to tune, and attention with ``--attention``,
+the report folder), so a mistake
 costs a second. Then :func:`amped.tune` measures, chooses and verifies; its document is
 written as ``tuned.json`` with ``tune.html`` beside it, and the exit code says whether
 a plan passed (docs/robustness.md, "Exit codes").
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import sys
 import time
 from datetime import datetime, timezone
@@ -33,6 +35,7 @@ from amped.comparison.layers import LayerChoice
 from amped.comparison.results import dumps
 from amped.comparison.setup import choose_threads
 from amped.comparison.warmup import WARMUP_STEPS
+from amped.recipes.attention import convert_model_attention
 from amped.recipes.plan import PrecisionPlan
 from amped.tasks.factory import DEFAULT_FACTORY, TaskFactory, load_factory
 from amped.tasks.task import Task
@@ -86,6 +89,21 @@ def _check_layers(task: Task, formats: list[str], spec: str, layers: LayerChoice
     )
 
 
+def _check_attention(task: Task, attention: str | None, spec: str) -> None:
+    """UsageError when ``--attention`` is given for a model with no attention that
+    ``prepare(..., attention=...)`` converts (checked on a copy)."""
+    if attention is None:
+        return
+    conversion = convert_model_attention(copy.deepcopy(task.model), "bf16")
+    whole = [why for name, why in conversion.not_converted if name == ""]
+    if whole:
+        raise UsageError(
+            f"--attention tunes the attention amped converts (nn.MultiheadAttention, a "
+            f"transformers model's), and the model from {spec} has none: {whole[0]}. Leave "
+            f"--attention out. Received: --attention {attention}"
+        )
+
+
 def _warm_up(build: Any, task: Task, formats: list[str], layers: LayerChoice, seed: int) -> None:
     """Two training steps per format, every layer that can run it lowered, before
     ``--max-time``'s clock (which :func:`amped.tune` starts): the FP8 and block casts
@@ -135,6 +153,7 @@ def _tune(args: argparse.Namespace, command: list[str]) -> int:
     task = factory.check(batch_size=args.batch_size, seed=args.seed, device=device)
     layers = LayerChoice(args.module_filter, args.exclude)
     _check_layers(task, formats, factory.spec, layers)
+    _check_attention(task, args.attention, factory.spec)
     torch.set_num_threads(choose_threads(args.threads, task.threads, device)[0])
     out = resolve_out(args.out)  # created only once the task is known to tune
     _warm_up(_task_builder(factory, args.batch_size, device), task, formats, layers, args.seed)
@@ -192,6 +211,7 @@ def _run(
             max_time=args.max_time or None,
             progress=progress,
             module_filter=LayerChoice(args.module_filter, args.exclude).by_name(),
+            attention=args.attention,
         )
     except KeyboardInterrupt:
         raise

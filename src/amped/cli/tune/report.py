@@ -112,6 +112,22 @@ def _rounds(tuned: dict[str, Any]) -> str:
     return "<h3>Rounds</h3>" + intro + _html_table(rows, css)
 
 
+def _attention(tuned: dict[str, Any]) -> str:
+    rows = tune_summary.attention_rows(tuned)
+    if not rows:
+        return ""
+    intro = (
+        f"<p class='sub'>Each role of {_e(tuned['attention_tuning']['config'])} cast alone "
+        "on the model's attention calls: sqnr, the worst of out, dQ, dK and dV over the "
+        "attention modules, against float32; estimate, the loss change of the output's "
+        "error (0 for a backward role). The roles are lowered in this order, on top of the "
+        "layers' plan, as far as the budget and the verification allow. "
+        f"{_e(tune_summary.attention_text(tuned))}</p>"
+    )
+    css = ["" if row["choice"] == "bf16" else "plan" for row in rows]
+    return "<h2>Attention roles</h2>" + intro + _html_table(rows, css)
+
+
 def _chart(tuned: dict[str, Any]) -> str:
     png = sensitivity_chart(tuned)
     if png is None:
@@ -175,6 +191,7 @@ def render_html(tuned: dict[str, Any], context: dict[str, Any]) -> str:
 <p class="sub">Each cell: output SQNR in dB against the bf16 layer / the estimated loss
 change of that layer alone in that format.</p>
 {_layers(tuned)}
+{_attention(tuned)}
 <h2>Verification</h2>
 {_verification(tuned)}
 {_rounds(tuned)}

@@ -66,6 +66,20 @@ def layer_tables(tuned: dict[str, Any], width: int = 80) -> list[Table]:
     return tables
 
 
+def attention_table(tuned: dict[str, Any]) -> Table:
+    """The attention roles tried (``tune --attention``), in the order they are lowered;
+    the roles kept low in green."""
+    table = width_table("Attention roles, in the order they are lowered")
+    rows = tune_summary.attention_rows(tuned)
+    for key in rows[0]:
+        table.add_column(key, justify="left" if key in ("role", "rule", "choice") else "right")
+    for row in rows:
+        table.add_row(*row.values(), style=None if row["choice"] == "bf16" else "green")
+    table.caption = "sqnr: the worst of out, dQ, dK, dV over the attention modules"
+    table.caption_justify = "left"
+    return table
+
+
 def verification_table(tuned: dict[str, Any]) -> Table:
     """The verification runs: per arm the final loss of each seed, mean, std, gap to
     bf16-mixed and the verdict; the plan's row red unless it passed. (What each arm
@@ -96,7 +110,10 @@ def rounds_table(tuned: dict[str, Any]) -> Table:
     """The verification rounds along the estimate's order of plans, then the rule
     candidates, in the order trained; failed rounds red, the plan kept marked."""
     rows = tune_summary.round_rows(tuned)
-    table = width_table("Rounds: the estimate's plans, then the rules that could beat the best")
+    title = "Rounds: the estimate's plans, then the rules that could beat the best"
+    if tuned.get("attention_tuning") is not None:
+        title += ", then the attention roles"
+    table = width_table(title)
     for key in ("round", "source", "lowered", "formats", "estimate", "gap", "verdict", "chosen"):
         # The formats wrap (at their commas) where 80 columns are too few; the rest not.
         table.add_column(key, justify="left" if key in ("formats", "verdict", "chosen") else
@@ -115,6 +132,8 @@ def print_tune(
         console = Console()  # on a pipe: PIPE_WIDTH (rich's default), or COLUMNS
     for table in layer_tables(tuned, width=console.width):
         console.print(table)
+    if tune_summary.attention_rows(tuned):
+        console.print(attention_table(tuned))
     console.print(verification_table(tuned))
     if tuned["rounds"]:
         console.print(rounds_table(tuned))

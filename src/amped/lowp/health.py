@@ -216,8 +216,9 @@ def any_floored(probes: Sequence[Probe]) -> torch.Tensor | None:
     if not scales:
         return None
     device = scales[0].device
-    joined = torch.stack([scale.reshape(()).to(device) for scale in scales])
-    return (joined <= NVFP4_FLOOR_SCALE).any()
+    if any(scale.dim() or scale.device != device for scale in scales):
+        scales = [scale.reshape(()).to(device) for scale in scales]
+    return (torch.stack(scales) <= NVFP4_FLOOR_SCALE).any()
 
 
 def flushes_to_zero(high: torch.Tensor, tensor_scale: torch.Tensor) -> bool:

@@ -1,7 +1,9 @@
 """``amped.doctor.replay``: a recorded step reruns on the CPU to the same first
-non-finite bits, every GEMM output bitwise; the bisection names the injected cause and
-its fix reruns finite; a clean capture replays bitwise (the negative control); a bundle
-of another version, recipe or model is refused, and nothing in a bundle is executed."""
+non-finite bits (or the same total underflow: module, role, tensor, first value lost),
+every GEMM output bitwise; the bisection names the injected cause and its fix reruns
+finite (and, for an underflow, not flushed to zero); a clean capture replays bitwise
+(the negative control); a bundle of another version, recipe or model is refused, and
+nothing in a bundle is executed."""
 
 from __future__ import annotations
 
@@ -13,7 +15,14 @@ import sys
 
 import pytest
 import torch
-from recorder_helpers import FAULT_STEP, mlp, record_mlp_underflow, record_run
+from recorder_helpers import (
+    FAULT_STEP,
+    TINY,
+    mlp,
+    record_mlp_nvfp4_underflow,
+    record_mlp_underflow,
+    record_run,
+)
 from repo_paths import ROOT
 from torch import nn
 
@@ -35,6 +44,10 @@ SCENARIOS = {
     "nvfp4-hadamard-overflow": ("nvfp4", "hadamard", "grad_weight", "grad_output", PARTS[1]),
     "fp8-delayed-inf-overflow": ("fp8-delayed", "inf", "grad_input", "grad_output", None),
     "fp8-delayed-scale-underflow": ("fp8-delayed", "scale", "grad_input", "grad_output", PARTS[2]),
+    # the input of an amax of TINY rounds to zero whole in NVFP4 (and in the MXFP8 of the
+    # element-format rerun, whose rceil scales stop at 2**-127 and multiply by 1 there):
+    # the forward GEMM in bfloat16 keeps it
+    "nvfp4-scale-underflow": ("nvfp4", "underflow", "forward", "input", PARTS[4]),
 }
 
 
@@ -55,10 +68,11 @@ def recorded(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("key", sorted(SCENARIOS))
 def test_an_injected_fault_replays_bit_for_bit_and_its_cause_is_named(recorded, key):
-    _, _, role, tensor, part = SCENARIOS[key]
+    _, fault, role, tensor, part = SCENARIOS[key]
     monitor, name = recorded(key)
-    capture, failure = monitor.recorder.bundles
-    assert (capture.name, failure.name) == ("step1-capture", f"step{FAULT_STEP}-nonfinite")
+    capture, failure = monitor.recorder.bundles  # the clean steps wrote no other bundle
+    reason = "underflow" if fault == "underflow" else "nonfinite"
+    assert (capture.name, failure.name) == ("step1-capture", f"step{FAULT_STEP}-{reason}")
     assert _size(capture) <= MAX_BUNDLE_BYTES and _size(failure) <= MAX_BUNDLE_BYTES
     # the negative control: a clean step replays bitwise, nothing non-finite
     clean = amped.doctor.replay(capture)
@@ -79,12 +93,19 @@ def test_an_injected_fault_replays_bit_for_bit_and_its_cause_is_named(recorded, 
         assert result.fix is None and "came into the layer non-finite" in result.cause
         assert not any(trial.finite for trial in result.trials)
         return
-    fixed = [trial for trial in result.trials if trial.finite]
+    fixed = [trial for trial in result.trials if trial.finite and not trial.flushed]
     assert fixed[0].part == part and part in result.cause
-    assert (
-        result.fix
-        == f"{role} of {name} {fixed[0].change}: finite, {fixed[0].sqnr_db:.0f} dB against float32"
-    )
+    kept = f"its {tensor} not flushed to zero, " if fault == "underflow" else ""
+    db = f"{fixed[0].sqnr_db:.0f} dB"
+    assert result.fix == f"{role} of {name} {fixed[0].change}: {kept}finite, {db} against float32"
+    if fault == "underflow":  # the recorded input: TINY times the layer's activations
+        tensors, _ = read_bundle(failure)
+        lost = tensors[f"{name}/input"].reshape(-1)
+        index = int(torch.nonzero(lost)[0, 0])
+        assert found["element"]["index"] == index
+        assert found["element"]["value"] == repr(float(lost[index]))
+        assert 0 < lost.abs().max() <= TINY * 1.01  # bfloat16's rounding of the scaling
+        assert all(trial.flushed for trial in result.trials if trial.part in PARTS[:4])
 
 
 @pytest.mark.slow
@@ -166,3 +187,29 @@ def test_a_truncated_bundle_is_refused(underflow):
     tensors.write_bytes(tensors.read_bytes()[:1000])
     with pytest.raises(BundleError, match="truncated or changed: 1000 bytes"):
         amped.doctor.replay(underflow[1])
+
+
+def test_a_total_nvfp4_underflow_replays_and_bfloat16_keeps_it(tmp_path):
+    (capture, failure), _, x = record_mlp_nvfp4_underflow(tmp_path)
+    assert failure.name == f"step{FAULT_STEP}-underflow"
+    result = amped.doctor.replay(failure)
+    assert result.reproduced and len(result.bitwise) == 3 and all(result.bitwise.values())
+    index = int(torch.nonzero(x.reshape(-1))[0, 0])  # the input as the GEMM took it
+    lost = x.reshape(-1)[index].to(torch.bfloat16)
+    assert result.replayed == {
+        "module": "0",
+        "role": "forward",
+        "tensor": "input",
+        "element": {
+            "part": "values",
+            "index": index,
+            "bits": f"0x{int(lost.view(torch.int16)) & 0xFFFF:04x}",
+            "value": repr(float(lost)),
+        },
+    }
+    fixed = [trial for trial in result.trials if trial.finite and not trial.flushed]
+    assert fixed[0].part == PARTS[4] and result.fix.startswith(
+        "forward of 0 forward in bfloat16: its input not flushed to zero, finite"
+    )
+    control = amped.doctor.replay(capture)
+    assert control.recorded is None and control.replayed is None and all(control.bitwise.values())

@@ -13,6 +13,12 @@ Faults (``fault=``):
   float32 butterfly), so the grad-weight GEMM's grad_output cast holds an inf.
 - ``"scale"`` (delayed scaling): a scale underflow, the grad_output's delayed scale
   set to 0 before the step (the history's amax pushed the scale below float32).
+- ``"underflow"`` (NVFP4): a total underflow, the layer's input scaled to an amax of
+  :data:`TINY` (in bfloat16, representable): NVFP4's tensor scale floors the amax at
+  1e-30 and its block scales at 2**-6, so each element becomes at most
+  ``1e-36 / (2**-6 * 1e-30 / 2688) = 0.17``, below E2M1's 0.25 midpoint: all zero
+  (rounding to nearest; the recipe rounds the grad_output stochastically, which keeps
+  some of a tiny grad_output, so the input carries the fault).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from amped.tasks import tiny_gpt
 V = 2.5e37  # 16 V > float32's max 3.4e38 > V * (|sum| < 13.6): see _quiet_block
 BATCH = 2
 FAULT_STEP = 2
+TINY = 1e-36  # an NVFP4 operand below 1.45e-36 rounds to zero whole (see "underflow")
 
 
 def _quiet_block(x: torch.Tensor, signs: torch.Tensor) -> int:
@@ -62,6 +69,10 @@ def record_run(
 
     def keep_input(module, args):
         seen["x"] = args[0].detach().reshape(-1, args[0].shape[-1])
+        if step["now"] == FAULT_STEP and fault == "underflow":
+            x = args[0]
+            return (x * (TINY / x.detach().abs().amax().float()).to(x.dtype),)
+        return None
 
     def corrupt(module, grad_output):
         if step["now"] != FAULT_STEP or fault not in ("inf", "hadamard"):
@@ -124,3 +135,30 @@ def record_mlp_underflow(folder: Path) -> list[Path]:
         setup.zero_grad()
     assert monitor.recorder is not None
     return monitor.recorder.bundles
+
+
+def record_mlp_nvfp4_underflow(folder: Path) -> tuple[list[Path], list[str], torch.Tensor]:
+    """:func:`mlp` under nvfp4 (layer "0" converted), three steps, a capture at step 1
+    and, at step 2, an input of an amax of :data:`TINY`, which layer "0"'s forward casts
+    to all zeros. Returns the bundles, the monitor's warnings and the step-2 input."""
+    model = mlp()
+    setup = amped.prepare(model, torch.optim.SGD(model.parameters(), lr=0.01), "nvfp4")
+    monitor = amped.monitor(setup, record=folder)
+    messages = []
+    for step in range(3):
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(step))
+        if step == FAULT_STEP:
+            x = x * (TINY / x.abs().amax())
+        x.requires_grad_()  # so that layer "0" runs its grad-input GEMM too
+        with setup.autocast():
+            loss = setup.model(x).float().pow(2).mean()
+        setup.backward(loss)
+        if step == 1:
+            monitor.capture()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            setup.step()
+        messages += [str(w.message) for w in caught]
+        setup.zero_grad()
+    assert monitor.recorder is not None
+    return monitor.recorder.bundles, messages, x.detach()

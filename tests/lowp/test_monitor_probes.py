@@ -9,6 +9,8 @@ probe must flag exactly the first. The one documented exception: under MX ``ceil
 ``even`` scales a finite block whose amax rounds up to 2**128 takes the inf block's
 exponent and is flagged too. Then the batched test (any_nonfinite) must agree with
 the probes one by one, and a real setup must name an operand fault as that operand.
+Last, the total-underflow test (flushes_to_zero) must agree with the NVFP4 cast's own
+elements on either side of the flush threshold.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ from torch import nn
 import amped
 from amped.lowp.float8.cast import Float8Tensor, amax_of, cast_saturated, quantize
 from amped.lowp.float8.delayed import propagate_nonfinite
-from amped.lowp.health import Probe, any_nonfinite, probe_nonfinite, range_probe, record_gemm
+from amped.lowp.health import (
+    NVFP4_FLOOR_SCALE,
+    Probe,
+    any_floored,
+    any_nonfinite,
+    flushes_to_zero,
+    probe_nonfinite,
+    range_probe,
+    record_gemm,
+)
 from amped.lowp.mx.block_cast import quantize_block
 from amped.lowp.mx.block_format import BLOCK_FORMATS, SCALE_MODES
 from amped.recipes.lowp import BLOCK_RECIPE_NAMES, FP8_RECIPE_NAMES
@@ -245,3 +256,33 @@ def test_an_operand_fault_is_named_as_that_operand(recipe):
         assert health.first_nonfinite == NonFinite(1, "0", "forward", tensor), (tensor, value)
         assert taken == [True, False, True]
         assert all(torch.isfinite(p).all() for p in setup.model.parameters())
+
+
+# --- total underflow: an NVFP4 cast that makes a non-zero operand all zero ------------
+
+# The flush threshold: a block scale at its 2**-6 floor times the floored tensor scale
+# (1e-30 / 2688, float32) is about 5.81e-36, and E2M1 rounds magnitudes up to 0.25 (its
+# midpoint to 0.5, ties to the even 0) to zero: amaxes around 0.25 * 5.81e-36 = 1.45e-36
+# decide, and from 1e-30 up the tensor scale is no longer at its floor.
+AMAXES = (0.0, 1e-38, 1e-36, 1.4e-36, 1.46e-36, 1e-35, 3e-35, 1e-31, 2e-30, 1.0)
+
+
+@pytest.mark.parametrize("tile_2d", [False, True], ids=["1x16", "16x16"])
+@pytest.mark.parametrize("amax", AMAXES, ids=str)
+def test_flushes_to_zero_agrees_with_the_casts_elements(amax, tile_2d):
+    x = _tensor(torch.float32, seed=3)
+    x = x * (amax / x.abs().max())
+    cast = quantize_block(x, BLOCK_FORMATS["nvfp4"], tile_2d=tile_2d)
+    probe = _operand_probe(cast)
+    assert probe.floor == NVFP4_FLOOR_SCALE
+    all_zero = bool(torch.count_nonzero(x)) and not bool(torch.count_nonzero(cast.elements))
+    assert flushes_to_zero(x, cast.tensor_scale) == all_zero
+    floored = any_floored([probe])
+    assert floored is not None and bool(floored) == (amax <= 1e-30)
+    assert not all_zero or amax <= 1.46e-36  # a flush needs the floors (see above)
+
+
+def test_only_nvfp4_probes_carry_the_floor():
+    x = torch.zeros(32, 64)  # every scale at its clamp
+    probes = [_probe_of(cast, x) for cast in CASTS if not cast.startswith("nvfp4")]
+    assert all(probe.floor == 0.0 for probe in probes) and any_floored(probes) is None

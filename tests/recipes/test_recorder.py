@@ -1,6 +1,6 @@
 """``amped.monitor(setup, record=DIR)``: what a bundle holds is what the step's GEMMs
 took and gave, for the layers concerned only; when it is written (first non-finite,
-loss spike, capture) and when it is refused."""
+loss spike, total underflow, capture) and when it is refused."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 import torch
+from recorder_helpers import FAULT_STEP, TINY, record_mlp_nvfp4_underflow
 from torch import nn
 
 import amped
@@ -144,3 +145,20 @@ def test_a_bundle_that_cannot_be_written_warns_and_training_goes_on(tmp_path):
     messages = [str(w.message) for w in caught]
     assert any("could not write the nonfinite bundle of step 0" in m for m in messages)
     assert monitor.recorder.bundles == []
+
+
+def test_a_total_nvfp4_underflow_writes_a_bundle_and_healthy_steps_none(tmp_path):
+    bundles, messages, x = record_mlp_nvfp4_underflow(tmp_path)
+    # steps 0 and 1 are healthy NVFP4 steps: only the capture of step 1 is written
+    assert [path.name for path in bundles] == ["step1-capture", f"step{FAULT_STEP}-underflow"]
+    tensors, document = read_bundle(bundles[1])
+    assert document["reason"] == "underflow" and list(document["layers"]) == ["0"]
+    event = document["total_underflow"]
+    assert (event["module"], event["role"], event["tensor"]) == ("0", "forward", "input")
+    taken = tensors["0/input"]  # what the forward GEMM took: x in bfloat16, all below TINY
+    assert torch.equal(taken, x.to(torch.bfloat16)) and 0 < taken.abs().max() <= TINY
+    index = int(torch.nonzero(taken.reshape(-1))[0, 0])
+    assert event["element"]["index"] == index
+    assert event["element"]["value"] == repr(float(taken.reshape(-1)[index]))
+    (message,) = messages  # warned once, naming the GEMM
+    assert f"a total underflow at step {FAULT_STEP}: module '0', forward GEMM, its input" in message

@@ -15,6 +15,13 @@ and compares:
   replays with emulated GEMMs, whose outputs may differ from the GPU's in the last bits
   of the accumulation (reported as not bitwise; the bound is not checked here).
 
+A bundle written at a *total underflow* (reason ``"underflow"``: an NVFP4 cast that
+made a non-zero operand all zero, :mod:`amped.lowp.health`) is compared the same way,
+on the first total underflow of the replay, judged from the replayed cast's elements
+themselves (the operand held a non-zero value, its quantized elements are all zero),
+among the casts the monitor judges (NVFP4, rounding to nearest): the same module, role,
+tensor, and the first value lost (flat index and bits).
+
 With a non-finite value it then bisects the layer that holds it over the parts of the
 recipe, each changed alone and rerun (:data:`PARTS`), in this order, smallest change
 first: the stochastic-rounding draw, the Hadamard transform, the scale rule, the
@@ -23,6 +30,8 @@ GEMMs in bfloat16). The parts whose change makes every GEMM of the layer finite 
 the cause; the first of them is the fix, reported with its error against float32
 (SQNR of the flagged GEMM's output, the three GEMMs recomputed in float32). When no
 part makes it finite, the value came into the layer non-finite: the cause is upstream.
+A total underflow is bisected over the same parts; a change fixes it when that tensor's
+cast keeps a non-zero element and every GEMM of the layer stays finite.
 """
 
 from __future__ import annotations
@@ -39,11 +48,18 @@ from amped.checkpoint.bundle import BundleError, read_bundle, tensor_digest
 from amped.lowp.float8.cast import sqnr
 from amped.lowp.float8.config import E4M3, E5M2, Float8Config
 from amped.lowp.float8.linear import Float8Linear
-from amped.lowp.health import Probe, probe_nonfinite
+from amped.lowp.health import Operand, Probe, probe_nonfinite
+from amped.lowp.mx.block_cast import BlockTensor
 from amped.lowp.mx.block_config import BlockConfig
 from amped.lowp.mx.block_format import BLOCK_FORMATS
 from amped.lowp.mx.block_linear import BlockLinear
-from amped.recipes.recorder import SPIKE_K, Recorder, config_from_json
+from amped.recipes.recorder import (
+    SPIKE_K,
+    Recorder,
+    config_from_json,
+    first_lost_element,
+    stochastic_cast,
+)
 from amped.recipes.registry import resolve_recipe
 
 __all__ = ["PARTS", "ReplayResult", "Trial", "replay"]
@@ -57,12 +73,14 @@ _OPERANDS = {"forward": ("input", "weight"), "grad_input": ("grad_output", "weig
 @dataclasses.dataclass(frozen=True)
 class Trial:
     """One rerun of the bisection: ``part`` changed as ``change`` says; whether all the
-    layer's GEMMs were finite, and the flagged GEMM's SQNR against float32 (dB)."""
+    layer's GEMMs were finite, the flagged GEMM's SQNR against float32 (dB), and, for a
+    total underflow, whether the flagged tensor's cast was all zero again."""
 
     part: str
     change: str
     finite: bool
     sqnr_db: float | None
+    flushed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,15 +89,19 @@ class ReplayResult:
 
     Attributes:
         path: the bundle's folder.
-        reason: why it was written: ``"nonfinite"``, ``"loss_spike"`` or ``"capture"``.
+        reason: why it was written: ``"nonfinite"``, ``"underflow"``, ``"loss_spike"``
+            or ``"capture"``.
         recipe, step: the recipe and the step it recorded.
         recorded: the first non-finite the monitor recorded (module, role, tensor,
-            element), or None.
-        replayed: the first non-finite of the replay, the same fields, or None.
+            element), or None; for an ``"underflow"`` bundle the total underflow it
+            recorded (element: the first value lost).
+        replayed: the same of the replay, the same fields, or None.
         reproduced: ``replayed == recorded``, element and bits included.
         bitwise: per ``"module/role"``, whether the replayed output has the recorded bits.
-        trials: the bisection's reruns (empty without a non-finite value).
-        cause: the parts whose change alone makes the layer finite, in words, or None.
+        trials: the bisection's reruns (empty without a non-finite value or total
+            underflow).
+        cause: the parts whose change alone makes the layer finite (and, for a total
+            underflow, keeps the tensor from flushing to zero), in words, or None.
         fix: the smallest such change with its SQNR, or None.
     """
 
@@ -104,12 +126,14 @@ class ReplayResult:
         ]
         if self.recorded is not None or self.replayed is not None:
             verdict = "reproduced" if self.reproduced else "NOT reproduced"
-            lines.append(f"first non-finite {verdict}: {_where(self.replayed)}")
+            event = "total underflow" if self.reason == "underflow" else "non-finite"
+            lines.append(f"first {event} {verdict}: {_where(self.replayed)}")
             if not self.reproduced:
                 lines.append(f"  recorded: {_where(self.recorded)}")
         for trial in self.trials:
             db = "" if trial.sqnr_db is None else f", {trial.sqnr_db:.1f} dB"
             state = "finite" if trial.finite else "non-finite"
+            state = "flushed to zero" if trial.flushed else state
             lines.append(f"  {trial.part}: {trial.change}: {state}{db}")
         if self.cause is not None:
             lines.append(f"cause: {self.cause}")
@@ -122,9 +146,11 @@ def _where(found: dict[str, Any] | None) -> str:
     if found is None:
         return "none"
     element = found.get("element") or {}
+    value = f", value {element['value']}" if "value" in element else ""
     return (
         f"{found['module']} {found['role']} GEMM, its {found['tensor']} "
-        f"({element.get('part')} element {element.get('index')}, bits {element.get('bits')})"
+        f"({element.get('part')} element {element.get('index')}, "
+        f"bits {element.get('bits')}{value})"
     )
 
 
@@ -134,7 +160,29 @@ class _Run:
 
     outputs: dict[str, torch.Tensor]
     events: list[tuple[str, str, Probe]]
-    recorder: Recorder
+    recorder: _CastRecorder
+    layer: torch.nn.Module
+
+
+class _CastRecorder(Recorder):
+    """The replay's recorder: also keeps each operand's quantized form, per (role,
+    tensor), to judge a total underflow from the cast's elements themselves."""
+
+    def clear(self) -> None:
+        super().clear()
+        self.casts: dict[tuple[str, str], Operand] = {}
+
+    def keep(
+        self,
+        layer: torch.nn.Module,
+        role: str,
+        operands: dict[str, Any],
+        output_name: str,
+        output: torch.Tensor,
+    ) -> None:
+        super().keep(layer, role, operands, output_name, output)
+        for tensor, operand in operands.items():
+            self.casts[(role, tensor)] = operand
 
 
 class _Observer:
@@ -166,7 +214,7 @@ def _run(name: str, entry: dict[str, Any], data: dict[str, torch.Tensor], config
             layer.fp8_scale.copy_(data["state/fp8_scale"])
             layer.fp8_amax_history.copy_(data["state/fp8_amax_history"])
             layer.fp8_started = bool(data["state/fp8_started"])
-    recorder = Recorder(Path("."), {name: layer}, "", SPIKE_K)
+    recorder = _CastRecorder(Path("."), {name: layer}, "", SPIKE_K)
     observer = _Observer(recorder)
     layer.fp8_observer = observer
     x = data["input"].clone().requires_grad_("grad_input" in entry["roles"])
@@ -176,13 +224,36 @@ def _run(name: str, entry: dict[str, Any], data: dict[str, torch.Tensor], config
     outputs = {
         role: recorder.gemms[(name, role)][2] for role in ROLES if (name, role) in recorder.gemms
     }
-    return _Run(outputs, observer.events, recorder)
+    return _Run(outputs, observer.events, recorder, layer)
 
 
 def _first(name: str, run: _Run) -> dict[str, Any] | None:
     for role, tensor, probe in run.events:
         if probe_nonfinite(probe):
             element = run.recorder.locate(name, role, tensor, probe)
+            return {"module": name, "role": role, "tensor": tensor, "element": element}
+    return None
+
+
+def _flushed(run: _Run, role: str, tensor: str) -> bool:
+    """Whether the run's cast of ``tensor`` in ``role`` made a non-zero operand all zero,
+    read from its elements (False for an operand not cast to a block format)."""
+    high, low = run.recorder.casts.get((role, tensor), (None, None))
+    if high is None or not isinstance(low, BlockTensor):
+        return False
+    return bool(torch.count_nonzero(high) > 0) and not bool(torch.count_nonzero(low.elements))
+
+
+def _first_underflow(name: str, run: _Run) -> dict[str, Any] | None:
+    """The run's first total underflow among the casts the monitor judges (NVFP4,
+    rounding to nearest), in the order the GEMMs ran."""
+    for role, tensor, probe in run.events:
+        if not probe.floor or stochastic_cast(run.layer, tensor):
+            continue
+        if _flushed(run, role, tensor):
+            high = run.recorder.casts[(role, tensor)][0]
+            assert high is not None  # _flushed read it
+            element = first_lost_element(high)
             return {"module": name, "role": role, "tensor": tensor, "element": element}
     return None
 
@@ -242,15 +313,18 @@ def _bisect(
     data: dict[str, torch.Tensor],
     config: Any,
     first: dict[str, Any],
+    underflow: bool,
 ) -> tuple[list[Trial], str | None, str | None]:
-    role = first["role"]
+    role, tensor = first["role"], first["tensor"]
     reference = _reference(data, torch.float32)
     bf16 = _reference(data, torch.bfloat16)
 
-    def trial(part: str, change: str, outputs: dict[str, torch.Tensor], flagged: bool) -> Trial:
+    def trial(
+        part: str, change: str, outputs: dict[str, torch.Tensor], flagged: bool, flushed: bool
+    ) -> Trial:
         finite = not flagged and all(bool(torch.isfinite(o).all()) for o in outputs.values())
         db = sqnr(reference[role], outputs[role]) if finite and role in outputs else None
-        return Trial(part, change, finite, db)
+        return Trial(part, change, finite, db, flushed)
 
     trials = []
     for part, change, variant, draws in _variants(config, first):
@@ -259,13 +333,15 @@ def _bisect(
             moved["state/fp8_rng"] = data["state/fp8_rng"] + torch.tensor([0, draws])
         run = _run(name, entry, moved, variant)
         flagged = any(probe_nonfinite(p) for _, _, p in run.events)
-        trials.append(trial(part, change, run.outputs, flagged))
+        flushed = underflow and _flushed(run, role, tensor)
+        trials.append(trial(part, change, run.outputs, flagged, flushed))
     run = _run(name, entry, data, config)
     others = [p for r, _, p in run.events if r != role]
     mixed = {**run.outputs, role: bf16[role]}
-    trials.append(trial(PARTS[4], f"{role} in bfloat16", mixed, any(map(probe_nonfinite, others))))
-    trials.append(trial(PARTS[5], "all three GEMMs in bfloat16", bf16, False))
-    fixed = [t for t in trials if t.finite]
+    flagged = any(map(probe_nonfinite, others))
+    trials.append(trial(PARTS[4], f"{role} in bfloat16", mixed, flagged, False))
+    trials.append(trial(PARTS[5], "all three GEMMs in bfloat16", bf16, False, False))
+    fixed = [t for t in trials if t.finite and not t.flushed]
     if not fixed:
         cause = (
             f"no part of the recipe: {first['tensor']} of {name} ({role}) is non-finite "
@@ -276,7 +352,8 @@ def _bisect(
     cause = "; ".join(f"{t.part} ({t.change})" for t in fixed)
     best = fixed[0]
     db = "" if best.sqnr_db is None or math.isinf(best.sqnr_db) else f", {best.sqnr_db:.0f} dB"
-    fix = f"{role} of {name} {best.change}: finite{db} against float32"
+    kept = f"its {tensor} not flushed to zero, " if underflow else ""
+    fix = f"{role} of {name} {best.change}: {kept}finite{db} against float32"
     return trials, cause, fix
 
 
@@ -353,6 +430,7 @@ def replay(
     tensors, document = read_bundle(Path(path))
     _check(document, recipe, model)
     order = [tuple(pair) for pair in document["order"]]
+    underflow = document["reason"] == "underflow"
     runs, firsts, bitwise = {}, [], {}
     for name, entry in document["layers"].items():
         try:
@@ -367,18 +445,19 @@ def replay(
         for role, output in run.outputs.items():
             recorded = entry.get("outputs", {}).get(role)
             bitwise[f"{name}/{role}"] = recorded == tensor_digest(output)
-        found = _first(name, run)
+        found = _first_underflow(name, run) if underflow else _first(name, run)
         if found is not None:
             firsts.append(found)
     rank = {pair: index for index, pair in enumerate(order)}
     firsts.sort(key=lambda f: rank.get((f["module"], f["role"]), len(rank)))
     replayed = firsts[0] if firsts else None
-    recorded = document.get("first_nonfinite")
+    recorded = document.get("total_underflow" if underflow else "first_nonfinite")
     trials: list[Trial] = []
     cause = fix = None
     if replayed is not None:
         entry, data, config = runs[replayed["module"]]
-        trials, cause, fix = _bisect(replayed["module"], entry, data, config, replayed)
+        module = replayed["module"]
+        trials, cause, fix = _bisect(module, entry, data, config, replayed, underflow)
     return ReplayResult(
         path=str(path),
         reason=document["reason"],

@@ -37,6 +37,18 @@ without a sync:
 - NVFP4: the float32 tensor scale, ``amax / (448 * 6)`` of the whole operand: inf or
   NaN with it (the block scales saturate an inf, so they cannot tell).
 
+**Total underflow**: a cast whose input held a non-zero element and whose every
+element is zero (the GEMM then sees an all-zero operand: that GEMM's output, or the
+layer's gradient, is lost without an inf or NaN). Judged per cast, never per block
+(healthy NVFP4 training flushes single small blocks routinely). NVFP4 is where it
+hides: its tensor scale floors the amax at ``1e-30`` and its E4M3 block scales at
+``2**-6``, so an operand whose magnitudes are all below about ``1.45e-36`` (a quarter
+of ``2**-6 * 1e-30 / 2688``) rounds to zero whole. Its probe carries
+:data:`NVFP4_FLOOR_SCALE` as ``floor``: a tensor scale at it (amax at most ``1e-30``)
+is the one state a total underflow needs, and :func:`any_floored` tests that with the
+step's other probes; only then does :func:`flushes_to_zero` decide, from the
+operand itself.
+
 A probe is only as good as the scale's link to the data: an operand quantized with a
 scale passed in (not from its own amax) must make that scale NaN itself where the data
 is not finite, as delayed scaling does. An operand passed without a quantized form
@@ -70,15 +82,19 @@ import torch
 from amped.lowp.float8.blockwise import BlockwiseTensor
 from amped.lowp.float8.cast import EPS, Float8Tensor
 from amped.lowp.mx.block_cast import BlockTensor, quantize_block
-from amped.lowp.mx.block_format import BlockFormat, ScaleMode
+from amped.lowp.mx.block_format import BLOCK_FORMATS, BlockFormat, ScaleMode
+from amped.lowp.mx.block_kernel import NVFP4_AMAX_FLOOR
 
 __all__ = [
+    "NVFP4_FLOOR_SCALE",
     "ROLES",
     "STATS",
     "GemmObserver",
     "Operand",
     "Probe",
+    "any_floored",
     "any_nonfinite",
+    "flushes_to_zero",
     "nonfinite_exponent",
     "probe_nonfinite",
     "range_probe",
@@ -103,6 +119,10 @@ Operand = tuple[torch.Tensor | None, Float8Tensor | BlockwiseTensor | BlockTenso
 
 ProbeKind = Literal["scale", "exponent", "range"]
 
+NVFP4_FLOOR_SCALE = float(torch.tensor(NVFP4_AMAX_FLOOR, dtype=torch.float32) / (448.0 * 6.0))
+"""NVFP4's tensor scale of an operand whose amax is at most ``1e-30`` (float32, as the
+cast computes it): about ``3.72e-34``."""
+
 
 class Probe(NamedTuple):
     """Device data that tells whether one tensor of a GEMM held an inf or NaN.
@@ -113,11 +133,15 @@ class Probe(NamedTuple):
             ``"range"``: the tensor's min and max, bad unless finite.
         values: the tensors (any shape; ``"range"``: the min and the max).
         threshold: ``"exponent"`` only: :func:`nonfinite_exponent` of the cast.
+        floor: an NVFP4 cast's: :data:`NVFP4_FLOOR_SCALE`, the tensor scale
+            (``values[0]``) at which a total underflow is possible (see the module); 0
+            for other probes.
     """
 
     kind: ProbeKind
     values: tuple[torch.Tensor, ...]
     threshold: int = 0
+    floor: float = 0.0
 
 
 def _bad(kind: ProbeKind, values: torch.Tensor, threshold: int) -> torch.Tensor:
@@ -184,6 +208,41 @@ def any_nonfinite(probes: Sequence[Probe]) -> torch.Tensor:
     return torch.stack(flags).any()
 
 
+def any_floored(probes: Sequence[Probe]) -> torch.Tensor | None:
+    """Whether any NVFP4 probe among ``probes`` has its tensor scale at the floor (a
+    total underflow is possible there, see the module): a 0-d bool tensor, no sync;
+    None when no probe has a floor. One stack and one comparison of 0-d scales."""
+    scales = [probe.values[0] for probe in probes if probe.floor]
+    if not scales:
+        return None
+    device = scales[0].device
+    if any(scale.dim() or scale.device != device for scale in scales):
+        scales = [scale.reshape(()).to(device) for scale in scales]
+    return (torch.stack(scales) <= NVFP4_FLOOR_SCALE).any()
+
+
+def flushes_to_zero(high: torch.Tensor, tensor_scale: torch.Tensor) -> bool:
+    """Whether an NVFP4 cast that rounds to nearest, with ``tensor_scale``, makes every
+    element of ``high`` zero while ``high`` holds a non-zero one: a total underflow
+    (one pass over ``high``; syncs with its device).
+
+    Exact from the largest magnitude alone, without the cast's elements: the block that
+    holds it gets the largest block scale, ``e4m3(clamp(amax / 6 / tensor_scale, 2**-6,
+    448))``. Above the ``2**-6`` floor its amax maps to about 6, not zero; at the floor
+    every block is at it too (their amaxes are smaller), so all share one multiplier and
+    round to zero exactly when the largest magnitude does. That one value is cast as
+    the only non-zero element of a block, with the same tensor scale.
+    (Stochastic rounding draws per element: no value decides it.)
+    """
+    amax = high.detach().abs().amax().to(torch.float32)
+    if not bool(amax > 0):  # all zero (nothing lost), or NaN (not an underflow)
+        return False
+    block = torch.zeros(BLOCK_FORMATS["nvfp4"].block_size, device=amax.device)
+    block[0] = amax
+    cast = quantize_block(block, BLOCK_FORMATS["nvfp4"], tensor_scale=tensor_scale.float())
+    return not bool(cast.elements[0] != 0)
+
+
 @functools.cache
 def nonfinite_exponent(fmt: BlockFormat, scale_mode: ScaleMode) -> int:
     """The E8M0 exponent an MX cast gives a block holding an inf (NaN: 255, above it).
@@ -206,7 +265,7 @@ def _cast_probe(
         return Probe("scale", (low.scale_inv,))
     if isinstance(low, BlockTensor):
         if low.tensor_scale is not None:  # NVFP4
-            return Probe("scale", (low.tensor_scale,))
+            return Probe("scale", (low.tensor_scale,), floor=NVFP4_FLOOR_SCALE)
         threshold = nonfinite_exponent(low.format, scale_mode)
         return Probe("exponent", (low.scale_bits,), threshold)
     return None

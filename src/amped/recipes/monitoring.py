@@ -41,7 +41,9 @@ sibling, ``RuntimeError``.
 With ``record=DIR`` the monitor is also a flight recorder
 (:mod:`amped.recipes.recorder`): it keeps references to each GEMM's tensors until the
 step ends, reads the loss in the step's one sync, and writes a replay bundle at the
-first non-finite value, at a loss spike and at :meth:`Monitor.capture`;
+first non-finite value, at the first total underflow (an NVFP4 cast that made a
+non-zero operand all zero, :mod:`amped.lowp.health`; warned once), at a loss spike and
+at :meth:`Monitor.capture`;
 :func:`amped.doctor.replay` reruns it.
 
 Not under optimizer-in-backward (:func:`amped.optim.step_in_backward`): each
@@ -64,7 +66,15 @@ from amped._internal.errors import value_error
 from amped._internal.source import describe, user_frame
 from amped.lowp.attention_config import ROLES as ATTENTION_ROLES
 from amped.lowp.attention_health import PREFIX
-from amped.lowp.health import ROLES, STATS, Probe, any_nonfinite, probe_nonfinite, range_probe
+from amped.lowp.health import (
+    ROLES,
+    STATS,
+    Probe,
+    any_floored,
+    any_nonfinite,
+    probe_nonfinite,
+    range_probe,
+)
 from amped.optim.in_backward import set_monitored
 from amped.recipes.attention import attention_modules
 from amped.recipes.recorder import SPIKE_K, Recorder
@@ -166,6 +176,7 @@ class Monitor:
         if record is not None:
             self.recorder = Recorder(record, self._layers, setup.recipe.name, spike_k)
         self._loss: torch.Tensor | None = None
+        self._underflow_recorded = False
         setup.monitor = self
 
     # --- what the layers report (amped.lowp.health.record_gemm) ---------------------------
@@ -230,21 +241,53 @@ class Monitor:
         return self.recorder.write("capture", self.step, list(layers or ran), {})
 
     def _check_with_loss(self, probes: list[Probe]) -> bool:
-        """Recording: the flag and the loss in one sync; a loss spike writes a bundle."""
+        """Recording: the flag, the loss and whether an NVFP4 tensor scale is at its floor,
+        in one sync; a loss spike or a total underflow writes a bundle."""
         assert self.recorder is not None
         loss, self._loss = self._loss, None
-        if loss is None or loss.numel() != 1:
-            return bool(probes) and bool(any_nonfinite(probes))
-        parts = [loss.reshape(()).float()]
+        parts: dict[str, torch.Tensor] = {}
+        if loss is not None and loss.numel() == 1:
+            parts["loss"] = loss.reshape(()).float()
         if probes:
-            parts.append(any_nonfinite(probes).to(loss.device).float())
-        values = torch.stack(parts).tolist()  # the one sync
-        if math.isfinite(values[0]):
-            spike = self.recorder.is_spike(values[0])
+            parts["nonfinite"] = any_nonfinite(probes).float()
+            floored = any_floored(probes)
+            if floored is not None:
+                parts["floored"] = floored.float()
+        if not parts:
+            return False
+        device = next(iter(parts.values())).device
+        stacked = torch.stack([part.to(device) for part in parts.values()])
+        values = dict(zip(parts, stacked.tolist(), strict=True))  # the one sync
+        if "loss" in values and math.isfinite(values["loss"]):
+            spike = self.recorder.is_spike(values["loss"])
             if spike is not None:
-                extra = {"loss": values[0], "spike": spike}
+                extra = {"loss": values["loss"], "spike": spike}
                 self._write("loss_spike", list(self.recorder.inputs), extra)
-        return len(values) > 1 and values[1] > 0
+        if values.get("floored", 0.0) > 0 and not self._underflow_recorded:
+            self._record_underflow()
+        return values.get("nonfinite", 0.0) > 0
+
+    def _record_underflow(self) -> None:
+        """An NVFP4 tensor scale at its floor (an all-zero or tiny operand, rare): find the
+        step's first total underflow, in the order the step ran its GEMMs, and write the
+        bundle of its layer (once per monitor), with a warning."""
+        assert self.recorder is not None
+        for module, role, tensor, probe in self._events:
+            element = self.recorder.locate_underflow(module, role, tensor, probe)
+            if element is None:
+                continue
+            self._underflow_recorded = True
+            first = {"module": module, "role": role, "tensor": tensor, "element": element}
+            self._write("underflow", [module], {"total_underflow": first})
+            warnings.warn(
+                f"amped.monitor: a total underflow at step {self.step}: module {module!r}, "
+                f"{role} GEMM, its {tensor}: every element of its cast is zero (the first "
+                f"value lost: {element['value']}, index {element['index']}). "
+                "amped.doctor.replay on the bundle finds the part of the recipe to change.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return
 
     def _record_nonfinite(self, found: NonFinite, probe: Probe) -> None:
         """Write the bundle of the first non-finite, named by a GEMM's ``probe``: that
@@ -432,9 +475,10 @@ def monitor(
         on_nonfinite: ``"skip"`` (default), ``"warn"`` or ``"raise"``.
         strict: make a failed audit fatal (``RuntimeError``).
         record: a folder: keep what replaying the step's low-precision GEMMs needs and
-            write a replay bundle there at the first non-finite value, at a loss spike
-            and at :meth:`Monitor.capture` (:mod:`amped.recipes.recorder`;
-            :func:`amped.doctor.replay` reruns one). None (default): no recording.
+            write a replay bundle there at the first non-finite value, at the first
+            total underflow, at a loss spike and at :meth:`Monitor.capture`
+            (:mod:`amped.recipes.recorder`; :func:`amped.doctor.replay` reruns one).
+            None (default): no recording.
         spike_k: robust deviations above the running median loss that make a spike.
 
     Raises:

@@ -13,6 +13,10 @@ written for the layers concerned only, before the optimizer steps:
 
 - ``"nonfinite"``: at the first non-finite value the monitor names in a GEMM (that
   layer only; none when only gradients outside the low-precision GEMMs held it);
+- ``"underflow"``: at the first *total underflow* (:mod:`amped.lowp.health`: a cast
+  whose input held a non-zero element and whose every element is zero), among the
+  NVFP4 casts that round to nearest (:meth:`Recorder.locate_underflow`); that layer
+  only;
 - ``"loss_spike"``: a finite loss above the median of the last :data:`SPIKE_WINDOW`
   losses by more than ``spike_k`` robust deviations (``1.4826 * MAD``, the median
   absolute deviation scaled to a normal's standard deviation), once at least
@@ -40,7 +44,7 @@ from amped._internal.version import __version__
 from amped.checkpoint.bundle import tensor_digest, write_bundle
 from amped.lowp.float8.config import CastRule, DelayedScaling, Float8Config
 from amped.lowp.float8.linear import Float8Linear
-from amped.lowp.health import Probe
+from amped.lowp.health import Probe, flushes_to_zero
 from amped.lowp.mx.block_config import BlockConfig
 from amped.lowp.mx.block_format import BLOCK_FORMATS
 from amped.lowp.mx.block_linear import BlockLinear
@@ -50,7 +54,9 @@ __all__ = [
     "Recorder",
     "config_from_json",
     "config_to_json",
+    "first_lost_element",
     "first_nonfinite_element",
+    "stochastic_cast",
 ]
 
 SPIKE_K = 6.0
@@ -169,6 +175,13 @@ def first_nonfinite_element(
     return _first(~torch.isfinite(torch.log(scale.float())), scale, "scale")
 
 
+def first_lost_element(high: torch.Tensor) -> dict[str, Any] | None:
+    """The first non-zero element of ``high`` (flattened in its logical order), which a
+    total underflow lost: ``{"part": "values", "index", "bits", "value"}``; None when
+    ``high`` is all zero."""
+    return _first(high.detach() != 0, high.detach(), "values")
+
+
 def layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Copies of the small state a layer's casts read (see the module)."""
     if isinstance(layer, BlockLinear):
@@ -181,6 +194,14 @@ def layer_state(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
             "fp8_started": started,
         }
     return {}
+
+
+def stochastic_cast(layer: torch.nn.Module, tensor: str) -> bool:
+    """Whether ``layer`` casts its GEMM operand ``tensor`` with stochastic rounding
+    (a block layer's grad_output under ``stochastic_rounding``)."""
+    if not isinstance(layer, BlockLinear):
+        return False
+    return layer.block_config.stochastic_rounding and tensor == "grad_output"
 
 
 class Recorder:
@@ -240,6 +261,29 @@ class Recorder:
         highs, output_name, output = entry
         high = output if tensor == output_name else highs.get(tensor)
         return first_nonfinite_element(high, probe)
+
+    def locate_underflow(
+        self, module: str, role: str, tensor: str, probe: Probe
+    ) -> dict[str, Any] | None:
+        """Where a total underflow of a GEMM operand of this step lost its first value
+        (``{"part": "values", "index", "bits", "value"}``: the first non-zero element of
+        the operand, flattened in its logical order), given its probe; None when it is
+        none. Only an NVFP4 cast whose tensor scale is at its floor (``probe.floor``)
+        can be one, and only one that rounds to nearest is judged
+        (:func:`~amped.lowp.health.flushes_to_zero`, a pass over the operand): a
+        grad_output rounded stochastically keeps a tiny tensor's mean (each element
+        becomes 0 or the smallest element with the odds of its value), so whether all
+        of it drew 0 depends on the draws, which are not kept."""
+        entry = self.gemms.get((module, role))
+        layer = self.layers.get(module)
+        if not probe.floor or entry is None or layer is None:
+            return None
+        if stochastic_cast(layer, tensor):
+            return None
+        high = entry[0].get(tensor)
+        if high is None or not flushes_to_zero(high, probe.values[0]):
+            return None
+        return first_lost_element(high)
 
     def is_spike(self, loss: float) -> dict[str, float] | None:
         """Whether ``loss`` is a spike against the losses before it (then the median,

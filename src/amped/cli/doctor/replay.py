@@ -1,9 +1,10 @@
 """``amped doctor --replay BUNDLE``: :func:`amped.doctor.replay` from the command line.
 
 Prints the replay's summary (or its JSON with ``--json``) and writes nothing. Exit
-status: 0 when the bundle replayed as recorded (the same first non-finite value, or
-none) and any non-finite value has a verified fix; :data:`~amped.cli.errors.EXIT_UNFIXED`
-(3) otherwise; 2 (a ``UsageError``) for a bundle refused, with the reason.
+status: 0 when the bundle replayed as recorded (the same first non-finite value or
+total underflow, or none) and any such event has a verified fix;
+:data:`~amped.cli.errors.EXIT_UNFIXED` (3) otherwise; 2 (a ``UsageError``) for a bundle
+refused, with the reason.
 """
 
 from __future__ import annotations

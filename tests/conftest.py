@@ -3,10 +3,8 @@ block casts run eagerly unless a test is marked ``compiled_casts``."""
 
 from __future__ import annotations
 
-import fcntl
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,30 +29,6 @@ def pytest_configure(config):
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-
-
-# Under pytest-xdist (`pytest -n 2`), a test marked ``alone`` runs while no other test
-# does: it takes an exclusive lock that every other test takes shared, so it waits for
-# the other worker's current test and holds the next one back. For the tests that time
-# training under a load they start themselves (another worker's test would add to it).
-_LOCK = (
-    Path(tempfile.gettempdir())
-    / f"amped-tests-{os.environ.get('PYTEST_XDIST_TESTRUNUID', 'serial')}.lock"
-)
-
-
-@pytest.fixture(autouse=True)
-def _alone_or_shared(request):
-    if "PYTEST_XDIST_WORKER" not in os.environ:
-        yield
-        return
-    alone = request.node.get_closest_marker("alone") is not None
-    with _LOCK.open("a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _snapshot() -> tuple[object, ...]:

@@ -120,16 +120,15 @@ def test_a_slow_first_step_is_warm_up_and_cuts_no_step(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.alone  # the load it measures under is its own (tests/conftest.py)
 def test_every_step_estimate_is_within_4x_of_the_measured_median_under_load(tmp_path):
     # The built-in task and every default recipe, with another process spinning on a
-    # core: an estimate that held a compile or a first step is 20-170x the median
-    # (48.6 s, 19.5 s and 9.7 s against 0.29-0.47 s, once). Both are medians (of the
-    # timing steps, of the training steps), so a few stalls do not move them, but a
-    # shared machine's speed does between the plan and the training: a clean-clone CI
-    # run measured every recipe's estimate at 0.63-2.16x its median, where this machine
-    # idle gives 0.94-1.2x. A 4x band holds that and still fails every estimate that
-    # held a compile.
+    # core (and, under pytest-xdist, the other worker's tests): an estimate that held a
+    # compile or a first step is 20-170x the median (48.6 s, 19.5 s and 9.7 s against
+    # 0.29-0.47 s, once). Both are medians (of the timing steps, of the training steps),
+    # so a few stalls do not move them, but the machine's load does between the plan
+    # and the training: 0.94-1.2x idle, 0.46-1.11x beside a running suite, 0.63-2.16x
+    # in a clean-clone CI run. A 4x band holds those and fails every estimate that held
+    # a compile.
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}

@@ -25,7 +25,6 @@ rounds as the Linear plans (:func:`amped.tuning.search.search_path`).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +35,7 @@ from amped._internal.errors import value_error
 from amped.doctor.attention import OUTPUTS, AttentionCall, attention_outputs, capture_attention
 from amped.lowp.attention_config import ATTENTION_CONFIGS, ROLES, AttentionCast, AttentionConfig
 from amped.tuning.choose import Choice, speedups
+from amped.tuning.measure import decibels
 
 __all__ = ["RoleMeasurement", "attention_speedup", "measure_attention", "role_order", "role_path"]
 
@@ -132,21 +132,13 @@ def _measure_role(
             sums[name].append(float(rows.sum()))
             squares[name].append(rows.numel() / 2 * float(rows.square().sum()))
             flops += _flops(call, role)
-    sqnr = {key: min(_db(signal[m][key], noise[m][key]) for m in modules) for key in OUTPUTS}
+    sqnr = {key: min(decibels(signal[m][key], noise[m][key]) for m in modules) for key in OUTPUTS}
     coherent = sum(abs(sum(sums[m]) / len(batches)) for m in modules)
     second = sum(sum(squares[m]) / len(batches) for m in modules)
     rule = config.rule(role)
     return RoleMeasurement(
         role, str(rule), flops // len(batches), sqnr, coherent + second, coherent, second
     )
-
-
-def _db(signal: float, noise: float) -> float:
-    if noise == 0:
-        return math.inf
-    if signal == 0:
-        return -math.inf
-    return 10 * math.log10(signal / noise)
 
 
 def _loss_on(loss_fn: Callable[[Any, Any], torch.Tensor], targets: Any) -> Callable[[Any], Any]:

@@ -29,7 +29,14 @@ from amped.lowp.mx.block_config import BlockConfig
 from amped.recipes.plan import format_config, layer_ineligibility
 from amped.tasks.task import call_model
 
-__all__ = ["FormatMeasurement", "LayerMeasurement", "PassCount", "eligible_layers", "measure"]
+__all__ = [
+    "FormatMeasurement",
+    "LayerMeasurement",
+    "PassCount",
+    "decibels",
+    "eligible_layers",
+    "measure",
+]
 
 Calls = list[list[tuple[torch.Tensor, torch.Tensor]]]  # per batch, per call: (input, grad_out)
 Progress = Callable[[str, int, int], None]
@@ -217,7 +224,8 @@ def _range_stats(config: Any, tensors: list[torch.Tensor]) -> tuple[float, float
     return underflow, saturation
 
 
-def _db(signal: float, noise: float) -> float:
+def decibels(signal: float, noise: float) -> float:
+    """``10 log10(signal / noise)``: inf without noise, -inf without signal."""
     if noise == 0:
         return math.inf
     if signal == 0:
@@ -262,9 +270,9 @@ def _measure_format(
     weight = weight.t() if is_conv1d(layer) else weight
     underflow, saturation = _range_stats(config, [x_all, weight, g_all])
     return FormatMeasurement(
-        sqnr_output=_db(signal["output"], noise["output"]),
-        sqnr_grad_input=_db(signal["grad_input"], noise["grad_input"]),
-        sqnr_grad_weight=_db(signal["grad_weight"], noise["grad_weight"]),
+        sqnr_output=decibels(signal["output"], noise["output"]),
+        sqnr_grad_input=decibels(signal["grad_input"], noise["grad_input"]),
+        sqnr_grad_weight=decibels(signal["grad_weight"], noise["grad_weight"]),
         loss_change_estimate=abs(sum(coherent) / len(calls)) + sum(second_order) / len(calls),
         loss_change_coherent=abs(sum(coherent) / len(calls)),
         loss_change_second_order=sum(second_order) / len(calls),

@@ -98,7 +98,7 @@ def test_round_trip_of_a_strategy_no_keywords_describe(strategy, how: str) -> No
     else:
         state = through_bytes(first.state_dict())
         assert state["amped"]["strategy"] is None
-        second = amped.GradScaler("cpu", strategy=strategy)
+        second = amped.GradScaler("cpu", init_scale=8.0, strategy=strategy)
         second.load_state_dict(state)
     assert second.strategy == strategy
     assert head + loop.run(second, FLAGS[5:]) == whole
@@ -113,7 +113,7 @@ def test_undescribed_strategy_needs_the_same_kind_of_scaler() -> None:
         target.load_state_dict(source.state_dict())
     assert target.state_dict() == before
     with pytest.raises(ValueError, match="holds counters"):  # another strategy of one's own
-        amped.GradScaler("cpu", strategy=UNDESCRIBED["inside-out"]).load_state_dict(
+        amped.GradScaler("cpu", init_scale=8.0, strategy=UNDESCRIBED["inside-out"]).load_state_dict(
             source.state_dict()
         )
 

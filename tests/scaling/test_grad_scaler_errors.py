@@ -92,6 +92,17 @@ def scaler(**kwargs):
 # strategy= and the strategy wrappers: (what to call, the error, its message).
 BAD_STRATEGIES = {
     "with-static": (scaler(strategy=StaticScale(), dynamic=False), ValueError, "one of the two"),
+    "inner-bound-under-keyword-bound": (
+        scaler(strategy=Bounded(DynamicScale(), min_scale=2.0**20), max_scale=2.0**30),
+        ValueError,
+        "init_scale=65536.0",
+    ),
+    "hysteresis-twice": (
+        scaler(strategy=Hysteresis(DynamicScale(), 2), hysteresis=3),
+        ValueError,
+        "already holds a hysteresis",
+    ),
+    "static-with-bound": (scaler(strategy=StaticScale(), min_scale=1.0), ValueError, "never moves"),
     "bound-above-own": (
         scaler(strategy=BackoffOnly(), max_scale=1024.0),
         ValueError,

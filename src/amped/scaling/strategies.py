@@ -255,6 +255,22 @@ def make_strategy(
             )
         return StaticScale()
     strategy = DynamicScale() if base is None else base
+    wraps = checked_hysteresis > 1 or low is not None or high is not None
+    if wraps and isinstance(base, StaticScale):
+        raise value_error(
+            "strategy=StaticScale() never moves the scale, so hysteresis, min_scale and "
+            "max_scale would do nothing; drop them (here "
+            f"hysteresis={checked_hysteresis!r}, min_scale={low!r}, max_scale={high!r})",
+            "strategy",
+            base,
+        )
+    if checked_hysteresis > 1 and "overflow_streak" in strategy.counters():
+        raise value_error(
+            "strategy= already holds a hysteresis (it owns the counter 'overflow_streak'); "
+            "pass hysteresis= with a strategy that has none, or leave it out",
+            "hysteresis",
+            checked_hysteresis,
+        )
     if checked_hysteresis > 1:
         strategy = Hysteresis(strategy, checked_hysteresis)
     if low is not None or high is not None:
@@ -289,14 +305,17 @@ def choose_strategy(
     rule); ``init_scale`` must lie inside the outermost bounds."""
     base = None if strategy is None else check_strategy("strategy", strategy)
     chosen = make_strategy(base, **keywords)
-    if isinstance(chosen, Bounded):
-        low, high = chosen.min_scale, chosen.max_scale
-        if (low is not None and init_scale < low) or (high is not None and init_scale > high):
-            raise value_error(
-                f"init_scale must lie within [min_scale, max_scale] = [{low!r}, {high!r}]",
-                "init_scale",
-                init_scale,
-            )
+    layer: ScaleStrategy | None = chosen
+    while isinstance(layer, (Bounded, Hysteresis)):  # every bound of the composition
+        if isinstance(layer, Bounded):
+            low, high = layer.min_scale, layer.max_scale
+            if (low is not None and init_scale < low) or (high is not None and init_scale > high):
+                raise value_error(
+                    f"init_scale must lie within [min_scale, max_scale] = [{low!r}, {high!r}]",
+                    "init_scale",
+                    init_scale,
+                )
+        layer = layer.inner
     return chosen
 
 

@@ -162,3 +162,27 @@ def test_a_total_nvfp4_underflow_writes_a_bundle_and_healthy_steps_none(tmp_path
     assert event["element"]["value"] == repr(float(taken.reshape(-1)[index]))
     (message,) = messages  # warned once, naming the GEMM
     assert f"a total underflow at step {FAULT_STEP}: module '0', forward GEMM, its input" in message
+
+
+def test_only_operands_at_the_nvfp4_floor_are_judged_for_a_total_underflow(tmp_path, monkeypatch):
+    # An all-zero weight keeps its tensor scale at the floor every step: the recorder
+    # judges that one operand (a pass over it), no other NVFP4 operand of the step,
+    # and writes no bundle (nothing non-zero was lost).
+    from amped.recipes import recorder
+
+    judged = []
+    real = recorder.flushes_to_zero
+
+    def counting(high, tensor_scale):
+        judged.append(tuple(high.shape))
+        return real(high, tensor_scale)
+
+    monkeypatch.setattr(recorder, "flushes_to_zero", counting)
+    setup, monitor = _setup(tmp_path, "nvfp4")
+    with torch.no_grad():
+        setup.model[0].weight.zero_()  # nvfp4 converts layer "0" alone (bf16_last)
+    for step in range(2):
+        _backward(setup, step)
+        _finish(setup)
+    assert judged == [(64, 64)] * 2  # layer "0"'s weight, once a step
+    assert monitor.recorder.bundles == []

@@ -45,7 +45,7 @@ hides: its tensor scale floors the amax at ``1e-30`` and its E4M3 block scales a
 ``2**-6``, so an operand whose magnitudes are all below about ``1.45e-36`` (a quarter
 of ``2**-6 * 1e-30 / 2688``) rounds to zero whole. Its probe carries
 :data:`NVFP4_FLOOR_SCALE` as ``floor``: a tensor scale at it (amax at most ``1e-30``)
-is the one state a total underflow needs, and :func:`any_floored` tests that with the
+is the one state a total underflow needs, and :func:`floored` tests that with the
 step's other probes; only then does :func:`flushes_to_zero` decide, from the
 operand itself.
 
@@ -94,6 +94,7 @@ __all__ = [
     "Probe",
     "any_floored",
     "any_nonfinite",
+    "floored",
     "flushes_to_zero",
     "nonfinite_exponent",
     "probe_nonfinite",
@@ -208,17 +209,25 @@ def any_nonfinite(probes: Sequence[Probe]) -> torch.Tensor:
     return torch.stack(flags).any()
 
 
-def any_floored(probes: Sequence[Probe]) -> torch.Tensor | None:
-    """Whether any NVFP4 probe among ``probes`` has its tensor scale at the floor (a
-    total underflow is possible there, see the module): a 0-d bool tensor, no sync;
-    None when no probe has a floor. One stack and one comparison of 0-d scales."""
+def floored(probes: Sequence[Probe]) -> torch.Tensor | None:
+    """For each NVFP4 probe among ``probes`` (those with a ``floor``, in order), whether
+    its tensor scale is at the floor (a total underflow is possible there, see the
+    module): a 1-D bool tensor, no sync; None when no probe has a floor. One stack and
+    one comparison of 0-d scales."""
     scales = [probe.values[0] for probe in probes if probe.floor]
     if not scales:
         return None
     device = scales[0].device
     if any(scale.dim() or scale.device != device for scale in scales):
         scales = [scale.reshape(()).to(device) for scale in scales]
-    return (torch.stack(scales) <= NVFP4_FLOOR_SCALE).any()
+    return torch.stack(scales) <= NVFP4_FLOOR_SCALE
+
+
+def any_floored(probes: Sequence[Probe]) -> torch.Tensor | None:
+    """Whether any NVFP4 probe among ``probes`` has its tensor scale at the floor: a 0-d
+    bool tensor (:func:`floored`'s any), no sync; None when no probe has a floor."""
+    flags = floored(probes)
+    return None if flags is None else flags.any()
 
 
 def flushes_to_zero(high: torch.Tensor, tensor_scale: torch.Tensor) -> bool:

@@ -70,8 +70,8 @@ from amped.lowp.health import (
     ROLES,
     STATS,
     Probe,
-    any_floored,
     any_nonfinite,
+    floored,
     probe_nonfinite,
     range_probe,
 )
@@ -250,29 +250,36 @@ class Monitor:
             parts["loss"] = loss.reshape(()).float()
         if probes:
             parts["nonfinite"] = any_nonfinite(probes).float()
-            floored = any_floored(probes)
-            if floored is not None:
-                parts["floored"] = floored.float()
-        if not parts:
+        floors = [probe for probe in probes if probe.floor]
+        flags = floored(floors)  # per NVFP4 probe: its tensor scale at the floor
+        if not parts and flags is None:
             return False
-        device = next(iter(parts.values())).device
-        stacked = torch.stack([part.to(device) for part in parts.values()])
-        values = dict(zip(parts, stacked.tolist(), strict=True))  # the one sync
+        pieces = [part.reshape(1) for part in parts.values()]
+        if flags is not None:
+            pieces.append(flags.float())
+        device = pieces[0].device
+        read = torch.cat([piece.to(device) for piece in pieces]).tolist()  # the one sync
+        values = dict(zip(parts, read[: len(parts)], strict=True))
+        flags_read = read[len(parts) :]
+        at_floor = {id(probe) for probe, flag in zip(floors, flags_read, strict=True) if flag}
         if "loss" in values and math.isfinite(values["loss"]):
             spike = self.recorder.is_spike(values["loss"])
             if spike is not None:
                 extra = {"loss": values["loss"], "spike": spike}
                 self._write("loss_spike", list(self.recorder.inputs), extra)
-        if values.get("floored", 0.0) > 0 and not self._underflow_recorded:
-            self._record_underflow()
+        if at_floor and not self._underflow_recorded:
+            self._record_underflow(at_floor)
         return values.get("nonfinite", 0.0) > 0
 
-    def _record_underflow(self) -> None:
-        """An NVFP4 tensor scale at its floor (an all-zero or tiny operand, rare): find the
-        step's first total underflow, in the order the step ran its GEMMs, and write the
-        bundle of its layer (once per monitor), with a warning."""
+    def _record_underflow(self, at_floor: set[int]) -> None:
+        """NVFP4 tensor scales at their floor (the ids of their probes; an all-zero or
+        tiny operand, rare): find the step's first total underflow among those operands,
+        in the order the step ran its GEMMs, and write the bundle of its layer (once per
+        monitor), with a warning."""
         assert self.recorder is not None
         for module, role, tensor, probe in self._events:
+            if id(probe) not in at_floor:
+                continue
             element = self.recorder.locate_underflow(module, role, tensor, probe)
             if element is None:
                 continue

@@ -145,3 +145,28 @@ def test_accelerate_tracker_gets_the_counters(tmp_path):
         assert replayed.reproduced and replayed.replayed["module"] == "0"
     finally:
         reset_accelerate_state()
+
+
+def test_accelerate_backward_hands_the_loss_to_the_recorder(tmp_path):
+    # The loss-spike rule reads the losses backward sees: 12 steady steps, then one
+    # loss scaled by 1e6 (its gradients stay finite) writes the spike's bundle.
+    pytest.importorskip("accelerate")
+    from integration_helpers import reset_accelerate_state
+
+    from amped.integrations.accelerate import Accelerator
+
+    reset_accelerate_state()
+    try:
+        acc = Accelerator(recipe="fp8-tensorwise", cpu=True)
+        net = _fp8_net()
+        net, opt = acc.prepare(net, torch.optim.SGD(net.parameters(), lr=0.0))
+        health = acc.monitor(every=50, record=tmp_path / "bundles")
+        for step in range(13):
+            x = torch.randn(8, 64, generator=torch.Generator().manual_seed(step))
+            loss = net(x).float().pow(2).mean() * (1e6 if step == 12 else 1.0)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        assert [path.name for path in health.recorder.bundles] == ["step12-loss_spike"]
+    finally:
+        reset_accelerate_state()

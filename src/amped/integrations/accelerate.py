@@ -313,7 +313,10 @@ class Accelerator(accelerate.Accelerator):
             yield
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss / gradient_accumulation_steps``, scaled when the recipe scales it, backward."""
+        """``loss / gradient_accumulation_steps``, scaled when the recipe scales it, backward
+        (the loss as given goes to the setup's monitor, as ``setup.backward`` hands it)."""
+        if self.setup is not None and self.setup.monitor is not None:
+            self.setup.monitor.observe_loss(loss)
         loss = loss / self.gradient_accumulation_steps
         self.recipe_scaler.scale(loss).backward(**kwargs)
 

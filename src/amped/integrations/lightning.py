@@ -100,6 +100,12 @@ class _Plugin(RecipeDriver):
             _check_fsdp_recipe(self.recipe)
             self._desired_input_dtype = torch.float32  # FSDP's init contexts: float32 weights
 
+    def _observe_loss(self, loss: torch.Tensor) -> None:
+        """Hand the loss to the setup's monitor, as ``setup.backward`` does (its
+        flight recorder's loss-spike rule reads it)."""
+        if self.setup is not None and self.setup.monitor is not None:
+            self.setup.monitor.observe_loss(loss)
+
     def main_params(self, optimizer: Any) -> Any:
         """The parameters clipping must see: the float32 masters under O2."""
         if self.setup is not None and optimizer is self.setup.optimizer:
@@ -206,6 +212,7 @@ class Precision(_Plugin, _LightningBase):
 
     def pre_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
         """Scale the loss when the recipe scales it."""
+        self._observe_loss(tensor)
         return super().pre_backward(self.scaler.scale(tensor), module)
 
     def optimizer_step(  # type: ignore[override]
@@ -328,6 +335,7 @@ class FabricPrecision(_Plugin, _FabricBase):
     def backward(self, tensor: torch.Tensor, model: Any, *args: Any, **kwargs: Any) -> None:
         """Backward from the loss, scaled when the recipe scales it (Fabric ignores what
         ``pre_backward`` returns, so the scaling happens here)."""
+        self._observe_loss(tensor)
         self.scaler.scale(tensor).backward(*args, **kwargs)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

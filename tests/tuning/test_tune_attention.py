@@ -142,6 +142,15 @@ def test_a_tuned_json_without_attention_still_loads(tmp_path: Path) -> None:
     assert plan.to_dict()["schema"] == "amped.tune/1"
 
 
+def test_load_refuses_an_attention_entry_under_the_old_schema(tmp_path: Path) -> None:
+    path = tmp_path / "tuned.json"  # a reader of amped.tune/1 would drop the attention
+    path.write_text(json.dumps({"schema": "amped.tune/1", "base": "bf16-mixed",
+                                "layers": {}, "attention": KEPT.to_dict()}))  # fmt: skip
+    with pytest.raises(ValueError, match='has no "attention"') as caught:
+        PrecisionPlan.load(path)
+    assert str(path) in str(caught.value)
+
+
 def _entry(**changes: object) -> object:
     return KEPT.to_dict() | changes
 

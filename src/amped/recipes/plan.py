@@ -260,6 +260,14 @@ class PrecisionPlan:
                     "format",
                     fmt,
                 )
+        if data["schema"] == PLAN_SCHEMA and data.get("attention") is not None:
+            raise _file_error(
+                f'its schema is {PLAN_SCHEMA!r}, which has no "attention" (a plan with an '
+                f"attention config is {PLAN_SCHEMA_ATTENTION!r}); write it again with "
+                "PrecisionPlan.save or amped.tune",
+                "attention",
+                data["attention"],
+            )
         return cls(base, layers, _attention_entry(data.get("attention")))
 
     def save(self, path: str | os.PathLike[str]) -> Path:

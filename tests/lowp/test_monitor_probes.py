@@ -29,8 +29,8 @@ from amped.lowp.float8.delayed import propagate_nonfinite
 from amped.lowp.health import (
     NVFP4_FLOOR_SCALE,
     Probe,
-    any_floored,
     any_nonfinite,
+    floored,
     flushes_to_zero,
     probe_nonfinite,
     range_probe,
@@ -277,12 +277,12 @@ def test_flushes_to_zero_agrees_with_the_casts_elements(amax, tile_2d):
     assert probe.floor == NVFP4_FLOOR_SCALE
     all_zero = bool(torch.count_nonzero(x)) and not bool(torch.count_nonzero(cast.elements))
     assert flushes_to_zero(x, cast.tensor_scale) == all_zero
-    floored = any_floored([probe])
-    assert floored is not None and bool(floored) == (amax <= 1e-30)
+    flags = floored([probe])
+    assert flags is not None and flags.tolist() == [amax <= 1e-30]
     assert not all_zero or amax <= 1.46e-36  # a flush needs the floors (see above)
 
 
 def test_only_nvfp4_probes_carry_the_floor():
     x = torch.zeros(32, 64)  # every scale at its clamp
     probes = [_probe_of(cast, x) for cast in CASTS if not cast.startswith("nvfp4")]
-    assert all(probe.floor == 0.0 for probe in probes) and any_floored(probes) is None
+    assert all(probe.floor == 0.0 for probe in probes) and floored(probes) is None

@@ -92,7 +92,6 @@ __all__ = [
     "GemmObserver",
     "Operand",
     "Probe",
-    "any_floored",
     "any_nonfinite",
     "floored",
     "flushes_to_zero",
@@ -221,13 +220,6 @@ def floored(probes: Sequence[Probe]) -> torch.Tensor | None:
     if any(scale.dim() or scale.device != device for scale in scales):
         scales = [scale.reshape(()).to(device) for scale in scales]
     return torch.stack(scales) <= NVFP4_FLOOR_SCALE
-
-
-def any_floored(probes: Sequence[Probe]) -> torch.Tensor | None:
-    """Whether any NVFP4 probe among ``probes`` has its tensor scale at the floor: a 0-d
-    bool tensor (:func:`floored`'s any), no sync; None when no probe has a floor."""
-    flags = floored(probes)
-    return None if flags is None else flags.any()
 
 
 def flushes_to_zero(high: torch.Tensor, tensor_scale: torch.Tensor) -> bool:
